@@ -1,0 +1,30 @@
+"""Graph passes on onnx-ir, registered by name for ``dyncompile --passes``.
+
+Importing this package registers every built-in pass.
+"""
+
+from dyncompile.passes._infra import (
+    PASS_REGISTRY,
+    CompileContext,
+    PipelineResult,
+    build_passes,
+    known_passes,
+    parse_pass_spec,
+    register_pass,
+    run_pipeline,
+)
+from dyncompile.passes.cleanup_graph import CleanupGraphPass
+from dyncompile.passes.verify_model import VerifyModelPass
+
+__all__ = [
+    "PASS_REGISTRY",
+    "CleanupGraphPass",
+    "CompileContext",
+    "PipelineResult",
+    "VerifyModelPass",
+    "build_passes",
+    "known_passes",
+    "parse_pass_spec",
+    "register_pass",
+    "run_pipeline",
+]

@@ -1,0 +1,130 @@
+"""Plan emitters: turn the compiled IR into files + ``plan.json`` inside a (temporary) plan directory.
+
+The last pass of a pipeline decides the emitter through the model's ``dyncompile.emitter`` metadata
+(default ``single``: one ONNX file run by one ``run_model`` step). Emitters are registered by name so
+that a pass module can add its own (e.g. the staged early-exit lowering writes several segment graphs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from dyncompile.runtime.plan import FileRef, Plan, Step, file_ref
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EmitRequest", "PLAN_EMITTERS", "register_emitter", "emit_plan", "save_model", "io_signature"]
+
+#: Models larger than this are saved with their weights as ONNX external data.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+
+
+@dataclasses.dataclass
+class EmitRequest:
+    """Everything an emitter needs besides the model."""
+
+    out_dir: Path
+    task: str
+    tokenizer_file: Path | None = None
+    tokenizer_spec: dict[str, Any] | None = None
+    labels: list[str] | None = None
+    provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+PLAN_EMITTERS: dict[str, Callable[[ir.Model, EmitRequest], Plan]] = {}
+
+
+def register_emitter(name: str):
+    def deco(fn):
+        PLAN_EMITTERS[name] = fn
+        return fn
+
+    return deco
+
+
+def _model_nbytes(model: ir.Model) -> int:
+    total = 0
+    for g in model.graphs():
+        for v in g.initializers.values():
+            if v.const_value is not None:
+                total += v.const_value.nbytes
+    return total
+
+
+def save_model(model: ir.Model, out_dir: Path, filename: str, role: str) -> list[FileRef]:
+    """Save ``model`` as ``out_dir/filename`` (+ external data when large); return its FileRefs."""
+    path = out_dir / filename
+    refs = []
+    if _model_nbytes(model) > EXTERNAL_DATA_THRESHOLD:
+        data_name = filename + ".data"
+        ir.save(model, path, external_data=data_name)
+        refs.append(file_ref(out_dir, filename, role, [data_name]))
+        refs.append(file_ref(out_dir, data_name, "external_data"))
+    else:
+        ir.save(model, path)
+        refs.append(file_ref(out_dir, filename, role))
+    return refs
+
+
+def _dims(shape) -> list[int | str | None]:
+    if shape is None:
+        return []
+    return [d if isinstance(d, int) else (str(d) if d is not None else None) for d in shape]
+
+
+def io_signature(graph: ir.Graph) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def sig(v):
+        return {"name": v.name, "dtype": str(v.dtype) if v.dtype is not None else None, "shape": _dims(v.shape)}
+
+    return [sig(v) for v in graph.inputs], [sig(v) for v in graph.outputs]
+
+
+def add_tokenizer(req: EmitRequest, files: dict[str, FileRef]) -> dict[str, Any] | None:
+    if req.tokenizer_file is None:
+        return None
+    shutil.copyfile(req.tokenizer_file, req.out_dir / "tokenizer.json")
+    files["tokenizer"] = file_ref(req.out_dir, "tokenizer.json", "tokenizer")
+    return {"file": "tokenizer", **(req.tokenizer_spec or {})}
+
+
+def add_model_files(files: dict[str, FileRef], key: str, refs: list[FileRef]) -> None:
+    files[key] = refs[0]
+    for i, extra in enumerate(refs[1:]):
+        files[f"{key}.data{i if i else ''}"] = extra
+
+
+@register_emitter("single")
+def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
+    """One ONNX file, one ``run_model`` step."""
+    files: dict[str, FileRef] = {}
+    add_model_files(files, "model", save_model(model, req.out_dir, "model.onnx", "main"))
+    tok = add_tokenizer(req, files)
+    inputs, outputs = io_signature(model.graph)
+    policy = {k[len("dyncompile.policy.") :]: v for k, v in model.metadata_props.items() if k.startswith("dyncompile.policy.")}
+    return Plan(
+        task=req.task,
+        files=files,
+        steps=[Step("run_model", {"model": "model"})],
+        inputs=inputs,
+        outputs=outputs,
+        tokenizer=tok,
+        labels=req.labels,
+        policy=policy,
+        provenance=req.provenance,
+    )
+
+
+def emit_plan(model: ir.Model, req: EmitRequest) -> Plan:
+    name = model.metadata_props.get("dyncompile.emitter", "single")
+    if name not in PLAN_EMITTERS:
+        raise ValueError(f"model asks for unknown plan emitter {name!r}; known: {', '.join(PLAN_EMITTERS)}")
+    logger.debug("emitting plan with %r", name)
+    return PLAN_EMITTERS[name](model, req)

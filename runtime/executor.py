@@ -1,0 +1,221 @@
+"""Load a plan and run it on ONNX Runtime: a step-kind -> handler registry.
+
+The runtime never re-derives decisions the passes made: it creates one ORT session per ONNX file
+the plan names (once, reused across calls) and hands the batch through the plan's ``steps`` in
+order; each step's ``kind`` selects a registered handler. Unknown kinds raise :class:`PlanError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dyncompile.errors import DataError, PlanError
+from dyncompile.runtime.plan import Plan, Step, load_plan
+from dyncompile.runtime.providers import check_ort_flavours, resolve_provider
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STEP_HANDLERS", "register_step", "StepHandler", "RuntimeContext", "CompiledModel", "Prediction", "load"]
+
+STEP_HANDLERS: dict[str, type[StepHandler]] = {}
+
+
+def register_step(kind: str) -> Callable[[type], type]:
+    """Class decorator registering a :class:`StepHandler` for plan steps of ``kind``."""
+
+    def deco(cls):
+        if kind in STEP_HANDLERS:
+            raise ValueError(f"step kind {kind!r} registered twice")
+        cls.kind = kind
+        STEP_HANDLERS[kind] = cls
+        return cls
+
+    return deco
+
+
+def known_step_kinds() -> set[str]:
+    import dyncompile.runtime.steps  # noqa: F401  (registers the built-in handlers)
+
+    return set(STEP_HANDLERS)
+
+
+class RuntimeContext:
+    """Sessions for the plan's ONNX files, created lazily once and reused."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        provider: str = "cpu",
+        *,
+        fallback: str | None = None,
+        threads: int | None = None,
+        optimization: str = "all",
+        provider_options: dict[str, Any] | None = None,
+    ) -> None:
+        import onnxruntime as ort
+
+        self.ort = ort
+        self.plan = plan
+        self.providers = resolve_provider(provider, fallback=fallback, options=provider_options)
+        self.provider = self.providers[0][0]
+        self.threads = threads
+        levels = {
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        }
+        if optimization not in levels:
+            raise ValueError(f"optimization must be one of {list(levels)}")
+        self.optimization = levels[optimization]
+        self._sessions: dict[str, Any] = {}
+
+    def session_options(self):
+        so = self.ort.SessionOptions()
+        so.graph_optimization_level = self.optimization
+        if self.threads:
+            so.intra_op_num_threads = int(self.threads)
+        so.log_severity_level = 3
+        return so
+
+    def session(self, file_key: str):
+        """The ORT session of plan file ``file_key`` (created on first use)."""
+        s = self._sessions.get(file_key)
+        if s is None:
+            path = self.plan.path_of(file_key)
+            s = self.ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
+            logger.debug("session for %s (%s) on %s", file_key, path.name, s.get_providers())
+            self._sessions[file_key] = s
+        return s
+
+
+class StepHandler:
+    """One plan step. ``__init__`` may prepare sessions; ``run`` maps a state dict to a state dict."""
+
+    kind = "?"
+
+    def __init__(self, step: Step, ctx: RuntimeContext) -> None:
+        self.step = step
+        self.ctx = ctx
+
+    def run(self, state: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A classifier's answer for one text."""
+
+    label: str
+    score: float
+    probabilities: dict[str, float]
+    exit_layer: int | None = None
+
+    def __repr__(self) -> str:
+        extra = f", exit_layer={self.exit_layer}" if self.exit_layer is not None else ""
+        return f"Prediction(label={self.label!r}, score={self.score:.4f}{extra})"
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    z = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class CompiledModel:
+    """A loaded plan: call it on texts (classifiers) or feed arrays with :meth:`run_feeds`."""
+
+    def __init__(self, plan: Plan, ctx: RuntimeContext) -> None:
+        self.plan = plan
+        self.ctx = ctx
+        known_step_kinds()
+        self.handlers = []
+        for step in plan.steps:
+            cls = STEP_HANDLERS.get(step.kind)
+            if cls is None:
+                raise PlanError(f"unknown step kind {step.kind!r}; this runtime knows: {', '.join(sorted(STEP_HANDLERS))}")
+            self.handlers.append(cls(step, ctx))
+        self.encoder = None
+        if plan.tokenizer:
+            from dyncompile.runtime.text import TextEncoder
+
+            self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
+        self.last_info: dict[str, Any] = {}
+
+    @property
+    def provider(self) -> str:
+        return self.ctx.provider
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i["name"] for i in self.plan.inputs]
+
+    def encode(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        if self.encoder is None:
+            raise DataError("this plan has no tokenizer; feed arrays with run_feeds()")
+        feeds = self.encoder(texts)
+        return {k: v for k, v in feeds.items() if k in self.input_names}
+
+    def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Run the steps on prepared input arrays; returns the final state (``logits``, extras)."""
+        state: dict[str, Any] = dict(feeds)
+        for h in self.handlers:
+            state = h.run(state)
+        return state
+
+    def predict_proba(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        """Class probabilities ``[N, C]``; ``self.last_info['exit_layer']`` holds per-row exits if any."""
+        if isinstance(texts, str):
+            texts = [texts]
+        probs, exits = [], []
+        for i in range(0, len(texts), batch_size):
+            state = self.run_feeds(self.encode(texts[i : i + batch_size]))
+            probs.append(_softmax(np.asarray(state["logits"], dtype=np.float64)))
+            if "exit_layer" in state:
+                exits.append(np.asarray(state["exit_layer"]).reshape(-1))
+        self.last_info = {"exit_layer": np.concatenate(exits) if exits else None}
+        return np.concatenate(probs) if probs else np.zeros((0, len(self.plan.labels or [])))
+
+    def __call__(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
+        if self.plan.task != "text-classification":
+            raise DataError(f"calling with texts is for classifiers; this plan's task is {self.plan.task!r}")
+        probs = self.predict_proba(texts, batch_size=batch_size)
+        labels = self.plan.labels or [str(i) for i in range(probs.shape[1])]
+        exits = self.last_info.get("exit_layer")
+        out = []
+        for i, p in enumerate(probs):
+            k = int(np.argmax(p))
+            out.append(
+                Prediction(
+                    labels[k],
+                    float(p[k]),
+                    {lab: float(v) for lab, v in zip(labels, p)},
+                    None if exits is None else int(exits[i]),
+                )
+            )
+        return out
+
+
+def load(
+    plan_dir: str | Path,
+    provider: str = "cpu",
+    *,
+    fallback: str | None = None,
+    threads: int | None = None,
+    optimization: str = "all",
+    provider_options: dict[str, Any] | None = None,
+    verify_hashes: bool = True,
+) -> CompiledModel:
+    """Load a compiled plan directory for execution on ``provider`` (``cpu``, ``openvino``, ``cuda``, ``directml``)."""
+    check_ort_flavours()
+    plan = load_plan(plan_dir, verify_hashes=verify_hashes, known_step_kinds=known_step_kinds())
+    ctx = RuntimeContext(
+        plan, provider, fallback=fallback, threads=threads, optimization=optimization, provider_options=provider_options
+    )
+    return CompiledModel(plan, ctx)

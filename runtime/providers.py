@@ -1,0 +1,130 @@
+"""Execution providers by short name, and detection of clashing ONNX Runtime flavours.
+
+``cpu``, ``openvino``, ``cuda``, ``directml`` map to ONNX Runtime providers and default options. The four
+ORT flavours (``onnxruntime``, ``onnxruntime-openvino``, ``onnxruntime-gpu``, ``onnxruntime-directml``)
+ship the same ``onnxruntime`` module and silently break each other when two are installed; we detect
+that and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata as md
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from dyncompile.errors import ProviderError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PROVIDERS", "ProviderInfo", "installed_ort_flavours", "check_ort_flavours", "resolve_provider"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderInfo:
+    short: str
+    ort_name: str
+    extra: str  # pip extra of dyncompile that installs it
+    distribution: str
+    default_options: dict[str, Any]
+    # Capabilities used by EP-aware lowering (see issue "Execution providers").
+    runs_if_on_device: bool
+    dynamic_shapes_safe: bool
+    platforms: str
+
+
+PROVIDERS: dict[str, ProviderInfo] = {
+    "cpu": ProviderInfo("cpu", "CPUExecutionProvider", "cpu", "onnxruntime", {}, True, True, "any"),
+    "openvino": ProviderInfo(
+        "openvino",
+        "OpenVINOExecutionProvider",
+        "openvino",
+        "onnxruntime-openvino",
+        {"device_type": "CPU", "precision": "FP32"},
+        True,
+        False,  # If with symbolic dims can return the wrong branch in OpenVINO < 2026.2
+        "linux/windows x86_64",
+    ),
+    "cuda": ProviderInfo(
+        "cuda", "CUDAExecutionProvider", "cuda", "onnxruntime-gpu", {}, False, True, "linux/windows x86_64"
+    ),
+    "directml": ProviderInfo(
+        "directml", "DmlExecutionProvider", "directml", "onnxruntime-directml", {}, False, True, "windows x86_64"
+    ),
+}
+ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-openvino", "onnxruntime-gpu", "onnxruntime-directml")
+
+
+def installed_ort_flavours() -> list[str]:
+    """Names of the installed ONNX Runtime distributions (should be exactly one)."""
+    found = []
+    for dist in ORT_DISTRIBUTIONS:
+        try:
+            md.version(dist)
+            found.append(dist)
+        except md.PackageNotFoundError:
+            pass
+    return found
+
+
+def check_ort_flavours(flavours: Sequence[str] | None = None) -> None:
+    """Raise :class:`ProviderError` if two ORT flavours are installed in this environment."""
+    flavours = installed_ort_flavours() if flavours is None else list(flavours)
+    if len(flavours) > 1:
+        raise ProviderError(
+            f"two ONNX Runtime flavours are installed at once ({', '.join(flavours)}); they ship the same "
+            "`onnxruntime` module and break each other. Keep one per environment: e.g. "
+            f"`pip uninstall -y {' '.join(flavours)} && pip install 'dyncompile[cpu]'` (or [openvino], [cuda], [directml])"
+        )
+    if not flavours:
+        raise ProviderError(
+            "ONNX Runtime is not installed; install one flavour: pip install 'dyncompile[cpu]' "
+            "(or [openvino], [cuda], [directml])"
+        )
+
+
+def resolve_provider(
+    name: str,
+    *,
+    available: Sequence[str] | None = None,
+    fallback: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """Map a short provider name to ORT's ``providers=`` list (with the CPU EP as the final fallback).
+
+    Args:
+        name: ``cpu``, ``openvino``, ``cuda`` or ``directml`` (or a full ORT provider name).
+        available: the providers ORT offers (``onnxruntime.get_available_providers()`` by default);
+            tests pass a simulated list.
+        fallback: short name to use instead, with a warning, when ``name`` is not available.
+        options: provider options overriding the defaults.
+
+    Raises:
+        ProviderError: unknown name, or not available and no fallback.
+    """
+    by_ort = {p.ort_name: p for p in PROVIDERS.values()}
+    info = PROVIDERS.get(name.lower()) or by_ort.get(name)
+    if info is None:
+        raise ProviderError(f"unknown provider {name!r}; choose one of: {', '.join(PROVIDERS)}")
+    if available is None:
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+    if info.ort_name not in available:
+        have = [p.short for p in PROVIDERS.values() if p.ort_name in available]
+        msg = (
+            f"execution provider {info.short!r} ({info.ort_name}) is not available in this environment; "
+            f"available: {', '.join(have) or 'none'} ({', '.join(available)}). Install it in a separate "
+            f"environment with `pip install 'dyncompile[{info.extra}]'` (platforms: {info.platforms}), "
+            "or pass --fallback cpu to run on the CPU instead"
+        )
+        if fallback is None:
+            raise ProviderError(msg)
+        logger.warning("%s — falling back to %r", msg.split(";")[0], fallback)
+        return resolve_provider(fallback, available=available, fallback=None, options=None)
+    opts = {**info.default_options, **(options or {})}
+    providers: list[tuple[str, dict[str, Any]]] = [(info.ort_name, opts)]
+    if info.ort_name != "CPUExecutionProvider":
+        providers.append(("CPUExecutionProvider", {}))
+    return providers

@@ -1,0 +1,33 @@
+"""Built-in step handlers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dyncompile.runtime.executor import StepHandler, register_step
+
+__all__ = ["RunModelStep"]
+
+
+@register_step("run_model")
+class RunModelStep(StepHandler):
+    """Run one ONNX file: feeds are taken from the state by input name; outputs are added to it.
+
+    Params: ``model`` (file key); optional ``outputs`` mapping ONNX output name -> state name.
+    """
+
+    def __init__(self, step, ctx) -> None:
+        super().__init__(step, ctx)
+        self.session = ctx.session(step.params["model"])
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.rename = dict(step.params.get("outputs", {}))
+
+    def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        feeds = {n: state[n] for n in self.input_names}
+        results = self.session.run(self.output_names, feeds)
+        for name, val in zip(self.output_names, results):
+            state[self.rename.get(name, name)] = np.asarray(val)
+        return state

@@ -1,0 +1,241 @@
+"""The ``dyncompile`` command line.
+
+Forms::
+
+    dyncompile MODEL.onnx --passes verify,cleanup -o OUT/    compile (the main form)
+    dyncompile inspect MODEL.onnx | PLAN_DIR                   structure report
+    dyncompile run PLAN_DIR --text "..." | --data FILE.jsonl   run a plan
+    dyncompile bench PLAN_DIR --data FILE.jsonl                compiled vs original, same process
+    dyncompile models list | build NAME                        real models -> ONNX (offline)
+    dyncompile passes                                          list the passes
+
+User mistakes print one ``error: ...`` line (what, where, how to fix) and exit 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from dyncompile.errors import DataError, DyncompileError
+
+logger = logging.getLogger("dyncompile")
+
+SUBCOMMANDS = ("inspect", "run", "bench", "models", "passes")
+
+EPILOG = """\
+examples:
+  dyncompile models build minilm-l6-sentiment
+  dyncompile ~/.cache/dyncompile/models/minilm-l6-sentiment/model.onnx --passes verify,cleanup -o out/
+  dyncompile run out/ --text "A gorgeous, witty movie."
+  dyncompile run out/ --data ../shared/data/sentiment/movie-test.jsonl --compare
+  dyncompile inspect out/
+  dyncompile MODEL.onnx --passes early-exit --calib ../shared/data/sentiment/movie-calib.jsonl --budget 1.0 -o ee/
+
+other commands (each has --help): inspect, run, bench, models, passes
+Python API: dyncompile.compile(model, passes, output_dir), dyncompile.load(plan_dir, provider="cpu")
+"""
+
+
+def _compile_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dyncompile",
+        description="Compile an ONNX model with a pass pipeline into a plan directory (plan.json + ONNX files) "
+        "that `dyncompile run` / dyncompile.load() execute on ONNX Runtime.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="input ONNX model (never modified)")
+    p.add_argument(
+        "--passes",
+        default="verify,cleanup",
+        help="comma-separated pipeline, e.g. 'verify,cleanup' or 'early-exit{lowering=staged}' "
+        "(default: %(default)s; `dyncompile passes` lists them)",
+    )
+    p.add_argument("-o", "--output", help="plan directory to create (default: MODEL_DIR/MODEL-compiled)")
+    p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
+    p.add_argument("--verify", action="store_true", help="run the ONNX checker (full check) after every pass")
+    p.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass as DIR/NNN_PassName.onnx.txt")
+    p.add_argument("--tokenizer", help="tokenizer.json to bundle (default: the one beside the model)")
+    p.add_argument("--model-config", help="dyncompile-model.json (default: the one beside the model)")
+    ee = p.add_argument_group("early exit (--passes early-exit)")
+    ee.add_argument("--calib", help="calibration data: JSONL with a 'text' field (and 'label' if known)")
+    ee.add_argument("--budget", type=float, help="max accuracy drop in points on the calibration data (default 1.0)")
+    ee.add_argument("--exits", help="layers to place exits after, e.g. 2,4,6 (default: every layer)")
+    ee.add_argument("--criterion", choices=["entropy", "maxprob", "patience"], help="exit criterion (default entropy)")
+    ee.add_argument("--lowering", choices=["if", "staged", "auto"], help="If-graph or staged plan (default auto)")
+    ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="-v: per-pass timing; -vv: debug")
+    return p
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_compile(argv: list[str]) -> int:
+    args = _compile_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    from dyncompile.tools.compiler import compile_model
+
+    opts = {
+        k: getattr(args, k)
+        for k in ("calib", "budget", "exits", "criterion", "lowering", "never_exit")
+        if getattr(args, k) not in (None, False)
+    }
+    t0 = time.perf_counter()
+    res = compile_model(
+        args.model,
+        passes=args.passes,
+        output_dir=args.output,
+        force=args.force,
+        verify=args.verify,
+        dump_ir=args.dump_ir,
+        tokenizer=args.tokenizer,
+        model_config=args.model_config,
+        progress=not args.quiet,
+        **opts,
+    )
+    print(res.summary())
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _cmd_passes(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="dyncompile passes", description="List the registered passes.").parse_args(argv)
+    from dyncompile.passes import known_passes
+
+    for name, help_ in known_passes().items():
+        print(f"  {name:<16} {help_}")
+    return 0
+
+
+def _cmd_inspect(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="dyncompile inspect",
+        description="Structure report of an ONNX model (inputs/outputs, op histogram, family, layers, cut tensors, "
+        "parameters) or of a plan directory (files, steps, policy).",
+    )
+    p.add_argument("path", help="MODEL.onnx or a plan directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    _setup_logging(args.verbose)
+    from dyncompile.tools.inspect_report import inspect_path
+
+    print(inspect_path(args.path, as_json=args.json))
+    return 0
+
+
+def _read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
+    from dyncompile.tools.data import read_jsonl
+
+    return read_jsonl(path, limit=limit)
+
+
+def _cmd_run(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="dyncompile run",
+        description="Run a compiled plan. Classifiers: --text prints label + probabilities; --data FILE.jsonl "
+        "prints accuracy (and with --compare the max probability difference to the original model).",
+    )
+    p.add_argument("plan", help="plan directory (from `dyncompile MODEL.onnx -o DIR`)")
+    p.add_argument("--text", action="append", help="input text (repeatable)")
+    p.add_argument("--data", help="JSONL file with 'text' (and 'label') fields")
+    p.add_argument("--limit", type=int, help="use only the first N rows of --data")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--provider", default="cpu", help="cpu | openvino | cuda | directml (default: cpu)")
+    p.add_argument("--fallback", help="provider to use, with a warning, if --provider is not available")
+    p.add_argument("--compare", action="store_true", help="also run the original model and compare probabilities")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    _setup_logging(args.verbose)
+    import dyncompile
+
+    model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback)
+    if args.text:
+        preds = model(args.text, batch_size=args.batch_size)
+        if args.json:
+            print(json.dumps([p.__dict__ for p in preds], indent=2))
+        for text, pred in zip(args.text, preds):
+            probs = "  ".join(f"{k}={v:.4f}" for k, v in pred.probabilities.items())
+            ex = f"  (exit after layer {pred.exit_layer})" if pred.exit_layer is not None else ""
+            print(f"{pred.label:<10} {probs}{ex}  | {text}")
+        return 0
+    if not args.data:
+        raise DataError("give --text TEXT or --data FILE.jsonl (see `dyncompile run --help`)")
+    from dyncompile.tools.evaluate import evaluate_plan
+
+    report = evaluate_plan(model, args.data, limit=args.limit, batch_size=args.batch_size, compare=args.compare)
+    print(json.dumps(report, indent=2) if args.json else report["text"])
+    return 0
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    from dyncompile.tools.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def _cmd_models(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="dyncompile models",
+        description="Build real models into ONNX, offline, from packages and ../shared/assets "
+        "(cache: $DYNCOMPILE_HOME, default ~/.cache/dyncompile).",
+    )
+    sub = p.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="list the recipes")
+    b = sub.add_parser("build", help="build a model (idempotent)")
+    b.add_argument("name")
+    b.add_argument("--force", action="store_true", help="rebuild even if present")
+    b.add_argument("--assets", help="folder with the fine-tuned assets (default ../shared/assets; env DYNCOMPILE_ASSETS)")
+    b.add_argument("--home", help="cache directory (default $DYNCOMPILE_HOME or ~/.cache/dyncompile)")
+    b.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    _setup_logging(args.verbose)
+    from dyncompile import models
+
+    if args.action == "list":
+        for r in models.list_models():
+            print(f"  {r.name:<24} {r.task:<20} {r.description}")
+        return 0
+    t0 = time.perf_counter()
+    art = models.build_model(args.name, home=args.home, assets_dir=args.assets, force=args.force, progress=not args.quiet)
+    print(f"{art.name}: {art.onnx_path}  ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "inspect": _cmd_inspect,
+        "run": _cmd_run,
+        "bench": _cmd_bench,
+        "models": _cmd_models,
+        "passes": _cmd_passes,
+    }
+    try:
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        if not argv:
+            _compile_parser().print_help()
+            return 2
+        return _cmd_compile(argv)
+    except DyncompileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""``dyncompile inspect``: a structure report of an ONNX model or a plan directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from dyncompile.runtime.plan import PLAN_FILENAME, load_plan
+
+__all__ = ["inspect_path"]
+
+
+def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
+    plan = load_plan(plan_dir)
+    if as_json:
+        return json.dumps(plan.to_dict(), indent=2)
+    lines = [f"plan {plan_dir / PLAN_FILENAME}  ({plan.format}, task {plan.task})"]
+    lines.append("files:")
+    for k, f in plan.files.items():
+        lines.append(f"  {k:<18} {f.path:<28} role={f.role:<14} sha256={f.sha256[:12]}… (verified)")
+    lines.append("inputs:  " + ", ".join(f"{i['name']}{i.get('shape')}" for i in plan.inputs))
+    lines.append("outputs: " + ", ".join(f"{o['name']}{o.get('shape')}" for o in plan.outputs))
+    if plan.labels:
+        lines.append(f"labels:  {plan.labels}")
+    lines.append("steps:")
+    for i, s in enumerate(plan.steps):
+        params = json.dumps(s.params)
+        lines.append(f"  {i}: {s.kind} {params if len(params) < 400 else params[:400] + '…'}")
+    if plan.policy:
+        lines.append("policy:")
+        for k, v in plan.policy.items():
+            lines.append(f"  {k}: {v}")
+    src = plan.provenance.get("source", {})
+    if src:
+        lines.append(f"source:  {src.get('path')} (sha256 {str(src.get('sha256'))[:12]}…)")
+    if plan.provenance.get("passes"):
+        lines.append("passes:  " + ", ".join(plan.provenance["passes"]))
+    return "\n".join(lines)
+
+
+def inspect_path(path: str | Path, as_json: bool = False) -> str:
+    """Report on ``path``: a plan directory (or plan.json) or an ONNX model file."""
+    p = Path(path)
+    if p.is_dir() and (p / PLAN_FILENAME).is_file() or p.name == PLAN_FILENAME:
+        return _inspect_plan(p if p.is_dir() else p.parent, as_json)
+    from dyncompile.passes.analysis import analyze_model, format_report
+    from dyncompile.tools.compiler import load_input_model
+
+    model = load_input_model(p)
+    structure = analyze_model(model)
+    if as_json:
+        return json.dumps(dataclasses.asdict(structure), indent=2, default=str)
+    return f"model {p}\n" + format_report(structure)
