@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 
 from dyncompile.errors import PassConfigError
 
@@ -38,6 +37,7 @@ __all__ = [
     "build_passes",
     "run_pipeline",
     "known_passes",
+    "check_model",
 ]
 
 
@@ -192,6 +192,18 @@ class PipelineResult:
         return None
 
 
+def check_model(model: ir.Model, *, full_check: bool = True) -> None:
+    """Run the ONNX checker on ``model`` without touching it.
+
+    (onnx-ir's ``CheckerPass`` reorders initializers as a side effect; serialising once and checking the
+    proto leaves the IR exactly as it was.)
+    """
+    import onnx
+
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=full_check)
+
+
 def _pass_name(p: ir.passes.PassBase) -> str:
     return type(p).__name__
 
@@ -219,7 +231,10 @@ def run_pipeline(
         check = os.environ.get("DYNCOMPILE_CHECK", "end")
     if check not in ("each", "end", "none"):
         raise ValueError(f"check must be 'each', 'end' or 'none', not {check!r}")
-    checker = common_passes.CheckerPass(full_check=full_check)
+
+    def checker(m: ir.Model) -> None:
+        check_model(m, full_check=full_check)
+
     dump = Path(dump_dir) if dump_dir is not None else None
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)

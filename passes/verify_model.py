@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
-
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import check_model, register_pass
 
 __all__ = ["VerifyModelPass"]
 
@@ -44,7 +42,7 @@ class VerifyModelPass(ir.passes.InPlacePass):
                 seen.add(v.name)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        common_passes.CheckerPass(full_check=self.full_check)(model)
+        check_model(model, full_check=self.full_check)
         return ir.passes.PassResult(model, modified=False)
 
 

@@ -1,0 +1,86 @@
+"""Shared fixtures: real models (built once per machine into the dyncompile cache), tiny generated graphs,
+and the pipeline policy for tests (ONNX checker after every pass)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from helpers import DATA, REPO, SHARED  # noqa: F401  (tests/ is on pythonpath)
+
+
+@pytest.fixture(autouse=True)
+def _checker_after_each_pass(monkeypatch, request):
+    """Every pipeline run inside a test checks the model after each pass (opt out: @pytest.mark.no_check)."""
+    if request.node.get_closest_marker("no_check") is None:
+        monkeypatch.setenv("DYNCOMPILE_CHECK", "each")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "no_check: do not run the ONNX checker after each pass")
+
+
+def _build(name: str):
+    from dyncompile.models import build_model
+
+    return build_model(name, progress=False)
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """The real fine-tuned MiniLM-L6 sentiment classifier (ModelArtifacts)."""
+    return _build("minilm-l6-sentiment")
+
+
+@pytest.fixture(scope="session")
+def minilm_model_path(minilm) -> Path:
+    return minilm.onnx_path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return _build("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_path(smollm2) -> Path:
+    return smollm2.onnx_path
+
+
+@pytest.fixture(scope="session")
+def mpnet():
+    return _build("mpnet-base-sentiment")
+
+
+@pytest.fixture(scope="session")
+def movie_test_rows() -> list[dict]:
+    return [json.loads(line) for line in (DATA / "movie-test.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def movie_calib_path() -> Path:
+    return DATA / "movie-calib.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder_path(tmp_path_factory) -> Path:
+    from dyncompile.models.synthetic import tiny_encoder_classifier
+
+    p = tmp_path_factory.mktemp("tiny") / "tiny_encoder.onnx"
+    ir.save(tiny_encoder_classifier(), p)
+    return p
+
+
+def pytest_collection_modifyitems(config, items):
+    # Heavy real-model tests are opt-in: `pytest -m slow` (or DYNCOMPILE_SLOW=1).
+    if os.environ.get("DYNCOMPILE_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow real-model test: run with -m slow or DYNCOMPILE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,36 @@
+"""Test helpers importable as `from helpers import ...` (tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+DATA = SHARED / "data" / "sentiment"
+
+
+def ort_session(path_or_model, *, disable_all: bool = True):
+    """An ORT CPU session with ORT_DISABLE_ALL (so ORT's fusions cannot mask a broken rewrite)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if disable_all:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    src = path_or_model
+    if isinstance(path_or_model, ir.Model):
+        src = ir.to_proto(path_or_model).SerializeToString()
+    elif isinstance(path_or_model, Path):
+        src = str(path_or_model)
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def random_token_feeds(batch: int = 3, seq: int = 9, vocab: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.int64)
+    for b in range(1, batch):
+        mask[b, seq - b :] = 0
+    return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64), "attention_mask": mask}

@@ -1,0 +1,129 @@
+"""CLI: every user mistake is one clear `error:` line, exit code 2, no traceback, input untouched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dyncompile.tools.cli import main
+
+
+def run_cli(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_clean_error(rc, err, *needles):
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for word in ("--passes", "examples:", "dyncompile models build", "dyncompile run", "--verify", "--dump-ir"):
+        assert word in out
+
+
+def test_missing_file(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, tmp_path / "nope.onnx", "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "model file not found", "nope.onnx")
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_onnx(capsys, tmp_path):
+    bad = tmp_path / "notes.onnx"
+    bad.write_text("this is not a model\n")
+    rc, _, err = run_cli(capsys, bad, "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "not a valid ONNX model")
+    assert bad.read_text() == "this is not a model\n" and not (tmp_path / "out").exists()
+
+
+def test_truncated_onnx(capsys, tmp_path, tiny_encoder_path):
+    data = tiny_encoder_path.read_bytes()
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(data[: len(data) // 3])
+    rc, _, err = run_cli(capsys, cut, "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "truncated")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_file(capsys, tmp_path):
+    (tmp_path / "e.onnx").write_bytes(b"")
+    rc, _, err = run_cli(capsys, tmp_path / "e.onnx", "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "empty")
+
+
+def test_unknown_pass(capsys, tmp_path, tiny_encoder_path):
+    rc, _, err = run_cli(capsys, tiny_encoder_path, "--passes", "verify,teleport", "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "unknown pass 'teleport'", "known passes: ", "cleanup")
+
+
+def test_output_exists_refused_untouched_then_force(capsys, tmp_path, tiny_encoder_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    before = tiny_encoder_path.read_bytes()
+    rc, _, err = run_cli(capsys, tiny_encoder_path, "-o", out)
+    assert_clean_error(rc, err, "already exists", "--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    rc, outp, err = run_cli(capsys, tiny_encoder_path, "-o", out, "--force")
+    assert rc == 0, err
+    assert (out / "plan.json").is_file() and not (out / "keep.txt").exists()
+    assert tiny_encoder_path.read_bytes() == before
+
+
+def test_tampered_plan(capsys, tmp_path, tiny_encoder_path):
+    out = tmp_path / "out"
+    assert run_cli(capsys, tiny_encoder_path, "-o", out)[0] == 0
+    data = (out / "model.onnx").read_bytes()
+    (out / "model.onnx").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    rc, _, err = run_cli(capsys, "run", out, "--text", "hello")
+    assert_clean_error(rc, err, "modified after compile", "model.onnx")
+
+
+def test_run_without_input(capsys, tmp_path, tiny_encoder_path):
+    out = tmp_path / "out"
+    assert run_cli(capsys, tiny_encoder_path, "-o", out)[0] == 0
+    rc, _, err = run_cli(capsys, "run", out)
+    assert_clean_error(rc, err, "--text", "--data")
+
+
+def test_inspect_plan_and_passes(capsys, tmp_path, tiny_encoder_path):
+    out = tmp_path / "out"
+    assert run_cli(capsys, tiny_encoder_path, "--passes", "verify,cleanup", "-o", out, "--verify")[0] == 0
+    rc, text, _ = run_cli(capsys, "inspect", out)
+    assert rc == 0 and "run_model" in text and "verified" in text
+    rc, text, _ = run_cli(capsys, "passes")
+    assert rc == 0 and "verify" in text and "cleanup" in text
+
+
+def test_dump_ir_from_cli(capsys, tmp_path, tiny_encoder_path):
+    rc, _, err = run_cli(capsys, tiny_encoder_path, "--passes", "verify,cleanup", "-o", tmp_path / "o", "--dump-ir", tmp_path / "ir")
+    assert rc == 0, err
+    assert (tmp_path / "ir" / "002_CleanupGraphPass.onnx.txt").is_file()
+
+
+def test_console_script_prints_no_traceback(tmp_path):
+    """Through a real process (what a user sees): one line on stderr, exit code 2."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dyncompile.tools.cli", str(tmp_path / "missing.onnx")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parent,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: model file not found")

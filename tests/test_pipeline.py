@@ -1,0 +1,141 @@
+"""Pass pipeline: registry, spec parsing, honest `modified`, checker after each pass, IR dumps, fidelity."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from helpers import ort_session, random_token_feeds
+
+from dyncompile.errors import PassConfigError
+from dyncompile.models.synthetic import tiny_encoder_classifier, tiny_mlp
+from dyncompile.passes import (
+    CleanupGraphPass,
+    VerifyModelPass,
+    build_passes,
+    known_passes,
+    parse_pass_spec,
+    run_pipeline,
+)
+
+
+def test_spec_parsing_with_options():
+    assert parse_pass_spec("verify, cleanup{cse=false},early-exit{budget=1.5,lowering=if}") == [
+        ("verify", {}),
+        ("cleanup", {"cse": False}),
+        ("early-exit", {"budget": 1.5, "lowering": "if"}),
+    ]
+    with pytest.raises(PassConfigError, match="key=value"):
+        parse_pass_spec("cleanup{cse}")
+    with pytest.raises(PassConfigError, match="no passes"):
+        parse_pass_spec(" , ")
+
+
+def test_unknown_pass_lists_known_ones():
+    with pytest.raises(PassConfigError) as e:
+        build_passes("verify,frobnicate")
+    msg = str(e.value)
+    assert "frobnicate" in msg and "cleanup" in msg and "verify" in msg
+
+
+def test_bad_pass_option_is_a_clear_error():
+    with pytest.raises(PassConfigError, match="bad options for pass 'cleanup'"):
+        build_passes("cleanup{colour=red}")
+
+
+def test_known_passes_have_help():
+    kp = known_passes()
+    assert {"verify", "cleanup"} <= set(kp) and all(kp.values())
+
+
+def _dirty_model() -> ir.Model:
+    m = tiny_encoder_classifier(num_layers=2, hidden=64)
+    g = m.graph
+    # dead code: an unused Relu and an unused initializer-consuming MatMul
+    first = next(iter(g))
+    dead = ir.node("Relu", [first.outputs[0]])
+    g.append(dead)
+    return m
+
+
+def test_cleanup_modified_is_honest_and_idempotent():
+    m = _dirty_model()
+    r1 = CleanupGraphPass()(m)
+    assert r1.modified is True
+    assert not any(n.op_type == "Relu" and not n.outputs[0].uses() for n in m.graph)
+    r2 = CleanupGraphPass()(m)
+    assert r2.modified is False  # second run on its own output changes nothing
+
+
+def test_verify_never_modifies():
+    m = tiny_encoder_classifier(num_layers=2, hidden=64)
+    before = ir.to_onnx_text(m)
+    assert VerifyModelPass()(m).modified is False
+    assert ir.to_onnx_text(m) == before
+
+
+def test_verify_rejects_graph_without_outputs():
+    m = tiny_mlp()
+    m.graph.outputs.clear()
+    with pytest.raises(ir.passes.PreconditionError, match="no outputs"):
+        VerifyModelPass()(m)
+
+
+def test_pipeline_runs_checker_after_each_pass(monkeypatch):
+    calls = []
+    import dyncompile.passes._infra as infra
+
+    orig = infra.check_model
+
+    def spy(model, *, full_check=True):
+        calls.append(full_check)
+        return orig(model, full_check=full_check)
+
+    monkeypatch.setattr(infra, "check_model", spy)
+    m = tiny_encoder_classifier(num_layers=2, hidden=64)
+    res = run_pipeline(build_passes("cleanup,cleanup"), m, check="each")
+    assert len(calls) == 2 and all(calls)
+    assert [r.modified for r in res.records] == [True, False] or [r.modified for r in res.records] == [False, False]
+    calls.clear()
+    run_pipeline(build_passes("cleanup"), m, check="none")
+    assert calls == []
+
+
+def test_checker_after_each_pass_catches_a_broken_pass():
+    class BreakGraphPass(ir.passes.InPlacePass):
+        def call(self, model):
+            node = next(iter(model.graph))
+            node.op_type = "NoSuchOp"
+            return ir.passes.PassResult(model, modified=True)
+
+    with pytest.raises(Exception, match="NoSuchOp"):
+        run_pipeline([BreakGraphPass()], tiny_mlp(), check="each")
+
+
+def test_dump_ir_writes_one_file_per_pass(tmp_path):
+    run_pipeline(build_passes("verify,cleanup"), tiny_mlp(), dump_dir=tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["000_input.onnx.txt", "001_VerifyModelPass.onnx.txt", "002_CleanupGraphPass.onnx.txt"]
+    assert "MatMul" in (tmp_path / "002_CleanupGraphPass.onnx.txt").read_text()
+
+
+def test_per_pass_timing_is_recorded():
+    res = run_pipeline(build_passes("verify,cleanup"), tiny_mlp())
+    assert [r.name for r in res.records] == ["VerifyModelPass", "CleanupGraphPass"]
+    assert all(r.seconds >= 0 for r in res.records)
+
+
+def test_verify_cleanup_reproduce_outputs_exactly():
+    m = tiny_encoder_classifier()
+    ref = ort_session(m)
+    feeds = random_token_feeds()
+    want = ref.run(None, feeds)[0]
+    run_pipeline(build_passes("verify,cleanup"), m)
+    got = ort_session(m).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_passes_have_repr():
+    for p in build_passes("verify,cleanup{cse=false}"):
+        assert "object at" not in repr(p)
+    assert repr(build_passes("cleanup{cse=false}")[0]) == "CleanupGraphPass(cse=False)"
