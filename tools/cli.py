@@ -134,7 +134,7 @@ def _cmd_inspect(argv: list[str]) -> int:
 
 
 def _read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
-    from dyncompile.tools.data import read_jsonl
+    from dyncompile.runtime.data import read_jsonl
 
     return read_jsonl(path, limit=limit)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.tools.data import read_jsonl, texts_and_labels
+from dyncompile.runtime.data import read_jsonl, texts_and_labels
 
 __all__ = ["ReferenceModel", "evaluate_plan"]
 
