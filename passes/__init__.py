@@ -14,12 +14,17 @@ from dyncompile.passes._infra import (
     run_pipeline,
 )
 from dyncompile.passes.cleanup_graph import CleanupGraphPass
+from dyncompile.passes.fit_exit_heads import FitExitHeadsPass
+from dyncompile.passes.insert_early_exit import InsertEarlyExitPass
+from dyncompile.passes import _emit_staged  # noqa: F401  (registers the staged plan emitter)
 from dyncompile.passes.verify_model import VerifyModelPass
 
 __all__ = [
     "PASS_REGISTRY",
     "CleanupGraphPass",
     "CompileContext",
+    "FitExitHeadsPass",
+    "InsertEarlyExitPass",
     "PipelineResult",
     "VerifyModelPass",
     "build_passes",

@@ -109,6 +109,8 @@ def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
     tok = add_tokenizer(req, files)
     inputs, outputs = io_signature(model.graph)
     policy = {k[len("dyncompile.policy.") :]: v for k, v in model.metadata_props.items() if k.startswith("dyncompile.policy.")}
+    if "dyncompile.early_exit" in model.metadata_props:
+        policy["early_exit"] = early_exit_policy(model)
     return Plan(
         task=req.task,
         files=files,
@@ -119,6 +121,21 @@ def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
         labels=req.labels,
         policy=policy,
         provenance=req.provenance,
+    )
+
+
+def early_exit_policy(model: ir.Model) -> dict[str, Any]:
+    """The early-exit decisions recorded by the passes, for the plan's ``policy`` (and ``inspect``)."""
+    import json
+
+    meta = json.loads(model.metadata_props["dyncompile.early_exit"])
+    return (
+        {k: meta[k] for k in ("criterion", "patience", "num_layers") if k in meta}
+        | {
+            "lowering": model.metadata_props.get("dyncompile.early_exit.lowering"),
+            "thresholds": {str(e["layer"]): e["threshold"] for e in meta["exits"]},
+        }
+        | {k: meta[k] for k in ("calibration", "exit_stats", "fit") if k in meta}
     )
 
 

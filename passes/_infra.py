@@ -164,9 +164,11 @@ def build_passes(spec: str | Sequence[str], context: CompileContext | None = Non
             flags = ", ".join("--" + r.replace("_", "-") for r in missing)
             raise PassConfigError(f"pass {name!r} needs {flags} (see `dyncompile --help`)")
         try:
-            passes.append(entry.factory(context, **opts))
+            made = entry.factory(context, **opts)
         except TypeError as e:
             raise PassConfigError(f"bad options for pass {name!r}: {e}") from None
+        # A registered name may stand for several passes (e.g. early-exit = fit heads + lower).
+        passes.extend(made if isinstance(made, list | tuple) else [made])
     return passes
 
 

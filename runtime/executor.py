@@ -177,8 +177,9 @@ class CompiledModel:
         for i in range(0, len(texts), batch_size):
             state = self.run_feeds(self.encode(texts[i : i + batch_size]))
             probs.append(_softmax(np.asarray(state["logits"], dtype=np.float64)))
-            if "exit_layer" in state:
-                exits.append(np.asarray(state["exit_layer"]).reshape(-1))
+            if "exit_layer" in state:  # per row (staged) or one scalar for the whole batch (If graph)
+                n = len(probs[-1])
+                exits.append(np.broadcast_to(np.asarray(state["exit_layer"]).reshape(-1), (n,)).copy())
         self.last_info = {"exit_layer": np.concatenate(exits) if exits else None}
         return np.concatenate(probs) if probs else np.zeros((0, len(self.plan.labels or [])))
 

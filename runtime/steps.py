@@ -10,6 +10,8 @@ from dyncompile.runtime.executor import StepHandler, register_step
 
 __all__ = ["RunModelStep"]
 
+import dyncompile.runtime.early_exit  # noqa: E402,F401  (registers early_exit_staged)
+
 
 @register_step("run_model")
 class RunModelStep(StepHandler):

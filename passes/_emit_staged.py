@@ -1,0 +1,102 @@
+"""Plan emitter ``early_exit_staged``: cut a graph with exit heads into segment graphs.
+
+Segment ``i`` runs from the previous exit's cut tensor (plus the graph inputs it needs: ids, masks)
+to the next exit's cut tensor and head logits; the last segment ends at the model's output. Each
+segment is its own ONNX file, run by the runtime's ``early_exit_staged`` step with per-row exits and
+batch compaction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from dyncompile.passes._emit import (
+    EmitRequest,
+    add_model_files,
+    add_tokenizer,
+    early_exit_policy,
+    io_signature,
+    register_emitter,
+    save_model,
+)
+from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY
+from dyncompile.runtime.plan import FileRef, Plan, Step
+
+logger = logging.getLogger(__name__)
+
+
+def _segment_model(model: ir.Model, inputs: list[str], outputs: list[str], name: str) -> ir.Model:
+    g = model.graph
+    sub = ir.convenience.extract(g, inputs=inputs, outputs=outputs)
+    sub.name = name
+    for v in list(sub.inputs):  # graph inputs this segment does not read
+        if not v.uses():
+            sub.inputs.remove(v)
+    seg = ir.Model(sub, ir_version=model.ir_version, producer_name="dyncompile")
+    common_passes.RemoveUnusedNodesPass()(seg)
+    common_passes.NameFixPass()(seg)
+    return seg
+
+
+@register_emitter("early_exit_staged")
+def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
+    meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+    g = model.graph
+    values = ir.convenience.create_value_mapping(g)
+    if any(values[e["cut"]].dtype is None for e in meta["exits"]):
+        common_passes.ShapeInferencePass()(model)  # segment inputs need types
+    graph_inputs = [v.name for v in g.inputs]
+    files: dict[str, FileRef] = {}
+    segments = []
+    prev_cut = None
+    stages = [*meta["exits"], None]
+    for i, ex in enumerate(stages):
+        ins = graph_inputs + ([prev_cut] if prev_cut else [])
+        outs = [ex["cut"], ex["head_output"]] if ex else [meta["final_output"]]
+        seg = _segment_model(model, ins, outs, f"segment{i}")
+        add_model_files(files, f"segment{i}", save_model(seg, req.out_dir, f"segment{i}.onnx", "segment"))
+        segments.append(
+            {
+                "model": f"segment{i}",
+                "layer": ex["layer"] if ex else meta["num_layers"],
+                "cut_in": prev_cut,
+                "cut_out": ex["cut"] if ex else None,
+                "head": ex["head_output"] if ex else None,
+                "threshold": ex["threshold"] if ex else None,
+                "output": None if ex else meta["final_output"],
+            }
+        )
+        prev_cut = ex["cut"] if ex else None
+    tok = add_tokenizer(req, files)
+    inputs, _ = io_signature(g)
+    final = next(v for v in g.outputs if v.name == meta["final_output"])
+    outputs = [
+        {"name": final.name, "dtype": "FLOAT", "shape": [d if isinstance(d, int) else str(d) for d in final.shape]},
+        {"name": "exit_layer", "dtype": "INT64", "shape": [str(final.shape[0])]},
+    ]
+    policy = {"early_exit": early_exit_policy(model)}
+    step = Step(
+        "early_exit_staged",
+        {
+            "segments": segments,
+            "criterion": meta["criterion"],
+            "patience": meta["patience"],
+            "num_layers": meta["num_layers"],
+            "output": meta["final_output"],
+        },
+    )
+    return Plan(
+        task="text-classification",
+        files=files,
+        steps=[step],
+        inputs=inputs,
+        outputs=outputs,
+        tokenizer=tok,
+        labels=req.labels,
+        policy=policy,
+        provenance=req.provenance,
+    )

@@ -1,0 +1,116 @@
+"""Builders for early-exit graph pieces (exit heads, exit conditions) with an onnx-ir Tape.
+
+Shared by :mod:`dyncompile.passes.fit_exit_heads` (attaches heads) and
+:mod:`dyncompile.passes.insert_early_exit` (builds the conditions of the If lowering). The math is
+exactly :mod:`dyncompile.passes.exit_heads`' (pooling, dense stack, criteria), so the graph and the
+numpy reference agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from dyncompile.passes.exit_heads import ExitHead
+
+__all__ = ["GraphBuilder", "NEVER_THRESHOLD"]
+
+#: Thresholds that can never fire, per criterion (entropy >= 0; probabilities <= 1).
+NEVER_THRESHOLD = {"entropy": -1.0, "maxprob": 2.0, "patience": 2.0}
+
+
+class GraphBuilder:
+    """A Tape plus initializer bookkeeping, aware of the model's default opset (Reduce* axes form)."""
+
+    def __init__(self, opset: int, prefix: str) -> None:
+        self.tape = ir.tape.Tape()
+        self.opset = opset
+        self.prefix = prefix
+        self.initializers: list[ir.Value] = []
+
+    def const(self, arr, name: str) -> ir.Value:
+        full = f"{self.prefix}{name}"
+        v = ir.val(full, const_value=ir.tensor(np.asarray(arr), name=full))
+        self.initializers.append(v)
+        return v
+
+    def op(self, op_type: str, inputs: Sequence[ir.Value | None], attributes=None) -> ir.Value:
+        return self.tape.op(op_type, list(inputs), attributes or {})
+
+    def reduce(self, op_type: str, x: ir.Value, axes: list[int], keepdims: int, tag: str) -> ir.Value:
+        input_axes = op_type == "ReduceSum" and self.opset >= 13 or self.opset >= 18
+        if input_axes:
+            return self.op(op_type, [x, self.const(np.array(axes, np.int64), f"axes_{tag}")], {"keepdims": keepdims})
+        return self.op(op_type, [x], {"axes": axes, "keepdims": keepdims})
+
+    # --- exit head ---------------------------------------------------------------------------
+
+    def float_mask(self, attention_mask: ir.Value | None) -> ir.Value | None:
+        """``[B, S, 1]`` float mask from an int ``attention_mask`` input."""
+        if attention_mask is None:
+            return None
+        m = self.op("Cast", [attention_mask], {"to": ir.DataType.FLOAT})
+        return self.op("Unsqueeze", [m, self.const(np.array([-1], np.int64), "mask_axes")])
+
+    def pool(self, hidden: ir.Value, mask3: ir.Value | None, pooling: str) -> ir.Value:
+        parts = []
+        if pooling in ("cls", "cls+mean"):
+            parts.append(self.op("Gather", [hidden, self.const(np.array(0, np.int64), "cls_index")], {"axis": 1}))
+        if pooling in ("mean", "cls+mean"):
+            if mask3 is None:
+                parts.append(self.reduce("ReduceMean", hidden, [1], 0, "mean"))
+            else:
+                s = self.reduce("ReduceSum", self.op("Mul", [hidden, mask3]), [1], 0, "sum_h")
+                n = self.reduce("ReduceSum", mask3, [1], 0, "sum_m")
+                n = self.op("Max", [n, self.const(np.array(1.0, np.float32), "one")])
+                parts.append(self.op("Div", [s, n]))
+        return parts[0] if len(parts) == 1 else self.op("Concat", parts, {"axis": -1})
+
+    def head(self, head: ExitHead, hidden: ir.Value, mask3: ir.Value | None) -> ir.Value:
+        """Logits ``[B, C]`` of ``head`` on layer states ``hidden`` ``[B, S, H]``."""
+        x = self.pool(hidden, mask3, head.pooling)
+        for i, (w, b, act) in enumerate(head.layers):
+            x = self.op("Add", [self.op("MatMul", [x, self.const(w, f"W{i}")]), self.const(b, f"b{i}")])
+            if act == "tanh":
+                x = self.op("Tanh", [x])
+            elif act == "relu":
+                x = self.op("Relu", [x])
+            elif act == "gelu":
+                erf = self.op("Erf", [self.op("Div", [x, self.const(np.float32(math.sqrt(2.0)), f"sqrt2_{i}")])])
+                one = self.const(np.float32(1.0), f"one_{i}")
+                half = self.const(np.float32(0.5), f"half_{i}")
+                x = self.op("Mul", [self.op("Mul", [x, half]), self.op("Add", [erf, one])])
+        return x
+
+    # --- exit condition ------------------------------------------------------------------------
+
+    def fires(
+        self,
+        logits: ir.Value,
+        criterion: str,
+        threshold: float,
+        window: Sequence[ir.Value] = (),
+    ) -> ir.Value:
+        """Per-row bool ``[B]``: does this exit's test fire (module docstring of exit_heads)."""
+        thr = self.const(np.array(threshold, np.float32), "threshold")
+        if criterion == "entropy":
+            logp = self.op("LogSoftmax", [logits], {"axis": -1})
+            plogp = self.op("Mul", [self.op("Exp", [logp]), logp])
+            ent = self.op("Neg", [self.reduce("ReduceSum", plogp, [-1], 0, "ent")])
+            return self.op("Less", [ent, thr])
+        maxp = self.reduce("ReduceMax", self.op("Softmax", [logits], {"axis": -1}), [-1], 0, "maxp")
+        fires = self.op("Greater", [maxp, thr])
+        if criterion == "patience":
+            preds = [self.op("ArgMax", [w], {"axis": -1, "keepdims": 0}) for w in window]
+            for p in preds[:-1]:
+                fires = self.op("And", [fires, self.op("Equal", [p, preds[-1]])])
+        return fires
+
+    def all_rows(self, fires: ir.Value) -> ir.Value:
+        """Scalar bool: every row fires (the If lowering exits only when the whole batch may)."""
+        f = self.op("Cast", [fires], {"to": ir.DataType.FLOAT})
+        low = self.reduce("ReduceMin", f, [0], 0, "all")
+        return self.op("Greater", [low, self.const(np.array(0.5, np.float32), "half_all")])

@@ -1,0 +1,348 @@
+"""``early-exit`` (part 1): fit exit heads on calibration data and calibrate their thresholds."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from dyncompile.passes._exit_graph import GraphBuilder
+from dyncompile.passes.exit_heads import (
+    Calibration,
+    CalibrationError,
+    ExitHead,
+    calibrate_thresholds,
+    fit_exit_heads,
+    pool_features,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FitExitHeadsPass", "EARLY_EXIT_KEY", "MIN_CALIB_ROWS", "attach_exit_heads"]
+
+EARLY_EXIT_KEY = "dyncompile.early_exit"
+EARLY_EXIT_FORMAT = "dyncompile.early_exit/v1"
+#: Fewer calibration rows than this cannot fit K-fold heads and calibrate thresholds meaningfully.
+MIN_CALIB_ROWS = 100
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def default_opset(model: ir.Model) -> int:
+    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+
+
+class FitExitHeadsPass(ir.passes.InPlacePass):
+    """Attach a fitted exit head after chosen layers and calibrate per-exit thresholds to a budget.
+
+    Scope: main graph of an encoder classifier (one ``[batch, classes]`` float output). Layers and
+    their output (cut) tensors come from :func:`dyncompile.passes.analysis.analyze_model` unless
+    ``cuts`` names them.
+
+    What it does: runs the model in ONNX Runtime on the calibration texts with the cut tensors exposed,
+    pools each exit's hidden states, fits one head per exit by distillation towards the full model
+    (labels mixed in when known) with K-fold cross-fitting, calibrates per-exit thresholds on the
+    out-of-fold probabilities (max saved compute s.t. accuracy drop <= ``budget`` points), and adds the
+    heads of the exits that can fire as graph nodes with outputs ``exit_logits_<layer>``. The decisions
+    go into ``model.metadata_props["dyncompile.early_exit"]`` (JSON) for the lowering pass.
+
+    Invariants: the original output (``logits``) and every original node are unchanged; only head
+    nodes, their initializers and extra graph outputs are added. Idempotent: a model that already
+    carries the metadata is left alone (``modified=False``).
+
+    Sketch: ``h_k = layer_k(...)  ->  exit_logits_k = head_k(pool(h_k, mask))`` (extra output).
+    """
+
+    def __init__(
+        self,
+        texts: Sequence[str],
+        labels: Sequence[int] | None,
+        *,
+        tokenizer_file: str | Path,
+        max_length: int = 512,
+        budget: float = 1.0,
+        criterion: str = "entropy",
+        patience: int = 2,
+        exits: Sequence[int] | None = None,
+        cuts: dict[int, str] | None = None,
+        pooling: str | None = None,
+        hidden: int | None = None,
+        never_exit: bool = False,
+        batch_size: int = 32,
+        folds: int = 5,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        self.texts = list(texts)
+        self.labels = None if labels is None else np.asarray(labels, np.int64)
+        self.tokenizer_file = Path(tokenizer_file)
+        self.max_length = int(max_length)
+        self.budget = float(budget)
+        self.criterion = criterion
+        self.patience = int(patience)
+        self.exits = None if exits is None else sorted({int(e) for e in exits})
+        self.cuts = dict(cuts) if cuts else None
+        self.pooling = pooling
+        self.hidden = hidden
+        self.never_exit = bool(never_exit)
+        self.batch_size = int(batch_size)
+        self.folds = int(folds)
+        self.seed = int(seed)
+        self.progress = progress
+
+    def __repr__(self) -> str:
+        return (
+            f"FitExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, criterion={self.criterion!r}, "
+            f"exits={self.exits or 'all'}, never_exit={self.never_exit})"
+        )
+
+    # --- preconditions ------------------------------------------------------------------------
+
+    def _classifier_output(self, model: ir.Model) -> ir.Value:
+        outs = [v for v in model.graph.outputs if not v.name.startswith("exit_logits_")]
+        if len(outs) != 1:
+            raise ir.passes.PreconditionError(
+                f"early exit needs a classifier with one output [batch, classes]; the graph has outputs "
+                f"{[v.name for v in outs]}"
+            )
+        out = outs[0]
+        shape = out.shape
+        if out.dtype != ir.DataType.FLOAT or shape is None or len(shape) != 2:
+            raise ir.passes.PreconditionError(
+                f"early exit needs a classifier: output {out.name!r} is {out.dtype}{list(shape) if shape else ''}, "
+                "expected float [batch, classes] (e.g. an exported *ForSequenceClassification model)"
+            )
+        return out
+
+    def requires(self, model: ir.Model) -> None:
+        if EARLY_EXIT_KEY in model.metadata_props:
+            return
+        self._classifier_output(model)
+        if self.budget < 0:
+            raise ir.passes.PreconditionError(f"budget must be >= 0 accuracy points, got {self.budget}")
+        if len(self.texts) < MIN_CALIB_ROWS:
+            raise ir.passes.PreconditionError(
+                f"the calibration set has {len(self.texts)} rows; early exit needs at least {MIN_CALIB_ROWS} "
+                "(a few thousand is better) to fit heads and calibrate thresholds"
+            )
+        if self.labels is not None and len(np.unique(self.labels)) < 2:
+            raise ir.passes.PreconditionError(
+                f"every calibration row has label {int(self.labels[0])}; thresholds calibrated on one class "
+                "say nothing about accuracy — use a calibration set with every class"
+            )
+        if not self.tokenizer_file.is_file():
+            raise ir.passes.PreconditionError(f"tokenizer file {self.tokenizer_file} not found")
+
+    def ensures(self, model: ir.Model) -> None:
+        meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+        outputs = {v.name for v in model.graph.outputs}
+        for e in meta["exits"]:
+            if e["head_output"] not in outputs:
+                raise ir.passes.PostconditionError(f"exit head output {e['head_output']!r} missing from the graph")
+
+    # --- the pass -------------------------------------------------------------------------------
+
+    def _layer_cuts(self, model: ir.Model) -> tuple[int, dict[int, str], str]:
+        from dyncompile.passes.analysis import analyze_model
+
+        s = analyze_model(model)
+        if self.cuts:
+            num_layers = max(self.cuts) if not s.has_layers else len(s.layers)
+            return num_layers, dict(self.cuts), (s.head.pooling if s.head else "cls")
+        if not s.has_layers:
+            raise ir.passes.PreconditionError(
+                "early exit needs a layered encoder, but no repeated layer structure was found in this graph: "
+                + s.message
+            )
+        cuts = {layer.index: layer.output_cut for layer in s.layers}
+        return len(s.layers), cuts, (s.head.pooling if s.head else "cls")
+
+    def _probe(self, model: ir.Model, cut_names: list[str], final: ir.Value, pooling: str):
+        """Run the model on the calibration texts; return pooled features per exit, final probs, masks."""
+        import onnxruntime as ort
+
+        from dyncompile.runtime.text import TextEncoder
+
+        values = ir.convenience.create_value_mapping(model.graph)
+        extra = [values[n] for n in cut_names if not values[n].is_graph_output()]
+        g = model.graph
+        n_out = len(g.outputs)
+        g.outputs.extend(extra)
+        try:
+            proto = ir.to_proto(model)
+        finally:
+            del g.outputs[n_out:]
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        del proto
+        enc = TextEncoder(self.tokenizer_file, max_length=self.max_length)
+        in_names = [i.name for i in sess.get_inputs()]
+        feats: list[list[np.ndarray]] = [[] for _ in cut_names]
+        finals = []
+        bar = _progress(len(self.texts), "early-exit: running calibration set", self.progress)
+        for i in range(0, len(self.texts), self.batch_size):
+            feeds = enc(self.texts[i : i + self.batch_size])
+            outs = sess.run([final.name, *cut_names], {k: feeds[k] for k in in_names})
+            finals.append(_softmax(outs[0].astype(np.float64)))
+            mask = feeds["attention_mask"]
+            for j, h in enumerate(outs[1:]):
+                feats[j].append(pool_features(h, mask, pooling))
+            bar.update(len(feeds["input_ids"]))
+        bar.close()
+        return [np.concatenate(f) for f in feats], np.concatenate(finals)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if EARLY_EXIT_KEY in model.metadata_props:
+            logger.info("model already has exit heads; nothing to do")
+            return ir.passes.PassResult(model, modified=False)
+        final = self._classifier_output(model)
+        num_layers, cuts, model_pooling = self._layer_cuts(model)
+        exits = self.exits or [k for k in sorted(cuts) if k < num_layers]
+        bad = [k for k in exits if k not in cuts or k >= num_layers]
+        if bad:
+            raise ir.passes.PreconditionError(
+                f"exits {bad} are not inner layer boundaries of this {num_layers}-layer model; choose from "
+                f"1..{num_layers - 1}"
+            )
+        pooling = self.pooling or "cls+mean"
+        cut_names = [cuts[k] for k in exits]
+        features, teacher = self._probe(model, cut_names, final, pooling)
+        bar = _progress(len(exits) * (self.folds + 1), "early-exit: fitting exit heads", self.progress)
+        fit = fit_exit_heads(
+            features,
+            teacher.astype(np.float32),
+            self.labels,
+            pooling=pooling,
+            hidden=self.hidden,
+            seed=self.seed,
+            folds=self.folds,
+            progress=lambda done, total, msg: bar.update(1),
+        )
+        bar.close()
+        exit_probs = np.concatenate([fit.oof_probs, teacher[None].astype(np.float32)])
+        costs = [k / num_layers for k in exits] + [1.0]
+        try:
+            cal = calibrate_thresholds(
+                exit_probs, teacher, self.labels, costs, budget=self.budget, criterion=self.criterion, patience=self.patience
+            )
+        except CalibrationError as e:
+            raise ir.passes.PreconditionError(str(e)) from None
+        for w in cal.warnings:
+            logger.warning("early-exit calibration: %s", w)
+        thresholds = list(cal.thresholds[:-1])
+        if self.never_exit:
+            thresholds = [None] * len(exits)
+        keep = self._exits_to_keep(thresholds)
+        attach_exit_heads(
+            model,
+            heads={exits[j]: fit.heads[j] for j in keep},
+            cuts={exits[j]: cuts[exits[j]] for j in keep},
+            thresholds={exits[j]: thresholds[j] for j in keep},
+            num_layers=num_layers,
+            criterion=self.criterion,
+            patience=self.patience,
+            extra={
+                "model_pooling": model_pooling,
+                "never_exit": self.never_exit,
+                "exit_stats": {
+                    str(k): {
+                        "oof_accuracy": None if fit.oof_accuracy is None else fit.oof_accuracy[j],
+                        "oof_agreement": fit.oof_agreement[j],
+                    }
+                    for j, k in enumerate(exits)
+                },
+                "calibration": {k: v for k, v in cal.to_dict().items() if k != "thresholds"}
+                | {"thresholds_all_exits": dict(zip(map(str, exits), thresholds)), "rows": len(self.texts)},
+                "fit": {"seconds": round(fit.fit_seconds, 2), **fit.config},
+            },
+        )
+        logger.info(
+            "early exit: %d exits kept of %d; expected speedup %.2fx, accuracy %s (full %s)",
+            len(keep), len(exits), cal.expected_speedup, cal.expected_accuracy, cal.baseline_accuracy,
+        )
+        return ir.passes.PassResult(model, modified=True)
+
+    def _exits_to_keep(self, thresholds: list[float | None]) -> list[int]:
+        """Exits that can fire, plus (patience) the exits their agreement window reads."""
+        if self.never_exit:
+            return list(range(len(thresholds)))
+        keep = {j for j, t in enumerate(thresholds) if t is not None}
+        if self.criterion == "patience":
+            for j in list(keep):
+                keep.update(range(max(0, j - self.patience + 1), j + 1))
+        return sorted(keep)
+
+
+def attach_exit_heads(
+    model: ir.Model,
+    *,
+    heads: dict[int, ExitHead],
+    cuts: dict[int, str],
+    thresholds: dict[int, float | None],
+    num_layers: int,
+    criterion: str = "entropy",
+    patience: int = 2,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Add ``exit_logits_<k>`` head outputs after the cut tensors and record the early-exit metadata.
+
+    ``thresholds[k] is None`` means exit ``k`` never fires (kept for patience windows / fidelity checks).
+    """
+    g = model.graph
+    outs = [v for v in g.outputs if not v.name.startswith("exit_logits_")]
+    final = outs[0]
+    values = ir.convenience.create_value_mapping(g)
+    mask = next((v for v in g.inputs if v.name == "attention_mask"), None)
+    opset = default_opset(model)
+    for k in sorted(heads):
+        if cuts[k] not in values:
+            raise ir.passes.PreconditionError(f"cut tensor {cuts[k]!r} for the exit after layer {k} is not in the graph")
+        b = GraphBuilder(opset, f"exit{k}.")
+        hidden = values[cuts[k]]
+        logits = b.head(heads[k], hidden, b.float_mask(mask))
+        logits.name = f"exit_logits_{k}"
+        logits.dtype = ir.DataType.FLOAT
+        logits.shape = ir.Shape([final.shape[0], final.shape[1]])
+        for init in b.initializers:
+            g.register_initializer(init)
+        g.insert_after(hidden.producer(), b.tape.nodes)
+        g.outputs.append(logits)
+    meta = {
+        "format": EARLY_EXIT_FORMAT,
+        "num_layers": int(num_layers),
+        "criterion": criterion,
+        "patience": int(patience),
+        "final_output": final.name,
+        "exits": [
+            {"layer": k, "cut": cuts[k], "head_output": f"exit_logits_{k}", "threshold": thresholds[k]}
+            for k in sorted(heads)
+        ],
+        **(extra or {}),
+    }
+    model.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False)

@@ -1,0 +1,261 @@
+"""``early-exit`` (part 2): lower fitted exit heads into an If graph or a staged plan."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from dyncompile.passes._exit_graph import NEVER_THRESHOLD, GraphBuilder
+from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY, default_opset
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["InsertEarlyExitPass", "LOWERING_KEY"]
+
+LOWERING_KEY = "dyncompile.early_exit.lowering"
+
+
+def _backward_slice(values: list[ir.Value], stop: set[ir.Node] | None = None) -> set[ir.Node]:
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in values if v.producer() is not None]
+    while stack:
+        n = stack.pop()
+        if n in seen or (stop and n in stop):
+            continue
+        seen.add(n)
+        stack.extend(v.producer() for v in n.inputs if v is not None and v.producer() is not None)
+    return seen
+
+
+class InsertEarlyExitPass(ir.passes.InPlacePass):
+    """Lower the exit heads attached by :class:`FitExitHeadsPass` into executable early exits.
+
+    Scope: main graph; creates If subgraphs (``lowering="if"``).
+
+    ``lowering="if"``: one self-contained graph. After layer ``k`` the exit head runs; if every row of
+    the batch passes the exit test, ``If`` takes the then-branch (the head's logits, exit layer ``k``),
+    else the else-branch runs the rest of the network, with the next exit nested inside it:
+    ``logits, exit_layer = If(all(fires_k(head_k(h_k))), [head_k, k], [layers k+1.. , If(...)])``.
+    Each initializer is moved into the (innermost) subgraph that uses it, so ONNX Runtime's CPU EP
+    keeps weight pre-packing at any nesting depth. Outputs: ``logits`` (as before) and a scalar int64
+    ``exit_layer``.
+
+    ``lowering="staged"``: the graph keeps the heads as extra outputs and asks the ``early_exit_staged``
+    plan emitter to cut it into segment graphs at the exits; the runtime then exits per row and compacts
+    the batch.
+
+    Invariants: with thresholds that never fire, outputs equal the original's (the full path runs the
+    original nodes). Idempotent: an already lowered model is left alone (``modified=False``).
+    Repairs what it breaks: runs ``NameFixPass`` (subgraph SSA names) and ``TopologicalSortPass``.
+    """
+
+    def __init__(self, lowering: str = "if") -> None:
+        super().__init__()
+        if lowering not in ("if", "staged"):
+            raise ValueError(f"lowering must be 'if' or 'staged', got {lowering!r}")
+        self.lowering = lowering
+
+    def __repr__(self) -> str:
+        return f"InsertEarlyExitPass(lowering={self.lowering!r})"
+
+    def requires(self, model: ir.Model) -> None:
+        if EARLY_EXIT_KEY not in model.metadata_props:
+            raise ir.passes.PreconditionError(
+                "no exit heads to lower: run FitExitHeadsPass first (the 'early-exit' pass does both)"
+            )
+
+    def ensures(self, model: ir.Model) -> None:
+        if self.lowering == "if":
+            names = [v.name for v in model.graph.outputs]
+            if names[:1] != [json.loads(model.metadata_props[EARLY_EXIT_KEY])["final_output"]] or "exit_layer" not in names:
+                raise ir.passes.PostconditionError(f"If lowering must output (logits, exit_layer), got {names}")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if LOWERING_KEY in model.metadata_props:
+            return ir.passes.PassResult(model, modified=False)
+        meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+        if self.lowering == "staged":
+            model.metadata_props[LOWERING_KEY] = "staged"
+            model.metadata_props["dyncompile.emitter"] = "early_exit_staged"
+            model.metadata_props["dyncompile.task"] = "text-classification"
+            return ir.passes.PassResult(model, modified=True)
+        self._lower_if(model, meta)
+        model.metadata_props[LOWERING_KEY] = "if"
+        model.metadata_props["dyncompile.task"] = "text-classification"
+        common_passes.NameFixPass()(model)
+        common_passes.TopologicalSortPass()(model)
+        return ir.passes.PassResult(model, modified=True)
+
+    def _lower_if(self, model: ir.Model, meta: dict) -> None:
+        g = model.graph
+        exits = meta["exits"]
+        outputs = {v.name: v for v in g.outputs}
+        final = outputs[meta["final_output"]]
+        head_outs = [outputs[e["head_output"]] for e in exits]
+        criterion, patience = meta["criterion"], int(meta["patience"])
+        num_layers = int(meta["num_layers"])
+        opset = default_opset(model)
+
+        order = list(g)
+        if not exits:  # nothing can exit early: the original graph plus exit_layer = L
+            b = GraphBuilder(opset, "exit_final.")
+            layer = ir.node("Identity", [b.const(np.array(num_layers, np.int64), "layer")])
+            layer.outputs[0].name, layer.outputs[0].dtype, layer.outputs[0].shape = "exit_layer", ir.DataType.INT64, ir.Shape([])
+            for init in b.initializers:
+                g.register_initializer(init)
+            g.append(layer)
+            g.outputs.append(layer.outputs[0])
+            return
+        main_slice = _backward_slice([final])
+        head_nodes = []
+        for v in head_outs:
+            head_nodes.append([n for n in order if n in _backward_slice([v], stop=main_slice)])
+        in_heads = {n for hn in head_nodes for n in hn}
+        body = [n for n in order if n not in in_heads]
+        values = ir.convenience.create_value_mapping(g)
+        boundaries = [body.index(values[e["cut"]].producer()) for e in exits]
+        if boundaries != sorted(boundaries):
+            raise ir.passes.PreconditionError("exit cut tensors are not in layer order")
+        segments = []
+        prev = 0
+        for b in boundaries:
+            segments.append(body[prev : b + 1])
+            prev = b + 1
+        segments.append(body[prev:])
+
+        # Detach everything: graph outputs first (a value may be the output of one graph only).
+        g.outputs.clear()
+        g.remove(order, safe=False)
+        final.name = f"{meta['final_output']}_full_path"
+
+        # Innermost else: the original tail + exit_layer = L.
+        b = GraphBuilder(opset, "exit_final.")
+        last_exit = b.const(np.array(num_layers, np.int64), "layer")
+        tail = ir.node("Identity", [last_exit])
+        tail.outputs[0].name = "exit_layer_full_path"
+        tail.outputs[0].dtype, tail.outputs[0].shape = ir.DataType.INT64, ir.Shape([])
+        inner = ir.Graph([], [final, tail.outputs[0]], nodes=[*segments[-1], tail], name="else_full")
+        for init in b.initializers:
+            inner.register_initializer(init)
+        level_outputs = None
+        for j in range(len(exits) - 1, -1, -1):
+            k = exits[j]["layer"]
+            thr = exits[j]["threshold"]
+            if thr is None:
+                thr = NEVER_THRESHOLD[criterion]
+            cb = GraphBuilder(opset, f"exit{k}.cond.")
+            window = head_outs[max(0, j - patience + 1) : j + 1] if criterion == "patience" else ()
+            if criterion == "patience" and len(window) < patience:
+                thr = NEVER_THRESHOLD[criterion]  # not enough exits yet for the agreement window
+            cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
+            then_logits = ir.node("Identity", [head_outs[j]])
+            then_logits.outputs[0].name = f"exit{k}_logits_out"
+            layer_const = cb.const(np.array(k, np.int64), "layer")
+            then_layer = ir.node("Identity", [layer_const])
+            then_layer.outputs[0].name = f"exit{k}_layer_out"
+            for node, src in ((then_logits, head_outs[j]), (then_layer, layer_const)):
+                node.outputs[0].dtype, node.outputs[0].shape = src.dtype, src.shape
+            then_g = ir.Graph([], [then_logits.outputs[0], then_layer.outputs[0]], nodes=[then_logits, then_layer], name=f"then_exit{k}")
+            y = ir.val(f"exit{k}_if_logits", final.dtype, final.shape)
+            e = ir.val(f"exit{k}_if_layer", ir.DataType.INT64, ir.Shape([]))
+            if_node = ir.node(
+                "If", [cond], {"then_branch": then_g, "else_branch": inner}, outputs=[y, e], name=f"early_exit_after_layer_{k}"
+            )
+            nodes = [*segments[j], *head_nodes[j], *cb.tape.nodes, if_node]
+            if j == 0:
+                g.extend(nodes)
+                for init in cb.initializers:
+                    g.register_initializer(init)
+                level_outputs = (y, e)
+            else:
+                inner = ir.Graph([], [y, e], nodes=nodes, name=f"else_after_layer_{k}")
+                for init in cb.initializers:
+                    inner.register_initializer(init)
+        y, e = level_outputs
+        y.name = meta["final_output"]
+        e.name = "exit_layer"
+        g.outputs.extend([y, e])
+        self._move_initializers_inward(g)
+
+    @staticmethod
+    def _move_initializers_inward(g: ir.Graph) -> None:
+        """Put each main-graph initializer used by a single subgraph into that subgraph."""
+        moved = 0
+        for name, v in list(g.initializers.items()):
+            graphs = {u.node.graph for u in v.uses()}
+            if len(graphs) != 1:
+                continue
+            (owner,) = graphs
+            if owner is None or owner is g or v.is_graph_output():
+                continue
+            g.initializers.pop(name)
+            owner.register_initializer(v)
+            moved += 1
+        logger.debug("moved %d initializers into the subgraphs that use them", moved)
+
+
+def _parse_exits(spec) -> list[int] | None:
+    from dyncompile.errors import PassConfigError
+
+    if spec in (None, "", "all"):
+        return None
+    if isinstance(spec, int):
+        return [spec]
+    try:
+        return [int(x) for x in str(spec).replace(";", ",").split(",") if x.strip()]
+    except ValueError:
+        raise PassConfigError(f"--exits must be layer numbers like 2,4,6, got {spec!r}") from None
+
+
+def _make_early_exit(context, **opts):
+    """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass."""
+    from pathlib import Path
+
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes.fit_exit_heads import FitExitHeadsPass
+    from dyncompile.runtime.data import read_jsonl, texts_and_labels
+
+    o = {**context.options, **opts}
+    budget = float(o.get("budget", 1.0) if o.get("budget") is not None else 1.0)
+    if budget < 0:
+        raise PassConfigError(f"--budget is the accepted accuracy drop in points and must be >= 0, got {budget}")
+    lowering = o.get("lowering") or "auto"
+    if lowering not in ("if", "staged", "auto"):
+        raise PassConfigError(f"--lowering must be if, staged or auto, got {lowering!r}")
+    if lowering == "auto":
+        lowering = "if"  # CPU EP: If is cheap and the single graph deploys anywhere ORT runs
+    rows = read_jsonl(o["calib"])
+    labels_names = context.model_config.get("labels")
+    texts, labels = texts_and_labels(rows, labels_names)
+    tok = Path(o.get("tokenizer") or (context.model_path.parent / "tokenizer.json" if context.model_path else ""))
+    if not tok.is_file():
+        raise PassConfigError(f"early exit needs the model's tokenizer.json (looked at {tok}); pass --tokenizer")
+    criterion = o.get("criterion") or "entropy"
+    fit = FitExitHeadsPass(
+        texts,
+        labels,
+        tokenizer_file=tok,
+        max_length=int(context.model_config.get("max_length", 512)),
+        budget=budget,
+        criterion=criterion,
+        patience=int(o.get("patience", 2)),
+        exits=_parse_exits(o.get("exits")),
+        pooling=o.get("pooling"),
+        hidden=o.get("hidden"),
+        never_exit=bool(o.get("never_exit", False)),
+        progress=context.progress,
+    )
+    return [fit, InsertEarlyExitPass(lowering=lowering)]
+
+
+from dyncompile.passes._infra import register_pass  # noqa: E402
+
+register_pass(
+    "early-exit",
+    help="fit exit heads on --calib data, calibrate thresholds to --budget, lower to an If graph or staged plan",
+    requires=("calib",),
+)(_make_early_exit)
