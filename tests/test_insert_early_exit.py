@@ -1,0 +1,191 @@
+"""Golden tests of the early-exit lowering on a generated 4-layer encoder (both lowerings, every branch)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from helpers import ort_session, random_token_feeds
+
+import dyncompile
+from dyncompile.models.synthetic import tiny_encoder_classifier
+from dyncompile.passes import InsertEarlyExitPass, run_pipeline
+from dyncompile.passes._emit import EmitRequest, emit_plan
+from dyncompile.passes.exit_heads import Calibration, ExitHead, exit_decisions
+from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY, FitExitHeadsPass, attach_exit_heads
+from dyncompile.runtime.plan import save_plan
+
+LAYERS = 4
+FEEDS = random_token_feeds(batch=6, seq=9)
+
+
+def with_heads(thresholds: dict[int, float | None], criterion: str = "entropy", patience: int = 2, exits=(1, 2, 3)):
+    m = tiny_encoder_classifier(num_layers=LAYERS)
+    lns = [n for n in m.graph if n.op_type == "LayerNormalization"]  # [embeddings, layer1..layer4]
+    cuts = {k: lns[k].outputs[0].name for k in exits}
+    rng = np.random.default_rng(1)
+    heads = {
+        k: ExitHead(
+            "cls+mean",
+            [
+                (rng.standard_normal((512, 16)).astype(np.float32) * 0.1, np.zeros(16, np.float32), "tanh"),
+                (rng.standard_normal((16, 2)).astype(np.float32), np.zeros(2, np.float32), "none"),
+            ],
+        )
+        for k in exits
+    }
+    attach_exit_heads(
+        m, heads=heads, cuts=cuts, thresholds={k: thresholds.get(k) for k in exits}, num_layers=LAYERS,
+        criterion=criterion, patience=patience,
+    )
+    return m
+
+
+@pytest.fixture(scope="module")
+def original_logits():
+    return ort_session(tiny_encoder_classifier(num_layers=LAYERS)).run(None, FEEDS)[0]
+
+
+def head_outputs(m):
+    """Logits of the full model and of every exit head (before lowering)."""
+    sess = ort_session(m)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, FEEDS)))
+
+
+def lower_if(m):
+    res = run_pipeline([InsertEarlyExitPass("if")], m, check="each")
+    assert res.modified
+    return m
+
+
+def test_if_structure_nested_and_initializers_inward():
+    m = lower_if(with_heads({}))
+    g = m.graph
+    assert [v.name for v in g.outputs] == ["logits", "exit_layer"]
+    ifs = [n for n in g if n.op_type == "If"]
+    assert len(ifs) == 1  # outermost; the others nest in else branches
+    depth, node = 0, ifs[0]
+    while node is not None:
+        depth += 1
+        else_g = node.attributes["else_branch"].as_graph()
+        node = next((n for n in else_g if n.op_type == "If"), None)
+    assert depth == 3
+    # layer 4's weights live in the innermost else branch, not in the main graph
+    assert "layer3.w1" not in g.initializers
+    inner = ifs[0].attributes["else_branch"].as_graph()
+    inner = next(n for n in inner if n.op_type == "If").attributes["else_branch"].as_graph()
+    inner = next(n for n in inner if n.op_type == "If").attributes["else_branch"].as_graph()
+    assert "layer3.w1" in inner.initializers
+
+
+def test_never_exit_reproduces_original(original_logits):
+    m = lower_if(with_heads({}))
+    logits, layer = ort_session(m).run(None, FEEDS)
+    assert int(layer) == LAYERS
+    np.testing.assert_allclose(logits, original_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("exit_at", [1, 2, 3])
+def test_each_if_branch_taken(exit_at):
+    m = with_heads({exit_at: 10.0})  # entropy < 10 always fires
+    heads = head_outputs(m)
+    lower_if(m)
+    logits, layer = ort_session(m).run(None, FEEDS)
+    assert int(layer) == exit_at
+    np.testing.assert_allclose(logits, heads[f"exit_logits_{exit_at}"], rtol=0, atol=1e-5)
+
+
+def test_if_batch_exits_only_when_every_row_is_confident(original_logits):
+    m = with_heads({})
+    heads = head_outputs(m)
+    p = np.exp(heads["exit_logits_1"]) / np.exp(heads["exit_logits_1"]).sum(-1, keepdims=True)
+    ent = -(p * np.log(p)).sum(-1)
+    thr = float(np.sort(ent)[-2] + 1e-4)  # all rows but the least confident one pass
+    m = lower_if(with_heads({1: thr}))
+    logits, layer = ort_session(m).run(None, FEEDS)
+    assert int(layer) == LAYERS
+    np.testing.assert_allclose(logits, original_logits, rtol=0, atol=1e-5)
+    one_row = {k: v[np.argmin(ent)][None] for k, v in FEEDS.items()}
+    assert int(ort_session(m).run(None, one_row)[1]) == 1
+
+
+def test_patience_lowering_needs_agreeing_exits():
+    m = with_heads({2: 0.0, 3: 0.0}, criterion="patience", patience=2)
+    pred = {k: v.argmax(-1) for k, v in head_outputs(m).items()}
+    lower_if(m)
+    for rows in ([0], [1], [2], [0, 1, 2, 3, 4, 5]):
+        feeds = {k: v[rows] for k, v in FEEDS.items()}
+        _, layer = ort_session(m).run(None, feeds)
+        p1, p2, p3 = (pred[f"exit_logits_{k}"][rows] for k in (1, 2, 3))
+        want = 2 if (p1 == p2).all() else 3 if (p2 == p3).all() else LAYERS
+        assert int(layer) == want
+
+
+def test_lowering_is_idempotent_and_needs_heads():
+    m = lower_if(with_heads({}))
+    assert InsertEarlyExitPass("if")(m).modified is False
+    with pytest.raises(ir.passes.PreconditionError, match="no exit heads"):
+        InsertEarlyExitPass("if")(tiny_encoder_classifier())
+
+
+def test_fit_pass_does_not_fire_twice():
+    m = with_heads({})
+    fit = FitExitHeadsPass(["x"] * 200, [0, 1] * 100, tokenizer_file="/nonexistent/tokenizer.json")
+    assert fit(m).modified is False  # metadata present: nothing to do (before any file is read)
+
+
+def _staged(m, tmp_path):
+    InsertEarlyExitPass("staged")(m)
+    plan = emit_plan(m, EmitRequest(out_dir=tmp_path, task="text-classification"))
+    save_plan(plan, tmp_path)
+    return dyncompile.load(tmp_path, optimization="disable")
+
+
+def test_staged_never_exit_reproduces_original(tmp_path, original_logits):
+    cm = _staged(with_heads({}), tmp_path)
+    st = cm.run_feeds(dict(FEEDS))
+    assert (st["exit_layer"] == LAYERS).all()
+    np.testing.assert_allclose(st["logits"], original_logits, rtol=0, atol=1e-5)
+    assert [s.kind for s in cm.plan.steps] == ["early_exit_staged"]
+    assert sorted(cm.plan.files) == ["segment0", "segment1", "segment2", "segment3"]
+
+
+@pytest.mark.parametrize("criterion", ["entropy", "maxprob", "patience"])
+def test_staged_per_row_exits_match_reference_decisions(tmp_path, criterion, original_logits):
+    m = with_heads({}, criterion=criterion)
+    heads = head_outputs(m)
+    probs = []
+    for k in (1, 2, 3):
+        z = heads[f"exit_logits_{k}"]
+        probs.append(np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    # thresholds that split the batch: median confidence per exit
+    if criterion == "entropy":
+        thr = [float(np.median(-(p * np.log(p)).sum(-1))) for p in probs]
+    else:
+        thr = [float(np.median(p.max(-1))) for p in probs]
+    m = with_heads(dict(zip((1, 2, 3), thr)), criterion=criterion)
+    cm = _staged(m, tmp_path)
+    st = cm.run_feeds(dict(FEEDS))
+    full = np.exp(original_logits) / np.exp(original_logits).sum(-1, keepdims=True)
+    cal = Calibration(
+        thresholds=[*thr, None], criterion=criterion, patience=2, costs=[0.25, 0.5, 0.75, 1.0], budget=1.0,
+        metric="agreement", expected_speedup=1.0, expected_accuracy=None, baseline_accuracy=None,
+        expected_agreement=100.0, exit_histogram=[0, 0, 0, 0],
+    )
+    want = np.array([1, 2, 3, 4])[exit_decisions(np.stack([*probs, full]).astype(np.float32), cal)]
+    np.testing.assert_array_equal(st["exit_layer"], want)
+    assert len(set(want.tolist())) > 1  # the batch really splits
+    for k in (1, 2, 3):
+        sel = want == k
+        np.testing.assert_allclose(st["logits"][sel], heads[f"exit_logits_{k}"][sel], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(st["logits"][want == 4], original_logits[want == 4], rtol=0, atol=1e-5)
+
+
+def test_metadata_records_decisions():
+    m = with_heads({1: 0.3})
+    meta = json.loads(m.metadata_props[EARLY_EXIT_KEY])
+    assert [e["layer"] for e in meta["exits"]] == [1, 2, 3]
+    assert meta["exits"][0]["threshold"] == 0.3 and meta["exits"][1]["threshold"] is None
