@@ -23,7 +23,16 @@ from dyncompile.passes.exit_heads import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FitExitHeadsPass", "EARLY_EXIT_KEY", "MIN_CALIB_ROWS", "attach_exit_heads"]
+__all__ = [
+    "EARLY_EXIT_KEY",
+    "MIN_CALIB_ROWS",
+    "FitExitHeadsPass",
+    "attach_exit_heads",
+    "calibrate_exits",
+    "collect_exit_features",
+    "exits_to_keep",
+    "find_exit_cuts",
+]
 
 EARLY_EXIT_KEY = "dyncompile.early_exit"
 EARLY_EXIT_FORMAT = "dyncompile.early_exit/v1"
@@ -108,13 +117,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
     # --- preconditions ------------------------------------------------------------------------
 
     def _classifier_output(self, model: ir.Model) -> ir.Value:
-        outs = [v for v in model.graph.outputs if not v.name.startswith("exit_logits_")]
-        if len(outs) != 1:
-            raise ir.passes.PreconditionError(
-                f"early exit needs a classifier with one output [batch, classes]; the graph has outputs "
-                f"{[v.name for v in outs]}"
-            )
-        out = outs[0]
+        out = classifier_output(model)
         shape = out.shape
         if out.dtype != ir.DataType.FLOAT or shape is None or len(shape) != 2:
             raise ir.passes.PreconditionError(
@@ -151,62 +154,12 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
 
     # --- the pass -------------------------------------------------------------------------------
 
-    def _layer_cuts(self, model: ir.Model) -> tuple[int, dict[int, str], str]:
-        from dyncompile.passes.analysis import analyze_model
-
-        s = analyze_model(model)
-        if self.cuts:
-            num_layers = max(self.cuts) if not s.has_layers else len(s.layers)
-            return num_layers, dict(self.cuts), (s.head.pooling if s.head else "cls")
-        if not s.has_layers:
-            raise ir.passes.PreconditionError(
-                "early exit needs a layered encoder, but no repeated layer structure was found in this graph: "
-                + s.message
-            )
-        cuts = {layer.index: layer.output_cut for layer in s.layers}
-        return len(s.layers), cuts, (s.head.pooling if s.head else "cls")
-
-    def _probe(self, model: ir.Model, cut_names: list[str], final: ir.Value, pooling: str):
-        """Run the model on the calibration texts; return pooled features per exit, final probs, masks."""
-        import onnxruntime as ort
-
-        from dyncompile.runtime.text import TextEncoder
-
-        values = ir.convenience.create_value_mapping(model.graph)
-        extra = [values[n] for n in cut_names if not values[n].is_graph_output()]
-        g = model.graph
-        n_out = len(g.outputs)
-        g.outputs.extend(extra)
-        try:
-            proto = ir.to_proto(model)
-        finally:
-            del g.outputs[n_out:]
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        del proto
-        enc = TextEncoder(self.tokenizer_file, max_length=self.max_length)
-        in_names = [i.name for i in sess.get_inputs()]
-        feats: list[list[np.ndarray]] = [[] for _ in cut_names]
-        finals = []
-        bar = _progress(len(self.texts), "early-exit: running calibration set", self.progress)
-        for i in range(0, len(self.texts), self.batch_size):
-            feeds = enc(self.texts[i : i + self.batch_size])
-            outs = sess.run([final.name, *cut_names], {k: feeds[k] for k in in_names})
-            finals.append(_softmax(outs[0].astype(np.float64)))
-            mask = feeds["attention_mask"]
-            for j, h in enumerate(outs[1:]):
-                feats[j].append(pool_features(h, mask, pooling))
-            bar.update(len(feeds["input_ids"]))
-        bar.close()
-        return [np.concatenate(f) for f in feats], np.concatenate(finals)
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if EARLY_EXIT_KEY in model.metadata_props:
             logger.info("model already has exit heads; nothing to do")
             return ir.passes.PassResult(model, modified=False)
         final = self._classifier_output(model)
-        num_layers, cuts, model_pooling = self._layer_cuts(model)
+        num_layers, cuts, model_pooling = find_exit_cuts(model, self.cuts)
         exits = self.exits or [k for k in sorted(cuts) if k < num_layers]
         bad = [k for k in exits if k not in cuts or k >= num_layers]
         if bad:
@@ -216,7 +169,16 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             )
         pooling = self.pooling or "cls+mean"
         cut_names = [cuts[k] for k in exits]
-        features, teacher = self._probe(model, cut_names, final, pooling)
+        features, teacher = collect_exit_features(
+            model,
+            cut_names,
+            self.texts,
+            tokenizer_file=self.tokenizer_file,
+            max_length=self.max_length,
+            pooling=pooling,
+            batch_size=self.batch_size,
+            progress=self.progress,
+        )
         bar = _progress(len(exits) * (self.folds + 1), "early-exit: fitting exit heads", self.progress)
         fit = fit_exit_heads(
             features,
@@ -229,11 +191,10 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             progress=lambda done, total, msg: bar.update(1),
         )
         bar.close()
-        exit_probs = np.concatenate([fit.oof_probs, teacher[None].astype(np.float32)])
-        costs = [k / num_layers for k in exits] + [1.0]
         try:
-            cal = calibrate_thresholds(
-                exit_probs, teacher, self.labels, costs, budget=self.budget, criterion=self.criterion, patience=self.patience
+            cal = calibrate_exits(
+                fit.oof_probs, teacher, self.labels, exits, num_layers,
+                budget=self.budget, criterion=self.criterion, patience=self.patience,
             )
         except CalibrationError as e:
             raise ir.passes.PreconditionError(str(e)) from None
@@ -242,7 +203,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         thresholds = list(cal.thresholds[:-1])
         if self.never_exit:
             thresholds = [None] * len(exits)
-        keep = self._exits_to_keep(thresholds)
+        keep = exits_to_keep(thresholds, self.criterion, self.patience, self.never_exit)
         attach_exit_heads(
             model,
             heads={exits[j]: fit.heads[j] for j in keep},
@@ -272,15 +233,106 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         )
         return ir.passes.PassResult(model, modified=True)
 
-    def _exits_to_keep(self, thresholds: list[float | None]) -> list[int]:
-        """Exits that can fire, plus (patience) the exits their agreement window reads."""
-        if self.never_exit:
-            return list(range(len(thresholds)))
-        keep = {j for j, t in enumerate(thresholds) if t is not None}
-        if self.criterion == "patience":
-            for j in list(keep):
-                keep.update(range(max(0, j - self.patience + 1), j + 1))
-        return sorted(keep)
+
+def exits_to_keep(thresholds: list[float | None], criterion: str, patience: int, never_exit: bool = False) -> list[int]:
+    """Indices of the exits that can fire, plus (patience) the exits their agreement windows read."""
+    if never_exit:
+        return list(range(len(thresholds)))
+    keep = {j for j, t in enumerate(thresholds) if t is not None}
+    if criterion == "patience":
+        for j in list(keep):
+            keep.update(range(max(0, j - patience + 1), j + 1))
+    return sorted(keep)
+
+
+def find_exit_cuts(model: ir.Model, cuts: dict[int, str] | None = None) -> tuple[int, dict[int, str], str]:
+    """``(num_layers, {layer: output cut tensor}, head pooling)`` from the graph analysis."""
+    from dyncompile.passes.analysis import analyze_model
+
+    s = analyze_model(model)
+    pooling = s.head.pooling if s.head else "cls"
+    if cuts:
+        return (len(s.layers) if s.has_layers else max(cuts) + 1), dict(cuts), pooling
+    if not s.has_layers:
+        raise ir.passes.PreconditionError(
+            "early exit needs a layered encoder, but no repeated layer structure was found in this graph: " + s.message
+        )
+    return len(s.layers), {layer.index: layer.output_cut for layer in s.layers}, pooling
+
+
+def classifier_output(model: ir.Model) -> ir.Value:
+    outs = [v for v in model.graph.outputs if not v.name.startswith("exit_logits_")]
+    if len(outs) != 1:
+        raise ir.passes.PreconditionError(
+            f"early exit needs a classifier with one output [batch, classes]; the graph has outputs {[v.name for v in outs]}"
+        )
+    return outs[0]
+
+
+def collect_exit_features(
+    model: ir.Model,
+    cut_names: Sequence[str],
+    texts: Sequence[str],
+    *,
+    tokenizer_file: str | Path,
+    max_length: int,
+    pooling: str,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Run the model on ``texts`` with the cut tensors exposed (ONNX Runtime, CPU).
+
+    Returns the pooled features ``[N, F]`` of every cut and the full model's probabilities ``[N, C]``.
+    The model is left as it was (the extra outputs exist only in the serialised probe).
+    """
+    import onnxruntime as ort
+
+    from dyncompile.runtime.text import TextEncoder
+
+    final = classifier_output(model)
+    g = model.graph
+    values = ir.convenience.create_value_mapping(g)
+    n_out = len(g.outputs)
+    g.outputs.extend(values[n] for n in cut_names if not values[n].is_graph_output())
+    try:
+        proto = ir.to_proto(model)
+    finally:
+        del g.outputs[n_out:]
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    del proto
+    enc = TextEncoder(tokenizer_file, max_length=max_length)
+    in_names = [i.name for i in sess.get_inputs()]
+    feats: list[list[np.ndarray]] = [[] for _ in cut_names]
+    finals = []
+    bar = _progress(len(texts), "early-exit: running calibration set", progress)
+    for i in range(0, len(texts), batch_size):
+        feeds = enc(texts[i : i + batch_size])
+        outs = sess.run([final.name, *cut_names], {k: feeds[k] for k in in_names})
+        finals.append(_softmax(outs[0].astype(np.float64)))
+        for j, h in enumerate(outs[1:]):
+            feats[j].append(pool_features(h, feeds["attention_mask"], pooling))
+        bar.update(len(feeds["input_ids"]))
+    bar.close()
+    return [np.concatenate(f) for f in feats], np.concatenate(finals)
+
+
+def calibrate_exits(
+    oof_probs: np.ndarray,
+    teacher: np.ndarray,
+    labels: np.ndarray | None,
+    exits: Sequence[int],
+    num_layers: int,
+    *,
+    budget: float,
+    criterion: str,
+    patience: int,
+) -> Calibration:
+    """Thresholds for the head exits (+ the full model as the last exit), costs ``k / L``."""
+    exit_probs = np.concatenate([oof_probs, teacher[None].astype(np.float32)])
+    costs = [k / num_layers for k in exits] + [1.0]
+    return calibrate_thresholds(exit_probs, teacher, labels, costs, budget=budget, criterion=criterion, patience=patience)
 
 
 def attach_exit_heads(

@@ -57,6 +57,7 @@ class RuntimeContext:
         threads: int | None = None,
         optimization: str = "all",
         provider_options: dict[str, Any] | None = None,
+        session_config: dict[str, str] | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -65,6 +66,7 @@ class RuntimeContext:
         self.providers = resolve_provider(provider, fallback=fallback, options=provider_options)
         self.provider = self.providers[0][0]
         self.threads = threads
+        self.session_config = dict(session_config or {})
         levels = {
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
@@ -82,6 +84,8 @@ class RuntimeContext:
         if self.threads:
             so.intra_op_num_threads = int(self.threads)
         so.log_severity_level = 3
+        for k, v in self.session_config.items():
+            so.add_session_config_entry(k, str(v))
         return so
 
     def session(self, file_key: str):
@@ -211,12 +215,30 @@ def load(
     threads: int | None = None,
     optimization: str = "all",
     provider_options: dict[str, Any] | None = None,
+    session_config: dict[str, str] | None = None,
     verify_hashes: bool = True,
 ) -> CompiledModel:
-    """Load a compiled plan directory for execution on ``provider`` (``cpu``, ``openvino``, ``cuda``, ``directml``)."""
+    """Load a compiled plan directory for execution on ``provider`` (``cpu``, ``openvino``, ``cuda``, ``directml``).
+
+    Args:
+        plan_dir: directory holding ``plan.json`` and the files it names (hashes are verified).
+        provider: execution provider short name.
+        fallback: provider to use (with a warning) when ``provider`` is not installed.
+        threads: ORT intra-op threads (default: ORT's choice, all cores).
+        optimization: ORT graph optimisation level: ``all``, ``extended``, ``basic`` or ``disable``.
+        provider_options: options for the provider, over dyncompile's defaults.
+        session_config: ORT session config entries (e.g. ``{"session.intra_op.allow_spinning": "0"}``).
+        verify_hashes: check every file's sha256 against the plan (default on).
+    """
     check_ort_flavours()
     plan = load_plan(plan_dir, verify_hashes=verify_hashes, known_step_kinds=known_step_kinds())
     ctx = RuntimeContext(
-        plan, provider, fallback=fallback, threads=threads, optimization=optimization, provider_options=provider_options
+        plan,
+        provider,
+        fallback=fallback,
+        threads=threads,
+        optimization=optimization,
+        provider_options=provider_options,
+        session_config=session_config,
     )
     return CompiledModel(plan, ctx)
