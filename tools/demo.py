@@ -1,0 +1,85 @@
+"""``make demo`` / ``python -m dyncompile.tools.demo``: the main job on the real default model.
+
+1. build the fine-tuned MiniLM-L6 sentiment classifier into ONNX (offline, cached);
+2. compile it with ``verify,cleanup`` and check it reproduces the original on movie-test;
+3. compile it with ``early-exit`` calibrated on movie-calib (budget 1 point);
+4. benchmark original vs early exit on movie-test in one process: accuracy next to speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sentiment"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="minilm-l6-sentiment")
+    p.add_argument("--data-dir", default=str(DATA), help="folder with movie-calib.jsonl and movie-test.jsonl")
+    p.add_argument("--out", default="demo-out", help="where the compiled plans and reports go")
+    p.add_argument("--budget", type=float, default=1.0)
+    p.add_argument("--batch1-rows", type=int, default=500, help="rows of the batch-1 latency pass")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    import dyncompile
+    from dyncompile import models
+    from dyncompile.errors import DyncompileError
+    from dyncompile.runtime.data import read_jsonl, texts_and_labels
+    from dyncompile.tools.bench import (
+        BENCH_SESSION_CONFIG,
+        bench_runners,
+        machine_info,
+        markdown_table,
+        plan_runner,
+        reference_runner,
+        write_report,
+    )
+    from dyncompile.tools.evaluate import evaluate_plan
+
+    try:
+        data = Path(args.data_dir)
+        out = Path(args.out)
+        print(f"== 1. building {args.model} (cached after the first time)")
+        art = models.build_model(args.model)
+        print(f"   {art.onnx_path}")
+
+        print("== 2. dyncompile MODEL --passes verify,cleanup")
+        base = dyncompile.compile(art.onnx_path, "verify,cleanup", out / "verify-cleanup", force=True)
+        compiled = dyncompile.load(base.plan_dir)
+        rep = evaluate_plan(compiled, data / "movie-test.jsonl", compare=True)
+        print("   " + rep["text"].replace("\n", "\n   "))
+
+        print(f"== 3. dyncompile MODEL --passes early-exit --calib movie-calib.jsonl --budget {args.budget}")
+        ee = dyncompile.compile(
+            art.onnx_path, "early-exit", out / "early-exit", force=True,
+            calib=str(data / "movie-calib.jsonl"), budget=args.budget, lowering="if",
+        )
+        pol = ee.plan.policy.get("early_exit", {})
+        cal = pol.get("calibration", {})
+        print(f"   thresholds {pol.get('thresholds')}; expected on calib: speedup {cal.get('expected_speedup', 0):.2f}x, "
+              f"accuracy {cal.get('expected_accuracy')} (full {cal.get('baseline_accuracy')})")
+
+        print("== 4. original vs early exit on movie-test (interleaved, same process)")
+        texts, labels = texts_and_labels(read_jsonl(data / "movie-test.jsonl"), ee.plan.labels)
+        eem = dyncompile.load(ee.plan_dir, session_config=BENCH_SESSION_CONFIG)
+        runners = [reference_runner("original", art.onnx_path, eem), plan_runner(f"early-exit (budget {args.budget})", eem)]
+        report = bench_runners(runners, texts, labels, batch1_rows=args.batch1_rows)
+        report["machine"] = machine_info()
+        report["markdown"] = markdown_table(report)
+        write_report(report, out, "demo-bench")
+        print(report["markdown"])
+        print(f"   machine: {report['machine']}")
+    except DyncompileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
