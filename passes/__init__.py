@@ -17,6 +17,7 @@ from dyncompile.passes.cleanup_graph import CleanupGraphPass
 from dyncompile.passes.fit_exit_heads import FitExitHeadsPass
 from dyncompile.passes.insert_early_exit import InsertEarlyExitPass
 from dyncompile.passes import _emit_staged  # noqa: F401  (registers the staged plan emitter)
+from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
 from dyncompile.passes.verify_model import VerifyModelPass
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "FitExitHeadsPass",
     "InsertEarlyExitPass",
     "PipelineResult",
+    "QuantizeDynamicInt8Pass",
+    "QuantizeWeightsInt4Pass",
     "VerifyModelPass",
     "build_passes",
     "known_passes",
