@@ -23,7 +23,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from dyncompile.errors import PassConfigError
+from dyncompile.errors import DyncompileError, PassConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,13 @@ def run_pipeline(
     modified = False
     for i, p in enumerate(passes, start=1):
         t0 = time.perf_counter()
-        result = p(model)
+        try:
+            result = p(model)
+        except (ir.passes.PreconditionError, DyncompileError) as e:
+            # A model or data the pass cannot work on is the user's to fix: one clear message.
+            if isinstance(e, DyncompileError):
+                raise
+            raise PassConfigError(f"{p!r} cannot run on this model: {e}") from None
         dt = time.perf_counter() - t0
         model = result.model
         modified |= result.modified
