@@ -149,10 +149,17 @@ def parse_pass_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, Any]
     return out
 
 
-def build_passes(spec: str | Sequence[str], context: CompileContext | None = None) -> list[ir.passes.PassBase]:
-    """Instantiate the passes named in ``spec`` (unknown names list the known ones)."""
+def build_passes(
+    spec: str | Sequence[str] | Sequence[ir.passes.PassBase], context: CompileContext | None = None
+) -> list[ir.passes.PassBase]:
+    """Instantiate the passes named in ``spec`` (unknown names list the known ones).
+
+    ``spec`` may also be a list of pass instances (Python API), used as given.
+    """
     _load_builtin_passes()
     context = context or CompileContext()
+    if not isinstance(spec, str) and spec and all(isinstance(p, ir.passes.PassBase) for p in spec):
+        return list(spec)
     passes = []
     for name, opts in parse_pass_spec(spec):
         if name not in PASS_REGISTRY:
@@ -203,6 +210,22 @@ def check_model(model: ir.Model, *, full_check: bool = True) -> None:
     import onnx
 
     proto = ir.to_proto(model)
+    # Weights kept as external data (models loaded from disk) are found by the checker relative to the
+    # working directory: check from the directory they live in.
+    base_dirs = {
+        str(v.const_value.base_dir)
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor)
+    }
+    if len(base_dirs) == 1:
+        cwd = os.getcwd()
+        os.chdir(base_dirs.pop())
+        try:
+            onnx.checker.check_model(proto, full_check=full_check)
+        finally:
+            os.chdir(cwd)
+        return
     onnx.checker.check_model(proto, full_check=full_check)
 
 

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EARLY_EXIT_KEY",
     "MIN_CALIB_ROWS",
+    "AttachExitHeadsPass",
     "FitExitHeadsPass",
     "attach_exit_heads",
     "calibrate_exits",
@@ -297,7 +298,8 @@ def collect_exit_features(
     try:
         proto = ir.to_proto(model)
     finally:
-        del g.outputs[n_out:]
+        while len(g.outputs) > n_out:  # pop(), not `del [n:]`: UserList's del skips onnx-ir's bookkeeping
+            g.outputs.pop()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -382,6 +384,33 @@ def attach_exit_heads(
         **(extra or {}),
     }
     model.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
+
+
+class AttachExitHeadsPass(ir.passes.InPlacePass):
+    """Attach already-fitted exit heads with given thresholds (no calibration data needed).
+
+    For re-lowering one fit at several budgets (benchmarks) and for heads fitted elsewhere. Same
+    output as :class:`FitExitHeadsPass`: ``exit_logits_<k>`` outputs + ``dyncompile.early_exit``
+    metadata; idempotent.
+    """
+
+    def __init__(self, heads, cuts, thresholds, num_layers: int, criterion: str = "entropy", patience: int = 2, extra=None):
+        super().__init__()
+        self.heads, self.cuts, self.thresholds = dict(heads), dict(cuts), dict(thresholds)
+        self.num_layers, self.criterion, self.patience = int(num_layers), criterion, int(patience)
+        self.extra = dict(extra or {})
+
+    def __repr__(self) -> str:
+        return f"AttachExitHeadsPass(exits={sorted(self.heads)}, criterion={self.criterion!r})"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if EARLY_EXIT_KEY in model.metadata_props:
+            return ir.passes.PassResult(model, modified=False)
+        attach_exit_heads(
+            model, heads=self.heads, cuts=self.cuts, thresholds=self.thresholds, num_layers=self.num_layers,
+            criterion=self.criterion, patience=self.patience, extra=self.extra,
+        )
+        return ir.passes.PassResult(model, modified=True)
 
 
 class _NoBar:

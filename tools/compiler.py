@@ -128,7 +128,7 @@ class CompileResult:
 
 def compile_model(
     model_path: str | Path,
-    passes: str = "verify,cleanup",
+    passes: str | list = "verify,cleanup",
     output_dir: str | Path | None = None,
     *,
     force: bool = False,
@@ -143,7 +143,8 @@ def compile_model(
 
     Args:
         model_path: input ONNX file (never modified).
-        passes: comma-separated pass names, each optionally with ``{key=value,...}`` options.
+        passes: comma-separated pass names, each optionally with ``{key=value,...}`` options, or a list
+            of onnx-ir pass instances.
         output_dir: plan directory to create (default: ``<model dir>/<model stem>-compiled``).
         force: replace an existing output directory.
         verify: run the ONNX checker after every pass (default: once at the end).
@@ -188,6 +189,7 @@ def compile_model(
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
         options=dict(options),
+        model_config=cfg,
     )
     with atomic_output_dir(out, force=force) as tmp:
         req.out_dir = tmp
