@@ -4,10 +4,15 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
+# The OpenVINO flavour of ONNX Runtime clobbers the CPU one: it gets its own environment.
+OV_VENV ?= .venv-openvino
+OV_BIN  := $(OV_VENV)/bin
+# Tests that run again with provider="openvino" (runtime, early exit, speculative decoding, native OpenVINO).
+OV_TESTS ?= tests/test_plan_runtime.py tests/test_insert_early_exit.py tests/test_early_exit_real.py tests/test_openvino_native.py
 EXTRAS  ?= cpu,export,dev
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup test test-slow demo lint clean
+.PHONY: setup setup-openvino test test-slow demo lint clean
 
 $(BIN)/dyncompile: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,10 +21,19 @@ $(BIN)/dyncompile: pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+$(OV_BIN)/dyncompile: pyproject.toml
+	$(PY) -m venv $(OV_VENV)
+	$(OV_BIN)/pip install -q -e ".[openvino,openvino-native,dev]"
+	touch $@
+
 setup: $(BIN)/dyncompile
 
-test: setup
+setup-openvino: $(OV_BIN)/dyncompile
+
+# CPU suite first (it builds the real models into the cache), then the OpenVINO subset.
+test: setup setup-openvino
 	$(BIN)/python -m pytest -q
+	DYNCOMPILE_TEST_PROVIDER=openvino $(OV_BIN)/python -m pytest -q $(OV_TESTS)
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
@@ -31,4 +45,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OV_VENV) build *.egg-info .pytest_cache

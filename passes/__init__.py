@@ -3,6 +3,10 @@
 Importing this package registers every built-in pass.
 """
 
+from dyncompile.passes import (
+    _emit_speculative,  # noqa: F401  (registers the generate/speculative plan emitters)
+    _emit_staged,  # noqa: F401  (registers the staged plan emitter)
+)
 from dyncompile.passes._infra import (
     PASS_REGISTRY,
     CompileContext,
@@ -16,8 +20,9 @@ from dyncompile.passes._infra import (
 from dyncompile.passes.cleanup_graph import CleanupGraphPass
 from dyncompile.passes.fit_exit_heads import FitExitHeadsPass
 from dyncompile.passes.insert_early_exit import InsertEarlyExitPass
-from dyncompile.passes import _emit_staged  # noqa: F401  (registers the staged plan emitter)
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
+from dyncompile.passes.speculative import SpeculativePass
+from dyncompile.passes.split_drafter import SplitDrafterPass
 from dyncompile.passes.verify_model import VerifyModelPass
 
 __all__ = [
@@ -28,6 +33,8 @@ __all__ = [
     "InsertEarlyExitPass",
     "PipelineResult",
     "QuantizeDynamicInt8Pass",
+    "SpeculativePass",
+    "SplitDrafterPass",
     "QuantizeWeightsInt4Pass",
     "VerifyModelPass",
     "build_passes",

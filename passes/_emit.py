@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
-
 from dyncompile.runtime.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
@@ -37,6 +36,8 @@ class EmitRequest:
     labels: list[str] | None = None
     provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the ``dyncompile-model.json`` of the input model (eos ids, chat template, ... for decoders)
+    model_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 PLAN_EMITTERS: dict[str, Callable[[ir.Model, EmitRequest], Plan]] = {}
@@ -63,7 +64,10 @@ def save_model(model: ir.Model, out_dir: Path, filename: str, role: str) -> list
     """Save ``model`` as ``out_dir/filename`` (+ external data when large); return its FileRefs."""
     path = out_dir / filename
     refs = []
-    if _model_nbytes(model) > EXTERNAL_DATA_THRESHOLD:
+    # Tensors still stored as another file's external data (a model loaded from disk) must be written out
+    # too: ir.save would otherwise keep references to a data file that is not in the plan directory.
+    has_external = any(isinstance(v.const_value, ir.ExternalTensor) for g in model.graphs() for v in g.initializers.values())
+    if _model_nbytes(model) > EXTERNAL_DATA_THRESHOLD or has_external:
         data_name = filename + ".data"
         ir.save(model, path, external_data=data_name)
         refs.append(file_ref(out_dir, filename, role, [data_name]))
@@ -133,6 +137,7 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
         {k: meta[k] for k in ("criterion", "patience", "num_layers") if k in meta}
         | {
             "lowering": model.metadata_props.get("dyncompile.early_exit.lowering"),
+            "lowering_choice": json.loads(model.metadata_props.get("dyncompile.early_exit.lowering_choice", "null")),
             "thresholds": {str(e["layer"]): e["threshold"] for e in meta["exits"]},
         }
         | {k: meta[k] for k in ("calibration", "exit_stats", "fit") if k in meta}
@@ -140,7 +145,11 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
 
 
 def emit_plan(model: ir.Model, req: EmitRequest) -> Plan:
-    name = model.metadata_props.get("dyncompile.emitter", "single")
+    name = model.metadata_props.get("dyncompile.emitter")
+    if name is None:  # a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
+        from dyncompile.passes._emit_speculative import is_kv_decoder
+
+        name = "generate" if req.task == "text-generation" and is_kv_decoder(model) else "single"
     if name not in PLAN_EMITTERS:
         raise ValueError(f"model asks for unknown plan emitter {name!r}; known: {', '.join(PLAN_EMITTERS)}")
     logger.debug("emitting plan with %r", name)

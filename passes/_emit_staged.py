@@ -13,7 +13,6 @@ import logging
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-
 from dyncompile.passes._emit import (
     EmitRequest,
     add_model_files,

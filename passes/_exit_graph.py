@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
-
 from dyncompile.passes.exit_heads import ExitHead
 
 __all__ = ["GraphBuilder", "NEVER_THRESHOLD"]

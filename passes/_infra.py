@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
-
 from dyncompile.errors import DyncompileError, PassConfigError
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-
 from dyncompile.passes._exit_graph import GraphBuilder
 from dyncompile.passes.exit_heads import (
     Calibration,
@@ -159,7 +158,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         if EARLY_EXIT_KEY in model.metadata_props:
             logger.info("model already has exit heads; nothing to do")
             return ir.passes.PassResult(model, modified=False)
-        final = self._classifier_output(model)
+        self._classifier_output(model)
         num_layers, cuts, model_pooling = find_exit_cuts(model, self.cuts)
         exits = self.exits or [k for k in sorted(cuts) if k < num_layers]
         bad = [k for k in exits if k not in cuts or k >= num_layers]
@@ -287,7 +286,6 @@ def collect_exit_features(
     The model is left as it was (the extra outputs exist only in the serialised probe).
     """
     import onnxruntime as ort
-
     from dyncompile.runtime.text import TextEncoder
 
     final = classifier_output(model)

@@ -8,7 +8,6 @@ import logging
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-
 from dyncompile.passes._exit_graph import NEVER_THRESHOLD, GraphBuilder
 from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY, default_opset
 
@@ -53,14 +52,16 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
     Repairs what it breaks: runs ``NameFixPass`` (subgraph SSA names) and ``TopologicalSortPass``.
     """
 
-    def __init__(self, lowering: str = "if") -> None:
+    def __init__(self, lowering: str = "if", provider: str | None = None, reason: str | None = None) -> None:
         super().__init__()
         if lowering not in ("if", "staged"):
             raise ValueError(f"lowering must be 'if' or 'staged', got {lowering!r}")
         self.lowering = lowering
+        self.provider = provider
+        self.reason = reason
 
     def __repr__(self) -> str:
-        return f"InsertEarlyExitPass(lowering={self.lowering!r})"
+        return f"InsertEarlyExitPass(lowering={self.lowering!r}, provider={self.provider!r})"
 
     def requires(self, model: ir.Model) -> None:
         if EARLY_EXIT_KEY not in model.metadata_props:
@@ -78,6 +79,9 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         if LOWERING_KEY in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+        model.metadata_props["dyncompile.early_exit.lowering_choice"] = json.dumps(
+            {"lowering": self.lowering, "provider": self.provider, "reason": self.reason}
+        )
         if self.lowering == "staged":
             model.metadata_props[LOWERING_KEY] = "staged"
             model.metadata_props["dyncompile.emitter"] = "early_exit_staged"
@@ -198,6 +202,29 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         logger.debug("moved %d initializers into the subgraphs that use them", moved)
 
 
+def choose_lowering(provider: str = "cpu") -> tuple[str, str]:
+    """EP-aware choice for ``--lowering auto``: ``(lowering, reason)`` from known provider capabilities."""
+    from dyncompile.runtime.providers import PROVIDERS
+
+    info = PROVIDERS.get(provider)
+    if info is None:
+        raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
+    if provider == "openvino":
+        return "staged", (
+            "OpenVINO EP (onnxruntime-openvino 1.24, OpenVINO 2025.4) fails session creation when an op inside an If "
+            "branch is not supported (no fallback; seen on the BERT If graph) and can take the wrong If branch with "
+            "symbolic dims; staged segments contain no If"
+        )
+    if provider == "directml":
+        return "staged", "DirectML EP does not run If/Loop (they fall back to the CPU with their whole subgraphs)"
+    if provider == "cuda":
+        return "if", (
+            "CUDA EP runs If with the condition on the host (one scalar copy per exit); the single graph keeps hidden "
+            "states on the device, while staged exits would copy them to the host at every exit"
+        )
+    return "if", "CPU EP: If costs ~1.3 µs and skipped branches cost nothing; one self-contained graph deploys anywhere"
+
+
 def _parse_exits(spec) -> list[int] | None:
     from dyncompile.errors import PassConfigError
 
@@ -226,8 +253,14 @@ def _make_early_exit(context, **opts):
     lowering = o.get("lowering") or "auto"
     if lowering not in ("if", "staged", "auto"):
         raise PassConfigError(f"--lowering must be if, staged or auto, got {lowering!r}")
+    target = o.get("provider") or "cpu"
     if lowering == "auto":
-        lowering = "if"  # CPU EP: If is cheap and the single graph deploys anywhere ORT runs
+        try:
+            lowering, reason = choose_lowering(target)
+        except ValueError as e:
+            raise PassConfigError(str(e)) from None
+    else:
+        reason = "chosen by the user (--lowering)"
     rows = read_jsonl(o["calib"])
     labels_names = context.model_config.get("labels")
     texts, labels = texts_and_labels(rows, labels_names)
@@ -249,7 +282,7 @@ def _make_early_exit(context, **opts):
         never_exit=bool(o.get("never_exit", False)),
         progress=context.progress,
     )
-    return [fit, InsertEarlyExitPass(lowering=lowering)]
+    return [fit, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
 
 
 from dyncompile.passes._infra import register_pass  # noqa: E402

@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 import onnx_ir as ir
-
 from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)

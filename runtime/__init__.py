@@ -10,7 +10,12 @@ from dyncompile.runtime.executor import (
     register_step,
 )
 from dyncompile.runtime.plan import PLAN_FORMAT, FileRef, Plan, Step, load_plan, save_plan
-from dyncompile.runtime.providers import PROVIDERS, check_ort_flavours, installed_ort_flavours, resolve_provider
+from dyncompile.runtime.providers import (
+    PROVIDERS,
+    check_ort_flavours,
+    installed_ort_flavours,
+    resolve_provider,
+)
 
 __all__ = [
     "PLAN_FORMAT",

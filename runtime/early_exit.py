@@ -6,7 +6,6 @@ import logging
 from typing import Any
 
 import numpy as np
-
 from dyncompile.runtime.executor import StepHandler, register_step
 
 logger = logging.getLogger(__name__)
@@ -77,6 +76,8 @@ class StagedEarlyExitStep(StepHandler):
                     feeds[n] = v[:, :width] if width is not None and v.ndim == 2 and n != seg["cut_in"] else v
             if seg["cut_in"] and hidden is not None and width is not None:
                 feeds[seg["cut_in"]] = hidden[:, :width]
+            # Trimmed views are strided: ORT's CUDA EP copies raw buffers, so hand it contiguous arrays.
+            feeds = {n: np.ascontiguousarray(v) for n, v in feeds.items()}
             outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
             if seg["head"] is None:  # the full model's output for everything still active
                 logits = outs[seg["output"]]
@@ -89,7 +90,6 @@ class StagedEarlyExitStep(StepHandler):
             if result is None:
                 result = np.zeros((batch, logits.shape[-1]), logits.dtype)
             am = logits.argmax(-1)
-            preds = [p for p in preds]  # copy (rows are compacted below)
             preds.append(am)
             window = preds[-self.patience :] if self.criterion == "patience" else []
             thr = seg["threshold"]

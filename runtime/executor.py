@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from dyncompile.errors import DataError, PlanError
+from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.runtime.plan import Plan, Step, load_plan
 from dyncompile.runtime.providers import check_ort_flavours, resolve_provider
 
@@ -62,9 +61,12 @@ class RuntimeContext:
         import onnxruntime as ort
 
         self.ort = ort
+        ort.set_default_logger_severity(3)  # EP chatter (e.g. OpenVINO's unused-input notes) stays out of stderr
         self.plan = plan
         self.providers = resolve_provider(provider, fallback=fallback, options=provider_options)
         self.provider = self.providers[0][0]
+        if self.provider == "CUDAExecutionProvider" and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels (or a matching PyTorch), if present
         self.threads = threads
         self.session_config = dict(session_config or {})
         levels = {
@@ -93,7 +95,28 @@ class RuntimeContext:
         s = self._sessions.get(file_key)
         if s is None:
             path = self.plan.path_of(file_key)
-            s = self.ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
+            try:
+                s = self.ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
+            except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+                if self.provider == "CPUExecutionProvider":
+                    raise
+                lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
+                hint = (
+                    " This plan is an If-graph early exit; recompile it for this provider with --lowering staged "
+                    "(or --lowering auto --provider NAME), which needs no If nodes."
+                    if lowering == "if"
+                    else " Try --fallback cpu, or recompile the plan for this provider."
+                )
+                first = str(e).strip().splitlines()[0][:300]
+                raise ProviderError(
+                    f"{self.provider} could not load {path.name} of plan {self.plan.directory}: {first}.{hint}"
+                ) from None
+            if self.provider not in s.get_providers():
+                raise ProviderError(
+                    f"{self.provider} was asked for, but ONNX Runtime created the session for {path.name} on "
+                    f"{s.get_providers()} (the provider failed to initialise: missing CUDA/cuDNN libraries?); "
+                    "pass --fallback cpu to accept that"
+                )
             logger.debug("session for %s (%s) on %s", file_key, path.name, s.get_providers())
             self._sessions[file_key] = s
         return s
@@ -186,6 +209,12 @@ class CompiledModel:
                 exits.append(np.broadcast_to(np.asarray(state["exit_layer"]).reshape(-1), (n,)).copy())
         self.last_info = {"exit_layer": np.concatenate(exits) if exits else None}
         return np.concatenate(probs) if probs else np.zeros((0, len(self.plan.labels or [])))
+
+    def generate(self, prompt, **kwargs):
+        """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.generate.generate`)."""
+        from dyncompile.runtime.generate import generate
+
+        return generate(self, prompt, **kwargs)
 
     def __call__(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
         if self.plan.task != "text-classification":

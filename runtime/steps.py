@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from dyncompile.runtime.executor import StepHandler, register_step
 
 __all__ = ["RunModelStep"]
 
 import dyncompile.runtime.early_exit  # noqa: E402,F401  (registers early_exit_staged)
+import dyncompile.runtime.generate  # noqa: E402,F401  (registers generate)
+import dyncompile.runtime.speculative  # noqa: E402,F401  (registers speculative_generate)
 
 
 @register_step("run_model")

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from dyncompile.errors import DataError
 
 __all__ = ["TextEncoder"]

@@ -7,10 +7,8 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import onnx_ir as ir
 import pytest
-
 from helpers import DATA, REPO, SHARED  # noqa: F401  (tests/ is on pythonpath)
 
 
@@ -23,6 +21,12 @@ def _checker_after_each_pass(monkeypatch, request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_check: do not run the ONNX checker after each pass")
+
+
+@pytest.fixture(scope="session")
+def provider() -> str:
+    """Execution provider under test: $DYNCOMPILE_TEST_PROVIDER (CI runs a subset again with 'openvino')."""
+    return os.environ.get("DYNCOMPILE_TEST_PROVIDER", "cpu")
 
 
 def _build(name: str):

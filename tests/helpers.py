@@ -34,3 +34,8 @@ def random_token_feeds(batch: int = 3, seq: int = 9, vocab: int = 512, seed: int
     for b in range(1, batch):
         mask[b, seq - b :] = 0
     return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64), "attention_mask": mask}
+
+
+def tolerance(provider: str) -> float:
+    """Max |difference| accepted between a provider's outputs and the CPU EP reference (fp32)."""
+    return {"cpu": 1e-5}.get(provider, 1e-4)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dyncompile.tools.cli import main
 
 

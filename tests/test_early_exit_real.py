@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
+import dyncompile
 import numpy as np
 import pytest
-from helpers import DATA, ort_session
-
-import dyncompile
+from dyncompile.errors import ProviderError
 from dyncompile.tools.cli import main
+from helpers import DATA, ort_session, tolerance
 
 CALIB_ROWS = 400  # a slice of movie-calib keeps CI fast; the benchmark uses all 2,000
 
@@ -42,16 +42,22 @@ def never_plans(minilm, small_calib, tmp_path_factory):
 
 
 @pytest.mark.parametrize("lowering", ["if", "staged"])
-def test_never_exit_reproduces_original(never_plans, minilm, test_rows, lowering):
+def test_never_exit_reproduces_original(never_plans, minilm, test_rows, lowering, provider):
     texts, _ = test_rows
-    m = dyncompile.load(never_plans[lowering].plan_dir, optimization="disable")
+    if lowering == "if" and provider == "openvino":
+        # Known OpenVINO EP 1.24 limitation: an op it cannot run inside an If branch fails session creation.
+        # The runtime says so and how to fix it; --lowering auto --provider openvino picks staged.
+        with pytest.raises(ProviderError, match="--lowering staged"):
+            dyncompile.load(never_plans[lowering].plan_dir, provider=provider).ctx.session("model")
+        return
+    m = dyncompile.load(never_plans[lowering].plan_dir, provider=provider, optimization="disable")
     ref = ort_session(minilm.onnx_path)
     for bs in (1, 7):
         for i in range(0, 21, bs):
             feeds = m.encode(texts[i : i + bs])
             want = ref.run(None, feeds)[0]
             st = m.run_feeds(dict(feeds))
-            np.testing.assert_allclose(st["logits"], want, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(st["logits"], want, rtol=0, atol=tolerance(provider))
             assert (np.asarray(st["exit_layer"]) == 6).all()
 
 
@@ -86,10 +92,12 @@ def test_fitted_plan_records_calibration(fitted):
     assert any(t is not None for t in pol["thresholds"].values())
 
 
-def test_if_and_staged_agree_at_batch_1(fitted, test_rows):
+def test_if_and_staged_agree_at_batch_1(fitted, test_rows, provider):
     texts, labels = test_rows
-    a = dyncompile.load(fitted["if"].plan_dir)
-    b = dyncompile.load(fitted["staged"].plan_dir)
+    if provider == "openvino":
+        pytest.skip("If graphs do not load on the OpenVINO EP 1.24 (asserted in test_never_exit_reproduces_original)")
+    a = dyncompile.load(fitted["if"].plan_dir, provider=provider)
+    b = dyncompile.load(fitted["staged"].plan_dir, provider=provider)
     pa, ea = [], []
     for t in texts:  # the If graph exits per batch: at batch 1 that is per row
         pa.append(a.predict_proba([t]))
@@ -153,7 +161,6 @@ def test_no_layer_structure(capsys, tmp_path, small_calib, minilm):
     import shutil
 
     import onnx_ir as ir
-
     from dyncompile.models.synthetic import tiny_mlp
 
     d = tmp_path / "mlp"
@@ -164,3 +171,22 @@ def test_no_layer_structure(capsys, tmp_path, small_calib, minilm):
     shutil.copy(minilm.tokenizer_path, d / "tokenizer.json")
     err = _cli_error(capsys, d / "model.onnx", "--passes", "early-exit", "--calib", small_calib, "-o", tmp_path / "o")
     assert "no repeated layer structure" in err
+
+
+@pytest.mark.parametrize(
+    "target,want", [("cpu", "if"), ("cuda", "if"), ("openvino", "staged"), ("directml", "staged")]
+)
+def test_auto_lowering_is_ep_aware(target, want):
+    from dyncompile.passes.insert_early_exit import choose_lowering
+
+    lowering, reason = choose_lowering(target)
+    assert lowering == want and len(reason) > 20
+
+
+def test_auto_lowering_recorded_in_plan(minilm, small_calib, tmp_path, capsys):
+    res = _compile(minilm, tmp_path / "ov", small_calib, lowering="auto", provider="openvino", exits="3", budget=1.0)
+    choice = res.plan.policy["early_exit"]["lowering_choice"]
+    assert choice["lowering"] == "staged" and choice["provider"] == "openvino" and "If" in choice["reason"]
+    assert [s.kind for s in res.plan.steps] == ["early_exit_staged"]
+    assert main(["inspect", str(res.plan_dir)]) == 0
+    assert "lowering_choice" in capsys.readouterr().out

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import dyncompile
 import numpy as np
 import pytest
-from helpers import ort_session, random_token_feeds
-
-import dyncompile
 from dyncompile.errors import OutputExistsError, PlanError, ProviderError
 from dyncompile.runtime import load_plan, resolve_provider
 from dyncompile.runtime.providers import check_ort_flavours, installed_ort_flavours
+from helpers import ort_session, random_token_feeds, tolerance
 
 
 @pytest.fixture()
@@ -30,16 +29,17 @@ def test_plan_round_trip(tiny_plan):
     assert json.loads((tiny_plan / "plan.json").read_text()) == plan.to_dict()
 
 
-def test_compiled_plan_reproduces_original(tiny_plan, tiny_encoder_path):
-    m = dyncompile.load(tiny_plan, optimization="disable")
+def test_compiled_plan_reproduces_original(tiny_plan, tiny_encoder_path, provider):
+    m = dyncompile.load(tiny_plan, provider=provider, optimization="disable")
     feeds = random_token_feeds()
     got = m.run_feeds(feeds)["logits"]
     want = ort_session(tiny_encoder_path).run(None, feeds)[0]
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance(provider))
 
 
-def test_sessions_created_once_and_reused(tiny_plan):
-    m = dyncompile.load(tiny_plan)
+def test_sessions_created_once_and_reused(tiny_plan, provider):
+    m = dyncompile.load(tiny_plan, provider=provider)
+    assert m.ctx.session("model").get_providers()[0] == m.provider
     s1 = m.ctx.session("model")
     m.run_feeds(random_token_feeds())
     m.run_feeds(random_token_feeds(seed=1))
@@ -134,7 +134,7 @@ def test_provider_short_names_map_to_ort():
     ov = resolve_provider("openvino", available=avail)
     assert ov[0] == ("OpenVINOExecutionProvider", {"device_type": "CPU", "precision": "FP32"})
     assert ov[-1][0] == "CPUExecutionProvider"
-    assert resolve_provider("cuda", available=avail)[0][0] == "CUDAExecutionProvider"
+    assert resolve_provider("cuda", available=avail)[0] == ("CUDAExecutionProvider", {"use_tf32": "0"})
     assert resolve_provider("directml", available=avail)[0][0] == "DmlExecutionProvider"
 
 

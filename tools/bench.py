@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import platform
 import time
@@ -72,8 +71,18 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    gpu = None
+    try:
+        import subprocess
+
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
     return {
         "cpu": cpu,
+        "gpu": gpu,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "onnxruntime": ort.__version__,

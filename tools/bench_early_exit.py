@@ -15,7 +15,6 @@ plus the measured points). Writes JSON, markdown and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -34,9 +33,8 @@ def _prob(x):
 
 
 def bench_model(name: str, args, out: Path) -> dict:
-    import onnx_ir as ir
-
     import dyncompile
+    import onnx_ir as ir
     from dyncompile.models import build_model
     from dyncompile.passes import InsertEarlyExitPass
     from dyncompile.passes.exit_heads import exit_decisions, fit_exit_heads
@@ -109,16 +107,18 @@ def bench_model(name: str, args, out: Path) -> dict:
     for b in args.budgets:
         for low in args.lowerings:
             plans[(b, low)] = make_plan(f"b{b}-{low}", list(cals[b].thresholds[:-1]), low)
-    first = dyncompile.load(never, session_config=BENCH_SESSION_CONFIG)
+    load_kw = dict(provider=args.provider, session_config=BENCH_SESSION_CONFIG)
+    first = dyncompile.load(never, **load_kw)
     probe_plan = first
     runners.append(reference_runner("original", art.onnx_path, probe_plan, budget=None, lowering=None))
     runners.append(plan_runner("If, exits never fire", first, budget=None, lowering="if-never"))
     for (b, low), d in plans.items():
-        m = dyncompile.load(d, session_config=BENCH_SESSION_CONFIG)
+        m = dyncompile.load(d, **load_kw)
         runners.append(plan_runner(f"{low}, budget {b}", m, budget=b, lowering=low))
     report = bench_runners(runners, test_t, test_y, batch_size=32, batch1_rows=args.batch1_rows)
     report.update(
         model=name,
+        provider=first.provider,
         num_layers=num_layers,
         original_test_accuracy=round(full_acc, 2),
         calib_rows=len(calib_t),
@@ -136,7 +136,10 @@ def bench_model(name: str, args, out: Path) -> dict:
 def _markdown(reports: list[dict], machine: dict) -> str:
     from dyncompile.tools.bench import markdown_table
 
-    parts = [f"Machine: {machine['cpu']}, {machine['cores']} cores, onnxruntime {machine['onnxruntime']}, {machine['date']}.\n"]
+    parts = [
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine.get('gpu') or 'no GPU'}, onnxruntime "
+        f"{machine['onnxruntime']}, provider {reports[0].get('provider')}, {machine['date']}.\n"
+    ]
     for r in reports:
         parts.append(
             f"### {r['model']} ({r['num_layers']} layers; heads fitted on {r['calib_rows']} movie-calib rows in "
@@ -190,6 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--lowerings", default="if,staged")
     p.add_argument("--criterion", default="entropy", choices=["entropy", "maxprob", "patience"])
     p.add_argument("--batch1-rows", type=int, default=None, help="rows in the batch-1 pass (default: all 1,500)")
+    p.add_argument("--provider", default="cpu", help="execution provider of every session (original and plans)")
     p.add_argument("--data-dir", default=str(DATA))
     p.add_argument("--out", default="bench-results/early-exit")
     args = p.parse_args(argv)

@@ -69,6 +69,13 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--criterion", choices=["entropy", "maxprob", "patience"], help="exit criterion (default entropy)")
     ee.add_argument("--lowering", choices=["if", "staged", "auto"], help="If-graph or staged plan (default auto)")
     ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
+    p.add_argument(
+        "--provider",
+        help="execution provider the plan is for (cpu, openvino, cuda, directml): --lowering auto picks per provider",
+    )
+    sd = p.add_argument_group("speculative decoding (--passes speculative, split-drafter,speculative)")
+    sd.add_argument("--drafter", help="DRAFT.onnx (a decoder with the target's tokenizer) or prompt-lookup; "
+                    "split-drafter,speculative builds one from the target (--calib TEXT)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v: per-pass timing; -vv: debug")
     return p
@@ -86,7 +93,7 @@ def _cmd_compile(argv: list[str]) -> int:
 
     opts = {
         k: getattr(args, k)
-        for k in ("calib", "budget", "exits", "criterion", "lowering", "never_exit")
+        for k in ("calib", "budget", "exits", "criterion", "lowering", "never_exit", "drafter", "provider")
         if getattr(args, k) not in (None, False)
     }
     t0 = time.perf_counter()
@@ -154,12 +161,29 @@ def _cmd_run(argv: list[str]) -> int:
     p.add_argument("--fallback", help="provider to use, with a warning, if --provider is not available")
     p.add_argument("--compare", action="store_true", help="also run the original model and compare probabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    g = p.add_argument_group("text generation (decoder plans)")
+    g.add_argument("--prompt", help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="stop after N new tokens (default %(default)s)")
+    g.add_argument("--sample", action="store_true", help="sample (exact speculative sampling) instead of greedy")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)")
+    g.add_argument("--seed", type=int, help="sampling seed")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--target-only", action="store_true", help="run the plan's target alone (no drafter)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     _setup_logging(args.verbose)
     import dyncompile
 
     model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback)
+    if args.prompt is not None:
+        from dyncompile.tools.bench_speculative import format_generation
+
+        res = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
+                             temperature=args.temperature, seed=args.seed, chat=args.chat,
+                             speculative=not args.target_only)
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.to_dict()}, indent=2)
+              if args.json else format_generation(res))
+        return 0
     if args.text:
         preds = model(args.text, batch_size=args.batch_size)
         if args.json:
@@ -170,7 +194,7 @@ def _cmd_run(argv: list[str]) -> int:
             print(f"{pred.label:<10} {probs}{ex}  | {text}")
         return 0
     if not args.data:
-        raise DataError("give --text TEXT or --data FILE.jsonl (see `dyncompile run --help`)")
+        raise DataError("give --text TEXT or --data FILE.jsonl (classifiers) or --prompt TEXT (decoders); see `dyncompile run --help`")
     from dyncompile.tools.evaluate import evaluate_plan
 
     report = evaluate_plan(model, args.data, limit=args.limit, batch_size=args.batch_size, compare=args.compare)
@@ -179,6 +203,10 @@ def _cmd_run(argv: list[str]) -> int:
 
 
 def _cmd_bench(argv: list[str]) -> int:
+    if any(a == "--prompts" or a.startswith("--prompts=") for a in argv):  # generation plans
+        from dyncompile.tools.bench_speculative import main as bench_generation
+
+        return bench_generation(argv)
     from dyncompile.tools.bench import main as bench_main
 
     return bench_main(argv)

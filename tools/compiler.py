@@ -13,9 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import onnx_ir as ir
-
 import dyncompile
+import onnx_ir as ir
 from dyncompile.errors import DataError, ModelLoadError, OutputExistsError, PassConfigError
 from dyncompile.passes import CompileContext, PipelineResult, build_passes, run_pipeline
 from dyncompile.passes._emit import EmitRequest, emit_plan

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from dyncompile.errors import DataError
 from dyncompile.runtime.data import read_jsonl, texts_and_labels
 

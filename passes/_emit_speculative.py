@@ -1,0 +1,146 @@
+"""Plan emitters for decoders: ``generate`` (target alone) and ``speculative`` (target + drafter).
+
+``speculative`` writes ``model.onnx`` (the target) and, for a model drafter, ``drafter.onnx``. A split
+drafter's weights are the target's: the target is saved with external data (``model.onnx.data``) and
+the drafter's shared initializers point into that same file at the same offsets, so only the bridge and
+a trimmed LM head are new bytes. A trimmed head's token ids go to ``drafter_vocab.npy``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from dyncompile.passes._emit import (
+    EmitRequest,
+    add_model_files,
+    add_tokenizer,
+    io_signature,
+    register_emitter,
+    save_model,
+)
+from dyncompile.passes.speculative import DRAFTER_META, SPECULATIVE_KEY, decoder_spec, generation_config
+from dyncompile.runtime.plan import FileRef, Plan, Step, file_ref
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["emit_generate", "emit_speculative", "is_kv_decoder"]
+
+
+def is_kv_decoder(model: ir.Model) -> bool:
+    try:
+        decoder_spec(model, "model")
+    except Exception:  # noqa: BLE001 - any reason not to be one
+        return False
+    return True
+
+
+def _generation(model: ir.Model, req: EmitRequest) -> dict[str, Any]:
+    rec = model.metadata_props.get(SPECULATIVE_KEY)
+    if rec:
+        return json.loads(rec).get("generation") or {}
+    cfg = getattr(req, "model_config", None) or {}
+    src = (req.provenance.get("source") or {}).get("path")
+    return generation_config(cfg, Path(src).parent if src else None)
+
+
+def _target_spec(model: ir.Model) -> dict[str, Any]:
+    spec = decoder_spec(model, "model", what="target model")
+    spec.pop("vocab_size", None)
+    return spec
+
+
+def _tokenizer_spec(req: EmitRequest, files: dict[str, FileRef], gen: dict[str, Any]) -> dict[str, Any] | None:
+    tok = add_tokenizer(req, files)
+    if tok is not None:
+        tok["max_length"] = int(gen.get("max_length") or tok.get("max_length") or 512)
+    return tok
+
+
+@register_emitter("generate")
+def emit_generate(model: ir.Model, req: EmitRequest) -> Plan:
+    """A decoder alone: one ONNX file, a ``generate`` step (``dyncompile run PLAN --prompt``)."""
+    files: dict[str, FileRef] = {}
+    add_model_files(files, "model", save_model(model, req.out_dir, "model.onnx", "main"))
+    gen = _generation(model, req)
+    tok = _tokenizer_spec(req, files, gen)
+    inputs, outputs = io_signature(model.graph)
+    step = Step("generate", {"target": _target_spec(model), "generation": gen})
+    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
+                provenance=req.provenance)
+
+
+def _share_weights(drafter: ir.Model, target: ir.Model, saved_target_path: Path) -> int:
+    """Point the drafter's initializers that are the target's own tensors at the saved target's external data."""
+    saved = ir.load(str(saved_target_path))
+    by_id = {id(v.const_value): name for name, v in target.graph.initializers.items() if v.const_value is not None}
+    shared = 0
+    for v in drafter.graph.initializers.values():
+        tname = by_id.get(id(v.const_value))
+        if tname is None:
+            continue
+        ext = saved.graph.initializers[tname].const_value
+        if isinstance(ext, ir.ExternalTensor):
+            v.const_value = ext
+            shared += int(ext.nbytes)
+    return shared
+
+
+@register_emitter("speculative")
+def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
+    rec = json.loads(model.metadata_props[SPECULATIVE_KEY])
+    d = rec["drafter"]
+    out = req.out_dir
+    files: dict[str, FileRef] = {}
+    step_drafter: dict[str, Any]
+    split = d["kind"] == "model" and d.get("name") == "split"
+    if split:  # always external data, so that the drafter can point into it
+        ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+        add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
+                                         file_ref(out, "model.onnx.data", "external_data")])
+    else:
+        add_model_files(files, "model", save_model(model, out, "model.onnx", "main"))
+    if d["kind"] == "model":
+        drafter: ir.Model = model.meta[DRAFTER_META]
+        spec = dict(d["decoder"])
+        spec.pop("vocab_size", None)
+        spec["model"] = "drafter"
+        if split:
+            shared = _share_weights(drafter, model, out / "model.onnx")
+            ir.save(drafter, out / "drafter.onnx")
+            files["drafter"] = file_ref(out, "drafter.onnx", "drafter", ["model.onnx.data"])
+            logger.info("split drafter: %.1f MB of weights shared with the target, %.1f MB of its own",
+                        shared / 2**20, (out / "drafter.onnx").stat().st_size / 2**20)
+        else:
+            add_model_files(files, "drafter", save_model(drafter, out, "drafter.onnx", "drafter"))
+        vocab_key = None
+        subset = model.meta.get("dyncompile.split_drafter.vocab") if split else None
+        if subset is not None:
+            np.save(out / "drafter_vocab.npy", np.asarray(subset, np.int64))
+            files["drafter_vocab"] = file_ref(out, "drafter_vocab.npy", "vocab_map")
+            vocab_key = "drafter_vocab"
+        step_drafter = {"kind": "model", "name": d.get("name", "external"), "decoder": spec,
+                        "share_kv": d.get("share_kv"), "vocab": vocab_key}
+    else:
+        step_drafter = {"kind": d["kind"], "max_ngram": d.get("max_ngram", 3), "min_ngram": d.get("min_ngram", 1)}
+    tok = _tokenizer_spec(req, files, rec.get("generation") or {})
+    inputs, outputs = io_signature(model.graph)
+    target = dict(rec["target"])
+    target.pop("vocab_size", None)
+    step = Step(
+        "speculative_generate",
+        {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}), "generation": rec.get("generation", {})},
+    )
+    policy: dict[str, Any] = {"speculative": {"drafter": d.get("name", d["kind"]), "draft": rec.get("draft", {})}}
+    if d.get("source"):
+        policy["speculative"]["drafter_source"] = d["source"]
+    if d.get("tokenizer_check"):
+        policy["speculative"]["tokenizer_check"] = d["tokenizer_check"]
+    if split:
+        policy["split_drafter"] = json.loads(model.metadata_props["dyncompile.split_drafter"])
+    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
+                policy=policy, provenance=req.provenance)

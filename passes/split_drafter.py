@@ -1,0 +1,702 @@
+"""``split-drafter``: build a drafter from the target decoder's own first ``k`` layers.
+
+The drafter is the target graph cut after layer ``k``, followed by a small linear *bridge* fitted on
+calibration text (least squares from the layer-``k`` hidden states to the last layer's, applied before
+the final norm), the target's final norm and LM head — optionally restricted to the tokens that
+matter on the calibration text (a vocabulary subset makes the drafter's LM head much cheaper; any
+subset keeps decoding exact, it only changes how often drafts are accepted). Everything but the bridge
+and the (sub-)head is the target's own weights, shared on disk by the plan, and the first ``k`` layers'
+KV cache is the target's, which the runtime hands over after every verification.
+
+``k`` is chosen by measured acceptance x cost: for every candidate, the bridge is fitted on 3/4 of the
+calibration tokens and the drafter's greedy agreement with the target (its acceptance rate) is measured
+on the rest; the cost of a draft step is the fraction of the target's per-token weight reads the drafter
+does; a verification of ``g+1`` tokens costs what the target's measured timings say. The projected speedup
+``max_g E(alpha, g) / (g * c + v(g + 1))`` picks ``k``; below ``min_speedup`` (default 1) the pass refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes.speculative import DrafterError, decoder_spec
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SPLIT_DRAFTER_KEY",
+    "measure_verify_costs",
+    "weight_reads",
+    "SPLIT_DRAFTER_META",
+    "SplitDrafterPass",
+    "build_split_drafter",
+    "projected_speedup",
+    "read_calibration_text",
+    "trim_lm_head",
+]
+
+SPLIT_DRAFTER_KEY = "dyncompile.split_drafter"
+SPLIT_DRAFTER_FORMAT = "dyncompile.split_drafter/v1"
+SPLIT_DRAFTER_META = "dyncompile.split_drafter.model"
+VOCAB_META = "dyncompile.split_drafter.vocab"
+MIN_CALIB_TOKENS = 64
+EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens per verification round with ``gamma`` drafts accepted i.i.d. with probability ``alpha``."""
+    alpha = min(max(alpha, 0.0), 0.999999)
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def projected_speedup(alpha: float, cost: float, verify: dict[int, float], max_draft: int) -> tuple[float, int]:
+    """``(speedup, best draft length >= 1)`` over the target alone (``verify[s]`` = time of s tokens / time of 1)."""
+    best, best_g = -1.0, 1
+    xs = np.array(sorted(verify), float)
+    ys = np.array([verify[int(x)] for x in xs], float)
+    for g in range(1, max_draft + 1):
+        v = float(np.interp(g + 1, xs, ys)) if g + 1 <= xs[-1] else float(ys[-1] + (g + 1 - xs[-1]) * (
+            (ys[-1] - ys[0]) / max(xs[-1] - xs[0], 1)))
+        s = expected_tokens(alpha, g) / (g * cost + v)
+        if s > best:
+            best, best_g = s, g
+    return best, best_g
+
+
+# ------------------------------------------------------------------------------------------- graph surgery
+
+
+def _ancestors(values: Sequence[ir.Value]) -> set[ir.Node]:
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in values if v is not None and v.producer() is not None]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for v in n.inputs:
+            if v is not None and v.producer() is not None and v.producer() not in seen:
+                stack.append(v.producer())
+        for attr in n.attributes.values():  # captured values of subgraphs
+            if attr.type == ir.AttributeType.GRAPH:
+                for sn in attr.value.all_nodes():
+                    for v in sn.inputs:
+                        if v is not None and v.producer() is not None and v.producer() not in seen:
+                            stack.append(v.producer())
+    return seen
+
+
+def _const_array(v: ir.Value) -> np.ndarray | None:
+    return v.const_value.numpy() if v is not None and v.const_value is not None else None
+
+
+def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
+    """Restrict the LM head producing ``logits_name`` to the tokens ``subset`` (in place).
+
+    Handles ``MatMul(x, W)``, ``MatMul(x, Transpose(E))`` (tied embeddings) and an optional bias ``Add``.
+    The weights are sliced into new initializers (the originals stay shared). Returns False, changing
+    nothing, for any other head shape.
+    """
+    g = model.graph
+    out = next((v for v in g.outputs if v.name == logits_name), None)
+    if out is None or out.producer() is None:
+        return False
+    node = out.producer()
+    bias_node = None
+    if node.op_type == "Add":
+        bias_node = node
+        mm = next((v.producer() for v in node.inputs if v is not None and v.producer() is not None
+                   and v.producer().op_type == "MatMul"), None)
+        if mm is None:
+            return False
+        node = mm
+    if node.op_type != "MatMul":
+        return False
+    w = node.inputs[1]
+    idx = np.asarray(subset, np.int64)
+    if bias_node is not None:
+        b = next((v for v in bias_node.inputs if v is not None and v.const_value is not None), None)
+        barr = _const_array(b)
+        if barr is None or barr.shape[-1] < idx.max() + 1:
+            return False
+    if w.const_value is not None:
+        arr = w.const_value.numpy()
+        if arr.ndim != 2:
+            return False
+        new = ir.val(f"{w.name}.subset", const_value=ir.tensor(np.ascontiguousarray(arr[:, idx]), name=f"{w.name}.subset"))
+        g.register_initializer(new)
+        node.replace_input_with(1, new)
+    elif w.producer() is not None and w.producer().op_type == "Transpose" and w.producer().inputs[0].const_value is not None:
+        tr = w.producer()
+        perm = tr.attributes.get_ints("perm", None)
+        e = tr.inputs[0]
+        arr = e.const_value.numpy()
+        if arr.ndim != 2 or (perm is not None and list(perm) != [1, 0]):
+            return False
+        new = ir.val(f"{e.name}.subset", const_value=ir.tensor(np.ascontiguousarray(arr[idx]), name=f"{e.name}.subset"))
+        g.register_initializer(new)
+        tr.replace_input_with(0, new)
+        if w.shape is not None:
+            w.shape = ir.Shape([w.shape[0], len(idx)])
+    else:
+        return False
+    if bias_node is not None:
+        bi = next(i for i, v in enumerate(bias_node.inputs) if v is not None and v.const_value is not None)
+        b = bias_node.inputs[bi]
+        newb = ir.val(f"{b.name}.subset", const_value=ir.tensor(np.ascontiguousarray(_const_array(b)[..., idx]),
+                                                                  name=f"{b.name}.subset"))
+        g.register_initializer(newb)
+        bias_node.replace_input_with(bi, newb)
+        mmout = node.outputs[0]
+        if mmout.shape is not None:
+            mmout.shape = ir.Shape([*list(mmout.shape)[:-1], len(idx)])
+    if out.shape is not None:
+        out.shape = ir.Shape([*list(out.shape)[:-1], len(idx)])
+    return True
+
+
+def build_split_drafter(
+    target: ir.Model,
+    *,
+    cut_in: str,
+    cut_last: str,
+    logits: str,
+    bridge: tuple[np.ndarray, np.ndarray] | None,
+    subset: np.ndarray | None,
+) -> ir.Model:
+    """The drafter graph: target up to ``cut_in`` -> bridge -> the head that followed ``cut_last``.
+
+    KV inputs/outputs of the dropped layers are removed (shape-only readers of a dropped past input, such
+    as a mask computing the past length, are rewired to a kept past input of identical shape).
+    Initializer tensors are the target's own objects (shared), except the bridge and a trimmed head.
+    """
+    d = target.clone()
+    g = d.graph
+    for k in [k for k in d.metadata_props if k.startswith("dyncompile.")]:
+        del d.metadata_props[k]
+    values = ir.convenience.create_value_mapping(g)
+    h_in, h_last = values[cut_in], values[cut_last]
+    new = h_in
+    if bridge is not None:
+        w, b = bridge
+        wv = ir.val("split_drafter.bridge.weight", const_value=ir.tensor(np.ascontiguousarray(w, np.float32),
+                                                                          name="split_drafter.bridge.weight"))
+        bv = ir.val("split_drafter.bridge.bias", const_value=ir.tensor(np.ascontiguousarray(b, np.float32),
+                                                                        name="split_drafter.bridge.bias"))
+        g.register_initializer(wv)
+        g.register_initializer(bv)
+        mm = ir.node("MatMul", [h_in, wv], name="split_drafter.bridge.matmul")
+        add = ir.node("Add", [mm.outputs[0], bv], name="split_drafter.bridge.add")
+        mm.outputs[0].name = "split_drafter.bridge.mm"
+        add.outputs[0].name = "split_drafter.bridge.out"
+        if h_last.dtype is not None:
+            for v in (mm.outputs[0], add.outputs[0]):
+                v.dtype, v.shape = h_last.dtype, h_last.shape
+        g.insert_after(h_in.producer(), [mm, add])
+        new = add.outputs[0]
+    if new is not h_last:
+        h_last.replace_all_uses_with(new)
+    logits_v = next(v for v in g.outputs if v.name == logits)
+    keep_nodes = _ancestors([logits_v])
+    kept_outputs = [v for v in g.outputs if v is logits_v or (v.producer() in keep_nodes)]
+    g.outputs.clear()
+    g.outputs.extend(kept_outputs)
+    common_passes.RemoveUnusedNodesPass()(d)
+    pasts = [v for v in g.inputs if v.shape is not None and len(v.shape) == 4 and v.dtype is not None
+             and v.dtype.is_floating_point()]
+    used_directly = {v for v in pasts if any(u.node in keep_nodes and u.node.op_type == "Concat" for u in v.uses())}
+    for v in pasts:
+        if v in used_directly:
+            continue
+        if v.uses():
+            if any(u.node.op_type not in ("Shape", "Size") for u in v.uses()):
+                raise DrafterError(
+                    f"cannot split the drafter: past input {v.name!r} of a dropped layer is still read by "
+                    f"{[u.node.op_type for u in v.uses()][:3]} in the first layers"
+                )
+            kind = v.name.rsplit(".", 1)[-1]
+            same = [p for p in used_directly if list(p.shape) == list(v.shape) and p.name.endswith(kind)] or [
+                p for p in used_directly if list(p.shape) == list(v.shape)]
+            if not same:
+                raise DrafterError(f"cannot split the drafter: nothing can stand in for the past length read from {v.name!r}")
+            repl = sorted(same, key=lambda p: p.name)[0]
+            for u in list(v.uses()):
+                u.node.replace_input_with(u.idx, repl)
+        g.inputs.remove(v)
+    if subset is not None and not trim_lm_head(d, logits, subset):
+        raise DrafterError("cannot restrict the LM head to a vocabulary subset (unknown head shape); use vocab=full")
+    d.metadata_props["dyncompile.role"] = "drafter"
+    return d
+
+
+# ------------------------------------------------------------------------------------------- calibration
+
+
+def read_calibration_text(path: str | Path) -> list[str]:
+    """Texts of a calibration file: plain text (one text), JSONL (``text`` fields) or a directory of text files."""
+    from dyncompile.runtime.data import read_jsonl
+
+    p = Path(path)
+    if not p.exists():
+        raise DrafterError(f"calibration text not found: {p} (give a text file, a JSONL file or a directory)")
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".py", ".md", ".rst", ".jsonl"))
+        if not files:
+            raise DrafterError(f"calibration directory {p} holds no .txt/.py/.md/.rst/.jsonl files")
+        return [t for f in files for t in read_calibration_text(f)]
+    if p.suffix == ".jsonl":
+        return [r["text"] for r in read_jsonl(p)]
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DrafterError(f"calibration file {p} is not UTF-8 text") from None
+    if not text.strip():
+        raise DrafterError(f"calibration file {p} is empty")
+    return [text]
+
+
+def _external_dir(model: ir.Model) -> str | None:
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if isinstance(t, ir.ExternalTensor):
+            return str(t.base_dir)
+    return None
+
+
+def _session(model: ir.Model, ext_dir: str | None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if ext_dir:
+        so.add_session_config_entry(EXTERNAL_DIR_KEY, ext_dir)
+    data = ir.to_proto(model).SerializeToString()
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def _chunk(ids_list: Sequence[Sequence[int]], chunk_len: int, max_tokens: int) -> list[list[int]]:
+    chunks: list[list[int]] = []
+    total = 0
+    for ids in ids_list:
+        for i in range(0, len(ids), chunk_len):
+            c = list(ids[i : i + chunk_len])
+            if len(c) < 8:
+                continue
+            chunks.append(c)
+            total += len(c)
+            if total >= max_tokens:
+                return chunks
+    return chunks
+
+
+class SplitDrafterPass(ir.passes.InPlacePass):
+    """Build a drafter from the target's first ``k`` layers + a fitted bridge + final norm + LM head.
+
+    Scope: reads the main graph (layers and cut tensors from :func:`dyncompile.passes.analysis.analyze_model`,
+    KV pairs from :func:`dyncompile.passes.speculative.decoder_spec`); runs the target on the calibration tokens
+    in ONNX Runtime. The drafter is a new ``ir.Model`` sharing the target's tensors, left in
+    ``model.meta["dyncompile.split_drafter.model"]`` for the ``speculative`` pass and the plan emitter.
+
+    Invariants: the target graph is unchanged; the decisions (k, acceptance, cost, projected speedup, every
+    candidate's numbers, the calibration) go to ``metadata_props["dyncompile.split_drafter"]``. A model that
+    already carries them with the drafter in memory is left alone (``modified=False``).
+
+    Sketch: ``h_k = layers_1..k(x); logits = lm_head(norm(h_k @ W + b))`` with ``W, b = lstsq(h_k, h_L)``.
+    """
+
+    def __init__(
+        self,
+        calib_ids: Sequence[Sequence[int]],
+        *,
+        layers: int | None = None,
+        bridge: str = "linear",
+        vocab: str | int = "auto",
+        min_speedup: float = 1.0,
+        max_tokens: int = 8192,
+        chunk_len: int = 256,
+        eval_tokens: int = 1024,
+        max_draft: int = 8,
+        ridge: float = 1e-3,
+        special_ids: Sequence[int] = (),
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        if bridge not in ("linear", "none"):
+            raise DrafterError(f"split-drafter bridge must be 'linear' or 'none', not {bridge!r}")
+        if not (vocab in ("auto", "full") or (isinstance(vocab, int) and vocab > 0)):
+            raise DrafterError(f"split-drafter vocab must be 'auto', 'full' or a positive number of tokens, not {vocab!r}")
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+            raise DrafterError(f"split-drafter layers must be a positive integer, got {layers!r}")
+        self.calib_ids = [list(map(int, c)) for c in calib_ids]
+        self.layers = layers
+        self.bridge = bridge
+        self.vocab = vocab
+        self.min_speedup = float(min_speedup)
+        self.max_tokens = int(max_tokens)
+        self.chunk_len = int(chunk_len)
+        self.eval_tokens = int(eval_tokens)
+        self.max_draft = int(max_draft)
+        self.ridge = float(ridge)
+        self.special_ids = [int(i) for i in special_ids if i is not None]
+        self.progress = progress
+
+    def __repr__(self) -> str:
+        n = sum(len(c) for c in self.calib_ids)
+        return (
+            f"SplitDrafterPass(calib_tokens={n}, layers={self.layers or 'auto'}, bridge={self.bridge!r}, "
+            f"vocab={self.vocab!r}, min_speedup={self.min_speedup})"
+        )
+
+    # --- checks ----------------------------------------------------------------------------------
+    def _structure(self, model: ir.Model):
+        from dyncompile.passes.analysis import analyze_model
+
+        s = analyze_model(model)
+        if not s.has_layers:
+            raise DrafterError(f"split-drafter needs a layered decoder, but no repeated layer structure was found: {s.message}")
+        return s
+
+    def requires(self, model: ir.Model) -> None:
+        if SPLIT_DRAFTER_KEY in model.metadata_props:
+            if SPLIT_DRAFTER_META not in model.meta:
+                raise DrafterError(
+                    "this model already records a split drafter, but its graph is not in memory (drafters are never "
+                    "saved inside the target); compile from the original model"
+                )
+            return
+        decoder_spec(model, "model", what="target model")
+        s = self._structure(model)
+        num = s.num_layers
+        if self.layers is not None and not 1 <= self.layers < num:
+            raise DrafterError(
+                f"split-drafter layers={self.layers} but the target has {num} layers: the drafter keeps the first k "
+                f"layers, so choose k in 1..{num - 1} (or leave it out to choose by measured acceptance x cost)"
+            )
+        tokens = sum(len(c) for c in self.calib_ids)
+        if tokens < MIN_CALIB_TOKENS:
+            raise DrafterError(
+                f"the calibration text has {tokens} tokens; split-drafter needs at least {MIN_CALIB_TOKENS} (a few "
+                "thousand is better) to fit the bridge and measure acceptance — give more text in the domain you will "
+                "generate (e.g. source files for code completion)"
+            )
+
+    # --- the pass --------------------------------------------------------------------------------
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if SPLIT_DRAFTER_KEY in model.metadata_props:
+            return ir.passes.PassResult(model, modified=False)
+        t_start = time.perf_counter()
+        s = self._structure(model)
+        num = s.num_layers
+        target_spec = decoder_spec(model, "model", what="target model")
+        cands = [self.layers] if self.layers else list(range(1, num))
+        cut_names = {k: s.cut_for_layer(k).name for k in [*cands, num]}
+        logits_name = target_spec["logits"]
+        chunks = _chunk(self.calib_ids, self.chunk_len, self.max_tokens)
+        ext_dir = _external_dir(model)
+
+        hidden, top, inputs, probe = self._collect(model, target_spec, cut_names, chunks, ext_dir)
+        n_chunks = len(chunks)
+        n_fit = max(1, int(round(n_chunks * 0.75))) if n_chunks > 1 else 1
+        fit_pos = sum(len(c) for c in chunks[:n_fit])
+        if n_chunks == 1:  # one chunk: fit on its first 3/4, evaluate on the rest
+            fit_pos = int(len(chunks[0]) * 0.75)
+        eval_sl = slice(fit_pos, min(len(top), fit_pos + self.eval_tokens))
+        vocab_size = target_spec["vocab_size"] or int(top.max()) + 1
+        subset = self._subset(vocab_size, top[:fit_pos], inputs[:fit_pos])
+
+        head_model = self._head_model(model, cut_names[num], logits_name, subset, hidden[num].shape[-1])
+        head = _session(head_model, ext_dir)
+        head_in = head.get_inputs()[0].name
+        layer_params = [layer.param_count for layer in s.layers]
+        head_params_full = _head_params(self._head_model(model, cut_names[num], logits_name, None, hidden[num].shape[-1]))
+        head_params = _head_params(head_model)
+        target_cost = sum(layer_params) + head_params_full
+        verify = self._verify_costs(probe, target_spec, chunks[0])
+        del probe
+
+        y = hidden[num]
+        y_eval_top = top[eval_sl]
+        rows = []
+        fits = {}
+        for k in cands:
+            x = hidden[k]
+            if self.bridge == "linear":
+                w, b = _ridge_fit(x[:fit_pos], y[:fit_pos], self.ridge)
+                pred = x[eval_sl] @ w + b
+                fits[k] = (w, b)
+            else:
+                pred = x[eval_sl]
+                fits[k] = None
+            lg = head.run(None, {head_in: pred[None].astype(np.float32)})[0][0]
+            pick = lg.argmax(-1)
+            if subset is not None:
+                pick = subset[pick]
+            alpha = float((pick == y_eval_top).mean())
+            bridge_params = (x.shape[1] * y.shape[1] + y.shape[1]) if self.bridge == "linear" else 0
+            cost = (sum(layer_params[:k]) + bridge_params + head_params) / target_cost
+            speed, g = projected_speedup(alpha, cost, verify, self.max_draft)
+            rows.append({"layers": k, "acceptance": round(alpha, 4), "draft_cost": round(cost, 4),
+                         "projected_speedup": round(speed, 4), "draft_length": g})
+            logger.info("split-drafter: k=%d acceptance %.3f cost %.3f -> projected %.2fx (draft %d)", k, alpha, cost,
+                        speed, g)
+        best = max(rows, key=lambda r: (r["projected_speedup"], -r["layers"]))
+        if best["projected_speedup"] < self.min_speedup:
+            top3 = sorted(rows, key=lambda r: -r["projected_speedup"])[:3]
+            detail = "; ".join(
+                f"k={r['layers']}: acceptance {r['acceptance']:.2f}, drafter cost {r['draft_cost']:.2f} of the target, "
+                f"projected {r['projected_speedup']:.2f}x" for r in top3
+            )
+            raise DrafterError(
+                f"split-drafter refuses: the best projected speedup is {best['projected_speedup']:.2f}x < "
+                f"{self.min_speedup:g} on {len(top)} calibration tokens ({detail}). The target's early layers "
+                "predict its output too rarely to pay for themselves. Try calibration text closer to what you will "
+                "generate, an external drafter (--drafter DRAFT.onnx), --drafter prompt-lookup for input-grounded "
+                "tasks, or force a k with split-drafter{layers=K,min_speedup=0}"
+            )
+        k = best["layers"]
+        drafter = build_split_drafter(model, cut_in=cut_names[k], cut_last=cut_names[num], logits=logits_name,
+                                      bridge=fits[k], subset=subset)
+        dspec = decoder_spec(drafter, "drafter", what="split drafter")
+        target_kv = [e["past"] for e in target_spec["kv"]]
+        try:
+            share = [target_kv.index(e["past"]) for e in dspec["kv"]]
+        except ValueError as e:
+            raise DrafterError(f"split drafter's KV inputs are not the target's: {e}") from None
+        record = {
+            "format": SPLIT_DRAFTER_FORMAT,
+            "layers": k,
+            "num_layers": num,
+            "cut": cut_names[k],
+            "bridge": {"kind": self.bridge, "ridge": self.ridge} if self.bridge == "linear" else {"kind": "none"},
+            "vocab_size": None if subset is None else int(len(subset)),
+            "target_vocab_size": int(vocab_size),
+            "acceptance": best["acceptance"],
+            "draft_cost": best["draft_cost"],
+            "projected_speedup": best["projected_speedup"],
+            "draft_length": best["draft_length"],
+            "verify_cost": {str(k_): round(v, 4) for k_, v in sorted(verify.items())},
+            "verify_slope": round(_slope(verify), 4),
+            "share_kv": share,
+            "candidates": rows,
+            "calibration": {"tokens": int(len(top)), "chunks": n_chunks, "fit_tokens": int(fit_pos),
+                            "eval_tokens": int(len(y_eval_top)), "chunk_len": self.chunk_len},
+            "seconds": round(time.perf_counter() - t_start, 2),
+        }
+        model.metadata_props[SPLIT_DRAFTER_KEY] = json.dumps(record)
+        model.meta[SPLIT_DRAFTER_META] = drafter
+        model.meta[VOCAB_META] = subset
+        logger.info("split-drafter: k=%d of %d layers, acceptance %.3f, projected %.2fx", k, num, best["acceptance"],
+                    best["projected_speedup"])
+        return ir.passes.PassResult(model, modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        if SPLIT_DRAFTER_META not in model.meta:
+            raise ir.passes.PostconditionError("split-drafter left no drafter graph in model.meta")
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _collect(self, model, spec, cut_names: dict[int, str], chunks, ext_dir):
+        """Hidden states at the cuts, the target's top-1 and the input token of every calibration position."""
+        g = model.graph
+        values = ir.convenience.create_value_mapping(g)
+        n_out = len(g.outputs)
+        extra = [values[n] for n in dict.fromkeys(cut_names.values()) if not values[n].is_graph_output()]
+        g.outputs.extend(extra)
+        try:
+            sess = _session(model, ext_dir)
+        finally:
+            del g.outputs[n_out:]
+        names = [spec["logits"], *dict.fromkeys(cut_names.values())]
+        hidden: dict[str, list[np.ndarray]] = {n: [] for n in dict.fromkeys(cut_names.values())}
+        tops, ins = [], []
+        bar = _progress(sum(len(c) for c in chunks), "split-drafter: running calibration text", self.progress)
+        for c in chunks:
+            feeds = _prefill_feeds(spec, c)
+            outs = sess.run(names, feeds)
+            tops.append(outs[0][0].argmax(-1))
+            for n, h in zip(names[1:], outs[1:]):
+                hidden[n].append(h[0].astype(np.float32))
+            ins.append(np.asarray(c, np.int64))
+            bar.update(len(c))
+        bar.close()
+        merged = {n: np.concatenate(v) for n, v in hidden.items()}
+        return ({k: merged[n] for k, n in cut_names.items()}, np.concatenate(tops), np.concatenate(ins), sess)
+
+    def _subset(self, vocab_size: int, top: np.ndarray, inputs: np.ndarray) -> np.ndarray | None:
+        if self.vocab == "full":
+            return None
+        n = (8192 if vocab_size > 16384 else vocab_size) if self.vocab == "auto" else int(self.vocab)
+        if n >= vocab_size:
+            return None
+        score = np.bincount(top, minlength=vocab_size).astype(np.float64) * 2.0
+        score += np.bincount(inputs[inputs < vocab_size], minlength=vocab_size)[:vocab_size]
+        score -= np.arange(vocab_size) * 1e-9  # ties: lower ids (earlier BPE merges, more frequent) first
+        chosen = set(np.argsort(-score, kind="stable")[:n].tolist())
+        chosen.update(i for i in self.special_ids if 0 <= i < vocab_size)
+        return np.array(sorted(chosen), dtype=np.int64)
+
+    @staticmethod
+    def _head_model(model: ir.Model, cut_last: str, logits: str, subset, hidden: int) -> ir.Model:
+        g = model.graph
+        sub = ir.convenience.extract(g, inputs=[cut_last], outputs=[logits])
+        for v in sub.inputs:  # intermediate values of an export may carry no type
+            if v.dtype is None:
+                v.dtype = ir.DataType.FLOAT
+            if v.shape is None:
+                v.shape = ir.Shape(["batch", "seq", hidden])
+        for dom, ver in model.opset_imports.items():
+            sub.opset_imports.setdefault(dom, ver)
+        head = ir.Model(sub, ir_version=model.ir_version)
+        if subset is not None and not trim_lm_head(head, logits, subset):
+            raise DrafterError("cannot restrict this model's LM head to a vocabulary subset; use split-drafter{vocab=full}")
+        return head
+
+    def _verify_costs(self, sess, spec, chunk) -> dict[int, float]:
+        return measure_verify_costs(sess, spec, chunk, self.max_draft)
+
+
+def measure_verify_costs(sess, spec, chunk: Sequence[int], max_draft: int = 8, repeats: int = 3) -> dict[int, float]:
+    """Target time for ``s`` new tokens on a cache of ``len(chunk)``, relative to one token (s = 1, 2, 4, ...)."""
+    names = [spec["logits"], *(e["present"] for e in spec["kv"])]
+    outs = sess.run(names, _prefill_feeds(spec, list(chunk)))
+    past = outs[1:]
+    sizes = sorted({1, 2, 4, max_draft + 1})
+    times = {}
+    sess.run(names[:1], _prefill_feeds(spec, [int(chunk[0])], past=past, past_len=len(chunk)))  # warm-up
+    for size in sizes:
+        feeds = _prefill_feeds(spec, [int(chunk[0])] * size, past=past, past_len=len(chunk))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sess.run(names[:1], feeds)
+            ts.append(time.perf_counter() - t0)
+        times[size] = float(np.median(ts))
+    base = times[1]
+    return {s_: round(max(1.0, t / base), 4) if s_ > 1 else 1.0 for s_, t in times.items()}
+
+
+def weight_reads(model: ir.Model) -> int:
+    """Elements of the float matrices a decode step reads in full (embedding tables read by Gather only are not)."""
+    total = 0
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if t is None or not t.dtype.is_floating_point() or len(t.shape) < 2:
+            continue
+        if v.uses() and all(u.node.op_type == "Gather" and u.idx == 0 for u in v.uses()):
+            continue
+        total += int(np.prod(t.shape))
+    return total
+
+
+def _slope(verify: dict[int, float]) -> float:
+    xs = np.array(sorted(verify), float)
+    ys = np.array([verify[int(x)] for x in xs])
+    if len(xs) < 2:
+        return 0.1
+    b = np.polyfit(xs - 1, ys - 1, 1)[0]
+    return float(max(b, 0.0))
+
+
+def _prefill_feeds(spec, ids, past=None, past_len: int = 0) -> dict[str, np.ndarray]:
+    n = len(ids)
+    feeds = {spec["input_ids"]: np.asarray([ids], np.int64)}
+    if spec.get("attention_mask"):
+        feeds[spec["attention_mask"]] = np.ones((1, past_len + n), np.int64)
+    if spec.get("position_ids"):
+        feeds[spec["position_ids"]] = np.arange(past_len, past_len + n, dtype=np.int64)[None]
+    dt = np.float16 if spec.get("kv_dtype") == "float16" else np.float32
+    for i, e in enumerate(spec["kv"]):
+        if past is not None:
+            feeds[e["past"]] = past[i]
+        else:
+            dims = list(e["shape"])
+            dims.insert(e["axis"] - 1, 0)
+            feeds[e["past"]] = np.zeros([1, *dims], dt)
+    return feeds
+
+
+def _ridge_fit(x: np.ndarray, y: np.ndarray, ridge: float) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares ``y ~ x @ w + b`` with a ridge of ``ridge * mean(diag(X^T X))``."""
+    x64 = np.concatenate([x, np.ones((len(x), 1), x.dtype)], 1).astype(np.float64)
+    a = x64.T @ x64
+    lam = ridge * np.trace(a) / a.shape[0]
+    sol = np.linalg.solve(a + lam * np.eye(a.shape[0]), x64.T @ y.astype(np.float64))
+    return sol[:-1].astype(np.float32), sol[-1].astype(np.float32)
+
+
+def _head_params(head: ir.Model) -> int:
+    total = 0
+    for v in head.graph.initializers.values():
+        t = v.const_value
+        if t is not None and v.uses() and t.dtype.is_floating_point() and len(t.shape) >= 2:
+            total += int(np.prod(t.shape))
+    return total
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False)
+
+
+@register_pass(
+    "split-drafter",
+    help="drafter from the target's first k layers + a bridge fitted on --calib TEXT (k by measured acceptance x "
+    "cost; refuses below 1x); use with speculative",
+    requires=("calib",),
+)
+def _make_split_drafter(
+    context: CompileContext,
+    layers: int | None = None,
+    bridge: str = "linear",
+    vocab: str | int = "auto",
+    min_speedup: float = 1.0,
+    max_tokens: int = 8192,
+    chunk_len: int = 256,
+    max_draft: int = 8,
+):
+    from tokenizers import Tokenizer
+
+    texts = read_calibration_text(context.options["calib"])
+    tok_path = Path(context.options.get("tokenizer") or (context.model_path.parent / "tokenizer.json"))
+    if not tok_path.is_file():
+        raise DrafterError(
+            f"split-drafter tokenizes the calibration text with the target's tokenizer, but {tok_path} is missing; "
+            "pass --tokenizer tokenizer.json"
+        )
+    tok = Tokenizer.from_file(str(tok_path))
+    tok.no_truncation()
+    tok.no_padding()
+    ids = [e.ids for e in tok.encode_batch(texts)]
+    cfg = context.model_config
+    special = [*(cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), list) else [cfg.get("eos_token_id")]),
+               cfg.get("bos_token_id"), cfg.get("pad_token_id")]
+    return SplitDrafterPass(
+        ids,
+        layers=layers,
+        bridge=bridge,
+        vocab=vocab,
+        min_speedup=min_speedup,
+        max_tokens=max_tokens,
+        chunk_len=chunk_len,
+        max_draft=max_draft,
+        special_ids=[i for i in special if isinstance(i, int)],
+        progress=context.progress,
+    )

@@ -1,0 +1,347 @@
+"""``speculative_generate`` step: a drafter proposes, the target verifies several tokens per call.
+
+One round, with the target's cache holding every token of the sequence but the last::
+
+    drafts = drafter.propose(seq, gamma)                 # gamma tokens (fewer if the drafter has none)
+    logits = target.forward([seq[-1], *drafts])           # gamma + 1 positions in ONE call
+    greedy:   accept drafts while draft_i == argmax(logits_i); then append argmax at the first mismatch
+              (or after the last draft): exactly the tokens the target alone would pick.
+    sampling: accept draft_i with probability min(1, p_i(d)/q_i(d)); at the first rejection draw from
+              norm(max(0, p_i - q_i)); if all pass draw from p_gamma (Leviathan et al. 2023, Chen et al. 2023):
+              the output distribution is the target's.
+    target.truncate(len(seq) - 1); drafter.after_verify(...)   # KV of rejected tokens dropped
+
+Draft length is adapted to the running acceptance rate ``alpha`` (decayed counts of accepted tokens and
+rejections) and to the measured costs: ``gamma = argmax E(gamma) / (gamma * t_draft + t_verify(gamma+1))``
+with ``E = (1 - alpha^(gamma+1)) / (1 - alpha)`` expected tokens per round; ``t_verify(s)`` is learned
+online per number of tokens (prior: ``t_verify(1) * (1 + slope * (s - 1))``). Stops at an eos token, at
+``max_new_tokens`` and at the model's maximum length (drafts are capped so no round overshoots).
+
+Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generate`), ``drafter``
+(``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
+"vocab": file key|null}`` or ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``), ``draft``
+(``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``), ``generation``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from dyncompile.errors import PlanError
+from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from dyncompile.runtime.executor import register_step
+from dyncompile.runtime.generate import (
+    DecoderSpec,
+    GenerateStep,
+    GenerationStats,
+    KVDecoder,
+    PromptError,
+    probs_from_logits,
+    sample_from,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DraftController", "SpeculativeGenerateStep", "verify_greedy", "verify_sampling"]
+
+
+def verify_greedy(logits: np.ndarray, drafts: Sequence[int]) -> tuple[int, int]:
+    """``(accepted, next_token)``: leading drafts equal to the target's argmax, then the target's own pick."""
+    picks = np.argmax(logits, axis=-1)
+    n = 0
+    while n < len(drafts) and int(picks[n]) == drafts[n]:
+        n += 1
+    return n, int(picks[n])
+
+
+def verify_sampling(
+    p: np.ndarray, drafts: Sequence[int], qs: Sequence[np.ndarray] | None, rng: np.random.Generator
+) -> tuple[int, int]:
+    """Rejection sampling over the drafts: ``(accepted, next_token)`` distributed exactly as the target.
+
+    Args:
+        p: target probabilities ``[len(drafts) + 1, vocab]`` (float64, rows sum to 1).
+        drafts: proposed tokens.
+        qs: the drafter's distribution for each draft (full vocabulary), or ``None`` for point masses
+            (deterministic proposals such as prompt lookup).
+        rng: the generator.
+    """
+    for i, d in enumerate(drafts):
+        pd = p[i, d]
+        qd = 1.0 if qs is None else qs[i][d]
+        if qd > 0 and rng.random() * qd < pd:  # accept with probability min(1, p/q)
+            continue
+        if qs is None:
+            residual = p[i].copy()
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(p[i] - qs[i], 0.0)
+        if not residual.sum() > 0:  # p == q up to rounding: acceptance was certain in exact arithmetic
+            residual = p[i]
+        return i, sample_from(residual, rng)
+    return len(drafts), sample_from(p[len(drafts)], rng)
+
+
+class DraftController:
+    """Chooses the draft length of each round from the running acceptance rate and measured call costs."""
+
+    def __init__(
+        self,
+        *,
+        initial: int = 4,
+        min_len: int = 1,
+        max_len: int = 8,
+        adaptive: bool = True,
+        alpha0: float = 0.6,
+        verify_slope: float = 0.1,
+        draft_cost: float | None = None,
+        decay: float = 0.9,
+        probe_every: int = 8,
+        verify_cost: dict[int, float] | None = None,
+        timing: bool = False,
+    ) -> None:
+        if not 0 <= min_len <= max_len:
+            raise PromptError(f"draft lengths need 0 <= min <= max, got min={min_len}, max={max_len}")
+        self.initial = int(initial)
+        self.min_len, self.max_len = int(min_len), int(max_len)
+        self.adaptive = bool(adaptive)
+        self.verify_slope = float(verify_slope)
+        self.draft_cost = draft_cost
+        self.decay = float(decay)
+        self.probe_every = int(probe_every)
+        self.verify_cost = {int(k): float(v) for k, v in (verify_cost or {}).items()}
+        self.timing = bool(timing)
+        a0 = min(max(float(alpha0), 0.01), 0.99)
+        self.acc, self.rej = 2.0 * a0, 2.0 * (1.0 - a0)
+        self.t_verify: dict[int, float] = {}
+        self.t_draft: float | None = None
+        self.rounds = 0
+        self.since_probe = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.acc / (self.acc + self.rej)
+
+    def _model_verify(self, s: int) -> float:
+        """Cost of verifying ``s`` tokens relative to one, from the plan (measured at compile time) or the slope."""
+        if self.verify_cost and len(self.verify_cost) >= 2:
+            xs = np.array(sorted(self.verify_cost), float)
+            ys = np.array([self.verify_cost[int(x)] for x in xs])
+            if s <= xs[-1]:
+                return float(np.interp(s, xs, ys))
+            return float(ys[-1] + (s - xs[-1]) * (ys[-1] - ys[0]) / max(xs[-1] - xs[0], 1.0))
+        return 1.0 + self.verify_slope * (s - 1)
+
+    def _t_verify(self, s: int) -> float | None:
+        """Measured seconds to verify ``s`` tokens (timing mode), interpolated from what was seen."""
+        if s in self.t_verify:
+            return self.t_verify[s]
+        if not self.t_verify:
+            return None
+        pts = sorted(self.t_verify.items())
+        if len(pts) >= 2:
+            xs = np.array([x for x, _ in pts], float)
+            ys = np.array([y for _, y in pts], float)
+            b, a = np.polyfit(xs, ys, 1)
+            if b > 0:
+                return float(a + b * s)
+        x0, y0 = pts[0]
+        return y0 / self._model_verify(x0) * self._model_verify(s)
+
+    def next_length(self, limit: int) -> int:
+        """Draft length for the next round, at most ``limit``."""
+        limit = min(limit, self.max_len)
+        if limit <= 0:
+            return 0
+        if not self.adaptive:
+            return max(0, min(self.initial, limit))
+        self.rounds += 1
+        if self.rounds <= 1:
+            return max(min(self.initial, limit), min(self.min_len, limit))
+        alpha = min(self.alpha, 0.999)
+        t1 = self._t_verify(1) if self.timing else None
+        if t1 is not None:  # measured costs (opt-in: the schedule then depends on the machine's timings)
+            td = self.t_draft if self.t_draft is not None else (self.draft_cost or 0.0) * t1
+
+            def tv(s):
+                return self._t_verify(s)
+        else:  # the plan's cost model: deterministic given the seed
+            t1, td = 1.0, float(self.draft_cost or 0.0)
+
+            def tv(s):
+                return self._model_verify(s)
+        best, best_rate = 0, 1.0 / t1
+        for g in range(max(1, self.min_len), limit + 1):
+            expected = (1 - alpha ** (g + 1)) / (1 - alpha)
+            rate = expected / (g * td + tv(g + 1))
+            if rate > best_rate:
+                best, best_rate = g, rate
+        if best < self.min_len:
+            best = min(self.min_len, limit)
+        if best == 0:  # drafting does not pay now: probe once in a while so alpha can recover
+            self.since_probe += 1
+            if self.since_probe >= self.probe_every:
+                self.since_probe = 0
+                return 1
+        return best
+
+    def update(self, drafted: int, accepted: int, verify_tokens: int, verify_s: float, draft_s: float) -> None:
+        d = self.decay
+        if drafted:
+            self.acc = d * self.acc + accepted
+            self.rej = d * self.rej + (1.0 if accepted < drafted else 0.0)
+            per = draft_s / drafted
+            self.t_draft = per if self.t_draft is None else 0.8 * self.t_draft + 0.2 * per
+        old = self.t_verify.get(verify_tokens)
+        self.t_verify[verify_tokens] = verify_s if old is None else 0.7 * old + 0.3 * verify_s
+
+
+@register_step("speculative_generate")
+class SpeculativeGenerateStep(GenerateStep):
+    """Speculative decoding: the plan's drafter proposes, the target verifies (see the module docstring)."""
+
+    def __init__(self, step, ctx) -> None:
+        super().__init__(step, ctx)
+        p = step.params
+        d = p.get("drafter") or {}
+        kind = d.get("kind")
+        self.draft_params = dict(p.get("draft") or {})
+        self.drafter: Drafter
+        if kind == "prompt-lookup":
+            self.drafter = PromptLookupDrafter(int(d.get("max_ngram", 3)), int(d.get("min_ngram", 1)))
+        elif kind == "model":
+            spec = DecoderSpec.from_params(d.get("decoder") or {}, "drafter")
+            vocab = None
+            if d.get("vocab"):
+                vocab = np.load(ctx.plan.path_of(d["vocab"]), allow_pickle=False)
+            share = d.get("share_kv")
+            dec = KVDecoder(ctx.session(spec.model), spec, role="drafter", timer=self.timer,
+                            io_binding=bool(p.get("io_binding", False)), rollback=p.get("rollback", "mask"))
+            if share is not None and len(share) != len(spec.kv):
+                raise PlanError("plan step: drafter share_kv must list one target kv index per drafter kv entry")
+            self.drafter = ModelDrafter(dec, name=d.get("name", "external"), share_kv=share, vocab=vocab)
+        else:
+            raise PlanError(f"plan step speculative_generate: unknown drafter kind {kind!r} (known: model, prompt-lookup)")
+
+    def _controller(self, options: dict[str, Any]) -> DraftController:
+        """The plan's draft policy, overridden by ``draft_length``/``min_draft``/``max_draft``/``adaptive``."""
+        dp = dict(self.draft_params)
+        for opt, key in (("draft_length", "initial"), ("min_draft", "min"), ("max_draft", "max"),
+                         ("adaptive", "adaptive"), ("adapt_to_timing", "timing")):
+            if opt in options:
+                dp[key] = options.pop(opt)
+        initial = int(dp.get("initial", 4))
+        max_len = int(dp.get("max", 8))
+        if initial > max_len:
+            max_len = initial
+        return DraftController(
+            initial=initial,
+            min_len=int(dp.get("min", 1)),
+            max_len=max_len,
+            adaptive=bool(dp.get("adaptive", True)),
+            alpha0=float(dp.get("alpha0", 0.6)),
+            verify_slope=float(dp.get("verify_slope", 0.1)),
+            draft_cost=dp.get("draft_cost"),
+            verify_cost=dp.get("verify_cost"),
+            timing=bool(dp.get("timing", False)),
+        )
+
+    def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
+        # per-call runtime options (the plan's defaults otherwise)
+        decoders = [self.target] + ([self.drafter.decoder] if isinstance(self.drafter, ModelDrafter) else [])
+        io_binding = options.pop("io_binding", None)
+        io_binding = bool(self.step.params.get("io_binding", False) if io_binding is None else io_binding)
+        rollback = options.pop("rollback", None) or self.step.params.get("rollback", "mask")
+        if rollback not in ("mask", "copy"):
+            raise PromptError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
+        for d in decoders:
+            d.io_binding = io_binding
+            d.rollback = rollback if d.mask_name and d.pos_name else "copy"
+        if not speculative:
+            if options:
+                options = {k: v for k, v in options.items() if k not in ("draft_length", "max_draft", "min_draft",
+                                                                          "adaptive", "adapt_to_timing", "rollback")}
+            return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
+                                        **options)
+        ctl = self._controller(options)
+        if options:
+            raise PromptError(
+                f"unknown generation options {sorted(options)}; known: draft_length, min_draft, max_draft, adaptive, "
+                "adapt_to_timing, io_binding, rollback"
+            )
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), mode="sample" if sample else "greedy",
+                                drafter=self.drafter.name)
+        self.timer.reset()
+        t_start = time.perf_counter()
+        out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats)
+        stats.seconds = time.perf_counter() - t_start
+        stats.new_tokens = len(out)
+        stats.target_seconds = self.timer.seconds.get("target", 0.0)
+        stats.drafter_seconds = self.timer.seconds.get("drafter", 0.0)
+        stats.drafter_calls = self.timer.calls.get("drafter", 0)
+        return out, stats
+
+    def _loop(self, prompt_ids, max_new_tokens, sample, temperature, rng, ctl: DraftController,
+              stats: GenerationStats) -> list[int]:
+        target, drafter = self.target, self.drafter
+        eos = set(self.gen.eos_token_ids)
+        max_len = self.gen.max_length
+        budget = max_new_tokens if max_len is None else min(max_new_tokens, max_len - len(prompt_ids))
+        target.reset()
+        drafter.reset(prompt_ids)
+        t0 = time.perf_counter()
+        logits = target.forward(prompt_ids)[-1]
+        stats.prefill_seconds = time.perf_counter() - t0
+        stats.target_calls = 1
+        vocab_size = int(logits.shape[-1])
+        tok = sample_from(probs_from_logits(logits, temperature), rng) if sample else int(np.argmax(logits))
+        seq = [*prompt_ids, tok]
+        out = [tok]
+        if tok in eos:
+            stats.stop_reason = "eos"
+            return out
+        if len(out) >= budget:
+            stats.stop_reason = "max_new_tokens" if budget >= max_new_tokens else "max_length"
+            return out
+        drafter.after_prefill(target)
+        while True:
+            remaining = budget - len(out)
+            gamma = ctl.next_length(remaining - 1)
+            t_d = time.perf_counter()
+            drafts, qs = drafter.propose(seq, gamma, sample=sample, temperature=temperature, rng=rng,
+                                         vocab_size=vocab_size)
+            t_d = time.perf_counter() - t_d
+            tv_before = self.timer.seconds.get("target", 0.0)
+            logits = target.forward([seq[-1], *drafts])
+            t_v = self.timer.seconds.get("target", 0.0) - tv_before
+            if sample:
+                n, nxt = verify_sampling(probs_from_logits(logits, temperature), drafts, qs, rng)
+            else:
+                n, nxt = verify_greedy(logits, drafts)
+            stats.rounds += 1
+            stats.target_calls += 1
+            stats.drafted += len(drafts)
+            stats.accepted += n
+            stats.draft_lengths[len(drafts)] = stats.draft_lengths.get(len(drafts), 0) + 1
+            ctl.update(len(drafts), n, len(drafts) + 1, t_v, t_d)
+            new = [*drafts[:n], nxt]
+            stop = ""
+            for j, t in enumerate(new):
+                if t in eos:
+                    new = new[: j + 1]
+                    stop = "eos"
+                    break
+            if len(out) + len(new) >= budget:
+                new = new[: budget - len(out)]
+                stop = stop or ("max_new_tokens" if budget >= max_new_tokens else "max_length")
+            seq.extend(new)
+            out.extend(new)
+            if stop:
+                stats.stop_reason = stop
+                return out
+            target.truncate(len(seq) - 1)
+            drafter.after_verify(len(seq) - 1, target)

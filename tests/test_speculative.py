@@ -1,0 +1,448 @@
+"""Speculative decoding on tiny generated decoders: greedy fidelity for every drafter kind, exact sampling
+(chi-square against the target's own distribution), stop conditions, draft-length control, and bad input
+(each a clear DyncompileError; through the CLI one `error:` line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import dyncompile
+import numpy as np
+import onnx_ir as ir
+import pytest
+from dyncompile.errors import DyncompileError, PassConfigError
+from dyncompile.passes.speculative import DrafterError, SpeculativePass
+from dyncompile.runtime.generate import GenerationConfig, PromptError
+from dyncompile.runtime.speculative import DraftController
+from dyncompile.tools.cli import main as cli_main
+from dyncompile.tools.compiler import compile_model
+from tiny_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
+
+VOCAB = 16
+EOS_UNUSED = 99  # not a token: generation runs to max_new_tokens unless a test sets one
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 9, 10, 11, 7, 7, 8], [3]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny target (3 layers) + external drafter (1 layer) dirs, each with a word tokenizer and model config."""
+    root = tmp_path_factory.mktemp("spec")
+    target = write_decoder_dir(root / "target", tiny_decoder(num_layers=3, vocab=VOCAB, seed=0), eos=EOS_UNUSED)
+    write_word_tokenizer(root / "target", VOCAB)
+    draft = write_decoder_dir(root / "draft", tiny_decoder(num_layers=1, vocab=VOCAB, seed=1), eos=EOS_UNUSED)
+    write_word_tokenizer(root / "draft", VOCAB)
+    calib = root / "calib.txt"
+    rng = np.random.default_rng(0)
+    calib.write_text(" ".join(f"w{i}" for i in rng.integers(0, VOCAB, 600)))
+    return {"root": root, "target": target, "draft": draft, "calib": calib}
+
+
+@pytest.fixture(scope="module")
+def plans(tiny):
+    root = tiny["root"]
+    out = {
+        "plain": compile_model(tiny["target"], "verify", root / "plain", verify=True),
+        "external": compile_model(tiny["target"], "speculative", root / "external", drafter=str(tiny["draft"]),
+                                  verify=True),
+        "prompt-lookup": compile_model(tiny["target"], "speculative", root / "pl", drafter="prompt-lookup",
+                                       verify=True),
+        "split": compile_model(tiny["target"], "split-drafter{layers=1,min_speedup=0},speculative", root / "split",
+                               calib=str(tiny["calib"]), verify=True),
+    }
+    return {k: r.plan_dir for k, r in out.items()}
+
+
+@pytest.fixture(scope="module")
+def loaded(plans):
+    return {k: dyncompile.load(p) for k, p in plans.items()}
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+
+def test_plan_steps_and_files(plans):
+    kinds = {k: json.loads((p / "plan.json").read_text()) for k, p in plans.items()}
+    assert kinds["plain"]["task"] == "text-generation"
+    assert [s["kind"] for s in kinds["plain"]["steps"]] == ["generate"]
+    for k in ("external", "prompt-lookup", "split"):
+        plan = kinds[k]
+        assert plan["task"] == "text-generation"
+        (step,) = plan["steps"]
+        assert step["kind"] == "speculative_generate"
+        assert len(step["target"]["kv"]) == 6 and step["target"]["kv"][0]["shape"] == [4, 64]
+        for f in plan["files"].values():
+            assert len(f["sha256"]) == 64
+    assert kinds["prompt-lookup"]["steps"][0]["drafter"] == {"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}
+    ext = kinds["external"]["steps"][0]["drafter"]
+    assert ext["kind"] == "model" and ext["name"] == "external" and ext["share_kv"] is None
+    assert "drafter" in kinds["external"]["files"]
+    split = kinds["split"]
+    d = split["steps"][0]["drafter"]
+    assert d["name"] == "split" and d["share_kv"] == [0, 1]  # layer 1's key/value are the target's
+    assert split["files"]["drafter"]["external_data"] == ["model.onnx.data"]  # weights shared on disk
+    assert split["policy"]["split_drafter"]["layers"] == 1
+
+
+def test_split_drafter_shares_target_weights(plans):
+    d = plans["split"]
+    drafter = ir.load(str(d / "drafter.onnx"))
+    external = {n for n, v in drafter.graph.initializers.items() if isinstance(v.const_value, ir.ExternalTensor)}
+    assert "embed_tokens.weight" in external and "layers.0.q" in external
+    assert {"split_drafter.bridge.weight", "split_drafter.bridge.bias"} <= set(drafter.graph.initializers)
+    assert not any(n.startswith("layers.1.") for n in drafter.graph.initializers)
+
+
+# ------------------------------------------------------------------------------------------- greedy fidelity
+
+
+@pytest.mark.parametrize("kind", ["external", "prompt-lookup", "split"])
+def test_greedy_token_identical_to_target(loaded, kind):
+    ref_model, m = loaded["plain"], loaded[kind]
+    for prompt in PROMPTS:
+        ref = ref_model.generate(prompt, max_new_tokens=40)
+        for opts in ({}, {"draft_length": 1, "adaptive": False}, {"draft_length": 6, "adaptive": False}):
+            res = m.generate(prompt, max_new_tokens=40, **opts)
+            assert res.token_ids == ref.token_ids, (kind, prompt, opts)
+            st = res.stats
+            assert st.new_tokens == 40 and st.stop_reason == "max_new_tokens"
+            assert st.drafter == m.handlers[0].drafter.name
+            assert st.target_calls == st.rounds + 1 and st.accepted <= st.drafted
+            assert st.new_tokens == st.rounds + st.accepted + 1  # each round: accepted drafts + one target token
+        same = m.generate(prompt, max_new_tokens=40, speculative=False)
+        assert same.token_ids == ref.token_ids and same.stats.drafter is None
+
+
+@pytest.mark.parametrize("kind", ["external", "split"])
+def test_rollback_by_mask_copy_and_iobinding_agree(loaded, kind):
+    """Masked rollback (default), copy rollback and IOBinding give the target's tokens; long runs compact."""
+    m = loaded[kind]
+    ref = loaded["plain"].generate(PROMPTS[1], max_new_tokens=120).token_ids
+    for opts in ({"rollback": "copy"}, {"io_binding": True}, {"rollback": "copy", "io_binding": True}, {}):
+        res = m.generate(PROMPTS[1], max_new_tokens=120, draft_length=4, adaptive=False, **opts)
+        assert res.token_ids == ref, opts
+    target = m.handlers[0].target
+    assert target.rollback == "mask" and not target.io_binding
+    assert target.compactions > 0 and target.slots >= target.length
+
+
+def test_text_prompt_and_decode(loaded):
+    res = loaded["split"].generate("w1 w2 w3 w4", max_new_tokens=5)
+    assert res.prompt_ids == [1, 2, 3, 4]
+    assert res.text.split() == [f"w{t}" for t in res.token_ids]
+    assert loaded["plain"].generate("w1 w2 w3 w4", max_new_tokens=5).token_ids == res.token_ids
+
+
+def test_prompt_lookup_drafts_from_the_prompt(loaded):
+    # a target that loops: the continuation repeats, prompt lookup proposes it
+    ref = loaded["plain"].generate(PROMPTS[0], max_new_tokens=60)
+    res = loaded["prompt-lookup"].generate(PROMPTS[0], max_new_tokens=60)
+    assert res.token_ids == ref.token_ids
+    assert res.stats.drafted > 0 and res.stats.accepted > 0
+
+
+def _with_generation(m, **kw):
+    h = m.handlers[0]
+    old = h.gen
+    h.gen = GenerationConfig(**{**old.__dict__, **kw})
+    return old
+
+
+@pytest.mark.parametrize("kind", ["external", "prompt-lookup", "split"])
+def test_stops_at_eos_and_max_length(loaded, kind):
+    ref = loaded["plain"].generate(PROMPTS[1], max_new_tokens=30).token_ids
+    eos = ref[6]
+    first = ref.index(eos)
+    olds = [_with_generation(loaded[k], eos_token_ids=(eos,)) for k in ("plain", kind)]
+    try:
+        a = loaded["plain"].generate(PROMPTS[1], max_new_tokens=30)
+        b = loaded[kind].generate(PROMPTS[1], max_new_tokens=30)
+        assert a.token_ids == b.token_ids == ref[: first + 1]
+        assert b.stats.stop_reason == "eos"
+    finally:
+        for k, old in zip(("plain", kind), olds):
+            loaded[k].handlers[0].gen = old
+    old = _with_generation(loaded[kind], max_length=len(PROMPTS[1]) + 7)
+    try:
+        c = loaded[kind].generate(PROMPTS[1], max_new_tokens=30)
+        assert c.token_ids == ref[:7] and c.stats.stop_reason == "max_length"
+    finally:
+        loaded[kind].handlers[0].gen = old
+    d = loaded[kind].generate(PROMPTS[1], max_new_tokens=1)
+    assert d.token_ids == ref[:1] and d.stats.target_calls == 1
+
+
+# ------------------------------------------------------------------------------------------- exact sampling
+
+
+def _gammaincc(a: float, x: float) -> float:
+    """Regularised upper incomplete gamma Q(a, x) (series / continued fraction, Numerical Recipes)."""
+    if x <= 0:
+        return 1.0
+    lg = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        n = a
+        for _ in range(10000):
+            n += 1
+            term *= x / n
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return max(0.0, 1.0 - total * math.exp(lg))
+    b, c, d = x + 1 - a, 1e300, 1.0 / (x + 1 - a)
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+        c = b + an / c
+        c = c if abs(c) > 1e-300 else 1e-300
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(lg) * h
+
+
+def chi_square_p(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    """p-value of Pearson's chi-square test; cells expecting fewer than 5 counts are pooled."""
+    n = observed.sum()
+    e = expected_probs.reshape(-1) * n
+    o = observed.reshape(-1).astype(float)
+    small = e < 5
+    e = np.append(e[~small], e[small].sum())
+    o = np.append(o[~small], o[small].sum())
+    if e[-1] == 0:
+        e, o = e[:-1], o[:-1]
+    stat = float(((o - e) ** 2 / e).sum())
+    return _gammaincc((len(e) - 1) / 2, stat / 2)
+
+
+@pytest.fixture(scope="module")
+def sampling_plans(tmp_path_factory):
+    """Vocabulary 8 with spread-out distributions; a drafter that disagrees with the target."""
+    root = tmp_path_factory.mktemp("sampling")
+    t = write_decoder_dir(root / "t", tiny_decoder(num_layers=2, vocab=8, seed=0, logit_scale=1.5), eos=EOS_UNUSED)
+    d = write_decoder_dir(root / "d", tiny_decoder(num_layers=1, vocab=8, seed=1, logit_scale=1.5), eos=EOS_UNUSED)
+    ext = compile_model(t, "speculative{draft_length=2,adaptive=false}", root / "ext", drafter=str(d)).plan_dir
+    pl = compile_model(t, "speculative{draft_length=2,adaptive=false}", root / "pl", drafter="prompt-lookup").plan_dir
+    return dyncompile.load(ext), dyncompile.load(pl)
+
+
+def _exact_joint(m, prompt, temperature):
+    """The target's own distribution of new tokens 2 and 3 (marginalising token 1), by enumeration."""
+    from dyncompile.runtime.generate import probs_from_logits
+
+    tgt = m.handlers[0].target
+    tgt.reset()
+    p1 = probs_from_logits(tgt.forward(prompt)[-1], temperature)
+    joint = np.zeros((8, 8))
+    for a in range(8):
+        for b in range(8):
+            tgt.reset()
+            lg = tgt.forward([*prompt, a, b])
+            p2 = probs_from_logits(lg[-2], temperature)[b]
+            joint[b] += p1[a] * p2 * probs_from_logits(lg[-1], temperature)
+    return joint
+
+
+def _sample_joint(m, prompt, temperature, n):
+    counts = np.zeros((8, 8))
+    accepted = drafted = 0
+    for seed in range(n):
+        r = m.generate(prompt, max_new_tokens=4, sample=True, temperature=temperature, seed=seed)
+        counts[r.token_ids[1], r.token_ids[2]] += 1
+        accepted += r.stats.accepted
+        drafted += r.stats.drafted
+    return counts, accepted, drafted
+
+
+@pytest.mark.parametrize("which,prompt,temperature", [(0, [1, 2, 3, 4], 1.0), (0, [5, 6], 0.7), (1, [1, 2, 1, 2, 1], 1.0)])
+def test_speculative_sampling_reproduces_target_distribution(sampling_plans, which, prompt, temperature):
+    """Tokens 2-3 come from one verification round of 2 drafts (model drafter or prompt lookup); their joint
+    distribution over 3000 seeds matches the target's (chi-square), and the drafts were really used."""
+    m = sampling_plans[which]
+    expected = _exact_joint(m, prompt, temperature)
+    counts, accepted, drafted = _sample_joint(m, prompt, temperature, 3000)
+    assert accepted > 80 and drafted - accepted > 300  # drafts were both accepted and rejected
+    assert chi_square_p(counts, expected) > 1e-3
+
+
+def test_chi_square_detects_a_wrong_sampler(sampling_plans, monkeypatch):
+    """Negative control: always accepting the drafts gives the drafter's distribution, which the test rejects."""
+    import dyncompile.runtime.speculative as spec
+
+    def accept_all(p, drafts, qs, rng):
+        from dyncompile.runtime.generate import sample_from
+
+        return len(drafts), sample_from(p[len(drafts)], rng)
+
+    m = sampling_plans[0]
+    expected = _exact_joint(m, [1, 2, 3, 4], 1.0)
+    monkeypatch.setattr(spec, "verify_sampling", accept_all)
+    counts, _, _ = _sample_joint(m, [1, 2, 3, 4], 1.0, 1500)
+    assert chi_square_p(counts, expected) < 1e-6
+
+
+def test_sampling_is_seeded(loaded):
+    a = loaded["external"].generate(PROMPTS[0], max_new_tokens=20, sample=True, temperature=0.8, seed=3)
+    b = loaded["external"].generate(PROMPTS[0], max_new_tokens=20, sample=True, temperature=0.8, seed=3)
+    assert a.token_ids == b.token_ids and a.stats.mode == "sample"
+
+
+# ------------------------------------------------------------------------------------------- draft length
+
+
+def test_draft_controller_follows_acceptance():
+    def run(alpha, rounds=40):
+        ctl = DraftController(initial=4, min_len=1, max_len=8)
+        rng = np.random.default_rng(0)
+        lengths = []
+        for _ in range(rounds):
+            g = ctl.next_length(100)
+            lengths.append(g)
+            acc = 0
+            while acc < g and rng.random() < alpha:
+                acc += 1
+            ctl.update(g, acc, g + 1, 0.010 * (1 + 0.1 * g), 0.0005 * g)
+        return lengths, ctl.alpha
+
+    high, a_high = run(0.95)
+    low, a_low = run(0.05)
+    assert a_high > 0.8 and a_low < 0.2
+    assert np.mean(high[-10:]) >= 6 and np.mean(low[-10:]) <= 1.5
+    fixed = DraftController(initial=3, adaptive=False)
+    assert [fixed.next_length(100), fixed.next_length(2), fixed.next_length(0)] == [3, 2, 0]
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def run_cli(capsys, *argv):
+    rc = cli_main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_clean_error(rc, err, *needles):
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+@pytest.fixture()
+def other_tokenizer_drafter(tiny, tmp_path):
+    """The external drafter, with a tokenizer that differs in one token and a config with another eos."""
+    d = tmp_path / "other"
+    shutil.copytree(tiny["draft"].parent, d)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["x5"] = vocab.pop("w5")
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    return d / "model.onnx"
+
+
+def test_drafter_with_another_tokenizer(tiny, other_tokenizer_drafter, tmp_path, capsys):
+    with pytest.raises(DrafterError, match=r"tokenizer mismatch: token 5 is 'w5' in the target's tokenizer .* 'x5'"):
+        compile_model(tiny["target"], "speculative", tmp_path / "o", drafter=str(other_tokenizer_drafter))
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative", "--drafter", other_tokenizer_drafter,
+                         "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "tokenizer mismatch", "same model family", "prompt-lookup")
+    assert not (tmp_path / "o").exists()
+    # special tokens: same vocabulary, another eos
+    cfg_path = other_tokenizer_drafter.parent / "dyncompile-model.json"
+    shutil.copy(tiny["draft"].parent / "tokenizer.json", other_tokenizer_drafter.parent / "tokenizer.json")
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eos_token_id"] = 3
+    cfg_path.write_text(json.dumps(cfg))
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative", "--drafter", other_tokenizer_drafter,
+                         "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "eos_token_id is 99 for the target", "but 3 for the drafter")
+
+
+def test_drafter_vocabulary_size_mismatch(tiny, tmp_path):
+    d = write_decoder_dir(tmp_path / "small", tiny_decoder(num_layers=1, vocab=12, seed=2), eos=EOS_UNUSED)
+    with pytest.raises(DyncompileError, match="vocab"):
+        compile_model(tiny["target"], "speculative", tmp_path / "o", drafter=str(d))
+
+
+def test_drafter_without_kv_cache(tiny, tmp_path, capsys):
+    d = write_decoder_dir(tmp_path / "nokv", tiny_decoder(num_layers=1, vocab=VOCAB, with_kv=False), eos=EOS_UNUSED)
+    write_word_tokenizer(tmp_path / "nokv", VOCAB)
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative", "--drafter", d, "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "drafter", "has no KV cache", "re-export")
+    # and a target without one
+    rc, _, err = run_cli(capsys, d, "--passes", "speculative", "--drafter", "prompt-lookup", "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "target model", "has no KV cache")
+
+
+def test_split_layers_larger_than_model(tiny, tmp_path, capsys):
+    with pytest.raises(PassConfigError, match=r"layers=7 but the target has 3 layers.* 1\.\.2"):
+        compile_model(tiny["target"], "split-drafter{layers=7},speculative", tmp_path / "o", calib=str(tiny["calib"]))
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "split-drafter{layers=3},speculative", "--calib",
+                         tiny["calib"], "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "layers=3 but the target has 3 layers")
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "split-drafter,speculative", "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "needs --calib")
+
+
+def test_speculative_needs_a_drafter(tiny, tmp_path, capsys):
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative", "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "speculative needs a drafter", "--drafter", "split-drafter")
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative", "--drafter", tmp_path / "nope.onnx",
+                         "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "drafter not found", "nope.onnx")
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", []])
+def test_empty_prompt(loaded, prompt):
+    with pytest.raises(PromptError, match="empty prompt"):
+        loaded["external"].generate(prompt, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_max_new_tokens_not_positive(loaded, n):
+    with pytest.raises(PromptError, match="max_new_tokens must be >= 1"):
+        loaded["prompt-lookup"].generate([1, 2], max_new_tokens=n)
+
+
+def test_bad_generation_input_through_cli(plans, capsys):
+    rc, _, err = run_cli(capsys, "run", plans["split"], "--prompt", "")
+    assert_clean_error(rc, err, "empty prompt")
+    rc, _, err = run_cli(capsys, "run", plans["split"], "--prompt", "w1 w2", "--max-new-tokens", "0")
+    assert_clean_error(rc, err, "max_new_tokens must be >= 1", "--max-new-tokens")
+    rc, _, err = run_cli(capsys, "run", plans["split"], "--prompt", "w1 w2", "--sample", "--temperature", "0")
+    assert_clean_error(rc, err, "temperature must be > 0")
+
+
+def test_cli_run_prompt(plans, capsys):
+    rc, out, err = run_cli(capsys, "run", plans["prompt-lookup"], "--prompt", "w1 w2 w3 w1 w2", "--max-new-tokens", "6")
+    assert rc == 0, err
+    assert "6 tokens in" in out and "drafter prompt-lookup" in out
+    rc, out, err = run_cli(capsys, "run", plans["plain"], "--prompt", "w1 w2", "--max-new-tokens", "3", "--json")
+    assert rc == 0, err
+    assert len(json.loads(out)["token_ids"]) == 3
+
+
+# ------------------------------------------------------------------------------------------- pass contract
+
+
+def test_speculative_pass_is_idempotent_and_leaves_the_graph(tiny):
+    model = ir.load(str(tiny["target"]))
+
+    def body(m):
+        return [(n.op_type, [v.name if v is not None else "" for v in n.inputs], [v.name for v in n.outputs])
+                for n in m.graph] + [v.name for v in m.graph.outputs]
+
+    before = body(model)
+    p = SpeculativePass("prompt-lookup", generation={"eos_token_ids": [EOS_UNUSED]}, measure=False)
+    assert p(model).modified
+    assert not p(model).modified
+    assert body(model) == before  # only metadata changed
+    assert model.metadata_props["dyncompile.emitter"] == "speculative"
+    assert "SpeculativePass(drafter='prompt-lookup'" in repr(p)

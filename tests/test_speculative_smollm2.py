@@ -1,0 +1,91 @@
+"""Speculative decoding on the real SmolLM2-135M (ONNX, KV cache): greedy output token-identical to the
+target alone for the split drafter and prompt lookup, on real prompts (short generations: CI, 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import dyncompile
+import onnx_ir as ir
+import pytest
+from dyncompile.tools.cli import main as cli_main
+from dyncompile.tools.compiler import compile_model
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+NEW_TOKENS = 32
+
+
+def _prompts() -> list[tuple[str, bool]]:
+    code = (STDLIB / "bisect.py").read_text()
+    passage = (STDLIB / "json" / "__init__.py").read_text().split('"""')[1].strip()[:600]  # module docstring
+    return [
+        (code[: code.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n", False),
+        (f"Repeat the following text exactly.\n\n{passage}", True),
+        ("The capital of France is", False),
+    ]
+
+
+@pytest.fixture(scope="module")
+def smol_plans(smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smol_spec")
+    calib = root / "calib.py"
+    calib.write_text("\n\n".join((STDLIB / f).read_text() for f in ("heapq.py", "string.py")))
+    split = compile_model(smollm2.onnx_path, "split-drafter{min_speedup=0,max_tokens=1024},speculative",
+                          root / "split", calib=str(calib), progress=False)
+    pl = compile_model(smollm2.onnx_path, "speculative", root / "pl", drafter="prompt-lookup", progress=False)
+    return {"split": split.plan_dir, "prompt-lookup": pl.plan_dir}
+
+
+@pytest.fixture(scope="module")
+def smol_models(smol_plans):
+    return {k: dyncompile.load(p, session_config={"session.intra_op.allow_spinning": "0"}) for k, p in smol_plans.items()}
+
+
+def test_split_plan_shares_the_target_weights(smol_plans):
+    d = smol_plans["split"]
+    plan = json.loads((d / "plan.json").read_text())
+    rec = plan["policy"]["split_drafter"]
+    assert 1 <= rec["layers"] < 30 and rec["num_layers"] == 30 and len(rec["candidates"]) == 29
+    assert rec["vocab_size"] == 8192  # LM head restricted to the calibration's tokens
+    assert plan["files"]["drafter"]["external_data"] == ["model.onnx.data"]
+    size = (d / "drafter.onnx").stat().st_size
+    assert size < 40 * 2**20, size  # bridge + trimmed head only; embedding and layers point into model.onnx.data
+    drafter = ir.load(str(d / "drafter.onnx"))
+    ext = [v for v in drafter.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
+    assert ext and all(v.const_value.location == "model.onnx.data" for v in ext)
+
+
+@pytest.mark.parametrize("kind", ["split", "prompt-lookup"])
+def test_greedy_token_identical_on_real_prompts(smol_models, kind):
+    m = smol_models[kind]
+    for prompt, chat in _prompts():
+        ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat, speculative=False)
+        res = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat)
+        assert res.token_ids == ref.token_ids, (kind, prompt[:40], res.text, ref.text)
+        assert res.text == ref.text
+        st = res.stats
+        assert st.drafter == kind and st.target_calls == st.rounds + 1
+        assert st.new_tokens == len(res.token_ids) <= NEW_TOKENS
+
+
+def test_prompt_lookup_copies_a_passage(smol_models):
+    prompt, chat = _prompts()[1]
+    res = smol_models["prompt-lookup"].generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat)
+    assert res.stats.acceptance_rate is not None and res.stats.acceptance_rate > 0.4
+    assert res.stats.tokens_per_target_call > 2
+
+
+def test_same_target_in_both_plans(smol_models):
+    prompt = "def fibonacci(n):"
+    a = smol_models["split"].generate(prompt, max_new_tokens=8, speculative=False)
+    b = smol_models["prompt-lookup"].generate(prompt, max_new_tokens=8, speculative=False)
+    assert a.token_ids == b.token_ids
+
+
+def test_cli_run_prompt_on_smollm2(smol_plans, capsys):
+    rc = cli_main(["run", str(smol_plans["prompt-lookup"]), "--prompt", "def fibonacci(n):", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "8 tokens in" in out and "tokens/call" in out
