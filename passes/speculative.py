@@ -220,7 +220,7 @@ def check_same_tokenizer(target_dir: Path, drafter_dir: Path, *, target_config: 
             )
         checked.append(f"vocabulary ({len(tv)} tokens)")
     if t_cfg and d_cfg:
-        for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "bos_token", "eos_token"):
+        for key in ("vocab_size", "bos_token_id", "eos_token_id", "bos_token", "eos_token"):
             a, b = t_cfg.get(key), d_cfg.get(key)
             if key != "vocab_size" and (a is None or b is None):
                 continue
@@ -315,7 +315,14 @@ class SpeculativePass(ir.passes.InPlacePass):
         return drafter, json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
 
     def requires(self, model: ir.Model) -> None:
+        from dyncompile.passes.split_drafter import SPLIT_DRAFTER_KEY
+
         target = decoder_spec(model, "model", what="target model")
+        if self.drafter is not None and SPLIT_DRAFTER_KEY in model.metadata_props:
+            raise DrafterError(
+                "two drafters: split-drafter built one from the target and --drafter names another "
+                f"({self.drafter_source or self.drafter}); drop one of them"
+            )
         if self.drafter == PROMPT_LOOKUP:
             return
         if isinstance(self.drafter, ir.Model):

@@ -53,6 +53,7 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=False)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a plan is an ordinary readable file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

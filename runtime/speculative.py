@@ -12,10 +12,13 @@ One round, with the target's cache holding every token of the sequence but the l
     target.truncate(len(seq) - 1); drafter.after_verify(...)   # KV of rejected tokens dropped
 
 Draft length is adapted to the running acceptance rate ``alpha`` (decayed counts of accepted tokens and
-rejections) and to the measured costs: ``gamma = argmax E(gamma) / (gamma * t_draft + t_verify(gamma+1))``
-with ``E = (1 - alpha^(gamma+1)) / (1 - alpha)`` expected tokens per round; ``t_verify(s)`` is learned
-online per number of tokens (prior: ``t_verify(1) * (1 + slope * (s - 1))``). Stops at an eos token, at
-``max_new_tokens`` and at the model's maximum length (drafts are capped so no round overshoots).
+rejections) and to the costs: ``gamma = argmax E(gamma) / (gamma * c_draft + v(gamma+1))`` with
+``E = (1 - alpha^(gamma+1)) / (1 - alpha)`` expected tokens per round, ``c_draft`` the drafter's cost per
+token relative to a target step and ``v(s)`` the target's cost for ``s`` tokens relative to one, both
+measured at compile time and recorded in the plan. The schedule then depends only on what was accepted,
+so a seed reproduces a sampled output; ``adapt_to_timing=True`` uses this machine's timings measured online
+instead. Stops at an eos token, at ``max_new_tokens`` and at the model's maximum length (drafts are capped
+so no round overshoots).
 
 Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,

@@ -394,6 +394,9 @@ def test_split_layers_larger_than_model(tiny, tmp_path, capsys):
 def test_speculative_needs_a_drafter(tiny, tmp_path, capsys):
     rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative", "-o", tmp_path / "o")
     assert_clean_error(rc, err, "speculative needs a drafter", "--drafter", "split-drafter")
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "split-drafter{layers=1,min_speedup=0},speculative",
+                         "--calib", tiny["calib"], "--drafter", "prompt-lookup", "-q", "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "two drafters")
     rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative", "--drafter", tmp_path / "nope.onnx",
                          "-o", tmp_path / "o")
     assert_clean_error(rc, err, "drafter not found", "nope.onnx")
