@@ -991,6 +991,7 @@ def calibrate_thresholds(
     patience: int = 2,
     estimate: str = "both",
     gain_weight: float = 1.0,
+    grid: int | None = None,
 ) -> Calibration:
     """Choose per-exit thresholds that save the most compute within an accuracy-drop budget.
 
@@ -1120,7 +1121,22 @@ def calibrate_thresholds(
         d = correct - (final_pred == ref)[None, :]
         gains.append(np.where(d > 0, gain_weight * d, d))
         required.append(-float(allowed))
-    cas = _Cascade(exit_scores(p, criterion, patience), np.stack(gains), np.array(required), cost)
+    scores = exit_scores(p, criterion, patience)
+    edges = None
+    if grid:
+        # coarse candidate thresholds: per-exit score quantiles (fewer choices, less fitting to noise)
+        edges = []
+        binned = np.full_like(scores, -np.inf)
+        for e in range(n_exits):
+            fin = np.isfinite(scores[e])
+            if fin.any():
+                ed = np.unique(np.quantile(scores[e, fin], np.linspace(0, 1, grid + 1)[1:-1]))
+            else:
+                ed = np.zeros(0)
+            edges.append(ed)
+            binned[e, fin] = np.searchsorted(ed, scores[e, fin], side="left")
+        scores = binned
+    cas = _Cascade(scores, np.stack(gains), np.array(required), cost)
 
     never = np.full(n_exits, np.inf)
     best_tc = never
@@ -1159,6 +1175,11 @@ def calibrate_thresholds(
             if cas.feasible(tot) and cst < best_cost - 1e-9:
                 best_tc, best_cost = tc, cst
 
+    if edges is not None:
+        best_tc = np.array([
+            t if not np.isfinite(t) else (edges[e][int(math.floor(t))] if int(math.floor(t)) < len(edges[e]) else np.inf)
+            for e, t in enumerate(best_tc)
+        ])
     cal = Calibration(
         thresholds=_from_conf_thresholds(best_tc, criterion, c), criterion=criterion, patience=int(patience),
         costs=cost.tolist(), budget=budget, metric=metric, expected_speedup=0.0, expected_accuracy=None,
