@@ -178,6 +178,23 @@ def build_passes(
     return passes
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr for long pass work (calibration runs, fitting), or a no-op when disabled."""
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False)
+
+
 @dataclasses.dataclass
 class PassRecord:
     name: str

@@ -862,7 +862,6 @@ def _disagreement_gains(p: np.ndarray, final: np.ndarray, ref: np.ndarray, costs
     instead of a +-1 coin the optimiser can exploit.
     """
     n_exits, n, _ = p.shape
-    cols = np.arange(n)
     final_pred = final.argmax(1)
     log_final = np.log(np.clip(final.astype(np.float64), 1e-30, 1.0))
     pred = p.argmax(2)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from dyncompile.passes._exit_graph import GraphBuilder
+from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.exit_heads import (
     Calibration,
     CalibrationError,
@@ -409,19 +410,3 @@ class AttachExitHeadsPass(ir.passes.InPlacePass):
             criterion=self.criterion, patience=self.patience, extra=self.extra,
         )
         return ir.passes.PassResult(model, modified=True)
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False)

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.speculative import DrafterError, decoder_spec
 
 logger = logging.getLogger(__name__)
@@ -640,20 +641,6 @@ def _head_params(head: ir.Model) -> int:
     return total
 
 
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False)
 
 
 @register_pass(
