@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 
+import dyncompile
 import numpy as np
 import onnx_ir as ir
-from helpers import DATA, ort_session, random_token_feeds
-
-import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass, run_pipeline
+from helpers import DATA, ort_session, random_token_feeds
 
 
 def _ops(m: ir.Model) -> set[str]:
