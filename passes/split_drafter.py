@@ -513,7 +513,8 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         try:
             sess = _session(model, ext_dir)
         finally:
-            del g.outputs[n_out:]
+            while len(g.outputs) > n_out:  # pop(): `del [n:]` skips onnx-ir's graph-output bookkeeping
+                g.outputs.pop()
         names = [spec["logits"], *dict.fromkeys(cut_names.values())]
         hidden: dict[str, list[np.ndarray]] = {n: [] for n in dict.fromkeys(cut_names.values())}
         tops, ins = [], []
