@@ -24,6 +24,7 @@ from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, Quantize
 from dyncompile.passes.speculative import SpeculativePass
 from dyncompile.passes.split_drafter import SplitDrafterPass
 from dyncompile.passes.verify_model import VerifyModelPass
+from dyncompile.passes.wire_given_exit_heads import WireGivenExitHeadsPass
 
 __all__ = [
     "PASS_REGISTRY",
@@ -37,6 +38,7 @@ __all__ = [
     "SplitDrafterPass",
     "QuantizeWeightsInt4Pass",
     "VerifyModelPass",
+    "WireGivenExitHeadsPass",
     "build_passes",
     "known_passes",
     "parse_pass_spec",

@@ -268,6 +268,18 @@ def _make_early_exit(context, **opts):
     if not tok.is_file():
         raise PassConfigError(f"early exit needs the model's tokenizer.json (looked at {tok}); pass --tokenizer")
     criterion = o.get("criterion") or "entropy"
+    heads = o.get("heads") or "fitted"
+    if heads not in ("fitted", "given"):
+        raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
+    if heads == "given":
+        from dyncompile.passes.wire_given_exit_heads import WireGivenExitHeadsPass
+
+        wire = WireGivenExitHeadsPass(
+            texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
+            budget=budget, criterion=criterion, patience=int(o.get("patience", 2)),
+            never_exit=bool(o.get("never_exit", False)), progress=context.progress,
+        )
+        return [wire, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
     fit = FitExitHeadsPass(
         texts,
         labels,

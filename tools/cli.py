@@ -69,6 +69,8 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--criterion", choices=["entropy", "maxprob", "patience"], help="exit criterion (default entropy)")
     ee.add_argument("--lowering", choices=["if", "staged", "auto"], help="If-graph or staged plan (default auto)")
     ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
+    ee.add_argument("--heads", choices=["fitted", "given"],
+                    help="fitted (default): fit exit heads; given: use per-layer logits the graph already outputs")
     p.add_argument(
         "--provider",
         help="execution provider the plan is for (cpu, openvino, cuda, directml): --lowering auto picks per provider",
@@ -93,7 +95,7 @@ def _cmd_compile(argv: list[str]) -> int:
 
     opts = {
         k: getattr(args, k)
-        for k in ("calib", "budget", "exits", "criterion", "lowering", "never_exit", "drafter", "provider")
+        for k in ("calib", "budget", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads")
         if getattr(args, k) not in (None, False)
     }
     t0 = time.perf_counter()
