@@ -39,3 +39,22 @@ def random_token_feeds(batch: int = 3, seq: int = 9, vocab: int = 512, seed: int
 def tolerance(provider: str) -> float:
     """Max |difference| accepted between a provider's outputs and the CPU EP reference (fp32)."""
     return {"cpu": 1e-5}.get(provider, 1e-4)
+
+
+def run_cli(capsys, *argv):
+    """Run the ``dyncompile`` CLI in-process; ``(exit code, stdout, stderr)``."""
+    from dyncompile.tools.cli import main
+
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_clean_error(rc, err, *needles):
+    """A user mistake: exit code 2, one ``error:`` line naming ``needles``, no traceback."""
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in err, (n, err)

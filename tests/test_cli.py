@@ -9,21 +9,7 @@ from pathlib import Path
 
 import pytest
 from dyncompile.tools.cli import main
-
-
-def run_cli(capsys, *argv):
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_clean_error(rc, err, *needles):
-    assert rc == 2, err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in err, (n, err)
+from helpers import assert_clean_error, run_cli
 
 
 def test_help_teaches(capsys):

@@ -16,8 +16,8 @@ from dyncompile.errors import DyncompileError, PassConfigError
 from dyncompile.passes.speculative import DrafterError, SpeculativePass
 from dyncompile.runtime.generate import GenerationConfig, PromptError
 from dyncompile.runtime.speculative import DraftController
-from dyncompile.tools.cli import main as cli_main
 from dyncompile.tools.compiler import compile_model
+from helpers import assert_clean_error, run_cli
 from tiny_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
 
 VOCAB = 16
@@ -320,19 +320,6 @@ def test_draft_controller_follows_acceptance():
 # ------------------------------------------------------------------------------------------- bad input
 
 
-def run_cli(capsys, *argv):
-    rc = cli_main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_clean_error(rc, err, *needles):
-    assert rc == 2, err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in err, (n, err)
 
 
 @pytest.fixture()
