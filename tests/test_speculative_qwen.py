@@ -51,3 +51,13 @@ def test_qwen_pair_greedy_token_identical(qwen_plan):
         res = m.generate(prompt, max_new_tokens=24)
         assert res.token_ids == ref.token_ids, (prompt[:40], res.text, ref.text)
         assert res.stats.acceptance_rate is not None and res.stats.acceptance_rate > 0.3
+
+
+def test_drafter_with_another_tokenizer_is_refused(tmp_path):
+    """A real mismatched pair: Qwen2.5-Coder-0.5B (151,936 tokens) as drafter for SmolLM2-135M (49,152)."""
+    from dyncompile.errors import DyncompileError
+
+    smol, draft = _build("smollm2-135m"), _build(DRAFT)
+    with pytest.raises(DyncompileError, match="(?i)vocab"):
+        compile_model(smol.onnx_path, "speculative", tmp_path / "bad", drafter=str(draft.onnx_path), progress=False)
+    assert not (tmp_path / "bad").exists()
