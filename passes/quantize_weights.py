@@ -3,13 +3,19 @@
 Both passes hand the model to ``onnxruntime.quantization`` (the reference implementations that ORT's
 kernels are written for) and bring the result back into onnx-ir, so they compose in one pipeline with
 the dynamic-execution passes: ``--passes quantize-int8,early-exit`` fits the exit heads on the quantized
-model's features.
+model's features, and (see ``FitExitHeadsPass(reference_model=...)``) calibrates the exit budget
+against the fp32 original: both passes record ``dyncompile.quantized`` in the model's metadata so later
+passes know the numerics changed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx_ir as ir
@@ -17,9 +23,15 @@ from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizeDynamicInt8Pass", "QuantizeWeightsInt4Pass"]
+__all__ = ["QUANTIZED_KEY", "QuantizeDynamicInt8Pass", "QuantizeWeightsInt4Pass", "gelu_fed_matmuls"]
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
+#: Metadata key the quantization passes set (JSON: scheme and options): the model's numerics differ from its source.
+QUANTIZED_KEY = "dyncompile.quantized"
+#: ``keep_fp32`` groups the int8 pass understands.
+KEEP_FP32_GROUPS = ("ffn-out",)
+_GELU_OPS = {"Erf", "Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
+_STOP_OPS = {"MatMul", "Gemm", "MatMulInteger", "LayerNormalization", "SkipLayerNormalization", "Softmax"}
 
 
 def _replace_contents(model: ir.Model, new: ir.Model) -> None:
@@ -33,8 +45,100 @@ def _replace_contents(model: ir.Model, new: ir.Model) -> None:
     model.metadata_props.update({k: v for k, v in meta.items() if k.startswith("dyncompile.")})
 
 
+def _external_base_dir(model: ir.Model) -> str | None:
+    """The folder external-data initializers are read from (large decoders), or None if all are in memory."""
+    dirs = {
+        str(v.const_value.base_dir)
+        for v in model.graph.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor)
+    }
+    if len(dirs) > 1:
+        raise ValueError(f"initializers read external data from several folders: {sorted(dirs)}")
+    return dirs.pop() if dirs else None
+
+
+@contextlib.contextmanager
+def _cwd(path: str | None) -> Iterator[None]:
+    if not path:
+        yield
+        return
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _rebase_external(model: ir.Model, base_dir: str | None) -> None:
+    """Tensors that came back from a proto with relative external-data locations: read them from base_dir."""
+    if not base_dir:
+        return
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if isinstance(t, ir.ExternalTensor) and not os.path.isabs(str(t.base_dir) or "") and not str(t.base_dir):
+            t.base_dir = base_dir
+
+
 def _has_ops(model: ir.Model, ops: set[str]) -> bool:
     return any(n.op_type in ops for n in model.graph.all_nodes())
+
+
+def gelu_fed_matmuls(model: ir.Model, depth: int = 4) -> list[str]:
+    """Names of the constant-weight MatMuls whose activation input is a GELU output (FFN output projections).
+
+    A GELU is an ``Erf``-based pattern (``x * 0.5 * (1 + erf(x / sqrt 2))``, as exported by torch) or a fused
+    ``Gelu``/``FastGelu`` op within ``depth`` producers of the MatMul's first input, not crossing another
+    MatMul/Gemm/LayerNorm/Softmax. Post-GELU activations have long positive tails: per-tensor uint8 dynamic
+    quantization of them costs most of int8's accuracy on BERT-class encoders.
+    """
+    names = []
+    for n in model.graph.all_nodes():
+        if n.op_type != "MatMul" or len(n.inputs) < 2 or n.inputs[1] is None or n.inputs[1].const_value is None:
+            continue
+        frontier, found = [n.inputs[0]], False
+        for _ in range(depth):
+            nxt = []
+            for v in frontier:
+                p = v.producer() if v is not None else None
+                if p is None or p.op_type in _STOP_OPS:
+                    continue
+                if p.op_type in _GELU_OPS:
+                    found = True
+                    break
+                nxt.extend(i for i in p.inputs if i is not None and i.const_value is None)
+            if found or not nxt:
+                break
+            frontier = nxt
+        if found:
+            names.append(n.name)
+    return names
+
+
+def _save_without_value_info(model: ir.Model, path: Path) -> None:
+    """Save ``model`` with no ``value_info`` (recorded shapes): the quantizer infers them again.
+
+    ORT 1.24's quantizer (onnxruntime-openvino 1.24.1) rewrites weight initializers but keeps their recorded
+    shapes, then fails its own shape inference ("Inferred shape and existing shape differ", seen on the
+    exported encoders); 1.32's does not.
+    """
+    import onnx
+
+    proto = ir.to_proto(model)
+    del proto.graph.value_info[:]
+    onnx.save_model(proto, path, save_as_external_data=proto.ByteSize() > 1_800_000_000)
+
+
+def _parse_keep_fp32(keep_fp32) -> tuple[str, ...]:
+    from dyncompile.errors import PassConfigError
+
+    if keep_fp32 in (None, "", "none"):
+        return ()
+    groups = tuple(keep_fp32.replace(";", "+").split("+")) if isinstance(keep_fp32, str) else tuple(keep_fp32)
+    bad = [g for g in groups if g not in KEEP_FP32_GROUPS]
+    if bad:
+        raise PassConfigError(f"keep_fp32 must name groups among {', '.join(KEEP_FP32_GROUPS)} (or none), got {bad}")
+    return groups
 
 
 class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
@@ -42,28 +146,39 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
 
     Scope: main graph and subgraphs (whatever ORT's quantizer handles).
     Invariants: graph inputs/outputs unchanged; activations quantized on the fly (DynamicQuantizeLinear +
-    MatMulInteger), weights stored as int8 (``per_channel`` optional). Idempotent: a graph that already
-    holds int8 MatMuls is left alone (``modified=False``).
+    MatMulInteger), weights stored as int8 (``per_channel`` optional). ``keep_fp32="ffn-out"`` leaves the
+    MatMuls fed by a GELU (the FFN output projections, :func:`gelu_fed_matmuls`) in fp32. Records
+    ``dyncompile.quantized`` in the metadata. Idempotent: a graph that already holds int8 MatMuls is left
+    alone (``modified=False``).
     Sketch: ``MatMul(x, W) -> MatMulInteger(DynamicQuantizeLinear(x), q(W)) * scales``.
     """
 
-    def __init__(self, per_channel: bool = False, reduce_range: bool = False, op_types: tuple[str, ...] = ("MatMul",)) -> None:
+    def __init__(
+        self,
+        per_channel: bool = False,
+        reduce_range: bool = False,
+        op_types: tuple[str, ...] = ("MatMul",),
+        keep_fp32: str | tuple[str, ...] | None = None,
+    ) -> None:
         super().__init__()
         self.per_channel = bool(per_channel)
         self.reduce_range = bool(reduce_range)
         self.op_types = tuple(op_types)
+        self.keep_fp32 = _parse_keep_fp32(keep_fp32)
 
     def __repr__(self) -> str:
-        return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}, op_types={list(self.op_types)})"
+        keep = f", keep_fp32={'+'.join(self.keep_fp32)!r}" if self.keep_fp32 else ""
+        return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}, op_types={list(self.op_types)}{keep})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if _has_ops(model, INT8_OPS):
             return ir.passes.PassResult(model, modified=False)
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
+        exclude = gelu_fed_matmuls(model) if "ffn-out" in self.keep_fp32 else []
         with tempfile.TemporaryDirectory() as tmp:
             src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
-            ir.save(model, src)
+            _save_without_value_info(model, src)
             quantize_dynamic(
                 src,
                 dst,
@@ -71,6 +186,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
                 per_channel=self.per_channel,
                 reduce_range=self.reduce_range,
                 weight_type=QuantType.QInt8,
+                nodes_to_exclude=exclude,
             )
             new = ir.load(dst)
             for v in new.graph.initializers.values():  # detach from the temp file before it goes
@@ -79,7 +195,14 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         modified = _has_ops(new, INT8_OPS)
         if modified:
             _replace_contents(model, new)
-        logger.info("int8: %d MatMulInteger nodes", sum(n.op_type == "MatMulInteger" for n in model.graph.all_nodes()))
+            model.metadata_props[QUANTIZED_KEY] = json.dumps(
+                {"scheme": "int8-dynamic", "per_channel": self.per_channel, "reduce_range": self.reduce_range,
+                 "keep_fp32": list(self.keep_fp32), "fp32_matmuls_kept": len(exclude)}
+            )
+        logger.info(
+            "int8: %d MatMulInteger nodes, %d MatMuls kept in fp32 (%s)",
+            sum(n.op_type == "MatMulInteger" for n in model.graph.all_nodes()), len(exclude), "+".join(self.keep_fp32) or "-",
+        )
         return ir.passes.PassResult(model, modified=modified)
 
 
@@ -108,17 +231,26 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         q = MatMulNBitsQuantizer(
             proto, bits=4, block_size=self.block_size, is_symmetric=self.symmetric, accuracy_level=self.accuracy_level
         )
-        q.process()
+        base_dir = _external_base_dir(model)
+        with _cwd(base_dir):  # ORT's quantizer resolves external-data locations against the working directory
+            q.process()
         new = ir.from_proto(q.model.model)
+        _rebase_external(new, base_dir)
         modified = _has_ops(new, {"MatMulNBits"})
         if modified:
             _replace_contents(model, new)
+            model.metadata_props[QUANTIZED_KEY] = json.dumps(
+                {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric}
+            )
         return ir.passes.PassResult(model, modified=modified)
 
 
-@register_pass("quantize-int8", help="dynamic int8 quantization of MatMul weights (onnxruntime.quantization)")
-def _make_int8(context, per_channel: bool = False, reduce_range: bool = False):
-    return QuantizeDynamicInt8Pass(per_channel=per_channel, reduce_range=reduce_range)
+@register_pass(
+    "quantize-int8",
+    help="dynamic int8 quantization of MatMul weights (onnxruntime.quantization); options per_channel, keep_fp32=ffn-out",
+)
+def _make_int8(context, per_channel: bool = False, reduce_range: bool = False, keep_fp32: str | None = None):
+    return QuantizeDynamicInt8Pass(per_channel=per_channel, reduce_range=reduce_range, keep_fp32=keep_fp32)
 
 
 @register_pass("quantize-int4", help="weight-only int4 MatMulNBits quantization (block-wise)")

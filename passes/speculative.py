@@ -372,10 +372,14 @@ class SpeculativePass(ir.passes.InPlacePass):
                 from dyncompile.passes.split_drafter import weight_reads
 
                 draft["draft_cost"] = round(weight_reads(self.drafter) / max(1, weight_reads(model)), 4)
+                draft["draft_cost_source"] = "weight bytes"
             else:
                 draft["draft_cost"] = 0.0
             if self.measure:
-                draft["verify_cost"] = _measure_target(model, target)
+                draft["verify_cost"], t1 = _measure_target(model, target)
+                if isinstance(self.drafter, ir.Model):
+                    draft["draft_cost"] = round(_measure_step(self.drafter, target) / t1, 4)
+                    draft["draft_cost_source"] = "measured (drafter step / target step, this machine)"
         return {
             "format": SPECULATIVE_FORMAT,
             "target": target,
@@ -408,15 +412,33 @@ class SpeculativePass(ir.passes.InPlacePass):
             raise ir.passes.PostconditionError("the drafter graph did not reach model.meta")
 
 
-def _measure_target(model: ir.Model, spec: dict[str, Any]) -> dict[str, float]:
-    """Verification cost of s tokens relative to one on this machine (the runtime's draft-length model)."""
-    from dyncompile.passes.split_drafter import _external_dir, _session, measure_verify_costs
+def _probe_chunk(spec: dict[str, Any]) -> list[int]:
+    return [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, 129)]
+
+
+def _measure_target(model: ir.Model, spec: dict[str, Any]) -> tuple[dict[str, float], float]:
+    """Verification cost of s tokens relative to one on this machine (the runtime's draft-length model), and
+    the seconds of one target decode step."""
+    from dyncompile.passes.split_drafter import _external_dir, _session, measure_step_times
 
     sess = _session(model, _external_dir(model))
-    chunk = [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, 129)]
-    costs = measure_verify_costs(sess, spec, chunk)
-    logger.info("speculative: target verification cost by tokens %s", costs)
-    return {str(k): v for k, v in costs.items()}
+    times = measure_step_times(sess, spec, _probe_chunk(spec), [1, 2, 4, 9])
+    costs, run = {}, 1.0
+    for s_ in sorted(times):  # relative to one token, monotone
+        run = costs[s_] = round(max(run, times[s_] / times[1]), 4)
+    logger.info("speculative: target step %.1f ms; verification cost by tokens %s", times[1] * 1e3, costs)
+    return {str(k): v for k, v in costs.items()}, times[1]
+
+
+def _measure_step(drafter: ir.Model, target_spec: dict[str, Any]) -> float:
+    """Seconds of one drafter decode step on the same probe as the target's."""
+    from dyncompile.passes.split_drafter import _external_dir, _session, measure_step_times
+
+    dspec = decoder_spec(drafter, "drafter", what="drafter")
+    sess = _session(drafter, _external_dir(drafter))
+    t = measure_step_times(sess, dspec, _probe_chunk(target_spec), [1])[1]
+    logger.info("speculative: drafter step %.1f ms", t * 1e3)
+    return t
 
 
 def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:

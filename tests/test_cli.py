@@ -112,3 +112,15 @@ def test_console_script_prints_no_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: model file not found")
+
+
+def test_plan_directory_gets_ordinary_permissions(tmp_path, tiny_encoder_path):
+    """The temp dir a plan is built in (mkdtemp: 0700) is opened up to what mkdir would give before publishing."""
+    from dyncompile.tools.compiler import compile_model
+
+    old = os.umask(0o022)
+    try:
+        out = compile_model(tiny_encoder_path, "verify", tmp_path / "out").plan_dir
+    finally:
+        os.umask(old)
+    assert (out.stat().st_mode & 0o777) == 0o755

@@ -436,3 +436,37 @@ def test_speculative_pass_is_idempotent_and_leaves_the_graph(tiny):
     assert body(model) == before  # only metadata changed
     assert model.metadata_props["dyncompile.emitter"] == "speculative"
     assert "SpeculativePass(drafter='prompt-lookup'" in repr(p)
+
+
+def test_int4_drafter_from_an_external_data_model_is_costed_in_bytes(tmp_path, monkeypatch):
+    """quantize-int4 reads a decoder saved with external data from any working directory, the result is a
+    valid drafter, and the plan's drafter-cost prior counts the packed int4 bytes (an fp32 element count
+    would call the int4 drafter almost free)."""
+    from dyncompile.passes.split_drafter import weight_reads
+
+    src = tmp_path / "big"
+    src.mkdir()
+    model = tiny_decoder(num_layers=2, vocab=VOCAB, hidden=64, seed=3)
+    ir.save(model, src / "model.onnx", external_data="model.onnx.data", size_threshold_bytes=1024)
+    (src / "dyncompile-model.json").write_text(json.dumps(
+        {"format": "dyncompile.model/v1", "task": "text-generation", "vocab_size": VOCAB, "eos_token_id": EOS_UNUSED}))
+    write_word_tokenizer(src, VOCAB)
+    monkeypatch.chdir(tmp_path)  # not the model's folder: external data must still be found
+    q = compile_model(src / "model.onnx", "quantize-int4{block_size=32}", tmp_path / "q4", verify=True).plan_dir
+    fp32, int4 = ir.load(src / "model.onnx"), ir.load(q / "model.onnx")
+    assert any(n.op_type == "MatMulNBits" for n in int4.graph)
+    ratio = weight_reads(int4) / weight_reads(fp32)
+    assert 0.1 < ratio < 0.35, ratio  # 4 bits + block scales vs 32 bits
+    target = write_decoder_dir(tmp_path / "t", tiny_decoder(num_layers=3, vocab=VOCAB, hidden=64, seed=0), eos=EOS_UNUSED)
+    write_word_tokenizer(tmp_path / "t", VOCAB)
+    unmeasured = compile_model(target, "speculative{measure=false}", tmp_path / "spec0", drafter=str(q / "model.onnx"))
+    draft = json.loads((unmeasured.plan_dir / "plan.json").read_text())["policy"]["speculative"]["draft"]
+    assert draft["draft_cost_source"] == "weight bytes" and 0.02 < draft["draft_cost"] < 0.5, draft
+    plan = compile_model(target, "speculative", tmp_path / "spec", drafter=str(q / "model.onnx")).plan_dir
+    draft = json.loads((plan / "plan.json").read_text())["policy"]["speculative"]["draft"]
+    assert draft["draft_cost_source"].startswith("measured") and draft["draft_cost"] > 0, draft
+    costs = [draft["verify_cost"][k] for k in sorted(draft["verify_cost"], key=int)]
+    assert costs[0] == 1.0 and costs == sorted(costs), costs  # relative to one token, monotone
+    m = dyncompile.load(plan)
+    for p in PROMPTS[:2]:
+        assert m.generate(p, max_new_tokens=12).token_ids == m.generate(p, max_new_tokens=12, speculative=False).token_ids

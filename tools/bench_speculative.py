@@ -220,17 +220,29 @@ class Runner:
     kind: str = "onnx"
 
 
-def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False) -> list[Runner]:
-    def target(ids, n):
-        r = model.generate(ids, max_new_tokens=n, speculative=False)
+def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False,
+                 label: str | None = None) -> list[Runner]:
+    """Runners of one plan: its target alone, its speculative step (+ IOBinding / copy-rollback variants).
+
+    ``label`` names the runners after another plan (``--also``: the prompt ids come from the benchmarked plan's
+    tokenizer, so the plans must share a vocabulary).
+    """
+    def target(ids, n, **opts):
+        r = model.generate(ids, max_new_tokens=n, speculative=False, **opts)
         return Run(r.token_ids, r.stats.seconds, r.stats.to_dict())
 
     def spec(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, **opts)
         return Run(r.token_ids, r.stats.seconds, r.stats.to_dict())
 
-    runners = [Runner("target alone (ORT)", target), Runner("speculative (ORT)", spec)]
-    if io_binding:
+    runners = [Runner("target alone (ORT)", target)]
+    if model.plan.steps[0].kind != "generate":
+        runners.append(Runner("speculative (ORT)", spec))
+    if label:
+        runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
+        return runners
+    if io_binding:  # both sides with the cache bound (on the CUDA EP it then stays in GPU memory)
+        runners.append(Runner("target alone (ORT, IOBinding)", lambda ids, n: target(ids, n, io_binding=True)))
         runners.append(Runner("speculative (ORT, IOBinding)", lambda ids, n: spec(ids, n, io_binding=True)))
     if copy_rollback:
         runners.append(Runner("speculative (ORT, copy rollback)", lambda ids, n: spec(ids, n, rollback="copy")))
@@ -417,9 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--provider", default="cpu")
     p.add_argument("--threads", type=int, help="ORT intra-op threads (and torch threads)")
-    p.add_argument("--io-binding", action="store_true", help="also run the speculative step with ORT IOBinding")
+    p.add_argument("--io-binding", action="store_true", help="also run the target alone and the speculative step with ORT IOBinding")
     p.add_argument("--copy-rollback", action="store_true",
                    help="also run the speculative step rolling the KV cache back by copies instead of masks")
+    p.add_argument("--also", metavar="PLAN", action="append", default=[],
+                   help="also run another plan with the same tokenizer (its target alone and its speculative step), "
+                   "e.g. the fp32 plan next to an int4 one; 'identical' then compares with this plan's target")
     p.add_argument("--torch", metavar="HF_DIR", help="also run transformers generate on this PyTorch model")
     p.add_argument("--torch-assistant", metavar="HF_DIR", help="with --torch: assistant_model for transformers")
     p.add_argument("--report-dir", default="bench-results", help="where JSON + markdown go (default: %(default)s)")
@@ -438,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         raise DataError(f"{args.plan} is a {model.plan.task!r} plan; --prompts is for text-generation plans (use --data)")
     prompts = read_prompts(args.prompts, args.limit)
     runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback)
+    for other in args.also:
+        extra = dyncompile.load(other, provider=args.provider, threads=args.threads, session_config=BENCH_SESSION_CONFIG)
+        runners += plan_runners(extra, label=Path(other).resolve().name)
     if args.torch:
         runners += torch_runners(args.torch, plan=model.plan, threads=args.threads, assistant_dir=args.torch_assistant)
     report = run_bench(model, prompts, runners, max_new_tokens=args.max_new_tokens, progress=not args.quiet)

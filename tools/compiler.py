@@ -96,6 +96,9 @@ def atomic_output_dir(out_dir: str | Path, *, force: bool = False):
         raise OutputExistsError(f"output path {out} exists and is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a plan directory gets the permissions mkdir would give
     try:
         yield tmp
         if out.exists():
