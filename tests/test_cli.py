@@ -124,3 +124,10 @@ def test_plan_directory_gets_ordinary_permissions(tmp_path, tiny_encoder_path):
     finally:
         os.umask(old)
     assert (out.stat().st_mode & 0o777) == 0o755
+
+
+def test_models_without_action_lists_recipes_and_build_state(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNCOMPILE_HOME", str(tmp_path / "empty-home"))
+    rc, out, err = run_cli(capsys, "models")
+    assert rc == 0 and "qwen2.5-coder-1.5b" in out and "smollm2-135m" in out
+    assert "built" not in out.split("cache:")[0]  # nothing is built in an empty cache

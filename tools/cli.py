@@ -220,8 +220,8 @@ def _cmd_models(argv: list[str]) -> int:
         description="Build real models into ONNX, offline, from packages and ../shared/assets "
         "(cache: $DYNCOMPILE_HOME, default ~/.cache/dyncompile).",
     )
-    sub = p.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="list the recipes")
+    sub = p.add_subparsers(dest="action")
+    sub.add_parser("list", help="list the recipes and which are built (the default action)")
     b = sub.add_parser("build", help="build a model (idempotent)")
     b.add_argument("name")
     b.add_argument("--force", action="store_true", help="rebuild even if present")
@@ -233,9 +233,12 @@ def _cmd_models(argv: list[str]) -> int:
     _setup_logging(args.verbose)
     from dyncompile import models
 
-    if args.action == "list":
+    if args.action in (None, "list"):
+        home = Path(args.home).expanduser() if getattr(args, "home", None) else models.model_home()
         for r in models.list_models():
-            print(f"  {r.name:<24} {r.task:<20} {r.description}")
+            built = "built" if (models.model_dir(r.name, home) / "dyncompile-model.json").is_file() else "-"
+            print(f"  {r.name:<22} {built:<6} {r.task:<20} {r.description}")
+        print(f"cache: {home}; build one with `dyncompile models build NAME`")
         return 0
     t0 = time.perf_counter()
     art = models.build_model(args.name, home=args.home, assets_dir=args.assets, force=args.force, progress=not args.quiet)
