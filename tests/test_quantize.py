@@ -36,6 +36,7 @@ def test_int4_structure_idempotence_and_numerics():
     res = run_pipeline([QuantizeWeightsInt4Pass(block_size=32)], m, check="none")
     assert res.modified and "MatMulNBits" in _ops(m)
     assert QuantizeWeightsInt4Pass()(m).modified is False
+    assert all(n.attributes["accuracy_level"].as_int() == 4 for n in m.graph if n.op_type == "MatMulNBits")
     got = ort_session(m).run(None, feeds)[0]
     np.testing.assert_allclose(got, ref, rtol=0, atol=0.6)  # 4-bit weights of a random-weight net
 
@@ -62,3 +63,130 @@ def test_int8_then_early_exit_on_minilm(minilm, tmp_path):
     p = m.predict_proba([r["text"] for r in rows])
     assert (p.argmax(-1) == np.array([r["label"] for r in rows])).mean() > 0.7
     assert m.last_info["exit_layer"].min() < 6
+
+
+# --- int8 x early exit: the budget is the total drop against the fp32 original ---------------------------
+
+
+def _ref_case(n=1000, seed=0):
+    """fp32 reference right on 92 % of the rows; the 'int8' model flips 10 of its right rows (-1.0 point)."""
+    from dyncompile.passes.exit_heads import _softmax
+
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    ref_pred = np.where(rng.random(n) < 0.92, y, 1 - y)
+    conf = rng.uniform(0.6, 0.99, n)
+    ref = np.stack([np.where(ref_pred == 0, conf, 1 - conf), np.where(ref_pred == 1, conf, 1 - conf)], 1)
+    q = ref.copy()
+    flip = np.flatnonzero(ref_pred == y)[:10]
+    q[flip] = q[flip, ::-1]
+    # two exits: noisy copies of the int8 model's logits (confident rows are mostly right)
+    exits = [_softmax(np.log(q) * s + rng.normal(0, 0.7, q.shape)) for s in (0.8, 1.2)]
+    return np.stack(exits), q, ref, y
+
+
+def test_reference_budget_splits_the_budget():
+    from dyncompile.passes.fit_exit_heads import reference_budget
+
+    _, q, ref, y = _ref_case()
+    left, info = reference_budget(1.5, q, ref, y)
+    assert info["spent_by_model"] == 1.0 and left == 0.5 and not info["budget_exceeded"]
+    assert info["reference_accuracy"] - info["model_accuracy"] == 1.0
+    left, info = reference_budget(0.5, q, ref, y)
+    assert left == 0.0 and info["budget_exceeded"]
+    left, info = reference_budget(1.0, ref, q, y)  # the model beats its reference: the gain is not spent
+    assert info["spent_by_model"] == 0.0 and left == 1.0
+    left, info = reference_budget(1.5, q, ref, None)  # no labels: disagreement with the reference
+    assert info["metric"] == "agreement" and info["spent_by_model"] == 1.0 and left == 0.5
+
+
+def test_calibrate_exits_against_the_reference_keeps_the_total_drop_within_budget():
+    from dyncompile.passes.exit_heads import exit_decisions
+    from dyncompile.passes.fit_exit_heads import calibrate_exits
+
+    oof, q, ref, y = _ref_case()
+    kw = dict(exits=[1, 2], num_layers=4, criterion="entropy", patience=2)
+    for budget in (1.5, 2.0, 3.0):
+        own = calibrate_exits(oof, q, y, budget=budget, **kw)
+        tot = calibrate_exits(oof, q, y, budget=budget, reference_probs=ref, **kw)
+        same = calibrate_exits(oof, q, y, budget=budget - 1.0, **kw)
+        assert tot.thresholds == same.thresholds and tot.budget == budget  # the exits get budget - 1.0
+        assert tot.reference["budget_left"] == budget - 1.0 and tot.reference["spent_by_model"] == 1.0
+        probs = np.concatenate([oof, q[None]])
+        pred = probs[exit_decisions(probs, tot), np.arange(len(y))].argmax(1)
+        drop = ((ref.argmax(1) == y).mean() - (pred == y).mean()) * 100
+        assert drop <= budget + 1e-9 and abs(drop - tot.reference["expected_drop_vs_reference"]) < 1e-6
+        assert own.expected_speedup >= tot.expected_speedup  # measured against itself it may exit more
+    over = calibrate_exits(oof, q, y, budget=0.5, reference_probs=ref, **kw)
+    assert over.reference["budget_exceeded"] and any("already drops 1.00 points" in w for w in over.warnings)
+
+
+def _gelu_mlp() -> ir.Model:
+    """x -> MatMul(W1) -> erf-GELU (as torch exports it) -> MatMul(W2) -> logits."""
+    rng = np.random.default_rng(0)
+    tape, inits = ir.tape.Tape(), []
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["batch", 64]))
+
+    def c(arr, name):
+        inits.append(ir.val(name, const_value=ir.tensor(np.asarray(arr, np.float32), name=name)))
+        return inits[-1]
+
+    h = tape.op("MatMul", [x, c(rng.standard_normal((64, 128)) / 8, "w1")], name="fc1")
+    erf = tape.op("Erf", [tape.op("Div", [h, c(np.sqrt(2.0), "sqrt2")])])
+    gelu = tape.op("Mul", [h, tape.op("Mul", [tape.op("Add", [erf, c(1.0, "one")]), c(0.5, "half")])])
+    y = tape.op("MatMul", [gelu, c(rng.standard_normal((128, 2)) / 11, "w2")], name="fc2")
+    y.name, y.dtype, y.shape = "logits", ir.DataType.FLOAT, ir.Shape(["batch", 2])
+    g = ir.Graph([x], [y], nodes=tape.nodes, initializers=inits, opset_imports={"": 18}, name="gelu_mlp")
+    return ir.Model(g, ir_version=10)
+
+
+def test_int8_keep_fp32_ffn_out_and_quantized_metadata():
+    from dyncompile.passes.quantize_weights import QUANTIZED_KEY, gelu_fed_matmuls
+
+    assert gelu_fed_matmuls(_gelu_mlp()) == ["fc2"]
+    assert gelu_fed_matmuls(tiny_encoder_classifier()) == []  # Relu blocks: nothing is GELU-fed
+    m = _gelu_mlp()
+    res = run_pipeline([QuantizeDynamicInt8Pass(keep_fp32="ffn-out")], m, check="each")
+    assert res.modified
+    mms = [n for n in m.graph if n.op_type == "MatMul"]
+    assert len(mms) == 1 and mms[0].inputs[1].name == "w2" and "MatMulInteger" in _ops(m)
+    meta = json.loads(m.metadata_props[QUANTIZED_KEY])
+    assert meta["keep_fp32"] == ["ffn-out"] and meta["fp32_matmuls_kept"] == 1
+    import pytest
+    from dyncompile.errors import PassConfigError
+
+    with pytest.raises(PassConfigError, match="ffn-out"):
+        QuantizeDynamicInt8Pass(keep_fp32="attention")
+
+
+def test_int8_early_exit_pipeline_budget_is_against_the_fp32_original(minilm, tmp_path):
+    """quantize-int8,early-exit on a tiny generated encoder: heads on int8 features, budget vs the fp32 input."""
+    import shutil
+
+    from dyncompile.runtime.text import TextEncoder
+
+    d = tmp_path / "tiny"
+    d.mkdir()
+    ir.save(tiny_encoder_classifier(num_layers=4, vocab=30522), d / "model.onnx")
+    shutil.copy(minilm.tokenizer_path, d / "tokenizer.json")
+    lines = (DATA / "movie-calib.jsonl").read_text().splitlines()[:200]
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(lines) + "\n")
+    rows = [json.loads(x) for x in lines]
+    feeds = TextEncoder(d / "tokenizer.json", max_length=512)([r["text"] for r in rows])
+    fp32 = ort_session(d / "model.onnx", disable_all=False).run(None, {k: feeds[k] for k in ("input_ids", "attention_mask")})[0]
+    fp32_acc = float((fp32.argmax(-1) == np.array([r["label"] for r in rows])).mean() * 100)
+
+    def cal(**opts):
+        res = dyncompile.compile(d / "model.onnx", "quantize-int8,early-exit", tmp_path / "out", calib=str(calib),
+                                 budget=3.0, lowering="staged", progress=False, force=True, **opts)
+        seg0 = ir.load(res.plan.directory / res.plan.files["segment0"].path)
+        assert "MatMulInteger" in _ops(seg0)
+        return res.plan.policy["early_exit"]["calibration"]
+
+    c = cal()
+    ref = c["reference"]
+    assert c["budget"] == 3.0 and abs(ref["reference_accuracy"] - fp32_acc) < 1e-6
+    assert ref["budget_left"] == max(0.0, 3.0 - ref["spent_by_model"])
+    assert ref["expected_drop_vs_reference"] <= 3.0 + 1e-9
+    assert cal(budget_reference="self")["reference"] is None
