@@ -197,7 +197,7 @@ QWEN2 = _register(
         LLAMA,
         name="qwen2",
         model_types=("qwen2",),
-        head_kind="Qwen2ForCausalLM: final RMSNorm then lm_head (tied for 0.5B, untied for 1.5B); q/k/v have biases",
+        head_kind="Qwen2ForCausalLM: final RMSNorm then lm_head (untied in both Coder GGUFs here); q/k/v have biases",
     )
 )
 

@@ -250,6 +250,9 @@ class SpeculativePass(ir.passes.InPlacePass):
 
     Invariants: the target graph (nodes, initializers, I/O) is unchanged; only ``dyncompile.speculative``
     and ``dyncompile.emitter`` metadata are set, and an external drafter graph is attached in ``model.meta``.
+    Precondition: the target's numerics must not depend on the number of tokens per call (no int8 activation
+    quantization: MatMulNBits accuracy_level=4, DynamicQuantizeLinear), or greedy output could not be
+    token-identical to the target alone; ``allow_inexact_target=True`` overrides.
     Idempotent: a second run finds the same record and reports ``modified=False``.
 
     Sketch: ``decoder -> decoder + {drafter, kv pairs, draft policy}`` -> plan step ``speculative_generate``.
@@ -269,9 +272,11 @@ class SpeculativePass(ir.passes.InPlacePass):
         min_ngram: int = 1,
         tokenizer_check: str | None = None,
         measure: bool = True,
+        allow_inexact_target: bool = False,
     ) -> None:
         super().__init__()
         self.measure = bool(measure)
+        self.allow_inexact_target = bool(allow_inexact_target)
         if isinstance(drafter, str) and drafter != PROMPT_LOOKUP:
             raise DrafterError(f"drafter must be an ir.Model, {PROMPT_LOOKUP!r} or None, not {drafter!r}")
         if not 0 <= int(min_draft) <= int(max_draft) or int(draft_length) < 1:
@@ -318,6 +323,16 @@ class SpeculativePass(ir.passes.InPlacePass):
         from dyncompile.passes.split_drafter import SPLIT_DRAFTER_KEY
 
         target = decoder_spec(model, "model", what="target model")
+        inexact = call_shape_dependent_ops(model)
+        if inexact and not self.allow_inexact_target:
+            raise DrafterError(
+                f"the target's {inexact} quantize activations with scales taken over the whole call, so its logits "
+                "depend on how many tokens one call processes (measured on Qwen2.5-Coder-0.5B int4 with int8 compute: "
+                "0.2 vs 2e-5 with fp32 compute) and no speculative decoder can be token-identical to its one-token-"
+                "at-a-time output. Quantize the target with quantize-int4{accuracy_level=0} (weights int4, fp32 "
+                "compute), quantize only the drafter, or pass speculative{allow_inexact_target=true} to accept "
+                "near-tie differences"
+            )
         if self.drafter is not None and SPLIT_DRAFTER_KEY in model.metadata_props:
             raise DrafterError(
                 "two drafters: split-drafter built one from the target and --drafter names another "
@@ -412,6 +427,22 @@ class SpeculativePass(ir.passes.InPlacePass):
             raise ir.passes.PostconditionError("the drafter graph did not reach model.meta")
 
 
+def call_shape_dependent_ops(model: ir.Model) -> str | None:
+    """Describe the ops whose numerics depend on the number of rows in a call (None if there are none):
+    MatMulNBits with int8 compute (``accuracy_level`` 4) and dynamic int8 quantization of activations."""
+    found: dict[str, int] = {}
+    for node in model.graph.all_nodes():
+        if node.op_type == "MatMulNBits":
+            attr = node.attributes.get("accuracy_level")
+            if attr is not None and attr.as_int() == 4:
+                found["MatMulNBits(accuracy_level=4)"] = found.get("MatMulNBits(accuracy_level=4)", 0) + 1
+        elif node.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul"):
+            found[node.op_type] = found.get(node.op_type, 0) + 1
+    if not found:
+        return None
+    return ", ".join(f"{n} {op} nodes" for op, n in found.items())
+
+
 def _probe_chunk(spec: dict[str, Any]) -> list[int]:
     return [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, 129)]
 
@@ -472,7 +503,8 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "token-identical to the target, sampling exact",
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 1, max_draft: int = 8,
-                      adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True):
+                      adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,
+                      allow_inexact_target: bool = False):
     opt = context.options.get("drafter")
     target_dir = context.model_path.parent if context.model_path else None
     gen = generation_config(context.model_config, target_dir)
@@ -508,4 +540,5 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         min_ngram=min_ngram,
         tokenizer_check=check,
         measure=measure,
+        allow_inexact_target=allow_inexact_target,
     )

@@ -363,7 +363,13 @@ class SplitDrafterPass(ir.passes.InPlacePass):
 
         s = analyze_model(model)
         if not s.has_layers:
-            raise DrafterError(f"split-drafter needs a layered decoder, but no repeated layer structure was found: {s.message}")
+            hint = ""
+            if any(n.op_type in ("MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul") for n in model.graph):
+                hint = (" The model is already quantized, which hides its layer structure: put split-drafter before "
+                        "the quantize pass (--passes split-drafter,quantize-int4{accuracy_level=0},speculative).")
+            raise DrafterError(
+                f"split-drafter needs a layered decoder, but no repeated layer structure was found: {s.message}{hint}"
+            )
         return s
 
     def requires(self, model: ir.Model) -> None:

@@ -470,3 +470,42 @@ def test_int4_drafter_from_an_external_data_model_is_costed_in_bytes(tmp_path, m
     m = dyncompile.load(plan)
     for p in PROMPTS[:2]:
         assert m.generate(p, max_new_tokens=12).token_ids == m.generate(p, max_new_tokens=12, speculative=False).token_ids
+
+
+def test_quantized_target_composes_when_its_numerics_do_not_depend_on_the_call(tiny, tmp_path):
+    """quantize-int4 with fp32 compute composes with prompt-lookup and split-drafter speculative plans, and the
+    output is token-identical to the int4 target alone; int8-activation targets are refused (their logits
+    change with the number of tokens per call) unless the user accepts it explicitly."""
+    plans = {
+        "pl": compile_model(tiny["target"], "quantize-int4{accuracy_level=0},speculative", tmp_path / "pl",
+                            drafter="prompt-lookup", verify=True),
+        # split-drafter reads the fp32 layer structure, so it runs before quantization
+        "split": compile_model(tiny["target"],
+                               "split-drafter{layers=1,min_speedup=0},quantize-int4{accuracy_level=0},speculative",
+                               tmp_path / "split", calib=str(tiny["calib"]), verify=True),
+    }
+    for name, res in plans.items():
+        assert any(n.op_type == "MatMulNBits" for n in ir.load(res.plan_dir / "model.onnx").graph), name
+        m = dyncompile.load(res.plan_dir)
+        for p in PROMPTS:
+            ref = m.generate(p, max_new_tokens=16, speculative=False)
+            assert m.generate(p, max_new_tokens=16).token_ids == ref.token_ids, (name, p)
+    for spec in ("quantize-int4,speculative", "quantize-int8,speculative"):
+        with pytest.raises(DrafterError, match="depend on how many tokens"):
+            compile_model(tiny["target"], spec, tmp_path / "bad", drafter="prompt-lookup")
+        assert not (tmp_path / "bad").exists()
+    ok = compile_model(tiny["target"], "quantize-int8,speculative{allow_inexact_target=true}", tmp_path / "inexact",
+                       drafter="prompt-lookup")
+    assert (ok.plan_dir / "plan.json").is_file()
+
+
+def test_int8_compute_target_refused_through_cli(tiny, tmp_path, capsys):
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "quantize-int4,speculative", "--drafter",
+                         "prompt-lookup", "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "accuracy_level=0")
+
+
+def test_split_drafter_after_quantization_says_to_reorder(tiny, tmp_path):
+    with pytest.raises(DrafterError, match="before the quantize pass"):
+        compile_model(tiny["target"], "quantize-int4{accuracy_level=0},split-drafter{layers=1,min_speedup=0},speculative",
+                      tmp_path / "o", calib=str(tiny["calib"]))
