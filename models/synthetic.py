@@ -54,8 +54,12 @@ def tiny_encoder_classifier(
         w2 = init((hidden, hidden), 1.0 / np.sqrt(hidden), f"layer{i}.w2")
         z = tape.op("Relu", [tape.op("Add", [tape.op("MatMul", [h, w1]), b1])])
         z = tape.op("Mul", [tape.op("MatMul", [z, w2]), mask3])
-        mix = tape.op("Div", [tape.op("ReduceSum", [tape.op("Mul", [h, mask3]), axis1], {"keepdims": 1}), denom])
-        h = tape.op("Add", [tape.op("Add", [h, z]), tape.op("Mul", [mix, const(np.float32(0.5), f"layer{i}.mix")])])
+        mix = tape.op(
+            "Div", [tape.op("ReduceSum", [tape.op("Mul", [h, mask3]), axis1], {"keepdims": 1}), denom]
+        )
+        h = tape.op(
+            "Add", [tape.op("Add", [h, z]), tape.op("Mul", [mix, const(np.float32(0.5), f"layer{i}.mix")])]
+        )
         h = tape.op("LayerNormalization", [h, ln_scale, ln_bias], {"axis": -1, "epsilon": 1e-5})
     zero = const(np.array(0, np.int64), "cls_index")
     cls = tape.op("Gather", [h, zero], {"axis": 1})  # [b, hidden]
@@ -66,7 +70,12 @@ def tiny_encoder_classifier(
     logits.dtype = ir.DataType.FLOAT
     logits.shape = ir.Shape(["batch", num_labels])
     graph = ir.Graph(
-        [ids, mask], [logits], nodes=tape.nodes, initializers=inits, opset_imports={"": 18}, name="tiny_encoder"
+        [ids, mask],
+        [logits],
+        nodes=tape.nodes,
+        initializers=inits,
+        opset_imports={"": 18},
+        name="tiny_encoder",
     )
     return ir.Model(graph, ir_version=10, producer_name="dyncompile.models.synthetic")
 

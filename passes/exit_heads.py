@@ -662,6 +662,10 @@ class Calibration:
         expected_agreement: % of rows whose early-exit prediction equals the full model's.
         exit_histogram: rows stopping at each exit.
         warnings: things the caller should know (small set for the budget, nothing exits, ...).
+        reference: set when the budget is measured against another model than the one whose exits were
+            calibrated (e.g. the fp32 original of an int8 model; see
+            :func:`dyncompile.passes.fit_exit_heads.reference_budget`): that model's accuracy, the part of
+            the budget the model itself already spends, and the part left to the exits.
     """
 
     thresholds: list[float | None]
@@ -678,6 +682,7 @@ class Calibration:
     warnings: list[str] = dataclasses.field(default_factory=list)
     n_rows: int = 0
     teacher_temperature: float | None = None
+    reference: dict[str, Any] | None = None
 
     @property
     def num_exits(self) -> int:

@@ -17,9 +17,11 @@ from dyncompile.passes.exit_heads import (
     CalibrationError,
     ExitHead,
     calibrate_thresholds,
+    exit_decisions,
     fit_exit_heads,
     pool_features,
 )
+from dyncompile.passes.quantize_weights import QUANTIZED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ __all__ = [
     "collect_exit_features",
     "exits_to_keep",
     "find_exit_cuts",
+    "reference_budget",
 ]
 
 EARLY_EXIT_KEY = "dyncompile.early_exit"
@@ -64,6 +67,12 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
     heads of the exits that can fire as graph nodes with outputs ``exit_logits_<layer>``. The decisions
     go into ``model.metadata_props["dyncompile.early_exit"]`` (JSON) for the lowering pass.
 
+    Budget reference: the budget is an accuracy drop against the model the heads are fitted on, unless
+    that model's numerics were changed by an earlier pass (``dyncompile.quantized`` metadata, set by the
+    quantize passes) and ``reference_model`` (path or model: the fp32 original; the ``early-exit`` pass
+    gives the compile input) is set: then the reference is run on the calibration rows too and the budget
+    is the *total* drop against it, quantization included (:func:`reference_budget`).
+
     Invariants: the original output (``logits``) and every original node are unchanged; only head
     nodes, their initializers and extra graph outputs are added. Idempotent: a model that already
     carries the metadata is left alone (``modified=False``).
@@ -86,6 +95,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         pooling: str | None = None,
         hidden: int | None = None,
         never_exit: bool = False,
+        reference_model: str | Path | ir.Model | None = None,
         batch_size: int = 32,
         folds: int = 5,
         seed: int = 0,
@@ -104,6 +114,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         self.pooling = pooling
         self.hidden = hidden
         self.never_exit = bool(never_exit)
+        self.reference_model = reference_model
         self.batch_size = int(batch_size)
         self.folds = int(folds)
         self.seed = int(seed)
@@ -192,10 +203,19 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             progress=lambda done, total, msg: bar.update(1),
         )
         bar.close()
+        reference_probs = None
+        if self.reference_model is not None and QUANTIZED_KEY in model.metadata_props:
+            ref = self.reference_model
+            ref = ir.load(ref) if not isinstance(ref, ir.Model) else ref
+            _, reference_probs = collect_exit_features(
+                ref, [], self.texts, tokenizer_file=self.tokenizer_file, max_length=self.max_length,
+                pooling=pooling, batch_size=self.batch_size, progress=self.progress,
+            )
+            del ref
         try:
             cal = calibrate_exits(
                 fit.oof_probs, teacher, self.labels, exits, num_layers,
-                budget=self.budget, criterion=self.criterion, patience=self.patience,
+                budget=self.budget, criterion=self.criterion, patience=self.patience, reference_probs=reference_probs,
             )
         except CalibrationError as e:
             raise ir.passes.PreconditionError(str(e)) from None
@@ -319,6 +339,40 @@ def collect_exit_features(
     return [np.concatenate(f) for f in feats], np.concatenate(finals)
 
 
+def reference_budget(
+    budget: float, probs: np.ndarray, reference_probs: np.ndarray, labels: np.ndarray | None
+) -> tuple[float, dict[str, Any]]:
+    """The part of a ``budget`` (accuracy points vs a reference model) left for early exit.
+
+    ``probs`` are the full model's probabilities (e.g. the int8 model), ``reference_probs`` the reference's
+    (its fp32 original) on the same calibration rows. With labels the model already spends
+    ``max(0, acc_ref - acc)`` points; without labels (budget = disagreement with the reference's
+    predictions) ``100 - agreement``. What is left, ``max(0, budget - spent)``, is the budget of the exits
+    against the model itself, so on these rows ``acc_ref - acc_early_exit <= budget`` (and
+    ``disagreement(early exit, reference) <= budget`` by the union bound) whenever ``spent <= budget``.
+    A model more accurate than its reference on these rows does not give the exits more than ``budget``
+    (``spent >= 0``): a gain of a quantized model on calibration data is noise more often than not.
+    """
+    probs, reference_probs = np.asarray(probs), np.asarray(reference_probs)
+    if probs.shape != reference_probs.shape:
+        raise CalibrationError(f"reference probabilities {reference_probs.shape} do not match the model's {probs.shape}")
+    n = len(probs)
+    pred, ref_pred = probs.argmax(1), reference_probs.argmax(1)
+    agree = int((pred == ref_pred).sum())
+    info: dict[str, Any] = {"budget_total": float(budget), "agreement_with_reference": round(100.0 * agree / n, 4)}
+    if labels is not None:
+        y = np.asarray(labels)
+        c_ref, c = int((ref_pred == y).sum()), int((pred == y).sum())
+        spent = max(0.0, 100.0 * (c_ref - c) / n)
+        info.update(metric="accuracy", reference_accuracy=round(100.0 * c_ref / n, 4), model_accuracy=round(100.0 * c / n, 4))
+    else:
+        spent = 100.0 * (n - agree) / n
+        info.update(metric="agreement")
+    left = max(0.0, float(budget) - spent)
+    info.update(spent_by_model=round(spent, 4), budget_left=round(left, 4), budget_exceeded=bool(spent > budget + 1e-9))
+    return left, info
+
+
 def calibrate_exits(
     oof_probs: np.ndarray,
     teacher: np.ndarray,
@@ -329,11 +383,38 @@ def calibrate_exits(
     budget: float,
     criterion: str,
     patience: int,
+    reference_probs: np.ndarray | None = None,
 ) -> Calibration:
-    """Thresholds for the head exits (+ the full model as the last exit), costs ``k / L``."""
+    """Thresholds for the head exits (+ the full model as the last exit), costs ``k / L``.
+
+    ``reference_probs`` (e.g. the fp32 original's probabilities on the same rows, for an int8 model):
+    ``budget`` is the total drop against that reference, and the exits get what the model leaves of it
+    (:func:`reference_budget`); ``Calibration.budget`` stays the total, ``Calibration.reference`` says how
+    it was split.
+    """
     exit_probs = np.concatenate([oof_probs, teacher[None].astype(np.float32)])
     costs = [k / num_layers for k in exits] + [1.0]
-    return calibrate_thresholds(exit_probs, teacher, labels, costs, budget=budget, criterion=criterion, patience=patience)
+    info = None
+    if reference_probs is not None:
+        budget_total = float(budget)
+        budget, info = reference_budget(budget_total, teacher, reference_probs, labels)
+    cal = calibrate_thresholds(exit_probs, teacher, labels, costs, budget=budget, criterion=criterion, patience=patience)
+    if info is not None:
+        cal.budget, cal.reference = budget_total, info
+        if info["budget_exceeded"]:
+            cal.warnings.append(
+                f"the model alone already drops {info['spent_by_model']:.2f} points against its reference on the "
+                f"calibration rows, more than the budget of {budget_total:g}: exits were calibrated with no budget left"
+            )
+        n = len(teacher)
+        pred = exit_probs[exit_decisions(exit_probs, cal), np.arange(n)].argmax(1)
+        ref_pred = np.asarray(reference_probs).argmax(1)
+        info["expected_agreement_with_reference"] = round(float((pred == ref_pred).mean() * 100), 4)
+        if labels is not None:
+            info["expected_drop_vs_reference"] = round(
+                float(((ref_pred == np.asarray(labels)).mean() - (pred == np.asarray(labels)).mean()) * 100), 4
+            )
+    return cal
 
 
 def attach_exit_heads(

@@ -280,6 +280,9 @@ def _make_early_exit(context, **opts):
             never_exit=bool(o.get("never_exit", False)), progress=context.progress,
         )
         return [wire, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
+    budget_reference = o.get("budget_reference") or "original"
+    if budget_reference not in ("original", "self"):
+        raise PassConfigError(f"budget_reference must be 'original' or 'self', got {budget_reference!r}")
     fit = FitExitHeadsPass(
         texts,
         labels,
@@ -292,6 +295,8 @@ def _make_early_exit(context, **opts):
         pooling=o.get("pooling"),
         hidden=o.get("hidden"),
         never_exit=bool(o.get("never_exit", False)),
+        # after quantize-int8/int4 in the same pipeline, the budget is the total drop vs the compile input
+        reference_model=context.model_path if budget_reference == "original" and context.model_path else None,
         progress=context.progress,
     )
     return [fit, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]

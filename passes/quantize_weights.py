@@ -18,12 +18,20 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZED_KEY", "QuantizeDynamicInt8Pass", "QuantizeWeightsInt4Pass", "gelu_fed_matmuls"]
+__all__ = [
+    "QUANTIZED_KEY",
+    "QuantizeDynamicInt8Pass",
+    "QuantizeWeightsInt4Pass",
+    "QuantizeWeightsInt8Pass",
+    "choose_int8_format",
+    "gelu_fed_matmuls",
+]
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
 #: Metadata key the quantization passes set (JSON: scheme and options): the model's numerics differ from its source.
@@ -206,6 +214,95 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
+class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
+    """Weight-only int8 in QDQ form: ``MatMul(x, DequantizeLinear(q(W), scale, 0))``, activations stay float.
+
+    Symmetric int8 weights, one scale per output channel (``per_channel=False``: one per matrix). This is the
+    form OpenVINO compiles into ``FullyConnectedCompressed`` (int8 weights decompressed inside the GEMM: half
+    the memory traffic of fp32 weights); ORT's dynamic-int8 ``MatMulInteger`` graph is run there as an fp32
+    GEMM plus conversions, slower than fp32. ORT's CPU EP, conversely, dequantizes the weights on every call
+    (slower than fp32): :func:`choose_int8_format` picks per provider.
+
+    Scope: main graph; MatMuls whose second input is a 2-D float initializer (``keep_fp32="ffn-out"`` skips
+    the GELU-fed ones). Invariants: graph inputs/outputs unchanged; every other node unchanged; each quantized
+    MatMul gets its DequantizeLinear right before it (a staged cut never separates them). Records
+    ``dyncompile.quantized``. Idempotent: a model with that key is left alone (``modified=False``).
+    """
+
+    def __init__(self, per_channel: bool = True, keep_fp32: str | tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        self.per_channel = bool(per_channel)
+        self.keep_fp32 = _parse_keep_fp32(keep_fp32)
+
+    def __repr__(self) -> str:
+        keep = f", keep_fp32={'+'.join(self.keep_fp32)!r}" if self.keep_fp32 else ""
+        return f"QuantizeWeightsInt8Pass(per_channel={self.per_channel}{keep})"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if QUANTIZED_KEY in model.metadata_props:
+            return ir.passes.PassResult(model, modified=False)
+        g = model.graph
+        exclude = set(gelu_fed_matmuls(model)) if "ffn-out" in self.keep_fp32 else set()
+        done: dict[str, tuple[ir.Value, ir.Value, ir.Value]] = {}
+        count = 0
+        for node in list(g):
+            w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
+            if w is None or w.const_value is None or node.name in exclude or w.name not in g.initializers:
+                continue
+            arr = w.const_value.numpy()
+            if arr.ndim != 2 or arr.dtype not in (np.float32, np.float16):
+                continue
+            if w.name not in done:
+                a = arr.astype(np.float32)
+                amax = np.abs(a).max(axis=0) if self.per_channel else np.abs(a).max(keepdims=True)
+                scale = (np.maximum(amax, 1e-12) / 127.0).astype(np.float32)
+                q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8)
+                shape = scale.shape if self.per_channel else ()
+                vals = (
+                    ir.val(f"{w.name}.int8", const_value=ir.tensor(q, name=f"{w.name}.int8")),
+                    ir.val(f"{w.name}.scale", const_value=ir.tensor(scale.reshape(shape), name=f"{w.name}.scale")),
+                    ir.val(f"{w.name}.zero", const_value=ir.tensor(np.zeros(shape, np.int8), name=f"{w.name}.zero")),
+                )
+                for v in vals:
+                    g.register_initializer(v)
+                done[w.name] = vals
+            attrs = {"axis": 1} if self.per_channel else {}
+            dq = ir.node("DequantizeLinear", list(done[w.name]), attrs, name=f"{node.name}.dequantize_weight")
+            dq.outputs[0].name = f"{w.name}.dequantized.{count}"
+            dq.outputs[0].dtype, dq.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(list(arr.shape))
+            if arr.dtype == np.float16:
+                dq.outputs[0].dtype = ir.DataType.FLOAT16  # DequantizeLinear's output type follows the scale
+            g.insert_before(node, dq)
+            node.replace_input_with(1, dq.outputs[0])
+            if not w.uses() and not w.is_graph_output() and w not in g.inputs:
+                g.initializers.pop(w.name)
+            count += 1
+        if not count:
+            return ir.passes.PassResult(model, modified=False)
+        if int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18))) < 13:
+            raise ir.passes.PreconditionError("weight-only int8 (per-channel DequantizeLinear) needs opset >= 13")
+        model.metadata_props[QUANTIZED_KEY] = json.dumps(
+            {"scheme": "int8-weights-qdq", "per_channel": self.per_channel, "keep_fp32": list(self.keep_fp32),
+             "fp32_matmuls_kept": len(exclude), "int8_matmuls": count}
+        )
+        logger.info("int8 weights (QDQ): %d MatMuls, %d kept in fp32", count, len(exclude))
+        return ir.passes.PassResult(model, modified=True)
+
+
+def choose_int8_format(provider: str | None) -> tuple[str, str]:
+    """``(format, reason)`` for ``quantize-int8{format=auto}`` from the target provider (``--provider``)."""
+    if provider == "openvino":
+        return "qdq-weights", (
+            "OpenVINO compiles DequantizeLinear(int8 W) -> MatMul into FullyConnectedCompressed (MPNet-base, batch 1: "
+            "~1.8x fp32 through the EP) but runs ORT's dynamic-int8 MatMulInteger as an fp32 GEMM plus conversions "
+            "(0.74x fp32)"
+        )
+    return "dynamic", (
+        "ORT's CPU EP runs DynamicQuantizeLinear + MatMulInteger with int8 kernels (fused to DynamicQuantizeMatMul); "
+        "a weight-only QDQ graph would dequantize the weights on every call"
+    )
+
+
 class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     """Weight-only int4 (block-wise) quantization of MatMul weights into ``com.microsoft.MatMulNBits``.
 
@@ -257,10 +354,22 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
 
 @register_pass(
     "quantize-int8",
-    help="dynamic int8 quantization of MatMul weights (onnxruntime.quantization); options per_channel, keep_fp32=ffn-out",
+    help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), qdq-weights (weight-only QDQ) or auto (by "
+    "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out",
 )
-def _make_int8(context, per_channel: bool = False, reduce_range: bool = False, keep_fp32: str | None = None):
-    return QuantizeDynamicInt8Pass(per_channel=per_channel, reduce_range=reduce_range, keep_fp32=keep_fp32)
+def _make_int8(
+    context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
+    keep_fp32: str | None = None,
+):
+    from dyncompile.errors import PassConfigError
+
+    if format == "auto":
+        format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
+    if format == "dynamic":
+        return QuantizeDynamicInt8Pass(per_channel=bool(per_channel), reduce_range=reduce_range, keep_fp32=keep_fp32)
+    if format == "qdq-weights":
+        return QuantizeWeightsInt8Pass(per_channel=True if per_channel is None else per_channel, keep_fp32=keep_fp32)
+    raise PassConfigError(f"quantize-int8 format must be dynamic, qdq-weights or auto, got {format!r}")
 
 
 @register_pass(

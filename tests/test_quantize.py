@@ -177,16 +177,57 @@ def test_int8_early_exit_pipeline_budget_is_against_the_fp32_original(minilm, tm
     fp32 = ort_session(d / "model.onnx", disable_all=False).run(None, {k: feeds[k] for k in ("input_ids", "attention_mask")})[0]
     fp32_acc = float((fp32.argmax(-1) == np.array([r["label"] for r in rows])).mean() * 100)
 
-    def cal(**opts):
-        res = dyncompile.compile(d / "model.onnx", "quantize-int8,early-exit", tmp_path / "out", calib=str(calib),
-                                 budget=3.0, lowering="staged", progress=False, force=True, **opts)
-        seg0 = ir.load(res.plan.directory / res.plan.files["segment0"].path)
-        assert "MatMulInteger" in _ops(seg0)
-        return res.plan.policy["early_exit"]["calibration"]
-
-    c = cal()
+    res = dyncompile.compile(d / "model.onnx", "quantize-int8,early-exit", tmp_path / "out", calib=str(calib),
+                             budget=3.0, lowering="staged", exits="2", progress=False)
+    assert "MatMulInteger" in _ops(ir.load(res.plan.directory / res.plan.files["segment0"].path))  # heads on int8
+    c = res.plan.policy["early_exit"]["calibration"]
     ref = c["reference"]
     assert c["budget"] == 3.0 and abs(ref["reference_accuracy"] - fp32_acc) < 1e-6
     assert ref["budget_left"] == max(0.0, 3.0 - ref["spent_by_model"])
     assert ref["expected_drop_vs_reference"] <= 3.0 + 1e-9
-    assert cal(budget_reference="self")["reference"] is None
+    from dyncompile.passes import CompileContext, build_passes  # budget_reference=self: measured against int8
+
+    ctx = CompileContext(model_path=d / "model.onnx", options={"calib": str(calib)})
+    assert build_passes("early-exit", ctx)[0].reference_model == d / "model.onnx"
+    assert build_passes("early-exit{budget_reference=self}", ctx)[0].reference_model is None
+
+
+def test_int8_qdq_weights_structure_numerics_idempotence():
+    from dyncompile.passes.quantize_weights import QUANTIZED_KEY, QuantizeWeightsInt8Pass
+
+    feeds = random_token_feeds()
+    ref = ort_session(tiny_encoder_classifier()).run(None, feeds)[0]
+    m = tiny_encoder_classifier()
+    assert run_pipeline([QuantizeWeightsInt8Pass()], m, check="each").modified
+    mms = [n for n in m.graph if n.op_type == "MatMul"]
+    assert len(mms) == 9 and all(n.inputs[1].producer().op_type == "DequantizeLinear" for n in mms)
+    assert all(m.graph.node(m.graph.index(n) - 1).op_type == "DequantizeLinear" for n in mms)  # right before its MatMul
+    assert not any(k.startswith("layer0.w1") and not k.endswith((".int8", ".scale", ".zero")) for k in m.graph.initializers)
+    assert json.loads(m.metadata_props[QUANTIZED_KEY])["scheme"] == "int8-weights-qdq"
+    assert QuantizeWeightsInt8Pass()(m).modified is False
+    got = ort_session(m).run(None, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=0.05)  # weight-only, per channel: tighter than dynamic int8
+    g = _gelu_mlp()
+    QuantizeWeightsInt8Pass(keep_fp32="ffn-out")(g)
+    assert [n.inputs[1].name for n in g.graph if n.op_type == "MatMul"] == ["w1.dequantized.0", "w2"]
+
+
+def test_int8_format_auto_follows_the_provider():
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes import CompileContext, build_passes
+    from dyncompile.passes.quantize_weights import QuantizeWeightsInt8Pass
+
+    def made(spec, provider=None):
+        (p,) = build_passes(spec, CompileContext(options={"provider": provider} if provider else {}))
+        return p
+
+    assert isinstance(made("quantize-int8"), QuantizeDynamicInt8Pass)
+    assert isinstance(made("quantize-int8", "cpu"), QuantizeDynamicInt8Pass)
+    ov = made("quantize-int8{keep_fp32=ffn-out}", "openvino")
+    assert isinstance(ov, QuantizeWeightsInt8Pass) and ov.per_channel and ov.keep_fp32 == ("ffn-out",)
+    assert isinstance(made("quantize-int8{format=dynamic}", "openvino"), QuantizeDynamicInt8Pass)
+    assert made("quantize-int8{format=qdq-weights,per_channel=false}").per_channel is False
+    import pytest
+
+    with pytest.raises(PassConfigError, match="format"):
+        made("quantize-int8{format=static}")

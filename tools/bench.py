@@ -25,7 +25,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Runner", "bench_runners", "plan_runner", "reference_runner", "markdown_table", "machine_info", "main"]
+__all__ = [
+    "Runner", "bench_runners", "plan_runner", "reference_runner", "markdown_table", "machine_info", "load_avg", "main",
+]
 
 BENCH_SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 
@@ -87,7 +89,18 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "onnxruntime": ort.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_avg": load_avg(),
     }
+
+
+def load_avg() -> list[float] | None:
+    """The 1/5/15-minute load averages (``uptime``): on a shared machine, read timings next to them."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _quality(probs: np.ndarray, labels, ref_pred: np.ndarray | None) -> dict[str, Any]:

@@ -15,10 +15,13 @@ plus the measured points). Writes JSON, markdown and a PNG.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,19 +35,61 @@ def _prob(x):
     return z / z.sum(-1, keepdims=True)
 
 
+@dataclasses.dataclass
+class FittedExits:
+    """Exit heads fitted once on a model (after every inner layer), to be calibrated at several budgets."""
+
+    num_layers: int
+    exits: list[int]
+    cuts: dict[int, str]
+    fit: Any  # exit_heads.ExitFit
+    teacher: np.ndarray  # the full model's probabilities on the calibration rows [N, C]
+    probe_seconds: float
+    fit_seconds: float  # probe + fit
+    kw: dict[str, Any]  # tokenizer_file, max_length, pooling (to run the same features on other rows)
+
+
+def fit_exits_once(model, texts: Sequence[str], labels, *, tokenizer_file, max_length: int, pooling: str = "cls+mean") -> FittedExits:
+    """Run ``model`` (onnx-ir) on the calibration texts with every layer exposed and fit one head per exit."""
+    from dyncompile.passes.exit_heads import fit_exit_heads
+    from dyncompile.passes.fit_exit_heads import collect_exit_features, find_exit_cuts
+
+    num_layers, cuts, _ = find_exit_cuts(model)
+    exits = list(range(1, num_layers))
+    kw = dict(tokenizer_file=tokenizer_file, max_length=max_length, pooling=pooling)
+    t0 = time.perf_counter()
+    feats, teacher = collect_exit_features(model, [cuts[k] for k in exits], texts, **kw)
+    t_probe = time.perf_counter() - t0
+    fit = fit_exit_heads(feats, teacher.astype(np.float32), None if labels is None else np.asarray(labels), pooling=pooling)
+    return FittedExits(num_layers, exits, cuts, fit, teacher, t_probe, time.perf_counter() - t0, kw)
+
+
+def exit_plan(src, plan_dir, fitted: FittedExits, thresholds, lowering: str, criterion: str = "entropy",
+              *, pre_passes: Sequence = (), provider: str | None = None, reason: str | None = None) -> Path:
+    """Compile ``src`` with ``pre_passes`` + the fitted heads at ``thresholds`` (one per exit) + the lowering."""
+    import dyncompile
+    from dyncompile.passes import InsertEarlyExitPass
+    from dyncompile.passes.fit_exit_heads import AttachExitHeadsPass, exits_to_keep
+
+    exits = fitted.exits
+    keep = exits_to_keep(list(thresholds), criterion, 2)
+    heads = {exits[j]: fitted.fit.heads[j] for j in keep}
+    passes = [
+        *pre_passes,
+        AttachExitHeadsPass(
+            heads, {k: fitted.cuts[k] for k in heads}, {exits[j]: thresholds[j] for j in keep}, fitted.num_layers, criterion
+        ),
+        InsertEarlyExitPass(lowering, provider=provider, reason=reason),
+    ]
+    return dyncompile.compile(src, passes, plan_dir, force=True, progress=False).plan_dir
+
+
 def bench_model(name: str, args, out: Path) -> dict:
     import dyncompile
     import onnx_ir as ir
     from dyncompile.models import build_model
-    from dyncompile.passes import InsertEarlyExitPass
-    from dyncompile.passes.exit_heads import exit_decisions, fit_exit_heads
-    from dyncompile.passes.fit_exit_heads import (
-        AttachExitHeadsPass,
-        calibrate_exits,
-        collect_exit_features,
-        exits_to_keep,
-        find_exit_cuts,
-    )
+    from dyncompile.passes.exit_heads import exit_decisions
+    from dyncompile.passes.fit_exit_heads import calibrate_exits, collect_exit_features
     from dyncompile.runtime.data import read_jsonl, texts_and_labels
     from dyncompile.tools.bench import BENCH_SESSION_CONFIG, bench_runners, plan_runner, reference_runner
 
@@ -54,15 +99,9 @@ def bench_model(name: str, args, out: Path) -> dict:
     test_t, test_y = texts_and_labels(read_jsonl(Path(args.data_dir) / "movie-test.jsonl"), cfg["labels"])
     calib_y, test_y = np.asarray(calib_y), np.asarray(test_y)
     model = ir.load(art.onnx_path)
-    num_layers, cuts, _ = find_exit_cuts(model)
-    exits = list(range(1, num_layers))
-    pooling = "cls+mean"
-    kw = dict(tokenizer_file=art.tokenizer_path, max_length=cfg.get("max_length", 64), pooling=pooling)
-    t0 = time.perf_counter()
-    feats, teacher = collect_exit_features(model, [cuts[k] for k in exits], calib_t, **kw)
-    t_probe = time.perf_counter() - t0
-    fit = fit_exit_heads(feats, teacher.astype(np.float32), calib_y, pooling=pooling)
-    t_fit = time.perf_counter() - t0
+    fitted = fit_exits_once(model, calib_t, calib_y, tokenizer_file=art.tokenizer_path, max_length=cfg.get("max_length", 64))
+    num_layers, cuts, exits, fit, teacher, kw = fitted.num_layers, fitted.cuts, fitted.exits, fitted.fit, fitted.teacher, fitted.kw
+    t_probe, t_fit = fitted.probe_seconds, fitted.fit_seconds
     logger.info("%s: probe %.1fs, probe+fit %.1fs", name, t_probe, t_fit)
     # heads' outputs on test: for the offline curve only (never used to choose anything)
     tfeats, tteacher = collect_exit_features(model, [cuts[k] for k in exits], test_t, **kw)
@@ -92,16 +131,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     probe_plan = None
 
     def make_plan(tag, thresholds, lowering):
-        keep = exits_to_keep(thresholds, args.criterion, 2)
-        heads = {exits[j]: fit.heads[j] for j in keep}
-        passes = [
-            AttachExitHeadsPass(
-                heads, {k: cuts[k] for k in heads}, {exits[j]: thresholds[j] for j in keep}, num_layers, args.criterion
-            ),
-            InsertEarlyExitPass(lowering),
-        ]
-        res = dyncompile.compile(art.onnx_path, passes, out / "plans" / f"{name}-{tag}", force=True, progress=False)
-        return res.plan_dir
+        return exit_plan(art.onnx_path, out / "plans" / f"{name}-{tag}", fitted, thresholds, lowering, args.criterion)
 
     never = make_plan("if-never", [None] * len(exits), "if")
     for b in args.budgets:

@@ -73,7 +73,7 @@ def _compile_parser() -> argparse.ArgumentParser:
                     help="fitted (default): fit exit heads; given: use per-layer logits the graph already outputs")
     p.add_argument(
         "--provider",
-        help="execution provider the plan is for (cpu, openvino, cuda, directml): --lowering auto picks per provider",
+        help="execution provider the plan is for (cpu, openvino, cuda, directml): --lowering auto and quantize-int8{format=auto} pick per provider",
     )
     sd = p.add_argument_group("speculative decoding (--passes speculative, split-drafter,speculative)")
     sd.add_argument("--drafter", help="DRAFT.onnx (a decoder with the target's tokenizer) or prompt-lookup; "
