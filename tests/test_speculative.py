@@ -55,8 +55,8 @@ def plans(tiny):
 
 
 @pytest.fixture(scope="module")
-def loaded(plans):
-    return {k: dyncompile.load(p) for k, p in plans.items()}
+def loaded(plans, provider):
+    return {k: dyncompile.load(p, provider=provider) for k, p in plans.items()}
 
 
 # ------------------------------------------------------------------------------------------- plans
@@ -221,14 +221,14 @@ def chi_square_p(observed: np.ndarray, expected_probs: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def sampling_plans(tmp_path_factory):
+def sampling_plans(tmp_path_factory, provider):
     """Vocabulary 8 with spread-out distributions; a drafter that disagrees with the target."""
     root = tmp_path_factory.mktemp("sampling")
     t = write_decoder_dir(root / "t", tiny_decoder(num_layers=2, vocab=8, seed=0, logit_scale=1.5), eos=EOS_UNUSED)
     d = write_decoder_dir(root / "d", tiny_decoder(num_layers=1, vocab=8, seed=1, logit_scale=1.5), eos=EOS_UNUSED)
     ext = compile_model(t, "speculative{draft_length=2,adaptive=false}", root / "ext", drafter=str(d)).plan_dir
     pl = compile_model(t, "speculative{draft_length=2,adaptive=false}", root / "pl", drafter="prompt-lookup").plan_dir
-    return dyncompile.load(ext), dyncompile.load(pl)
+    return dyncompile.load(ext, provider=provider), dyncompile.load(pl, provider=provider)
 
 
 def _exact_joint(m, prompt, temperature):
