@@ -265,7 +265,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         drafter_source: str | None = None,
         generation: dict[str, Any] | None = None,
         draft_length: int = 4,
-        min_draft: int = 1,
+        min_draft: int = 0,
         max_draft: int = 8,
         adaptive: bool = True,
         max_ngram: int = 3,
@@ -502,7 +502,7 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     help="speculative decoding plan: --drafter DRAFT.onnx | prompt-lookup (or after split-drafter); greedy output "
     "token-identical to the target, sampling exact",
 )
-def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 1, max_draft: int = 8,
+def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int = 8,
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,
                       allow_inexact_target: bool = False):
     opt = context.options.get("drafter")

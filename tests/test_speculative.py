@@ -509,3 +509,16 @@ def test_split_drafter_after_quantization_says_to_reorder(tiny, tmp_path):
     with pytest.raises(DrafterError, match="before the quantize pass"):
         compile_model(tiny["target"], "quantize-int4{accuracy_level=0},split-drafter{layers=1,min_speedup=0},speculative",
                       tmp_path / "o", calib=str(tiny["calib"]))
+
+
+def test_draft_controller_stops_drafting_when_verification_is_too_expensive():
+    """An int4 target with fp32-compute MatMulNBits measured 2.9x for a 2-token call: drafting cannot pay, so the
+    controller (plan default min_draft=0) drafts nothing but an occasional 1-token probe."""
+    ctl = DraftController(initial=4, min_len=0, max_len=8, draft_cost=0.28, alpha0=0.77,
+                          verify_cost={1: 1.0, 2: 2.86, 4: 2.86, 9: 3.6})
+    lengths = [ctl.next_length(8) for _ in range(40)]
+    assert lengths[0] == 4  # the first round tries the plan's initial length
+    assert sum(1 for g in lengths[1:] if g > 0) <= 6 and max(lengths[1:]) <= 1
+    cheap = DraftController(initial=4, min_len=0, max_len=8, draft_cost=0.13, alpha0=0.77,
+                            verify_cost={1: 1.0, 2: 1.09, 4: 1.36, 9: 1.51})
+    assert all(cheap.next_length(8) >= 4 for _ in range(10))
