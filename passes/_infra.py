@@ -12,12 +12,13 @@ Passes themselves never check, time or dump (TVM ``PassContext`` instruments / M
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,21 +229,34 @@ def check_model(model: ir.Model, *, full_check: bool = True) -> None:
     proto = ir.to_proto(model)
     # Weights kept as external data (models loaded from disk) are found by the checker relative to the
     # working directory: check from the directory they live in.
-    base_dirs = {
+    dirs = external_data_dirs(model)
+    with working_directory(next(iter(dirs)) if len(dirs) == 1 else None):
+        onnx.checker.check_model(proto, full_check=full_check)
+
+
+def external_data_dirs(model: ir.Model) -> set[str]:
+    """The folders the model's external-data initializers (large weights kept on disk) are read from."""
+    return {
         str(v.const_value.base_dir)
         for g in model.graphs()
         for v in g.initializers.values()
         if isinstance(v.const_value, ir.ExternalTensor)
     }
-    if len(base_dirs) == 1:
-        cwd = os.getcwd()
-        os.chdir(base_dirs.pop())
-        try:
-            onnx.checker.check_model(proto, full_check=full_check)
-        finally:
-            os.chdir(cwd)
+
+
+@contextlib.contextmanager
+def working_directory(path: str | None) -> Iterator[None]:
+    """Run the body in ``path`` (no change when None): tools that resolve external-data locations against
+    the working directory (the ONNX checker, ORT's quantizers) then find the weights."""
+    if not path:
+        yield
         return
-    onnx.checker.check_model(proto, full_check=full_check)
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 def _pass_name(p: ir.passes.PassBase) -> str:

@@ -316,6 +316,12 @@ def _check_probs(p: np.ndarray, what: str, fix: str) -> None:
         )
 
 
+def _check_two_classes(y: np.ndarray, why: str) -> None:
+    """Calibration labels of a single class are an error; ``why`` continues the message."""
+    if len(np.unique(y)) < 2:
+        raise CalibrationError(f"all {len(y)} labels are class {int(y[0])}{why}")
+
+
 def _check_labels(labels: Any, n: int, c: int, what: str = "labels") -> np.ndarray:
     y = np.asarray(labels)
     if y.shape != (n,):
@@ -580,11 +586,11 @@ def fit_exit_heads(
     y = None
     if labels is not None:
         y = _check_labels(labels, n, c)
-        if len(np.unique(y)) < 2:
-            raise CalibrationError(
-                f"all {n} labels are class {int(y[0])}; heads cannot learn to tell classes apart — use a "
-                "calibration set with every class (or labels=None to distil the full model alone)"
-            )
+        _check_two_classes(
+            y,
+            "; heads cannot learn to tell classes apart — use a calibration set with every class (or labels=None "
+            "to distil the full model alone)",
+        )
     strata = y if y is not None else teacher.argmax(1)
     if n < 2 * folds:
         raise CalibrationError(f"{n} rows are too few for {folds}-fold cross-fitting; use at least {2 * folds} rows")
@@ -1078,12 +1084,11 @@ def calibrate_thresholds(
     cols = np.arange(n)
     if labels is not None:
         ref = _check_labels(labels, n, c)
-        if len(np.unique(ref)) < 2:
-            raise CalibrationError(
-                f"all {n} labels are class {int(ref[0])}: accuracy on such a set says nothing about when "
-                "exiting early is safe; calibrate on rows of every class (or pass labels=None to use "
-                "agreement with the full model)"
-            )
+        _check_two_classes(
+            ref,
+            ": accuracy on such a set says nothing about when exiting early is safe; calibrate on rows of every "
+            "class (or pass labels=None to use agreement with the full model)",
+        )
         metric = "accuracy"
     else:
         ref = final_pred

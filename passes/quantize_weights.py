@@ -10,17 +10,14 @@ passes know the numerics changed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import external_data_dirs, register_pass, working_directory
 
 logger = logging.getLogger(__name__)
 
@@ -53,38 +50,13 @@ def _replace_contents(model: ir.Model, new: ir.Model) -> None:
     model.metadata_props.update({k: v for k, v in meta.items() if k.startswith("dyncompile.")})
 
 
-def _external_base_dir(model: ir.Model) -> str | None:
-    """The folder external-data initializers are read from (large decoders), or None if all are in memory."""
-    dirs = {
-        str(v.const_value.base_dir)
-        for v in model.graph.initializers.values()
-        if isinstance(v.const_value, ir.ExternalTensor)
-    }
-    if len(dirs) > 1:
-        raise ValueError(f"initializers read external data from several folders: {sorted(dirs)}")
-    return dirs.pop() if dirs else None
-
-
-@contextlib.contextmanager
-def _cwd(path: str | None) -> Iterator[None]:
-    if not path:
-        yield
-        return
-    old = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)
-
-
 def _rebase_external(model: ir.Model, base_dir: str | None) -> None:
     """Tensors that came back from a proto with relative external-data locations: read them from base_dir."""
     if not base_dir:
         return
     for v in model.graph.initializers.values():
         t = v.const_value
-        if isinstance(t, ir.ExternalTensor) and not os.path.isabs(str(t.base_dir) or "") and not str(t.base_dir):
+        if isinstance(t, ir.ExternalTensor) and not str(t.base_dir):
             t.base_dir = base_dir
 
 
@@ -337,8 +309,11 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         q = MatMulNBitsQuantizer(
             proto, bits=4, block_size=self.block_size, is_symmetric=self.symmetric, accuracy_level=self.accuracy_level
         )
-        base_dir = _external_base_dir(model)
-        with _cwd(base_dir):  # ORT's quantizer resolves external-data locations against the working directory
+        dirs = external_data_dirs(model)
+        if len(dirs) > 1:
+            raise ValueError(f"initializers read external data from several folders: {sorted(dirs)}")
+        base_dir = dirs.pop() if dirs else None
+        with working_directory(base_dir):  # ORT's quantizer resolves external data against the working directory
             q.process()
         new = ir.from_proto(q.model.model)
         _rebase_external(new, base_dir)

@@ -383,18 +383,17 @@ class SpeculativePass(ir.passes.InPlacePass):
             draft["draft_cost"] = sd.get("draft_cost")
             draft["verify_cost"] = sd.get("verify_cost")
         else:
-            if isinstance(self.drafter, ir.Model):
+            draft["draft_cost"] = 0.0
+            if self.measure:
+                draft["verify_cost"], t1 = _measure_target(model, target)
+            if isinstance(self.drafter, ir.Model) and self.measure:
+                draft["draft_cost"] = round(_measure_step(self.drafter, target) / t1, 4)
+                draft["draft_cost_source"] = "measured (drafter step / target step, this machine)"
+            elif isinstance(self.drafter, ir.Model):
                 from dyncompile.passes.split_drafter import weight_reads
 
                 draft["draft_cost"] = round(weight_reads(self.drafter) / max(1, weight_reads(model)), 4)
                 draft["draft_cost_source"] = "weight bytes"
-            else:
-                draft["draft_cost"] = 0.0
-            if self.measure:
-                draft["verify_cost"], t1 = _measure_target(model, target)
-                if isinstance(self.drafter, ir.Model):
-                    draft["draft_cost"] = round(_measure_step(self.drafter, target) / t1, 4)
-                    draft["draft_cost_source"] = "measured (drafter step / target step, this machine)"
         return {
             "format": SPECULATIVE_FORMAT,
             "target": target,
@@ -450,13 +449,16 @@ def _probe_chunk(spec: dict[str, Any]) -> list[int]:
 def _measure_target(model: ir.Model, spec: dict[str, Any]) -> tuple[dict[str, float], float]:
     """Verification cost of s tokens relative to one on this machine (the runtime's draft-length model), and
     the seconds of one target decode step."""
-    from dyncompile.passes.split_drafter import _external_dir, _session, measure_step_times
+    from dyncompile.passes.split_drafter import (
+        _external_dir,
+        _session,
+        measure_step_times,
+        relative_verify_costs,
+    )
 
     sess = _session(model, _external_dir(model))
     times = measure_step_times(sess, spec, _probe_chunk(spec), [1, 2, 4, 9])
-    costs, run = {}, 1.0
-    for s_ in sorted(times):  # relative to one token, monotone
-        run = costs[s_] = round(max(run, times[s_] / times[1]), 4)
+    costs = relative_verify_costs(times)
     logger.info("speculative: target step %.1f ms; verification cost by tokens %s", times[1] * 1e3, costs)
     return {str(k): v for k, v in costs.items()}, times[1]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes._infra import CompileContext, external_data_dirs, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.speculative import DrafterError, decoder_spec
 
@@ -36,6 +36,7 @@ __all__ = [
     "SPLIT_DRAFTER_KEY",
     "measure_step_times",
     "measure_verify_costs",
+    "relative_verify_costs",
     "weight_reads",
     "SPLIT_DRAFTER_META",
     "SplitDrafterPass",
@@ -266,11 +267,8 @@ def read_calibration_text(path: str | Path) -> list[str]:
 
 
 def _external_dir(model: ir.Model) -> str | None:
-    for v in model.graph.initializers.values():
-        t = v.const_value
-        if isinstance(t, ir.ExternalTensor):
-            return str(t.base_dir)
-    return None
+    dirs = external_data_dirs(model)
+    return min(dirs) if dirs else None
 
 
 def _session(model: ir.Model, ext_dir: str | None):
@@ -594,16 +592,18 @@ def measure_step_times(sess, spec, chunk: Sequence[int], sizes: Sequence[int], r
     return times
 
 
+def relative_verify_costs(times: dict[int, float]) -> dict[int, float]:
+    """Step times by tokens per call -> cost relative to one token, kept monotone (verifying more tokens never
+    costs less)."""
+    costs, run = {}, 1.0
+    for s_ in sorted(times):
+        run = costs[s_] = round(max(run, times[s_] / times[1]), 4)
+    return costs
+
+
 def measure_verify_costs(sess, spec, chunk: Sequence[int], max_draft: int = 8, repeats: int = 5) -> dict[int, float]:
     """Target time for ``s`` new tokens on a cache of ``len(chunk)``, relative to one token (s = 1, 2, 4, ...)."""
-    times = measure_step_times(sess, spec, chunk, sorted({1, 2, 4, max_draft + 1}), repeats)
-    base = times[1]
-    costs = {s_: round(max(1.0, t / base), 4) if s_ > 1 else 1.0 for s_, t in times.items()}
-    # verifying more tokens never costs less: keep the curve monotone
-    run = 1.0
-    for s_ in sorted(costs):
-        run = costs[s_] = max(run, costs[s_])
-    return costs
+    return relative_verify_costs(measure_step_times(sess, spec, chunk, sorted({1, 2, 4, max_draft + 1}), repeats))
 
 
 def weight_reads(model: ir.Model) -> int:

@@ -232,11 +232,12 @@ def _cmd_models(argv: list[str]) -> int:
     args = p.parse_args(argv)
     _setup_logging(args.verbose)
     from dyncompile import models
+    from dyncompile.models._core import is_complete
 
     if args.action in (None, "list"):
         home = Path(args.home).expanduser() if getattr(args, "home", None) else models.model_home()
         for r in models.list_models():
-            built = "built" if (models.model_dir(r.name, home) / "dyncompile-model.json").is_file() else "-"
+            built = "built" if is_complete(models.model_dir(r.name, home)) else "-"
             print(f"  {r.name:<22} {built:<6} {r.task:<20} {r.description}")
         print(f"cache: {home}; build one with `dyncompile models build NAME`")
         return 0
