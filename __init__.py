@@ -16,6 +16,6 @@ def load(plan_dir, provider: str = "cpu", **kwargs):
 
 def compile(model_path, passes="verify,cleanup", output_dir=None, **kwargs):  # noqa: A001 - public API name
     """Compile an ONNX model with a pass pipeline into a plan directory (see :func:`dyncompile.tools.compile`)."""
-    from dyncompile.tools.compiler import compile_model
+    from dyncompile.passes.compiler import compile_model
 
     return compile_model(model_path, passes=passes, output_dir=output_dir, **kwargs)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.errors import DyncompileError
-from dyncompile.runtime.plan import sha256_file, write_json_atomic  # noqa: F401  (re-exported)
+from dyncompile.io import sha256_file, write_json_atomic  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("dyncompile.models")
 

@@ -134,8 +134,9 @@ def greedy_generate(
     art: ModelArtifacts, prompt: str, max_new_tokens: int = 32, *, stop_at_eos: bool = True, session=None
 ) -> dict[str, Any]:
     """Greedy decoding with the KV-cache decoder on ORT CPU; returns ids and text of the new tokens."""
-    from dyncompile.models._decoders import ort_greedy
     from tokenizers import Tokenizer
+
+    from dyncompile.models._decoders import ort_greedy
 
     if art.config.get("task") != "text-generation":
         raise RecipeError(f"{art.name} is a {art.config.get('task')} model, not a decoder")

@@ -1,12 +1,16 @@
 """Graph passes on onnx-ir, registered by name for ``dyncompile --passes``.
 
-Importing this package registers every built-in pass.
+Importing this package registers every built-in pass and plan emitter. Layout:
+
+* ``_infra`` — registry and pipeline runner (checking, timing, IR dumps belong here, not in passes);
+* ``compiler`` — the compile driver behind :func:`dyncompile.compile`;
+* ``emit`` — turns the final graph into a plan (emitters per technique);
+* ``early_exit/`` — exit heads, their fitting and calibration, the exit rule, the lowering passes;
+* ``speculative/`` — decoder specs, measurement, the split drafter and the speculative pass;
+* ``analysis/`` — layers, cut tensors and the family of an exported transformer;
+* one module per remaining pass (``cleanup_graph``, ``verify_model``, ``quantize_weights``).
 """
 
-from dyncompile.passes import (
-    _emit_speculative,  # noqa: F401  (registers the generate/speculative plan emitters)
-    _emit_staged,  # noqa: F401  (registers the staged plan emitter)
-)
 from dyncompile.passes._infra import (
     PASS_REGISTRY,
     CompileContext,
@@ -18,13 +22,14 @@ from dyncompile.passes._infra import (
     run_pipeline,
 )
 from dyncompile.passes.cleanup_graph import CleanupGraphPass
-from dyncompile.passes.fit_exit_heads import FitExitHeadsPass
-from dyncompile.passes.insert_early_exit import InsertEarlyExitPass
+from dyncompile.passes.early_exit import (
+    FitExitHeadsPass,
+    InsertEarlyExitPass,
+    WireGivenExitHeadsPass,
+)
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
-from dyncompile.passes.speculative import SpeculativePass
-from dyncompile.passes.split_drafter import SplitDrafterPass
+from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
 from dyncompile.passes.verify_model import VerifyModelPass
-from dyncompile.passes.wire_given_exit_heads import WireGivenExitHeadsPass
 
 __all__ = [
     "PASS_REGISTRY",

@@ -12,18 +12,19 @@ Passes themselves never check, time or dump (TVM ``PassContext`` instruments / M
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
+
 from dyncompile.errors import DyncompileError, PassConfigError
+from dyncompile.io import external_data_dirs, working_directory
 
 logger = logging.getLogger(__name__)
 
@@ -232,31 +233,6 @@ def check_model(model: ir.Model, *, full_check: bool = True) -> None:
     dirs = external_data_dirs(model)
     with working_directory(next(iter(dirs)) if len(dirs) == 1 else None):
         onnx.checker.check_model(proto, full_check=full_check)
-
-
-def external_data_dirs(model: ir.Model) -> set[str]:
-    """The folders the model's external-data initializers (large weights kept on disk) are read from."""
-    return {
-        str(v.const_value.base_dir)
-        for g in model.graphs()
-        for v in g.initializers.values()
-        if isinstance(v.const_value, ir.ExternalTensor)
-    }
-
-
-@contextlib.contextmanager
-def working_directory(path: str | None) -> Iterator[None]:
-    """Run the body in ``path`` (no change when None): tools that resolve external-data locations against
-    the working directory (the ONNX checker, ORT's quantizers) then find the weights."""
-    if not path:
-        yield
-        return
-    old = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)
 
 
 def _pass_name(p: ir.passes.PassBase) -> str:

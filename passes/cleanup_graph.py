@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
+
 from dyncompile.passes._infra import register_pass
 
 __all__ = ["CleanupGraphPass"]

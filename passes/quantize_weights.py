@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-from dyncompile.passes._infra import external_data_dirs, register_pass, working_directory
+
+from dyncompile.io import external_data_dirs, working_directory
+from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import onnx_ir as ir
+
 from dyncompile.passes._infra import check_model, register_pass
 
 __all__ = ["VerifyModelPass"]

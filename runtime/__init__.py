@@ -1,38 +1,37 @@
-"""Runtime: load a plan (``plan.json`` + ONNX files) and run it on ONNX Runtime sessions."""
+"""Runtime: load a plan (``plan.json`` + ONNX files) and run it on ORT sessions.
 
-from dyncompile.runtime.executor import (
-    STEP_HANDLERS,
-    CompiledModel,
-    Prediction,
-    RuntimeContext,
-    StepHandler,
-    load,
-    register_step,
-)
-from dyncompile.runtime.plan import PLAN_FORMAT, FileRef, Plan, Step, load_plan, save_plan
-from dyncompile.runtime.providers import (
-    PROVIDERS,
-    check_ort_flavours,
-    installed_ort_flavours,
-    resolve_provider,
-)
+Names are imported lazily, so that importing a leaf module (``dyncompile.runtime.text``) does not load
+the executor and every step handler.
+"""
 
-__all__ = [
-    "PLAN_FORMAT",
-    "PROVIDERS",
-    "STEP_HANDLERS",
-    "CompiledModel",
-    "FileRef",
-    "Plan",
-    "Prediction",
-    "RuntimeContext",
-    "Step",
-    "StepHandler",
-    "check_ort_flavours",
-    "installed_ort_flavours",
-    "load",
-    "load_plan",
-    "register_step",
-    "resolve_provider",
-    "save_plan",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "STEP_HANDLERS": "dyncompile.runtime.executor",
+    "CompiledModel": "dyncompile.runtime.executor",
+    "Prediction": "dyncompile.runtime.executor",
+    "RuntimeContext": "dyncompile.runtime.executor",
+    "StepHandler": "dyncompile.runtime.executor",
+    "load": "dyncompile.runtime.executor",
+    "register_step": "dyncompile.runtime.executor",
+    "PLAN_FORMAT": "dyncompile.plan",
+    "FileRef": "dyncompile.plan",
+    "Plan": "dyncompile.plan",
+    "Step": "dyncompile.plan",
+    "load_plan": "dyncompile.plan",
+    "save_plan": "dyncompile.plan",
+    "PROVIDERS": "dyncompile.runtime.providers",
+    "check_ort_flavours": "dyncompile.runtime.providers",
+    "installed_ort_flavours": "dyncompile.runtime.providers",
+    "resolve_provider": "dyncompile.runtime.providers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

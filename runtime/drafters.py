@@ -22,6 +22,7 @@ import logging
 from collections.abc import Sequence
 
 import numpy as np
+
 from dyncompile.runtime.generate import KVDecoder, probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)

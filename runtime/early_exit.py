@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import numpy as np
+
 from dyncompile.runtime.executor import StepHandler, register_step
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def fires(logits: np.ndarray, criterion: str, threshold: float | None, window_preds: list[np.ndarray]) -> np.ndarray:
-    """Per-row bool: does the exit test fire (same rule as ``dyncompile.passes.exit_heads``)."""
+    """Per-row bool: does the exit test fire (same rule as ``dyncompile.passes.early_exit.exit_heads``)."""
     n = logits.shape[0]
     if threshold is None:
         return np.zeros(n, bool)

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dyncompile.errors import DataError, PlanError, ProviderError
-from dyncompile.runtime.plan import Plan, Step, load_plan
+from dyncompile.plan import Plan, Step, load_plan
 from dyncompile.runtime.providers import check_ort_flavours, resolve_provider
 
 logger = logging.getLogger(__name__)

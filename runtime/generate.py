@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from dyncompile.errors import DataError, PlanError
 from dyncompile.runtime.executor import StepHandler, register_step
 

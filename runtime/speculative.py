@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from dyncompile.errors import PlanError
 from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from dyncompile.runtime.executor import register_step

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from dyncompile.runtime.executor import StepHandler, register_step
 
 __all__ = ["RunModelStep"]

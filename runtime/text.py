@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dyncompile.errors import DataError
 
 __all__ = ["TextEncoder"]

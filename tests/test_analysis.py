@@ -1,4 +1,4 @@
-"""Graph analysis (dyncompile.passes.analysis): layers and cut tensors of real exported models.
+"""Graph analysis (dyncompile.passes.analysis.layers): layers and cut tensors of real exported models.
 
 The real-model checks use the session fixtures ``minilm_model_path`` (BERT classifier, 6 layers) and
 ``smollm2_model_path`` (Llama decoder with KV cache, 30 layers) from conftest.py. A cut tensor is checked
@@ -14,7 +14,9 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 import pytest
-from dyncompile.passes.analysis import (
+from helpers import ort_session
+
+from dyncompile.passes.analysis.layers import (
     WEIGHT_MIN_ELEMENTS,
     CutTensor,
     ModelStructure,
@@ -22,7 +24,6 @@ from dyncompile.passes.analysis import (
     analyze_model,
     format_report,
 )
-from helpers import ort_session
 
 ATOL = 1e-5
 RTOL = 0.0

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from dyncompile.tools.cli import main
 from helpers import assert_clean_error, run_cli
+
+from dyncompile.tools.cli import main
 
 
 def test_help_teaches(capsys):
@@ -116,7 +117,7 @@ def test_console_script_prints_no_traceback(tmp_path):
 
 def test_plan_directory_gets_ordinary_permissions(tmp_path, tiny_encoder_path):
     """The temp dir a plan is built in (mkdtemp: 0700) is opened up to what mkdir would give before publishing."""
-    from dyncompile.tools.compiler import compile_model
+    from dyncompile.passes.compiler import compile_model
 
     old = os.umask(0o022)
     try:

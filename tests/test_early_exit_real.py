@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-import dyncompile
 import numpy as np
 import pytest
+from helpers import DATA, ort_session, tolerance
+
+import dyncompile
 from dyncompile.errors import ProviderError
 from dyncompile.tools.cli import main
-from helpers import DATA, ort_session, tolerance
 
 CALIB_ROWS = 400  # a slice of movie-calib keeps CI fast; the benchmark uses all 2,000
 
@@ -161,6 +162,7 @@ def test_no_layer_structure(capsys, tmp_path, small_calib, minilm):
     import shutil
 
     import onnx_ir as ir
+
     from dyncompile.models.synthetic import tiny_mlp
 
     d = tmp_path / "mlp"
@@ -177,7 +179,7 @@ def test_no_layer_structure(capsys, tmp_path, small_calib, minilm):
     "target,want", [("cpu", "if"), ("cuda", "if"), ("openvino", "staged"), ("directml", "staged")]
 )
 def test_auto_lowering_is_ep_aware(target, want):
-    from dyncompile.passes.insert_early_exit import choose_lowering
+    from dyncompile.passes.early_exit.insert_early_exit import choose_lowering
 
     lowering, reason = choose_lowering(target)
     assert lowering == want and len(reason) > 20

@@ -1,4 +1,4 @@
-"""Exit heads and threshold calibration (dyncompile.passes.exit_heads) on small synthetic data."""
+"""Exit heads and threshold calibration (dyncompile.passes.early_exit.exit_heads) on small synthetic data."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 
 import numpy as np
 import pytest
+
 from dyncompile.errors import DyncompileError
-from dyncompile.passes.exit_heads import (
+from dyncompile.passes.early_exit.exit_heads import (
     Calibration,
     CalibrationError,
     ExitHead,

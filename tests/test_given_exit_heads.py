@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 
-import dyncompile
 import numpy as np
 import onnx_ir as ir
-from dyncompile.models.synthetic import tiny_encoder_classifier
-from dyncompile.passes.exit_heads import ExitHead
-from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY, attach_exit_heads
 from helpers import DATA, ort_session
+
+import dyncompile
+from dyncompile.models.synthetic import tiny_encoder_classifier
+from dyncompile.passes.early_exit.exit_heads import ExitHead
+from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, attach_exit_heads
 
 
 def _deebert_model(minilm, tmp_path):

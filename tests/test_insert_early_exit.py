@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 
-import dyncompile
 import numpy as np
 import onnx_ir as ir
 import pytest
+from helpers import ort_session, random_token_feeds, tolerance
+
+import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import InsertEarlyExitPass, run_pipeline
-from dyncompile.passes._emit import EmitRequest, emit_plan
-from dyncompile.passes.exit_heads import Calibration, ExitHead, exit_decisions
-from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY, FitExitHeadsPass, attach_exit_heads
-from dyncompile.runtime.plan import save_plan
-from helpers import ort_session, random_token_feeds, tolerance
+from dyncompile.passes.early_exit.exit_heads import Calibration, ExitHead, exit_decisions
+from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, FitExitHeadsPass, attach_exit_heads
+from dyncompile.passes.emit import EmitRequest, emit_plan
+from dyncompile.plan import save_plan
 
 LAYERS = 4
 FEEDS = random_token_feeds(batch=6, seq=9)

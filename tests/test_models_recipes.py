@@ -12,8 +12,9 @@ import os
 import time
 from pathlib import Path
 
-import dyncompile.models as dm
 import pytest
+
+import dyncompile.models as dm
 from dyncompile.models import ModelArtifacts, RecipeError, build_model, families, list_models, model_home
 from dyncompile.models._core import CONFIG_NAME, ONNX_NAME, TOKENIZER_NAME, RecipeInfo
 
@@ -193,9 +194,10 @@ def test_minilm_artifacts(minilm):
 
 @needs_assets
 def test_minilm_tokenizer_matches_transformers(minilm):
-    from dyncompile.models.evaluate import read_labelled
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
+
+    from dyncompile.models.evaluate import read_labelled
 
     texts, _ = read_labelled(MOVIE_CALIB)
     ref = AutoTokenizer.from_pretrained(str(minilm.hf_dir))
@@ -244,8 +246,9 @@ def test_smollm2_artifacts(smollm2):
 def test_smollm2_ort_kv_greedy_matches_torch(smollm2):
     """Greedy decoding on ORT with the KV cache (first call with zero-length past) == PyTorch generate()."""
     import torch
-    from dyncompile.models.evaluate import greedy_generate
     from transformers import AutoModelForCausalLM
+
+    from dyncompile.models.evaluate import greedy_generate
 
     n = 12
     prompt = "The three primary colours are"

@@ -42,8 +42,9 @@ def test_native_openvino_reproduces_ort_every_branch(exit_at):
 
 
 def test_native_openvino_on_real_minilm_if_graph(minilm, tmp_path):
-    import dyncompile
     from helpers import DATA
+
+    import dyncompile
 
     res = dyncompile.compile(
         minilm.onnx_path, "early-exit", tmp_path / "ee", calib=str(DATA / "movie-calib.jsonl"), lowering="if",

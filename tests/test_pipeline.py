@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
+from helpers import ort_session, random_token_feeds
+
 from dyncompile.errors import PassConfigError
 from dyncompile.models.synthetic import tiny_encoder_classifier, tiny_mlp
 from dyncompile.passes import (
@@ -15,7 +17,6 @@ from dyncompile.passes import (
     parse_pass_spec,
     run_pipeline,
 )
-from helpers import ort_session, random_token_feeds
 
 
 def test_spec_parsing_with_options():

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 
-import dyncompile
 import numpy as np
 import pytest
+from helpers import ort_session, random_token_feeds, tolerance
+
+import dyncompile
 from dyncompile.errors import OutputExistsError, PlanError, ProviderError
 from dyncompile.runtime import load_plan, resolve_provider
 from dyncompile.runtime.providers import check_ort_flavours, installed_ort_flavours
-from helpers import ort_session, random_token_feeds, tolerance
 
 
 @pytest.fixture()
@@ -107,7 +108,7 @@ def test_output_dir_exists_refused_then_force(tiny_encoder_path, tiny_plan):
 
 
 def test_failed_compile_leaves_no_partial_output(tiny_encoder_path, tmp_path, monkeypatch):
-    import dyncompile.passes._emit as emit
+    import dyncompile.passes.emit as emit
 
     def boom(*a, **k):
         raise RuntimeError("disk full")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-import dyncompile
 import numpy as np
 import onnx_ir as ir
+from helpers import DATA, ort_session, random_token_feeds
+
+import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass, run_pipeline
-from helpers import DATA, ort_session, random_token_feeds
 
 
 def _ops(m: ir.Model) -> set[str]:
@@ -70,7 +71,7 @@ def test_int8_then_early_exit_on_minilm(minilm, tmp_path):
 
 def _ref_case(n=1000, seed=0):
     """fp32 reference right on 92 % of the rows; the 'int8' model flips 10 of its right rows (-1.0 point)."""
-    from dyncompile.passes.exit_heads import _softmax
+    from dyncompile.passes.early_exit.exit_heads import _softmax
 
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 2, n)
@@ -86,7 +87,7 @@ def _ref_case(n=1000, seed=0):
 
 
 def test_reference_budget_splits_the_budget():
-    from dyncompile.passes.fit_exit_heads import reference_budget
+    from dyncompile.passes.early_exit.fit_exit_heads import reference_budget
 
     _, q, ref, y = _ref_case()
     left, info = reference_budget(1.5, q, ref, y)
@@ -101,8 +102,8 @@ def test_reference_budget_splits_the_budget():
 
 
 def test_calibrate_exits_against_the_reference_keeps_the_total_drop_within_budget():
-    from dyncompile.passes.exit_heads import exit_decisions
-    from dyncompile.passes.fit_exit_heads import calibrate_exits
+    from dyncompile.passes.early_exit.exit_heads import exit_decisions
+    from dyncompile.passes.early_exit.fit_exit_heads import calibrate_exits
 
     oof, q, ref, y = _ref_case()
     kw = dict(exits=[1, 2], num_layers=4, criterion="entropy", patience=2)
@@ -153,6 +154,7 @@ def test_int8_keep_fp32_ffn_out_and_quantized_metadata():
     meta = json.loads(m.metadata_props[QUANTIZED_KEY])
     assert meta["keep_fp32"] == ["ffn-out"] and meta["fp32_matmuls_kept"] == 1
     import pytest
+
     from dyncompile.errors import PassConfigError
 
     with pytest.raises(PassConfigError, match="ffn-out"):

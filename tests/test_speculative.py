@@ -8,17 +8,18 @@ import json
 import math
 import shutil
 
-import dyncompile
 import numpy as np
 import onnx_ir as ir
 import pytest
-from dyncompile.errors import DyncompileError, PassConfigError
-from dyncompile.passes.speculative import DrafterError, SpeculativePass
-from dyncompile.runtime.generate import GenerationConfig, PromptError
-from dyncompile.runtime.speculative import DraftController
-from dyncompile.tools.compiler import compile_model
 from helpers import assert_clean_error, run_cli
 from tiny_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
+
+import dyncompile
+from dyncompile.errors import DyncompileError, PassConfigError
+from dyncompile.passes.compiler import compile_model
+from dyncompile.passes.speculative.speculative import DrafterError, SpeculativePass
+from dyncompile.runtime.generate import GenerationConfig, PromptError
+from dyncompile.runtime.speculative import DraftController
 
 VOCAB = 16
 EOS_UNUSED = 99  # not a token: generation runs to max_new_tokens unless a test sets one
@@ -442,7 +443,7 @@ def test_int4_drafter_from_an_external_data_model_is_costed_in_bytes(tmp_path, m
     """quantize-int4 reads a decoder saved with external data from any working directory, the result is a
     valid drafter, and the plan's drafter-cost prior counts the packed int4 bytes (an fp32 element count
     would call the int4 drafter almost free)."""
-    from dyncompile.passes.split_drafter import weight_reads
+    from dyncompile.passes.speculative.split_drafter import weight_reads
 
     src = tmp_path / "big"
     src.mkdir()

@@ -10,9 +10,10 @@ import json
 import sysconfig
 from pathlib import Path
 
-import dyncompile
 import pytest
-from dyncompile.tools.compiler import compile_model
+
+import dyncompile
+from dyncompile.passes.compiler import compile_model
 
 pytestmark = pytest.mark.slow
 

@@ -7,11 +7,12 @@ import json
 import sysconfig
 from pathlib import Path
 
-import dyncompile
 import onnx_ir as ir
 import pytest
+
+import dyncompile
+from dyncompile.passes.compiler import compile_model
 from dyncompile.tools.cli import main as cli_main
-from dyncompile.tools.compiler import compile_model
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NEW_TOKENS = 32

@@ -9,10 +9,13 @@ import json
 import numpy as np
 import onnx_ir as ir
 import pytest
+from helpers import ort_session
+from tiny_decoder import tiny_decoder
+
 from dyncompile.passes._infra import check_model, run_pipeline
-from dyncompile.passes.analysis import analyze_model
-from dyncompile.passes.speculative import DrafterError
-from dyncompile.passes.split_drafter import (
+from dyncompile.passes.analysis.layers import analyze_model
+from dyncompile.passes.speculative.speculative import DrafterError
+from dyncompile.passes.speculative.split_drafter import (
     SPLIT_DRAFTER_KEY,
     SPLIT_DRAFTER_META,
     VOCAB_META,
@@ -20,8 +23,6 @@ from dyncompile.passes.split_drafter import (
     projected_speedup,
     trim_lm_head,
 )
-from helpers import ort_session
-from tiny_decoder import tiny_decoder
 
 L, VOCAB, HIDDEN = 4, 64, 256
 RTOL, ATOL = 1e-4, 1e-4

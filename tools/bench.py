@@ -226,7 +226,7 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
-    from dyncompile.runtime.plan import write_json_atomic
+    from dyncompile.io import write_json_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     jp, mp = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import dyncompile
     from dyncompile.errors import DataError
-    from dyncompile.runtime.data import read_jsonl, texts_and_labels
+    from dyncompile.io import read_jsonl, texts_and_labels
 
     compiled = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, session_config=BENCH_SESSION_CONFIG)
     src = compiled.plan.provenance.get("source", {}).get("path")

@@ -51,8 +51,8 @@ class FittedExits:
 
 def fit_exits_once(model, texts: Sequence[str], labels, *, tokenizer_file, max_length: int, pooling: str = "cls+mean") -> FittedExits:
     """Run ``model`` (onnx-ir) on the calibration texts with every layer exposed and fit one head per exit."""
-    from dyncompile.passes.exit_heads import fit_exit_heads
-    from dyncompile.passes.fit_exit_heads import collect_exit_features, find_exit_cuts
+    from dyncompile.passes.early_exit.exit_heads import fit_exit_heads
+    from dyncompile.passes.early_exit.fit_exit_heads import collect_exit_features, find_exit_cuts
 
     num_layers, cuts, _ = find_exit_cuts(model)
     exits = list(range(1, num_layers))
@@ -69,7 +69,7 @@ def exit_plan(src, plan_dir, fitted: FittedExits, thresholds, lowering: str, cri
     """Compile ``src`` with ``pre_passes`` + the fitted heads at ``thresholds`` (one per exit) + the lowering."""
     import dyncompile
     from dyncompile.passes import InsertEarlyExitPass
-    from dyncompile.passes.fit_exit_heads import AttachExitHeadsPass, exits_to_keep
+    from dyncompile.passes.early_exit.fit_exit_heads import AttachExitHeadsPass, exits_to_keep
 
     exits = fitted.exits
     keep = exits_to_keep(list(thresholds), criterion, 2)
@@ -85,12 +85,13 @@ def exit_plan(src, plan_dir, fitted: FittedExits, thresholds, lowering: str, cri
 
 
 def bench_model(name: str, args, out: Path) -> dict:
-    import dyncompile
     import onnx_ir as ir
+
+    import dyncompile
+    from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.models import build_model
-    from dyncompile.passes.exit_heads import exit_decisions
-    from dyncompile.passes.fit_exit_heads import calibrate_exits, collect_exit_features
-    from dyncompile.runtime.data import read_jsonl, texts_and_labels
+    from dyncompile.passes.early_exit.exit_heads import exit_decisions
+    from dyncompile.passes.early_exit.fit_exit_heads import calibrate_exits, collect_exit_features
     from dyncompile.tools.bench import BENCH_SESSION_CONFIG, bench_runners, plan_runner, reference_runner
 
     art = build_model(name)
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
     args.sweep = [float(x) for x in args.sweep.split(",")]
     args.lowerings = args.lowerings.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from dyncompile.runtime.plan import write_json_atomic
+    from dyncompile.io import write_json_atomic
     from dyncompile.tools.bench import machine_info
 
     out = Path(args.out)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dyncompile.tools.bench_early_exit import DATA, exit_plan, fit_exits_once
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ def _parse_opts(text: str) -> dict[str, Any]:
 
 def _ops(plan_dir: Path) -> set[str]:
     import onnx_ir as ir
-    from dyncompile.runtime.plan import load_plan
+
+    from dyncompile.plan import load_plan
 
     plan = load_plan(plan_dir)
     ops: set[str] = set()
@@ -71,7 +73,7 @@ def _ops(plan_dir: Path) -> set[str]:
 
 
 def _plan_model(plan_dir: Path) -> Path:
-    from dyncompile.runtime.plan import load_plan
+    from dyncompile.plan import load_plan
 
     return load_plan(plan_dir).path_of("model")
 
@@ -160,13 +162,14 @@ def ov_native_profile(onnx_paths: dict[str, Path], compiled, texts, rows: int) -
 
 
 def bench_model(name: str, args, out: Path) -> dict:
-    import dyncompile
     import onnx_ir as ir
+
+    import dyncompile
+    from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.models import build_model
     from dyncompile.passes import CompileContext, build_passes
-    from dyncompile.passes.fit_exit_heads import calibrate_exits
-    from dyncompile.passes.insert_early_exit import choose_lowering
-    from dyncompile.runtime.data import read_jsonl, texts_and_labels
+    from dyncompile.passes.early_exit.fit_exit_heads import calibrate_exits
+    from dyncompile.passes.early_exit.insert_early_exit import choose_lowering
     from dyncompile.tools.bench import (
         BENCH_SESSION_CONFIG,
         bench_runners,
@@ -371,7 +374,7 @@ def main(argv=None) -> int:
     args.models = [m for x in args.models for m in x.split(",") if m]
     args.budgets = [float(b) for x in args.budgets for b in x.split(",") if b]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from dyncompile.runtime.plan import write_json_atomic
+    from dyncompile.io import write_json_atomic
     from dyncompile.tools.bench import machine_info
 
     out = Path(args.out or f"bench-results/quantized-early-exit-{args.provider}")

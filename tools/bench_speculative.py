@@ -300,8 +300,9 @@ def torch_runners(hf_dir: str, *, plan, threads: int | None, assistant_dir: str 
 def run_bench(model, prompts: list[dict[str, Any]], runners: list[Runner], *, max_new_tokens: int = 128,
               progress: bool = True) -> dict[str, Any]:
     """Every prompt through every runner (rotating order); the first runner is the baseline."""
-    from dyncompile.runtime.generate import TextCodec, prompt_ids_of
     from tqdm.auto import tqdm
+
+    from dyncompile.runtime.generate import TextCodec, prompt_ids_of
 
     codec = TextCodec(model.plan.path_of(model.plan.tokenizer["file"])) if model.plan.tokenizer else None
     gen = model.handlers[-1].gen
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import dyncompile
     from dyncompile.errors import DataError
-    from dyncompile.runtime.plan import write_json_atomic
+    from dyncompile.io import write_json_atomic
     from dyncompile.tools.bench import machine_info
 
     if args.max_new_tokens <= 0:

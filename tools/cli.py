@@ -91,7 +91,7 @@ def _setup_logging(verbose: int) -> None:
 def _cmd_compile(argv: list[str]) -> int:
     args = _compile_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    from dyncompile.tools.compiler import compile_model
+    from dyncompile.passes.compiler import compile_model
 
     opts = {
         k: getattr(args, k)
@@ -143,7 +143,7 @@ def _cmd_inspect(argv: list[str]) -> int:
 
 
 def _read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
-    from dyncompile.runtime.data import read_jsonl
+    from dyncompile.io import read_jsonl
 
     return read_jsonl(path, limit=limit)
 

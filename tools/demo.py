@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     import dyncompile
     from dyncompile import models
     from dyncompile.errors import DyncompileError
-    from dyncompile.runtime.data import read_jsonl, texts_and_labels
+    from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench import (
         BENCH_SESSION_CONFIG,
         bench_runners,

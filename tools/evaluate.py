@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dyncompile.errors import DataError
-from dyncompile.runtime.data import read_jsonl, texts_and_labels
+from dyncompile.io import read_jsonl, texts_and_labels
 
 __all__ = ["ReferenceModel", "evaluate_plan"]
 

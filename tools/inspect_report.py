@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dyncompile.runtime.plan import PLAN_FILENAME, load_plan
+from dyncompile.plan import PLAN_FILENAME, load_plan
 
 __all__ = ["inspect_path"]
 
@@ -44,8 +44,8 @@ def inspect_path(path: str | Path, as_json: bool = False) -> str:
     p = Path(path)
     if p.is_dir() and (p / PLAN_FILENAME).is_file() or p.name == PLAN_FILENAME:
         return _inspect_plan(p if p.is_dir() else p.parent, as_json)
-    from dyncompile.passes.analysis import analyze_model, format_report
-    from dyncompile.tools.compiler import load_input_model
+    from dyncompile.io import load_input_model
+    from dyncompile.passes.analysis.layers import analyze_model, format_report
 
     model = load_input_model(p)
     structure = analyze_model(model)

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from dyncompile.passes._exit_graph import GraphBuilder
+
 from dyncompile.passes._infra import progress_bar as _progress
-from dyncompile.passes.exit_heads import (
+from dyncompile.passes.early_exit.exit_heads import (
     Calibration,
     CalibrationError,
     ExitHead,
@@ -21,6 +21,7 @@ from dyncompile.passes.exit_heads import (
     fit_exit_heads,
     pool_features,
 )
+from dyncompile.passes.early_exit.graph import GraphBuilder
 from dyncompile.passes.quantize_weights import QUANTIZED_KEY
 
 logger = logging.getLogger(__name__)
@@ -268,7 +269,7 @@ def exits_to_keep(thresholds: list[float | None], criterion: str, patience: int,
 
 def find_exit_cuts(model: ir.Model, cuts: dict[int, str] | None = None) -> tuple[int, dict[int, str], str]:
     """``(num_layers, {layer: output cut tensor}, head pooling)`` from the graph analysis."""
-    from dyncompile.passes.analysis import analyze_model
+    from dyncompile.passes.analysis.layers import analyze_model
 
     s = analyze_model(model)
     pooling = s.head.pooling if s.head else "cls"
@@ -307,6 +308,7 @@ def collect_exit_features(
     The model is left as it was (the extra outputs exist only in the serialised probe).
     """
     import onnxruntime as ort
+
     from dyncompile.runtime.text import TextEncoder
 
     final = classifier_output(model)

@@ -13,7 +13,9 @@ import logging
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from dyncompile.passes._emit import (
+
+from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY
+from dyncompile.passes.emit import (
     EmitRequest,
     add_model_files,
     add_tokenizer,
@@ -22,8 +24,7 @@ from dyncompile.passes._emit import (
     register_emitter,
     save_model,
 )
-from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY
-from dyncompile.runtime.plan import FileRef, Plan, Step
+from dyncompile.plan import FileRef, Plan, Step
 
 logger = logging.getLogger(__name__)
 

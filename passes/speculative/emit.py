@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from dyncompile.passes._emit import (
+
+from dyncompile.passes.emit import (
     EmitRequest,
     add_model_files,
     add_tokenizer,
@@ -23,8 +24,13 @@ from dyncompile.passes._emit import (
     register_emitter,
     save_model,
 )
-from dyncompile.passes.speculative import DRAFTER_META, SPECULATIVE_KEY, decoder_spec, generation_config
-from dyncompile.runtime.plan import FileRef, Plan, Step, file_ref
+from dyncompile.passes.speculative.speculative import (
+    DRAFTER_META,
+    SPECULATIVE_KEY,
+    decoder_spec,
+    generation_config,
+)
+from dyncompile.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
 

@@ -10,14 +10,12 @@ escape the plan directory, hashes of every file, and step kinds known to the run
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dyncompile.errors import PlanError
+from dyncompile.io import sha256_file, write_json_atomic
 
 __all__ = [
     "PLAN_FORMAT",
@@ -25,39 +23,13 @@ __all__ = [
     "FileRef",
     "Step",
     "Plan",
-    "sha256_file",
     "save_plan",
     "load_plan",
-    "write_json_atomic",
 ]
 
 PLAN_FORMAT = "dyncompile.plan/v1"
 PLAN_FILENAME = "plan.json"
 SUPPORTED_FORMATS = (PLAN_FORMAT,)
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to ``path`` through a temp file in the same directory and ``os.replace``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a plan is an ordinary readable file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclasses.dataclass

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
+
 from dyncompile.passes._infra import progress_bar
-from dyncompile.passes.exit_heads import CalibrationError
-from dyncompile.passes.fit_exit_heads import (
+from dyncompile.passes.early_exit.exit_heads import CalibrationError
+from dyncompile.passes.early_exit.fit_exit_heads import (
     EARLY_EXIT_FORMAT,
     EARLY_EXIT_KEY,
     MIN_CALIB_ROWS,
@@ -46,7 +47,7 @@ def given_exit_outputs(model: ir.Model) -> tuple[ir.Value, dict[int, ir.Value], 
     outs = [v for v in model.graph.outputs if v.dtype == ir.DataType.FLOAT and v.shape is not None and len(v.shape) == 2]
     if len(outs) < 2 or len({v.shape[1] for v in outs}) != 1:
         return None
-    from dyncompile.passes.analysis import analyze_model
+    from dyncompile.passes.analysis.layers import analyze_model
 
     s = analyze_model(model)
     if not s.has_layers:
@@ -110,6 +111,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
         if EARLY_EXIT_KEY in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         import onnxruntime as ort
+
         from dyncompile.runtime.text import TextEncoder
 
         final, given, num_layers, cuts = given_exit_outputs(model)

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from dyncompile.errors import DataError
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
-from dyncompile.runtime.plan import FileRef, Plan, Step, file_ref
+
+from dyncompile.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
 def emit_plan(model: ir.Model, req: EmitRequest) -> Plan:
     name = model.metadata_props.get("dyncompile.emitter")
     if name is None:  # a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
-        from dyncompile.passes._emit_speculative import is_kv_decoder
+        from dyncompile.passes.speculative.emit import is_kv_decoder
 
         name = "generate" if req.task == "text-generation" and is_kv_decoder(model) else "single"
     if name not in PLAN_EMITTERS:

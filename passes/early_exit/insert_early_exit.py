@@ -8,8 +8,9 @@ import logging
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from dyncompile.passes._exit_graph import NEVER_THRESHOLD, GraphBuilder
-from dyncompile.passes.fit_exit_heads import EARLY_EXIT_KEY, default_opset
+
+from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, default_opset
+from dyncompile.passes.early_exit.graph import NEVER_THRESHOLD, GraphBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +244,8 @@ def _make_early_exit(context, **opts):
     from pathlib import Path
 
     from dyncompile.errors import PassConfigError
-    from dyncompile.passes.fit_exit_heads import FitExitHeadsPass
-    from dyncompile.runtime.data import read_jsonl, texts_and_labels
+    from dyncompile.io import read_jsonl, texts_and_labels
+    from dyncompile.passes.early_exit.fit_exit_heads import FitExitHeadsPass
 
     o = {**context.options, **opts}
     budget = float(o.get("budget", 1.0) if o.get("budget") is not None else 1.0)
@@ -272,7 +273,7 @@ def _make_early_exit(context, **opts):
     if heads not in ("fitted", "given"):
         raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
     if heads == "given":
-        from dyncompile.passes.wire_given_exit_heads import WireGivenExitHeadsPass
+        from dyncompile.passes.early_exit.wire_given_exit_heads import WireGivenExitHeadsPass
 
         wire = WireGivenExitHeadsPass(
             texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
+
 from dyncompile.errors import PassConfigError
 from dyncompile.passes._infra import CompileContext, register_pass
 
@@ -304,7 +305,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         return f"SpeculativePass(drafter={kind!r}, draft={self.draft})"
 
     def _split(self, model: ir.Model) -> tuple[ir.Model, dict[str, Any]]:
-        from dyncompile.passes.split_drafter import SPLIT_DRAFTER_KEY, SPLIT_DRAFTER_META
+        from dyncompile.passes.speculative.split_drafter import SPLIT_DRAFTER_KEY, SPLIT_DRAFTER_META
 
         if SPLIT_DRAFTER_KEY not in model.metadata_props:
             raise DrafterError(
@@ -320,7 +321,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         return drafter, json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
 
     def requires(self, model: ir.Model) -> None:
-        from dyncompile.passes.split_drafter import SPLIT_DRAFTER_KEY
+        from dyncompile.passes.speculative.split_drafter import SPLIT_DRAFTER_KEY
 
         target = decoder_spec(model, "model", what="target model")
         inexact = call_shape_dependent_ops(model)
@@ -390,7 +391,7 @@ class SpeculativePass(ir.passes.InPlacePass):
                 draft["draft_cost"] = round(_measure_step(self.drafter, target) / t1, 4)
                 draft["draft_cost_source"] = "measured (drafter step / target step, this machine)"
             elif isinstance(self.drafter, ir.Model):
-                from dyncompile.passes.split_drafter import weight_reads
+                from dyncompile.passes.speculative.split_drafter import weight_reads
 
                 draft["draft_cost"] = round(weight_reads(self.drafter) / max(1, weight_reads(model)), 4)
                 draft["draft_cost_source"] = "weight bytes"
@@ -449,7 +450,7 @@ def _probe_chunk(spec: dict[str, Any]) -> list[int]:
 def _measure_target(model: ir.Model, spec: dict[str, Any]) -> tuple[dict[str, float], float]:
     """Verification cost of s tokens relative to one on this machine (the runtime's draft-length model), and
     the seconds of one target decode step."""
-    from dyncompile.passes.split_drafter import (
+    from dyncompile.passes.speculative.split_drafter import (
         _external_dir,
         _session,
         measure_step_times,
@@ -465,7 +466,7 @@ def _measure_target(model: ir.Model, spec: dict[str, Any]) -> tuple[dict[str, fl
 
 def _measure_step(drafter: ir.Model, target_spec: dict[str, Any]) -> float:
     """Seconds of one drafter decode step on the same probe as the target's."""
-    from dyncompile.passes.split_drafter import _external_dir, _session, measure_step_times
+    from dyncompile.passes.speculative.split_drafter import _external_dir, _session, measure_step_times
 
     dspec = decoder_spec(drafter, "drafter", what="drafter")
     sess = _session(drafter, _external_dir(drafter))
@@ -475,7 +476,7 @@ def _measure_step(drafter: ir.Model, target_spec: dict[str, Any]) -> float:
 
 
 def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
-    from dyncompile.tools.compiler import load_input_model
+    from dyncompile.io import load_input_model
 
     path = Path(path_text).expanduser()
     if target_path is not None and path.resolve() == Path(target_path).resolve():

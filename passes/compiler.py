@@ -2,116 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
-import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import dyncompile
-import onnx_ir as ir
-from dyncompile.errors import DataError, ModelLoadError, OutputExistsError, PassConfigError
+from dyncompile.errors import DataError, OutputExistsError, PassConfigError
+from dyncompile.io import atomic_output_dir, load_input_model, read_model_config, sha256_file
 from dyncompile.passes import CompileContext, PipelineResult, build_passes, run_pipeline
-from dyncompile.passes._emit import EmitRequest, emit_plan
-from dyncompile.runtime.plan import Plan, save_plan, sha256_file
+from dyncompile.passes.emit import EmitRequest, emit_plan
+from dyncompile.plan import Plan, save_plan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileResult", "compile_model", "load_input_model", "read_model_config", "atomic_output_dir"]
-
-MODEL_CONFIG_NAME = "dyncompile-model.json"
-
-
-def load_input_model(path: str | Path) -> ir.Model:
-    """Load an ONNX model for compilation, turning every way it can be bad into one clear error."""
-    import onnx
-    from google.protobuf.message import DecodeError
-
-    p = Path(path)
-    if not p.exists():
-        raise ModelLoadError(f"model file not found: {p} (build one with `dyncompile models build minilm-l6-sentiment`)")
-    if p.is_dir():
-        hint = [c.name for c in p.glob("*.onnx")]
-        raise ModelLoadError(
-            f"{p} is a directory, not an ONNX file" + (f"; did you mean {p / hint[0]}?" if hint else "")
-        )
-    size = p.stat().st_size
-    if size == 0:
-        raise ModelLoadError(f"{p} is empty (0 bytes); re-export the model")
-    try:
-        proto = onnx.load(str(p), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as e:
-        raise ModelLoadError(
-            f"{p} is not a valid ONNX model: the protobuf does not parse ({type(e).__name__}: {e}). If it is an "
-            "ONNX file, it is probably truncated or corrupted (an interrupted copy/download): re-export it"
-        ) from None
-    if not proto.graph.node or not proto.opset_import:
-        raise ModelLoadError(
-            f"{p} parses as protobuf but is not a usable ONNX model (graph has {len(proto.graph.node)} nodes, "
-            f"{len(proto.opset_import)} opset imports): it is either not ONNX or truncated; re-export it"
-        )
-    for init in proto.graph.initializer:
-        for entry in init.external_data:
-            if entry.key == "location" and not (p.parent / entry.value).is_file():
-                raise ModelLoadError(
-                    f"{p} stores weights in external data file {entry.value!r}, which is missing next to it "
-                    f"({p.parent / entry.value}); copy it beside the model"
-                )
-    try:
-        model = ir.load(str(p))
-    except Exception as e:  # onnx-ir deserialisation errors
-        raise ModelLoadError(f"{p}: onnx-ir could not read the model ({type(e).__name__}: {e})") from None
-    return model
-
-
-def read_model_config(model_path: Path, explicit: str | Path | None = None) -> dict[str, Any]:
-    """The ``dyncompile-model.json`` written by ``dyncompile models build`` (beside the model), if any."""
-    cfg_path = Path(explicit) if explicit else model_path.parent / MODEL_CONFIG_NAME
-    if not cfg_path.is_file():
-        if explicit:
-            raise DataError(f"model config {cfg_path} not found")
-        return {}
-    try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{cfg_path} is not valid JSON: {e}") from None
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | Path, *, force: bool = False):
-    """Yield a temp dir beside ``out_dir``; on success it replaces ``out_dir`` in one rename.
-
-    Refuses an existing ``out_dir`` unless ``force``; on any error the temp dir is removed and
-    ``out_dir`` is left exactly as it was.
-    """
-    out = Path(out_dir).resolve()
-    if out.exists() and not force:
-        raise OutputExistsError(f"output directory {out} already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"output path {out} exists and is not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a plan directory gets the permissions mkdir would give
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
+__all__ = ["CompileResult", "compile_model"]
 
 @dataclasses.dataclass
 class CompileResult:

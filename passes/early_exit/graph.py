@@ -1,8 +1,8 @@
 """Builders for early-exit graph pieces (exit heads, exit conditions) with an onnx-ir Tape.
 
-Shared by :mod:`dyncompile.passes.fit_exit_heads` (attaches heads) and
-:mod:`dyncompile.passes.insert_early_exit` (builds the conditions of the If lowering). The math is
-exactly :mod:`dyncompile.passes.exit_heads`' (pooling, dense stack, criteria), so the graph and the
+Shared by :mod:`dyncompile.passes.early_exit.fit_exit_heads` (attaches heads) and
+:mod:`dyncompile.passes.early_exit.insert_early_exit` (builds the conditions of the If lowering). The math is
+exactly :mod:`dyncompile.passes.early_exit.exit_heads`' (pooling, dense stack, criteria), so the graph and the
 numpy reference agree.
 """
 
@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
-from dyncompile.passes.exit_heads import ExitHead
+
+from dyncompile.passes.early_exit.exit_heads import ExitHead
 
 __all__ = ["GraphBuilder", "NEVER_THRESHOLD"]
 

@@ -26,9 +26,11 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from dyncompile.passes._infra import CompileContext, external_data_dirs, register_pass
+
+from dyncompile.io import external_data_dirs
+from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
-from dyncompile.passes.speculative import DrafterError, decoder_spec
+from dyncompile.passes.speculative.speculative import DrafterError, decoder_spec
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +247,7 @@ def build_split_drafter(
 
 def read_calibration_text(path: str | Path) -> list[str]:
     """Texts of a calibration file: plain text (one text), JSONL (``text`` fields) or a directory of text files."""
-    from dyncompile.runtime.data import read_jsonl
+    from dyncompile.io import read_jsonl
 
     p = Path(path)
     if not p.exists():
@@ -357,7 +359,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
 
     # --- checks ----------------------------------------------------------------------------------
     def _structure(self, model: ir.Model):
-        from dyncompile.passes.analysis import analyze_model
+        from dyncompile.passes.analysis.layers import analyze_model
 
         s = analyze_model(model)
         if not s.has_layers:

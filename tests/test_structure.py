@@ -1,0 +1,82 @@
+"""The package's shape: imports run one way, every subpackage ships, importing passes loads no executor."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# layer -> the dyncompile modules (prefixes) it must never import, at module level or inside functions.
+FORBIDDEN = {
+    "runtime": ("dyncompile.passes", "dyncompile.tools", "dyncompile.models"),
+    "passes": ("dyncompile.tools", "dyncompile.runtime.executor", "dyncompile.runtime.steps", "dyncompile.models"),
+    "models": ("dyncompile.runtime", "dyncompile.tools", "dyncompile.passes"),
+    "plan.py": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models"),
+    "io.py": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models", "dyncompile.plan"),
+    "errors.py": ("dyncompile.",),
+}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def _wrong_way_edges(root: Path) -> list[str]:
+    bad = []
+    for layer, banned in FORBIDDEN.items():
+        files = [root / layer] if layer.endswith(".py") else sorted((root / layer).rglob("*.py"))
+        for f in files:
+            for lineno, mod in _imports(f):
+                if any(mod == b or mod.startswith(b if b.endswith(".") else b + ".") for b in banned):
+                    bad.append(f"{f.relative_to(root)}:{lineno} imports {mod}")
+    return bad
+
+
+def test_imports_run_one_way():
+    assert _wrong_way_edges(ROOT) == []
+
+
+def test_the_import_walker_sees_a_wrong_way_edge(tmp_path):
+    # negative control: a function-level import of the CLI inside a pass is found
+    for layer in FORBIDDEN:
+        if layer.endswith(".py"):
+            (tmp_path / layer).write_text("")
+        else:
+            (tmp_path / layer).mkdir()
+    (tmp_path / "passes" / "p.py").write_text("def f():\n    from dyncompile.tools.cli import main\n")
+    (tmp_path / "models" / "m.py").write_text("import dyncompile.runtime.text\n")
+    assert sorted(_wrong_way_edges(tmp_path)) == [
+        "models/m.py:1 imports dyncompile.runtime.text",
+        "passes/p.py:2 imports dyncompile.tools.cli",
+        "passes/p.py:2 imports dyncompile.tools.cli.main",
+    ]
+
+
+def test_importing_passes_does_not_load_the_runtime_executor():
+    code = (
+        "import sys, dyncompile.passes, dyncompile.plan, dyncompile.io;"
+        "print(sorted(m for m in sys.modules if m.startswith('dyncompile.runtime')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "dyncompile.runtime.executor" not in out and "dyncompile.runtime.steps" not in out, out
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"dyncompile"} | {
+        "dyncompile." + ".".join(p.parent.relative_to(ROOT).parts)
+        for p in ROOT.rglob("__init__.py")
+        if p.parent != ROOT and not any(part.startswith(".") or part in ("tests", "build") for part in p.relative_to(ROOT).parts)
+    }
+    assert found == listed, f"folders with __init__.py vs [tool.setuptools] packages: {found ^ listed}"
