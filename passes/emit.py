@@ -3,6 +3,8 @@
 The last pass of a pipeline decides the emitter through the model's ``dyncompile.emitter`` metadata
 (default ``single``: one ONNX file run by one ``run_model`` step). Emitters are registered by name so
 that a pass module can add its own (e.g. the staged early-exit lowering writes several segment graphs).
+When no pass chose one, the rules registered with :func:`register_default_emitter` may pick one from the
+model itself (a KV-cache decoder gets the ``generate`` emitter of :mod:`dyncompile.passes.speculative`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ from dyncompile.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmitRequest", "PLAN_EMITTERS", "register_emitter", "emit_plan", "save_model", "io_signature"]
+__all__ = [
+    "DEFAULT_EMITTER_RULES",
+    "EmitRequest",
+    "PLAN_EMITTERS",
+    "emit_plan",
+    "io_signature",
+    "register_default_emitter",
+    "register_emitter",
+    "save_model",
+]
 
 #: Models larger than this are saved with their weights as ONNX external data.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -50,6 +61,16 @@ def register_emitter(name: str):
         return fn
 
     return deco
+
+
+#: ``(model, request) -> emitter name or None``, asked in order when no pass set ``dyncompile.emitter``
+DEFAULT_EMITTER_RULES: list[Callable[[ir.Model, EmitRequest], str | None]] = []
+
+
+def register_default_emitter(rule: Callable[[ir.Model, EmitRequest], str | None]):
+    """Register a rule choosing the emitter of a model no pass chose one for (the first non-None answer wins)."""
+    DEFAULT_EMITTER_RULES.append(rule)
+    return rule
 
 
 def _model_nbytes(model: ir.Model) -> int:
@@ -147,10 +168,8 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
 
 def emit_plan(model: ir.Model, req: EmitRequest) -> Plan:
     name = model.metadata_props.get("dyncompile.emitter")
-    if name is None:  # a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
-        from dyncompile.passes.speculative.emit import is_kv_decoder
-
-        name = "generate" if req.task == "text-generation" and is_kv_decoder(model) else "single"
+    if name is None:  # e.g. a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
+        name = next((n for rule in DEFAULT_EMITTER_RULES if (n := rule(model, req)) is not None), "single")
     if name not in PLAN_EMITTERS:
         raise ValueError(f"model asks for unknown plan emitter {name!r}; known: {', '.join(PLAN_EMITTERS)}")
     logger.debug("emitting plan with %r", name)

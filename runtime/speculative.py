@@ -15,7 +15,8 @@ Draft length is adapted to the running acceptance rate ``alpha`` (decayed counts
 rejections) and to the costs: ``gamma = argmax E(gamma) / (gamma * c_draft + v(gamma+1))`` with
 ``E = (1 - alpha^(gamma+1)) / (1 - alpha)`` expected tokens per round, ``c_draft`` the drafter's cost per
 token relative to a target step and ``v(s)`` the target's cost for ``s`` tokens relative to one, both
-measured at compile time and recorded in the plan. The schedule then depends only on what was accepted,
+measured at compile time and recorded in the plan (the one cost model, shared with the passes'
+projections: :mod:`dyncompile.runtime.cost_model`). The schedule then depends only on what was accepted,
 so a seed reproduces a sampled output; ``adapt_to_timing=True`` uses this machine's timings measured online
 instead. Stops at an eos token, at ``max_new_tokens`` and at the model's maximum length (drafts are capped
 so no round overshoots).
@@ -36,17 +37,12 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import PlanError
+from dyncompile.runtime.cost_model import DEFAULT_VERIFY_SLOPE, best_draft_length, verify_cost
 from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from dyncompile.runtime.executor import register_step
-from dyncompile.runtime.generate import (
-    DecoderSpec,
-    GenerateStep,
-    GenerationStats,
-    KVDecoder,
-    PromptError,
-    probs_from_logits,
-    sample_from,
-)
+from dyncompile.runtime.generate import DecoderSpec, GenerateStep, GenerationStats, PromptError
+from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +97,7 @@ class DraftController:
         max_len: int = 8,
         adaptive: bool = True,
         alpha0: float = 0.6,
-        verify_slope: float = 0.1,
+        verify_slope: float = DEFAULT_VERIFY_SLOPE,
         draft_cost: float | None = None,
         decay: float = 0.9,
         probe_every: int = 8,
@@ -132,13 +128,7 @@ class DraftController:
 
     def _model_verify(self, s: int) -> float:
         """Cost of verifying ``s`` tokens relative to one, from the plan (measured at compile time) or the slope."""
-        if self.verify_cost and len(self.verify_cost) >= 2:
-            xs = np.array(sorted(self.verify_cost), float)
-            ys = np.array([self.verify_cost[int(x)] for x in xs])
-            if s <= xs[-1]:
-                return float(np.interp(s, xs, ys))
-            return float(ys[-1] + (s - xs[-1]) * (ys[-1] - ys[0]) / max(xs[-1] - xs[0], 1.0))
-        return 1.0 + self.verify_slope * (s - 1)
+        return verify_cost(s, self.verify_cost, self.verify_slope)
 
     def _t_verify(self, s: int) -> float | None:
         """Measured seconds to verify ``s`` tokens (timing mode), interpolated from what was seen."""
@@ -178,12 +168,9 @@ class DraftController:
 
             def tv(s):
                 return self._model_verify(s)
-        best, best_rate = 0, 1.0 / t1
-        for g in range(max(1, self.min_len), limit + 1):
-            expected = (1 - alpha ** (g + 1)) / (1 - alpha)
-            rate = expected / (g * td + tv(g + 1))
-            if rate > best_rate:
-                best, best_rate = g, rate
+        rate, best = best_draft_length(alpha, td, tv, range(max(1, self.min_len), limit + 1))
+        if not rate > 1.0 / t1:  # no draft length beats the target alone (one token per verification)
+            best = 0
         if best < self.min_len:
             best = min(self.min_len, limit)
         if best == 0:  # drafting does not pay now: probe once in a while so alpha can recover
@@ -248,7 +235,7 @@ class SpeculativeGenerateStep(GenerateStep):
             max_len=max_len,
             adaptive=bool(dp.get("adaptive", True)),
             alpha0=float(dp.get("alpha0", 0.6)),
-            verify_slope=float(dp.get("verify_slope", 0.1)),
+            verify_slope=float(dp.get("verify_slope", DEFAULT_VERIFY_SLOPE)),
             draft_cost=dp.get("draft_cost"),
             verify_cost=dp.get("verify_cost"),
             timing=bool(dp.get("timing", False)),

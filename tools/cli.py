@@ -148,6 +148,19 @@ def _read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
     return read_jsonl(path, limit=limit)
 
 
+def format_generation(res) -> str:
+    """The CLI's view of a :class:`~dyncompile.runtime.generate.GenerationResult`."""
+    s = res.stats
+    parts = [f"{s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tokens/s)",
+             f"{s.target_calls} target calls ({s.tokens_per_target_call:.2f} tokens/call)"]
+    if s.drafter:
+        acc = s.acceptance_rate
+        parts.append(f"drafter {s.drafter}: acceptance {acc:.2f}" if acc is not None else f"drafter {s.drafter}: no drafts")
+    parts.append(f"stop: {s.stop_reason}")
+    text = res.text if res.text is not None else " ".join(map(str, res.token_ids))
+    return text + "\n--\n" + ", ".join(parts)
+
+
 def _cmd_run(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="dyncompile run",
@@ -178,8 +191,6 @@ def _cmd_run(argv: list[str]) -> int:
 
     model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback)
     if args.prompt is not None:
-        from dyncompile.tools.bench_speculative import format_generation
-
         res = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, seed=args.seed, chat=args.chat,
                              speculative=not args.target_only)
