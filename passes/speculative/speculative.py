@@ -64,7 +64,8 @@ class SpeculativePass(ir.passes.InPlacePass):
     Scope: the main graph's inputs and outputs (read only) and ``metadata_props``; nodes are never touched.
 
     Invariants: the target graph (nodes, initializers, I/O) is unchanged; only ``dyncompile.speculative``
-    and ``dyncompile.emitter`` metadata are set, and an external drafter graph is attached in ``model.meta``.
+    and ``dyncompile.emitter`` metadata are set; ``model.meta`` (in memory) gets the drafter graph for the
+    emitter and the costs timed by this run.
     Precondition: the target's numerics must not depend on the number of tokens per call (no int8 activation
     quantization: MatMulNBits accuracy_level=4, DynamicQuantizeLinear), or greedy output could not be
     token-identical to the target alone; ``allow_inexact_target=True`` overrides.
