@@ -1,4 +1,4 @@
-"""Graph analysis (dyncompile.passes.analysis.layers): layers and cut tensors of real exported models.
+"""Graph analysis (dyncompile.passes.analysis): layers and cut tensors of real exported models.
 
 The real-model checks use the session fixtures ``minilm_model_path`` (BERT classifier, 6 layers) and
 ``smollm2_model_path`` (Llama decoder with KV cache, 30 layers) from conftest.py. A cut tensor is checked
@@ -16,7 +16,7 @@ import onnx_ir.passes.common
 import pytest
 from helpers import ort_session
 
-from dyncompile.passes.analysis.layers import (
+from dyncompile.passes.analysis import (
     WEIGHT_MIN_ELEMENTS,
     CutTensor,
     ModelStructure,
