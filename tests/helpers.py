@@ -35,7 +35,7 @@ def random_token_feeds(
     rng = np.random.default_rng(seed)
     mask = np.ones((batch, seq), np.int64)
     for b in range(1, batch):
-        mask[b, seq - b :] = 0
+        mask[b, seq - b % seq :] = 0  # row b pads its last b % seq positions: every row keeps a token
     return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64), "attention_mask": mask}
 
 
