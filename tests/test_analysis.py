@@ -36,6 +36,14 @@ def _snapshot(model: ir.Model) -> str:
     return ir.to_onnx_text(model, exclude_initializers=True)
 
 
+def _analyze_unmodified(model: ir.Model) -> ModelStructure:
+    """``analyze_model(model)``, checking that the model is left as it was."""
+    before = _snapshot(model)
+    s = analyze_model(model)
+    assert _snapshot(model) == before, "analyze_model must not modify the model"
+    return s
+
+
 def _feeds(graph: ir.Graph, *, batch: int = 2, seq: int = 7, past: int = 3, vocab: int = 1000, seed: int = 0):
     """Feeds for the graph inputs, by name and type: ids, masks (with padding), positions, past KV."""
     rng = np.random.default_rng(seed)
@@ -138,10 +146,7 @@ def minilm_model(minilm_model_path) -> ir.Model:
 
 @pytest.fixture(scope="module")
 def minilm_structure(minilm_model) -> ModelStructure:
-    before = _snapshot(minilm_model)
-    s = analyze_model(minilm_model)
-    assert _snapshot(minilm_model) == before, "analyze_model must not modify the model"
-    return s
+    return _analyze_unmodified(minilm_model)
 
 
 def test_minilm_layers_and_cuts(minilm_structure):
@@ -245,10 +250,7 @@ def smollm2_model(smollm2_model_path) -> ir.Model:
 
 @pytest.fixture(scope="module")
 def smollm2_structure(smollm2_model) -> ModelStructure:
-    before = _snapshot(smollm2_model)
-    s = analyze_model(smollm2_model)
-    assert _snapshot(smollm2_model) == before, "analyze_model must not modify the model"
-    return s
+    return _analyze_unmodified(smollm2_model)
 
 
 def test_smollm2_layers_and_cuts(smollm2_structure, smollm2_model):
@@ -326,8 +328,7 @@ def test_mpnet_layers_and_cuts(mpnet):
 
     Runs in CI: the model is built once per machine (test_models_recipes builds it too); the analysis
     itself takes well under a second."""
-    model = ir.load(mpnet.onnx_path)
-    s = analyze_model(model)
+    s = _analyze_unmodified(ir.load(mpnet.onnx_path))
     _check_common(s, num_layers=12, hidden=768)
     assert (s.family, s.task, s.head.pooling) == ("mpnet", "text-classification", "cls"), s.family_reason
     assert s.segments_per_layer == 4
