@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+from dyncompile.io import shared_dir
+
+SHARED = shared_dir()
 DATA = SHARED / "data" / "sentiment"
 
 
@@ -28,11 +29,13 @@ def ort_session(path_or_model, *, disable_all: bool = True):
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
-def random_token_feeds(batch: int = 3, seq: int = 9, vocab: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
+def random_token_feeds(
+    batch: int = 3, seq: int = 9, vocab: int = 512, seed: int = 0
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     mask = np.ones((batch, seq), np.int64)
     for b in range(1, batch):
-        mask[b, seq - b :] = 0
+        mask[b, seq - b % seq :] = 0  # row b pads its last b % seq positions: every row keeps a token
     return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64), "attention_mask": mask}
 
 

@@ -95,6 +95,15 @@ def test_inspect_plan_and_passes(capsys, tmp_path, tiny_encoder_path):
     assert rc == 0 and "verify" in text and "cleanup" in text
 
 
+def test_inspect_model_prints_the_structure_report(capsys, tiny_encoder_path):
+    """`dyncompile inspect MODEL.onnx` runs the graph analysis (tiny_encoder_classifier: 4 blocks, CLS head)."""
+    rc, text, err = run_cli(capsys, "inspect", tiny_encoder_path)
+    assert rc == 0, err
+    for line in ("Layers: 4 found", "Family guess: encoder (LayerNorm encoder", "Task guess: text-classification"):
+        assert line in text, line
+    assert "pooling=cls" in text and "after layer   4: " in text
+
+
 def test_dump_ir_from_cli(capsys, tmp_path, tiny_encoder_path):
     rc, _, err = run_cli(capsys, tiny_encoder_path, "--passes", "verify,cleanup", "-o", tmp_path / "o", "--dump-ir", tmp_path / "ir")
     assert rc == 0, err

@@ -13,7 +13,9 @@ import logging
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sentiment"
+from dyncompile.io import shared_dir
+
+DATA = shared_dir() / "data" / "sentiment"
 
 
 def main(argv: list[str] | None = None) -> int:
