@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     import dyncompile
     from dyncompile.errors import DataError
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools.bench import machine_info
+    from dyncompile.tools._bench_common import machine_info
 
     if args.max_new_tokens <= 0:
         raise DataError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
