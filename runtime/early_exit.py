@@ -8,33 +8,11 @@ from typing import Any
 import numpy as np
 
 from dyncompile.runtime.executor import StepHandler, register_step
+from dyncompile.runtime.exit_rule import exit_fires, softmax
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StagedEarlyExitStep", "fires"]
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = x - x.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
-
-
-def fires(logits: np.ndarray, criterion: str, threshold: float | None, window_preds: list[np.ndarray]) -> np.ndarray:
-    """Per-row bool: does the exit test fire (same rule as ``dyncompile.passes.early_exit.exit_heads``)."""
-    n = logits.shape[0]
-    if threshold is None:
-        return np.zeros(n, bool)
-    p = _softmax(logits.astype(np.float64))
-    if criterion == "entropy":
-        ent = -(p * np.log(np.clip(p, 1e-30, 1.0))).sum(-1)
-        return ent < threshold
-    ok = p.max(-1) > threshold
-    if criterion == "patience":
-        last = window_preds[-1]
-        for w in window_preds[:-1]:
-            ok &= w == last
-    return ok
+__all__ = ["StagedEarlyExitStep"]
 
 
 @register_step("early_exit_staged")
@@ -90,13 +68,9 @@ class StagedEarlyExitStep(StepHandler):
             logits = outs[seg["head"]]
             if result is None:
                 result = np.zeros((batch, logits.shape[-1]), logits.dtype)
-            am = logits.argmax(-1)
-            preds.append(am)
-            window = preds[-self.patience :] if self.criterion == "patience" else []
-            thr = seg["threshold"]
-            if self.criterion == "patience" and len(window) < self.patience:
-                thr = None
-            f = fires(logits, self.criterion, thr, window)
+            preds.append(logits.argmax(-1))
+            probs = softmax(logits.astype(np.float64))
+            f = exit_fires(probs, seg["threshold"], self.criterion, self.patience, preds)
             if f.any():
                 result[active[f]] = logits[f]
                 exit_layer[active[f]] = seg["layer"]

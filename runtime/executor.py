@@ -17,6 +17,7 @@ import numpy as np
 
 from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.plan import Plan, Step, load_plan
+from dyncompile.runtime.exit_rule import softmax
 from dyncompile.runtime.providers import check_ort_flavours, resolve_provider
 
 logger = logging.getLogger(__name__)
@@ -150,12 +151,6 @@ class Prediction:
         return f"Prediction(label={self.label!r}, score={self.score:.4f}{extra})"
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 class CompiledModel:
     """A loaded plan: call it on texts (classifiers) or feed arrays with :meth:`run_feeds`."""
 
@@ -204,7 +199,7 @@ class CompiledModel:
         probs, exits = [], []
         for i in range(0, len(texts), batch_size):
             state = self.run_feeds(self.encode(texts[i : i + batch_size]))
-            probs.append(_softmax(np.asarray(state["logits"], dtype=np.float64)))
+            probs.append(softmax(np.asarray(state["logits"], dtype=np.float64)))
             if "exit_layer" in state:  # per row (staged) or one scalar for the whole batch (If graph)
                 n = len(probs[-1])
                 exits.append(np.broadcast_to(np.asarray(state["exit_layer"]).reshape(-1), (n,)).copy())

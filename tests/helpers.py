@@ -61,3 +61,45 @@ def assert_clean_error(rc, err, *needles):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for n in needles:
         assert n in err, (n, err)
+
+
+# --- early exit on the generated 4-layer encoder (shared by the lowering and the native OpenVINO tests) ---
+
+EE_LAYERS = 4
+EE_FEEDS = random_token_feeds(batch=6, seq=9)
+
+
+def with_heads(thresholds: dict[int, float | None], criterion: str = "entropy", patience: int = 2, exits=(1, 2, 3)):
+    """The generated ``EE_LAYERS``-layer encoder with random exit heads (seeded) attached after ``exits``."""
+    from dyncompile.models.synthetic import tiny_encoder_classifier
+    from dyncompile.passes.early_exit.attach_exit_heads import attach_exit_heads
+    from dyncompile.passes.early_exit.heads import ExitHead
+
+    m = tiny_encoder_classifier(num_layers=EE_LAYERS)
+    lns = [n for n in m.graph if n.op_type == "LayerNormalization"]  # [embeddings, layer1..layer4]
+    cuts = {k: lns[k].outputs[0].name for k in exits}
+    rng = np.random.default_rng(1)
+    heads = {
+        k: ExitHead(
+            "cls+mean",
+            [
+                (rng.standard_normal((512, 16)).astype(np.float32) * 0.1, np.zeros(16, np.float32), "tanh"),
+                (rng.standard_normal((16, 2)).astype(np.float32), np.zeros(2, np.float32), "none"),
+            ],
+        )
+        for k in exits
+    }
+    attach_exit_heads(
+        m, heads=heads, cuts=cuts, thresholds={k: thresholds.get(k) for k in exits}, num_layers=EE_LAYERS,
+        criterion=criterion, patience=patience,
+    )
+    return m
+
+
+def lower_if(m):
+    """Run the If lowering (checked after the pass) on ``m`` in place; returns ``m``."""
+    from dyncompile.passes import InsertEarlyExitPass, run_pipeline
+
+    res = run_pipeline([InsertEarlyExitPass("if")], m, check="each")
+    assert res.modified
+    return m
