@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError, PlanError
+from dyncompile.plan import DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (the plan schema; re-exported)
 from dyncompile.runtime.executor import StepHandler, register_step
 
 logger = logging.getLogger(__name__)
@@ -56,73 +57,6 @@ class PromptError(DataError):
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float": np.float32, "FLOAT": np.float32,
               "FLOAT16": np.float16, "bfloat16": np.float32}
-
-
-@dataclasses.dataclass
-class KVEntry:
-    past: str
-    present: str
-    axis: int = 2
-    shape: tuple[int, ...] = ()  # the fixed dims of the past tensor after batch, with the seq axis left out
-
-
-@dataclasses.dataclass
-class DecoderSpec:
-    """How to drive one KV-cache decoder graph (see the module docstring for the JSON form)."""
-
-    model: str
-    input_ids: str = "input_ids"
-    attention_mask: str | None = "attention_mask"
-    position_ids: str | None = "position_ids"
-    logits: str = "logits"
-    kv: list[KVEntry] = dataclasses.field(default_factory=list)
-    kv_dtype: str = "float32"
-
-    @classmethod
-    def from_params(cls, d: dict[str, Any], what: str = "decoder") -> DecoderSpec:
-        try:
-            kv = [KVEntry(e["past"], e["present"], int(e.get("axis", 2)), tuple(e.get("shape", ()))) for e in d["kv"]]
-            return cls(
-                model=d["model"],
-                input_ids=d.get("input_ids", "input_ids"),
-                attention_mask=d.get("attention_mask"),
-                position_ids=d.get("position_ids"),
-                logits=d.get("logits", "logits"),
-                kv=kv,
-                kv_dtype=d.get("kv_dtype", "float32"),
-            )
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"plan step: malformed {what} spec ({type(e).__name__}: {e}); recompile the model") from None
-
-    def to_params(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "input_ids": self.input_ids,
-            "attention_mask": self.attention_mask,
-            "position_ids": self.position_ids,
-            "logits": self.logits,
-            "kv": [{"past": e.past, "present": e.present, "axis": e.axis, "shape": list(e.shape)} for e in self.kv],
-            "kv_dtype": self.kv_dtype,
-        }
-
-
-@dataclasses.dataclass
-class GenerationConfig:
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    max_length: int | None = None
-    chat_template: str | None = None
-
-    @classmethod
-    def from_params(cls, d: dict[str, Any] | None) -> GenerationConfig:
-        d = d or {}
-        eos = d.get("eos_token_ids") or []
-        return cls(
-            eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])),
-            bos_token_id=d.get("bos_token_id"),
-            max_length=d.get("max_length"),
-            chat_template=d.get("chat_template"),
-        )
 
 
 class SessionTimer:
