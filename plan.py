@@ -260,8 +260,8 @@ class StagedEarlyExitParams:
                 raise PlanError(f"{where}.segments[{i}]: the last segment needs 'output' and no 'head'")
             if not last and (s.head is None or not s.cut_out):
                 raise PlanError(f"{where}.segments[{i}]: an exit segment needs 'head' and 'cut_out'")
-            if i and not s.cut_in:
-                raise PlanError(f"{where}.segments[{i}]: a segment after the first needs 'cut_in'")
+            if bool(i) != bool(s.cut_in):
+                raise PlanError(f"{where}.segments[{i}]: every segment but the first needs 'cut_in' (the first none)")
             _check_threshold(s.threshold, self.criterion, f"{where}.segments[{i}].threshold")
 
 
@@ -578,6 +578,34 @@ class Plan:
         if key not in self.files:
             raise PlanError(f"plan names no file {key!r}; it has: {', '.join(self.files)}")
         return self.directory / self.files[key].path
+
+    def original_model(self, purpose: str = "--compare") -> Path:
+        """The original model this plan was compiled from (``provenance.source``), checked against its sha256.
+
+        Raises:
+            PlanError: no source recorded, the file is missing, or its sha256 differs from the recorded one
+                (it is not the model the plan was compiled from, so figures "vs original" would be wrong).
+        """
+        src = self.provenance.get("source") if isinstance(self.provenance, dict) else None
+        path = src.get("path") if isinstance(src, dict) else None
+        want = src.get("sha256") if isinstance(src, dict) else None
+        if not isinstance(path, str) or not path or not isinstance(want, str):
+            raise PlanError(f"{purpose} needs the original model, but the plan records none (provenance.source)")
+        p = Path(path)
+        if not p.is_absolute() or "\x00" in path:
+            raise PlanError(f"{purpose}: the plan's original model path {path!r} is not an absolute path")
+        if not p.is_file():
+            raise PlanError(
+                f"{purpose} needs the original model, recorded as {path}, which is not there any more; copy it back "
+                f"or leave out {purpose}"
+            )
+        actual = sha256_file(p)
+        if actual != want:
+            raise PlanError(
+                f"{purpose}: {path} is not the model this plan was compiled from (sha256 {actual[:12]}… != recorded "
+                f"{want[:12]}…); restore the original, or leave out {purpose}"
+            )
+        return p
 
     def content_of(self, key: str) -> bytes:
         """The verified bytes of small file ``key`` (read at load; read now for a plan built in memory)."""

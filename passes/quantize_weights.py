@@ -333,6 +333,7 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     "quantize-int8",
     help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), qdq-weights (weight-only QDQ) or auto (by "
     "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out",
+    choices={"format": ("auto", "dynamic", "qdq-weights")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002

@@ -99,8 +99,15 @@ class RuntimeContext:
             try:
                 s = self.ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-                if self.provider == "CPUExecutionProvider":
+                if not _is_ort_error(e):
                     raise
+                if self.provider == "CPUExecutionProvider":
+                    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                    raise PlanError(
+                        f"ONNX Runtime cannot load {path.name} of plan {self.plan.directory}: {first}. The file is "
+                        "not a model this ONNX Runtime can run (an op or domain it lacks, or a damaged graph); "
+                        "recompile the plan with this dyncompile"
+                    ) from None
                 lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
                 hint = (
                     " This plan is an If-graph early exit; recompile it for this provider with --lowering staged "
@@ -121,6 +128,16 @@ class RuntimeContext:
             logger.debug("session for %s (%s) on %s", file_key, path.name, s.get_providers())
             self._sessions[file_key] = s
         return s
+
+
+def _is_ort_error(e: BaseException) -> bool:
+    """An exception raised by ONNX Runtime itself (its pybind types: Fail, InvalidArgument, InvalidGraph...)."""
+    return type(e).__module__.startswith("onnxruntime")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class StepHandler:
@@ -170,10 +187,19 @@ class CompiledModel:
                 raise PlanError(f"unknown step kind {step.kind!r}; this runtime knows: {', '.join(sorted(STEP_HANDLERS))}")
             self.handlers.append(cls(step, ctx))
         self.encoder = None
-        if plan.tokenizer:
+        self.tokenizer = None
+        if plan.tokenizer:  # read now, from the bytes load_plan hash-checked (never re-read from disk later)
             from dyncompile.runtime.text import TextEncoder
 
-            self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
+            self.tokenizer = _verified_tokenizer(plan)
+            if plan.task == "text-generation":
+                for h in self.handlers:
+                    if hasattr(h, "generate_ids"):
+                        h._codec = _generation_codec(self.tokenizer)
+            else:
+                self.encoder = TextEncoder(self.tokenizer.from_str(self.tokenizer.to_str()),
+                                           max_length=plan.tokenizer.get("max_length", 512),
+                                           padding=plan.tokenizer.get("padding", "longest"))
         self.last_info: dict[str, Any] = {}
 
     @property
@@ -193,14 +219,30 @@ class CompiledModel:
     def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
         """Run the steps on prepared input arrays; returns the final state (``logits``, extras)."""
         state: dict[str, Any] = dict(feeds)
-        for h in self.handlers:
-            state = h.run(state)
+        for i, h in enumerate(self.handlers):
+            try:
+                state = h.run(state)
+            except KeyError as e:
+                raise PlanError(
+                    f"step {i} ({h.kind}) of plan {self.plan.directory} needs {e} , which neither the inputs nor an "
+                    f"earlier step provide (inputs given: {sorted(state)[:6]}); the plan and its ONNX files disagree — "
+                    "recompile"
+                ) from None
+            except Exception as e:
+                if not _is_ort_error(e):
+                    raise
+                raise PlanError(
+                    f"ONNX Runtime failed in step {i} ({h.kind}) of plan {self.plan.directory}: {_first_line(e)}; the "
+                    "plan and its ONNX files disagree, or the input does not fit the model"
+                ) from None
         return state
 
     def predict_proba(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
         """Class probabilities ``[N, C]``; ``self.last_info['exit_layer']`` holds per-row exits if any."""
         if isinstance(texts, str):
             texts = [texts]
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise DataError(f"batch size must be a positive integer, got {batch_size!r}")
         probs, exits = [], []
         for i in range(0, len(texts), batch_size):
             state = self.run_feeds(self.encode(texts[i : i + batch_size]))
@@ -215,7 +257,15 @@ class CompiledModel:
         """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.generate.generate`)."""
         from dyncompile.runtime.generate import generate
 
-        return generate(self, prompt, **kwargs)
+        try:
+            return generate(self, prompt, **kwargs)
+        except Exception as e:
+            if not _is_ort_error(e):
+                raise
+            raise PlanError(
+                f"ONNX Runtime failed generating with plan {self.plan.directory}: {_first_line(e)}; the plan and its "
+                "ONNX files disagree — recompile"
+            ) from None
 
     def __call__(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
         if self.plan.task != "text-classification":
@@ -235,6 +285,31 @@ class CompiledModel:
                 )
             )
         return out
+
+
+def _verified_tokenizer(plan: Plan):
+    """The plan's tokenizer built from the bytes :func:`load_plan` read and hash-checked."""
+    from tokenizers import Tokenizer
+
+    key = plan.tokenizer["file"]
+    try:
+        return Tokenizer.from_str(plan.content_of(key).decode("utf-8"))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise PlanError(
+            f"file {key!r} of plan {plan.directory} is not a tokenizer.json the tokenizers library can read "
+            f"({_first_line(e)}); recompile with the model's tokenizer.json"
+        ) from None
+
+
+def _generation_codec(tokenizer):
+    """The generation codec (no truncation, no padding) over an already verified tokenizer."""
+    from dyncompile.runtime.generate import TextCodec
+
+    codec = TextCodec.__new__(TextCodec)  # TextCodec(path) would read the file again
+    codec.tokenizer = tokenizer.from_str(tokenizer.to_str())
+    codec.tokenizer.no_truncation()
+    codec.tokenizer.no_padding()
+    return codec
 
 
 def load(

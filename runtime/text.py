@@ -20,10 +20,12 @@ class TextEncoder:
     result independent of padding) or to ``max_length`` with ``padding="max_length"``.
     """
 
-    def __init__(self, tokenizer_file: str | Path, *, max_length: int = 512, padding: str = "longest") -> None:
+    def __init__(self, tokenizer_file: str | Path | Any, *, max_length: int = 512, padding: str = "longest") -> None:
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        # a path, or a tokenizers.Tokenizer already built (the runtime's, from hash-checked bytes)
+        is_tok = isinstance(tokenizer_file, Tokenizer)
+        self.tokenizer = tokenizer_file if is_tok else Tokenizer.from_file(str(tokenizer_file))
         self.max_length = int(max_length)
         if padding not in ("longest", "max_length"):
             raise ValueError(f"padding must be 'longest' or 'max_length', not {padding!r}")
