@@ -125,10 +125,11 @@ def texts_and_labels(rows: list[dict], labels: list[str] | None = None):
         lab = r["label"]
         if isinstance(lab, str) and labels and lab in labels:
             lab = labels.index(lab)
-        try:
-            out.append(int(lab))
-        except (TypeError, ValueError):
-            raise DataError(f"label {lab!r} is neither a class index nor one of {labels}") from None
+        elif isinstance(lab, str) and lab.strip().lstrip("-").isdigit():
+            lab = int(lab)
+        if isinstance(lab, bool) or not isinstance(lab, int):
+            raise DataError(f"label {str(lab)[:40]!r} is neither a class index nor one of {labels}") from None
+        out.append(lab)
     return texts, out
 
 
@@ -187,7 +188,41 @@ def read_model_config(model_path: Path, explicit: str | Path | None = None) -> d
         raise DataError(f"{cfg_path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise DataError(f"{cfg_path} must hold a JSON object (the model's config), got {type(cfg).__name__}")
+    for key, (ok, what) in _MODEL_CONFIG_FIELDS.items():
+        if key in cfg and not ok(cfg[key]):
+            raise DataError(
+                f"{cfg_path}: {key} must be {what}, got {str(cfg[key])[:60]!r}; fix the model config (or rebuild it "
+                "with `dyncompile models build`)"
+            )
     return cfg
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 2**31
+
+
+def _is_rel(v: Any) -> bool:
+    return isinstance(v, str) and bool(v) and not os.path.isabs(v) and ".." not in Path(v).parts
+
+
+_MODEL_CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
+    # the fields dyncompile reads from a dyncompile-model.json (it may come with a model from a stranger)
+    "task": (lambda v: isinstance(v, str), "a string"),
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "family": (lambda v: isinstance(v, str), "a string"),
+    "labels": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "max_length": (lambda v: _is_int(v, 1), "a positive integer"),
+    "num_layers": (lambda v: _is_int(v, 1), "a positive integer"),
+    "hidden_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "vocab_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "max_position_embeddings": (lambda v: v is None or _is_int(v, 2), "an integer >= 2"),
+    "eos_token_id": (lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
+                     "a token id or a list of token ids"),
+    "bos_token_id": (lambda v: v is None or _is_int(v), "a token id"),
+    "pad_token_id": (lambda v: v is None or _is_int(v), "a token id"),
+    "chat_template": (lambda v: v is None or isinstance(v, str), "a string"),
+    "hf_dir": (_is_rel, "a relative folder name inside the model directory"),
+}
 
 
 STAGING_MARK = ".dyncompile-staging"

@@ -796,6 +796,13 @@ def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_ki
                 _check_json(value, f"policy.{name}")
         except PlanError as e:
             raise PlanError(f"{path}: {e}; recompile the model, or fix plan.json") from None
+    if spec.labels is not None and spec.task == "text-classification" and spec.outputs:
+        classes = spec.outputs[0].shape[-1] if spec.outputs[0].shape else None
+        if isinstance(classes, int) and classes != len(spec.labels):
+            raise PlanError(
+                f"{path}: labels lists {len(spec.labels)} classes but the output {spec.outputs[0].name!r} has {classes}; "
+                "recompile the model, or fix plan.json"
+            )
     if spec.tokenizer is not None and spec.tokenizer.file not in files:
         raise PlanError(f"{path}: tokenizer.file {spec.tokenizer.file!r} names no file of the plan ({', '.join(files)})")
     return Plan(

@@ -11,8 +11,9 @@ from typing import Any
 import onnx_ir as ir
 
 import dyncompile
-from dyncompile.errors import DataError, ModelLoadError, PassConfigError
+from dyncompile.errors import DataError, ModelLoadError, PassConfigError, PlanError
 from dyncompile.io import (
+    MODEL_CONFIG_NAME,
     atomic_output_dir,
     check_output_dir,
     load_input_model,
@@ -22,7 +23,7 @@ from dyncompile.io import (
 )
 from dyncompile.passes import CompileContext, PipelineResult, build_passes, run_pipeline
 from dyncompile.passes.emit import EmitRequest, emit_plan
-from dyncompile.plan import Plan, save_plan
+from dyncompile.plan import Plan, load_plan, save_plan
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,10 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
     req.out_dir = tmp
     plan = emit_plan(result.model, req)
     save_plan(plan, tmp)
+    try:  # never publish a plan the runtime would refuse (e.g. a bad field copied from the model config)
+        load_plan(tmp, verify_hashes=False)
+    except PlanError as e:
+        raise PlanError(f"the compiled plan does not validate, nothing written: {e} (check {MODEL_CONFIG_NAME})") from None
     return plan
 
 

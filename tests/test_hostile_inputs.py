@@ -604,3 +604,41 @@ def test_9_inspect_verify_prints_one_digest_of_the_whole_plan(plan_copy, tmp_pat
     (plan / "segment1.onnx").write_bytes((plan / "segment1.onnx").read_bytes() + b"\0")
     rc, _, err = run_cli(capsys, "inspect", "--verify", plan)
     assert_clean_error(rc, err, "segment1", "modified after compile")
+
+
+# ------------------------------------------------------------------------------------------- model config from a stranger
+
+MODEL_CONFIG_MUTATIONS = {
+    "labels as a string": ("labels", "negative,positive"),
+    "max_length as text": ("max_length", "64"),
+    "max_length negative": ("max_length", -1),
+    "eos as text": ("eos_token_id", "</s>"),
+    "hf_dir escaping": ("hf_dir", "../../etc"),
+}
+
+
+@pytest.mark.parametrize("what", list(MODEL_CONFIG_MUTATIONS))
+def test_6_bad_model_config_is_refused_at_compile(model_copy, tmp_path, capsys, what):
+    key, value = MODEL_CONFIG_MUTATIONS[what]
+    cfg_path = model_copy.parent / "dyncompile-model.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg[key] = value
+    cfg_path.write_text(json.dumps(cfg))
+    before = tree_state(tmp_path)
+    rc, _, err = run_cli(capsys, *_compile_args(model_copy, tmp_path / "out"))
+    assert_clean_error(rc, err, "dyncompile-model.json", key)
+    assert tree_state(tmp_path) == before
+
+
+def test_6_labels_not_matching_the_model_outputs(plan_copy, capsys):
+    plan = _mutate(plan_copy("cls"), lambda r: r.update(labels=["negative", "neutral", "positive"]))
+    rc, _, err = run_cli(capsys, "run", plan, "--text", TEXT)
+    assert_clean_error(rc, err, "labels lists 3 classes", "has 2")
+
+
+@pytest.mark.parametrize("label", [1.5, True, "maybe"])
+def test_8_data_labels_of_the_wrong_type(built, tmp_path, capsys, label):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": TEXT, "label": label}) + "\n")
+    rc, _, err = run_cli(capsys, "run", built["cls"], "--data", data)
+    assert_clean_error(rc, err, "label")
