@@ -201,10 +201,6 @@ def _is_int(v: Any, lo: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 2**31
 
 
-def _is_rel(v: Any) -> bool:
-    return isinstance(v, str) and bool(v) and not os.path.isabs(v) and ".." not in Path(v).parts
-
-
 _MODEL_CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     # the fields dyncompile reads from a dyncompile-model.json (it may come with a model from a stranger)
     "task": (lambda v: isinstance(v, str), "a string"),
@@ -221,7 +217,7 @@ _MODEL_CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     "bos_token_id": (lambda v: v is None or _is_int(v), "a token id"),
     "pad_token_id": (lambda v: v is None or _is_int(v), "a token id"),
     "chat_template": (lambda v: v is None or isinstance(v, str), "a string"),
-    "hf_dir": (_is_rel, "a relative folder name inside the model directory"),
+    "hf_dir": (lambda v: isinstance(v, str) and bool(v) and "\x00" not in v, "a folder name"),
 }
 
 

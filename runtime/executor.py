@@ -77,7 +77,7 @@ class RuntimeContext:
             "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         }
         if optimization not in levels:
-            raise ValueError(f"optimization must be one of {list(levels)}")
+            raise DataError(f"optimization must be one of {', '.join(levels)}, got {optimization!r}")
         self.optimization = levels[optimization]
         self._sessions: dict[str, Any] = {}
 
@@ -303,7 +303,10 @@ def _verified_tokenizer(plan: Plan):
 
 def _generation_codec(tokenizer):
     """The generation codec (no truncation, no padding) over an already verified tokenizer."""
-    from dyncompile.runtime.generate import TextCodec
+    try:
+        from dyncompile.runtime.text import TextCodec  # where the runtime split puts it
+    except ImportError:
+        from dyncompile.runtime.generate import TextCodec
 
     codec = TextCodec.__new__(TextCodec)  # TextCodec(path) would read the file again
     codec.tokenizer = tokenizer.from_str(tokenizer.to_str())

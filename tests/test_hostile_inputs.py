@@ -259,13 +259,14 @@ def test_5_tokenizer_swapped_after_load_is_not_used(plan_copy):
         dyncompile.load(plan)
 
 
-def test_5_generation_tokenizer_is_read_at_load(plan_copy):
+def test_5_generation_tokenizer_is_read_at_load(built, plan_copy):
+    reference = dyncompile.load(built["gen"]).generate("w3 w4", max_new_tokens=4)
     plan = plan_copy("gen")
     cm = dyncompile.load(plan)
-    first = cm.generate("w3 w4", max_new_tokens=4)
-    (plan / "tokenizer.json").write_text("{}")  # swapped (and not even a tokenizer) after load
-    again = cm.generate("w3 w4", max_new_tokens=4)
-    assert again.token_ids == first.token_ids and again.text == first.text
+    (plan / "tokenizer.json").write_text("{}")  # swapped (not even a tokenizer) after load, before first use
+    res = cm.generate("w3 w4", max_new_tokens=4)
+    assert res.prompt_ids == reference.prompt_ids and res.token_ids == reference.token_ids
+    assert res.text == reference.text
 
 
 # ------------------------------------------------------------------------------------------- 6. plan.json mistakes
@@ -613,7 +614,7 @@ MODEL_CONFIG_MUTATIONS = {
     "max_length as text": ("max_length", "64"),
     "max_length negative": ("max_length", -1),
     "eos as text": ("eos_token_id", "</s>"),
-    "hf_dir escaping": ("hf_dir", "../../etc"),
+    "hf_dir a number": ("hf_dir", 7),
 }
 
 

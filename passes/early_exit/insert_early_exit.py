@@ -268,7 +268,9 @@ def _make_early_exit(
     budget = budget if budget is not None else o.get("budget")
     budget = 1.0 if budget is None else budget
     if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 100:
-        raise PassConfigError(f"--budget is the accepted accuracy drop in points, a number in [0, 100]; got {budget!r}")
+        raise PassConfigError(
+            f"--budget is the accepted accuracy drop in points and must be >= 0 (at most 100), got {budget!r}"
+        )
     budget = float(budget)
     lowering = lowering or o.get("lowering") or "auto"
     if lowering not in ("if", "staged", "auto"):
