@@ -84,10 +84,10 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 def read_jsonl(path: str | Path, *, limit: int | None = None, text_field: str = "text") -> list[dict]:
     """Rows of a JSONL file; each must be an object with a string ``text_field``."""
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"data file not found: {p}")
     if p.is_dir():
         raise DataError(f"{p} is a directory; expected a JSONL file with a {text_field!r} field per line")
+    if not p.is_file():
+        raise DataError(f"data file not found: {p}")
     rows = []
     with p.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -136,7 +136,6 @@ def texts_and_labels(rows: list[dict], labels: list[str] | None = None):
 def load_input_model(path: str | Path) -> ir.Model:
     """Load an ONNX model for compilation, turning every way it can be bad into one clear error."""
     import onnx
-    from google.protobuf.message import DecodeError
 
     p = Path(path)
     if not p.exists():
@@ -151,7 +150,7 @@ def load_input_model(path: str | Path) -> ir.Model:
         raise ModelLoadError(f"{p} is empty (0 bytes); re-export the model")
     try:
         proto = onnx.load(str(p), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - protobuf / JSON / text-format parsers raise their own types
         raise ModelLoadError(
             f"{p} is not a valid ONNX model: the protobuf does not parse ({type(e).__name__}: {e}). If it is an "
             "ONNX file, it is probably truncated or corrupted (an interrupted copy/download): re-export it"

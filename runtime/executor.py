@@ -62,7 +62,10 @@ class RuntimeContext:
         import onnxruntime as ort
 
         self.ort = ort
-        ort.set_default_logger_severity(3)  # EP chatter (e.g. OpenVINO's unused-input notes) stays out of stderr
+        # EP chatter (e.g. OpenVINO's unused-input notes) stays out of stderr; ORT's own error lines too (the
+        # runtime turns ORT failures into one clear error), unless debugging
+        self.log_severity = 3 if logger.isEnabledFor(logging.DEBUG) else 4
+        ort.set_default_logger_severity(self.log_severity)
         self.plan = plan
         self.providers = resolve_provider(provider, fallback=fallback, options=provider_options)
         self.provider = self.providers[0][0]
@@ -86,7 +89,7 @@ class RuntimeContext:
         so.graph_optimization_level = self.optimization
         if self.threads:
             so.intra_op_num_threads = int(self.threads)
-        so.log_severity_level = 3
+        so.log_severity_level = self.log_severity
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, str(v))
         return so
@@ -214,6 +217,9 @@ class CompiledModel:
         if self.encoder is None:
             raise DataError("this plan has no tokenizer; feed arrays with run_feeds()")
         feeds = self.encoder(texts)
+        empty = np.flatnonzero(feeds["attention_mask"].sum(-1) == 0) if "attention_mask" in feeds else []
+        if len(empty):
+            raise DataError(f"text {int(empty[0])} encodes to no tokens (empty text?); give some text to classify")
         return {k: v for k, v in feeds.items() if k in self.input_names}
 
     def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -643,3 +643,38 @@ def test_8_data_labels_of_the_wrong_type(built, tmp_path, capsys, label):
     data.write_text(json.dumps({"text": TEXT, "label": label}) + "\n")
     rc, _, err = run_cli(capsys, "run", built["cls"], "--data", data)
     assert_clean_error(rc, err, "label")
+
+
+# ------------------------------------------------------------------------------------------- more CLI mistakes
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("run", "{cls}", "--text", ""), "no tokens"),
+        (("run", "{gen}", "--text", TEXT), "classifiers"),
+        (("run", "{gen}", "--prompt", "w3", "--max-new-tokens", "-1"), "max_new_tokens"),
+        (("run", "{gen}", "--prompt", "w3", "--sample", "--temperature", "nan"), "temperature"),
+        (("run", "{cls}", "--data", "{tmp}"), "directory"),
+        (("{cls_model}", "-o", "/proc/dyncompile-nope/out", "-q"), "cannot access"),
+        (("{cls_model}", "--passes", "quantize-int4{block_size=0}", "-o", "{tmp}/o", "-q"), "block_size"),
+        (("{cls_model}", "--passes", "early-exit", "--calib", DATA / "movie-calib.jsonl", "--budget", "nan",
+          "-o", "{tmp}/o", "-q"), "budget"),
+        (("inspect", "{tokenizer}"), "not a valid ONNX model"),
+        (("{tokenizer}", "-o", "{tmp}/o"), "not a valid ONNX model"),
+    ],
+)
+def test_cli_mistakes_are_one_clear_line(built, tmp_path, capsys, argv, needle):
+    subst = {"{cls}": built["cls"], "{gen}": built["gen"], "{cls_model}": built["cls_model"], "{tmp}": tmp_path,
+             "{tokenizer}": built["cls_model"].parent / "tokenizer.json"}
+    args = []
+    for a in argv:
+        a = str(a)
+        for k, v in subst.items():
+            a = a.replace(k, str(v))
+        args.append(a)
+    before = tree_state(built["cls_model"].parent)
+    rc, _, err = run_cli(capsys, *args)
+    assert_clean_error(rc, err, needle)
+    assert tree_state(built["cls_model"].parent) == before
+    assert not (tmp_path / "o").exists()

@@ -294,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     except DyncompileError as e:
         print(f"error: {safe_text(e, keep_newlines=False)}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a path the user gave that cannot be read or written (permissions, missing folder)
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error: cannot access{safe_text(where, keep_newlines=False)}: {e.strerror or e}; check the path "
+              "and its permissions", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
