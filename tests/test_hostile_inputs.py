@@ -678,3 +678,19 @@ def test_cli_mistakes_are_one_clear_line(built, tmp_path, capsys, argv, needle):
     assert_clean_error(rc, err, needle)
     assert tree_state(built["cls_model"].parent) == before
     assert not (tmp_path / "o").exists()
+
+
+def test_3_two_concurrent_compiles_to_one_output(model_copy, tmp_path):
+    """Two real compiles race for one -o: whatever the timing, one writes the plan, the other fails cleanly."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    cmd = [sys.executable, "-c", "import sys; from dyncompile.tools.cli import main; sys.exit(main(sys.argv[1:]))",
+           str(model_copy), "--passes", "verify,cleanup", "-o", str(out), "-q"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    (err,) = [e for rc, e in results if rc == 2]
+    assert "Traceback" not in err and err.strip().startswith("error: ")
+    assert "already exists" in err or "meanwhile" in err, err
+    assert dyncompile.load(out)([TEXT])[0].label in LABELS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
