@@ -294,6 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     except DyncompileError as e:
         print(f"error: {safe_text(e, keep_newlines=False)}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
+        try:
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except OSError as e:  # a path the user gave that cannot be read or written (permissions, missing folder)
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         print(f"error: cannot access{safe_text(where, keep_newlines=False)}: {e.strerror or e}; check the path "
