@@ -114,7 +114,7 @@ def test_failed_compile_leaves_no_partial_output(tiny_encoder_path, tmp_path, mo
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(emit, "save_plan", boom, raising=False)
-    monkeypatch.setattr("dyncompile.tools.compiler.save_plan", boom)
+    monkeypatch.setattr("dyncompile.passes.compiler.save_plan", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         dyncompile.compile(tiny_encoder_path, "verify", tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == []
