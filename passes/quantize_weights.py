@@ -350,6 +350,7 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     "quantize-int8",
     help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), qdq-weights (weight-only QDQ) or auto (by "
     "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out",
+    choices={"format": ("auto", "dynamic", "qdq-weights")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
@@ -371,4 +372,10 @@ def _make_int8(
     help="weight-only int4 MatMulNBits quantization (block-wise); options block_size=32, accuracy_level=4 (int8 compute)",
 )
 def _make_int4(context, block_size: int = 32, symmetric: bool = True, accuracy_level: int | None = 4):
+    from dyncompile.errors import PassConfigError
+
+    if block_size < 16 or block_size & (block_size - 1):
+        raise PassConfigError(f"quantize-int4 block_size must be a power of two >= 16 (e.g. 32), got {block_size}")
+    if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
+        raise PassConfigError(f"quantize-int4 accuracy_level must be 0..4 or none, got {accuracy_level}")
     return QuantizeWeightsInt4Pass(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level)

@@ -64,9 +64,14 @@ def test_output_exists_refused_untouched_then_force(capsys, tmp_path, tiny_encod
     rc, _, err = run_cli(capsys, tiny_encoder_path, "-o", out)
     assert_clean_error(rc, err, "already exists", "--force")
     assert (out / "keep.txt").read_text() == "mine"
-    rc, outp, err = run_cli(capsys, tiny_encoder_path, "-o", out, "--force")
-    assert rc == 0, err
-    assert (out / "plan.json").is_file() and not (out / "keep.txt").exists()
+    rc, _, err = run_cli(capsys, tiny_encoder_path, "-o", out, "--force")  # --force replaces only a plan (#9)
+    assert_clean_error(rc, err, "not a dyncompile plan", "keep.txt")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    for what in ("an empty directory", "a plan"):
+        rc, outp, err = run_cli(capsys, tiny_encoder_path, "-o", out, "--force")
+        assert rc == 0, (what, err)
+        assert (out / "plan.json").is_file()
     assert tiny_encoder_path.read_bytes() == before
 
 

@@ -44,12 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     import dyncompile
     from dyncompile.errors import DataError
     from dyncompile.io import read_jsonl, texts_and_labels
+    from dyncompile.tools.evaluate import check_labels_in_range
 
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise DataError("--batch-size and --limit must be >= 1")
     compiled = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, session_config=BENCH_SESSION_CONFIG)
-    src = compiled.plan.provenance.get("source", {}).get("path")
-    if not src or not Path(src).is_file():
-        raise DataError(f"the plan's original model {src!r} is gone; bench compares against it")
+    src = str(compiled.plan.original_model("bench"))  # sha256-checked: it compares against the true original
     texts, labels = texts_and_labels(read_jsonl(args.data, limit=args.limit), compiled.plan.labels)
+    check_labels_in_range(labels, compiled.plan.labels, args.data)
     runners = [reference_runner("original", src, compiled), plan_runner("compiled", compiled)]
     report = bench_runners(
         runners, texts, labels, batch_size=args.batch_size, batch1_rows=args.batch1_rows, progress=not args.quiet
