@@ -19,6 +19,7 @@ __all__ = [
     "QUANTIZED",
     "ROLE",
     "SPECULATIVE",
+    "SPECULATIVE_MEASURED",
     "SPLIT_DRAFTER",
     "SPLIT_DRAFTER_MODEL",
     "SPLIT_DRAFTER_VOCAB",
@@ -41,9 +42,10 @@ POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NA
 DRAFTER_MODEL = "dyncompile.drafter_model"  # ir.Model of the drafter (SpeculativePass -> emitter)
 SPLIT_DRAFTER_MODEL = "dyncompile.split_drafter.model"  # ir.Model built by SplitDrafterPass
 SPLIT_DRAFTER_VOCAB = "dyncompile.split_drafter.vocab"  # the drafter's vocabulary subset (token ids)
+SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timings + graph fingerprint (reused on a re-run)
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
      ROLE}
 )
-META_KEYS = frozenset({DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB})
+META_KEYS = frozenset({DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

@@ -21,7 +21,7 @@ from dyncompile.io import (
     sha256_file,
     temp_files_inside,
 )
-from dyncompile.passes import CompileContext, PipelineResult, build_passes, run_pipeline
+from dyncompile.passes import CompileContext, PipelineResult, _keys, build_passes, run_pipeline
 from dyncompile.passes.emit import EmitRequest, emit_plan
 from dyncompile.plan import Plan, load_plan, save_plan
 
@@ -109,7 +109,7 @@ def compile_model(
 
 
 def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_list, options, tmp: Path) -> Plan:
-    task = result.model.metadata_props.get("dyncompile.task") or cfg.get("task") or "unknown"
+    task = result.model.metadata_props.get(_keys.TASK) or cfg.get("task") or "unknown"
     tok_spec = None
     if tok_path.is_file():
         tok_spec = {"max_length": int(cfg.get("max_length", 512)), "padding": "longest"}

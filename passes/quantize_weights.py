@@ -19,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.io import external_data_dirs, working_directory
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ __all__ = [
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
 #: Metadata key the quantization passes set (JSON: scheme and options): the model's numerics differ from its source.
-QUANTIZED_KEY = "dyncompile.quantized"
+QUANTIZED_KEY = _keys.QUANTIZED
 #: ``keep_fp32`` groups the int8 pass understands.
 KEEP_FP32_GROUPS = ("ffn-out",)
 _GELU_OPS = {"Erf", "Gelu", "FastGelu", "BiasGelu", "QuickGelu"}

@@ -12,12 +12,13 @@ from typing import Any
 
 import onnx_ir as ir
 
+from dyncompile.passes import _keys
 from dyncompile.passes.early_exit.graph import GraphBuilder
 from dyncompile.passes.early_exit.heads import ExitHead
 
 __all__ = ["EARLY_EXIT_FORMAT", "EARLY_EXIT_KEY", "AttachExitHeadsPass", "attach_exit_heads", "default_opset"]
 
-EARLY_EXIT_KEY = "dyncompile.early_exit"
+EARLY_EXIT_KEY = _keys.EARLY_EXIT
 EARLY_EXIT_FORMAT = "dyncompile.early_exit/v1"
 
 

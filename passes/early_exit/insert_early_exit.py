@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from dyncompile.passes import _keys
 from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, default_opset
 from dyncompile.passes.early_exit.graph import NEVER_THRESHOLD, GraphBuilder
 
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["InsertEarlyExitPass", "LOWERING_KEY"]
 
-LOWERING_KEY = "dyncompile.early_exit.lowering"
+LOWERING_KEY = _keys.EARLY_EXIT_LOWERING
 
 
 def _backward_slice(values: list[ir.Value], stop: set[ir.Node] | None = None) -> set[ir.Node]:
@@ -80,17 +81,17 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         if LOWERING_KEY in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
-        model.metadata_props["dyncompile.early_exit.lowering_choice"] = json.dumps(
+        model.metadata_props[_keys.EARLY_EXIT_LOWERING_CHOICE] = json.dumps(
             {"lowering": self.lowering, "provider": self.provider, "reason": self.reason}
         )
         if self.lowering == "staged":
             model.metadata_props[LOWERING_KEY] = "staged"
-            model.metadata_props["dyncompile.emitter"] = "early_exit_staged"
-            model.metadata_props["dyncompile.task"] = "text-classification"
+            model.metadata_props[_keys.EMITTER] = "early_exit_staged"
+            model.metadata_props[_keys.TASK] = "text-classification"
             return ir.passes.PassResult(model, modified=True)
         self._lower_if(model, meta)
         model.metadata_props[LOWERING_KEY] = "if"
-        model.metadata_props["dyncompile.task"] = "text-classification"
+        model.metadata_props[_keys.TASK] = "text-classification"
         common_passes.NameFixPass()(model)
         common_passes.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=True)

@@ -32,6 +32,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.io import read_jsonl
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
@@ -50,10 +51,10 @@ __all__ = [
     "trim_lm_head",
 ]
 
-SPLIT_DRAFTER_KEY = "dyncompile.split_drafter"
+SPLIT_DRAFTER_KEY = _keys.SPLIT_DRAFTER
 SPLIT_DRAFTER_FORMAT = "dyncompile.split_drafter/v1"
-SPLIT_DRAFTER_META = "dyncompile.split_drafter.model"
-VOCAB_META = "dyncompile.split_drafter.vocab"
+SPLIT_DRAFTER_META = _keys.SPLIT_DRAFTER_MODEL
+VOCAB_META = _keys.SPLIT_DRAFTER_VOCAB
 MIN_CALIB_TOKENS = 64
 
 
@@ -219,7 +220,7 @@ def build_split_drafter(
         g.inputs.remove(v)
     if subset is not None and not trim_lm_head(d, logits, subset):
         raise DrafterError("cannot restrict the LM head to a vocabulary subset (unknown head shape); use vocab=full")
-    d.metadata_props["dyncompile.role"] = "drafter"
+    d.metadata_props[_keys.ROLE] = "drafter"
     return d
 
 
