@@ -126,7 +126,7 @@ def test_int8_then_early_exit_on_minilm(minilm, tmp_path):
 
 def _ref_case(n=1000, seed=0):
     """fp32 reference right on 92 % of the rows; the 'int8' model flips 10 of its right rows (-1.0 point)."""
-    from dyncompile.passes.early_exit.exit_heads import _softmax
+    from dyncompile.runtime.exit_rule import softmax as _softmax
 
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 2, n)
@@ -142,7 +142,7 @@ def _ref_case(n=1000, seed=0):
 
 
 def test_reference_budget_splits_the_budget():
-    from dyncompile.passes.early_exit.fit_exit_heads import reference_budget
+    from dyncompile.passes.early_exit.calibrate import reference_budget
 
     _, q, ref, y = _ref_case()
     left, info = reference_budget(1.5, q, ref, y)
@@ -157,8 +157,8 @@ def test_reference_budget_splits_the_budget():
 
 
 def test_calibrate_exits_against_the_reference_keeps_the_total_drop_within_budget():
-    from dyncompile.passes.early_exit.exit_heads import exit_decisions
-    from dyncompile.passes.early_exit.fit_exit_heads import calibrate_exits
+    from dyncompile.passes.early_exit.calibrate import exit_decisions
+    from dyncompile.passes.early_exit.calibrate import calibrate_exits
 
     oof, q, ref, y = _ref_case()
     kw = dict(exits=[1, 2], num_layers=4, criterion="entropy", patience=2)
