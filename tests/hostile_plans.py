@@ -48,8 +48,8 @@ def staged_plan(out: Path, *, criterion: str = "entropy") -> Path:
 
     from dyncompile.models.synthetic import tiny_encoder_classifier
     from dyncompile.passes import InsertEarlyExitPass
-    from dyncompile.passes.early_exit.heads import ExitHead
     from dyncompile.passes.early_exit.attach_exit_heads import attach_exit_heads
+    from dyncompile.passes.early_exit.heads import ExitHead
     from dyncompile.passes.emit import EmitRequest, emit_plan
     from dyncompile.plan import save_plan
 

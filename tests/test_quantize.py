@@ -157,8 +157,7 @@ def test_reference_budget_splits_the_budget():
 
 
 def test_calibrate_exits_against_the_reference_keeps_the_total_drop_within_budget():
-    from dyncompile.passes.early_exit.calibrate import exit_decisions
-    from dyncompile.passes.early_exit.calibrate import calibrate_exits
+    from dyncompile.passes.early_exit.calibrate import calibrate_exits, exit_decisions
 
     oof, q, ref, y = _ref_case()
     kw = dict(exits=[1, 2], num_layers=4, criterion="entropy", patience=2)
