@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.plan import DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (the plan schema; re-exported)
+from dyncompile.plan import STEP_SCHEMAS, DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (schema; re-exported)
 from dyncompile.runtime.executor import StepHandler, register_step
 from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
@@ -238,12 +238,13 @@ class GenerateStep(StepHandler):
 
     def __init__(self, step, ctx) -> None:
         super().__init__(step, ctx)
-        self.target_spec = DecoderSpec.from_params(step.params.get("target") or {}, "target")
-        self.gen = GenerationConfig.from_params(step.params.get("generation"))
+        # params validated against the plan schema (plan.STEP_SCHEMAS) when the plan loaded
+        self.params = step.typed or STEP_SCHEMAS[step.kind](step.params, f"{step.kind} step")
+        self.target_spec = self.params.target
+        self.gen = self.params.generation
         self.timer = SessionTimer()
         self.target = KVDecoder(ctx.session(self.target_spec.model), self.target_spec, timer=self.timer,
-                                io_binding=bool(step.params.get("io_binding", False)),
-                                rollback=step.params.get("rollback", "mask"))
+                                io_binding=self.params.io_binding, rollback=self.params.rollback)
         # the plan's tokenizer for prompts and generated text, read at load from the hash-checked bytes
         self.codec: TextCodec | None = TextCodec.from_plan(ctx.plan)
 
@@ -262,7 +263,7 @@ class GenerateStep(StepHandler):
                      rng: np.random.Generator, speculative: bool = True, **options) -> tuple[list[int], GenerationStats]:
         del speculative  # target-only
         io_binding = options.pop("io_binding", None)
-        self.target.io_binding = bool(self.step.params.get("io_binding", False) if io_binding is None else io_binding)
+        self.target.io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
         options.pop("rollback", None)  # nothing is ever rolled back without drafts
         if options:
             raise PromptError(f"unknown generation options for a target-only plan: {sorted(options)}")
