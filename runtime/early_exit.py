@@ -64,7 +64,7 @@ class StagedEarlyExitStep(StepHandler):
         feeds_all = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
         result = None
         exit_layer = np.zeros(batch, np.int64)
-        hidden = None
+        hidden = prev_logits = None
         preds: list[np.ndarray] = []  # per exit: argmax of the active rows (patience windows)
         width = feeds_all["input_ids"].shape[1] if "input_ids" in feeds_all else None
         for seg, sess, names in zip(self.segments, self.sessions, self.inputs):
@@ -72,6 +72,8 @@ class StagedEarlyExitStep(StepHandler):
             for n in names:
                 if n == seg["cut_in"]:
                     feeds[n] = hidden
+                elif n == seg.get("prev_head"):  # learned policy: the previous exit's logits, active rows
+                    feeds[n] = prev_logits
                 else:
                     v = feeds_all[n][active]
                     feeds[n] = v[:, :width] if width is not None and v.ndim == 2 and n != seg["cut_in"] else v
@@ -96,13 +98,17 @@ class StagedEarlyExitStep(StepHandler):
             thr = seg["threshold"]
             if self.criterion == "patience" and len(window) < self.patience:
                 thr = None
-            f = fires(logits, self.criterion, thr, window)
+            if seg.get("score"):  # learned policy: the segment computed the score (ONNX ops)
+                f = outs[seg["score"]] > np.float32(thr) if thr is not None else np.zeros(len(logits), bool)
+            else:
+                f = fires(logits, self.criterion, thr, window)
             if f.any():
                 result[active[f]] = logits[f]
                 exit_layer[active[f]] = seg["layer"]
             keep = ~f
             active = active[keep]
             hidden = outs[seg["cut_out"]][keep]
+            prev_logits = logits[keep]
             preds = [p[keep] for p in preds]
             if active.size == 0:
                 break

@@ -156,7 +156,10 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
             window = head_outs[max(0, j - patience + 1) : j + 1] if criterion == "patience" else ()
             if criterion == "patience" and len(window) < patience:
                 thr = NEVER_THRESHOLD[criterion]  # not enough exits yet for the agreement window
-            cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
+            if criterion == "learned":
+                cond = self._learned_cond(cb, exits[j], head_outs[j], outputs)
+            else:
+                cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
             then_logits = ir.node("Identity", [head_outs[j]])
             then_logits.outputs[0].name = f"exit{k}_logits_out"
             layer_const = cb.const(np.array(k, np.int64), "layer")
@@ -185,6 +188,15 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         e.name = "exit_layer"
         g.outputs.extend([y, e])
         self._move_initializers_inward(g)
+
+    @staticmethod
+    def _learned_cond(cb: GraphBuilder, ex: dict, logits: ir.Value, outputs: dict[str, ir.Value]) -> ir.Value:
+        """All rows' learned score > threshold (a constant False where the exit never fires)."""
+        pol = ex.get("policy")
+        if ex["threshold"] is None or pol is None:
+            return cb.op("Identity", [cb.const(np.array(False), "never")])
+        prev = outputs[pol["prev_head"]] if pol.get("prev_head") else None
+        return cb.all_rows(cb.learned_fires(logits, prev, pol["weights"], pol["bias"], float(ex["threshold"])))
 
     @staticmethod
     def _move_initializers_inward(g: ir.Graph) -> None:
