@@ -141,7 +141,7 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
             "lowering_choice": json.loads(model.metadata_props.get("dyncompile.early_exit.lowering_choice", "null")),
             "thresholds": {str(e["layer"]): e["threshold"] for e in meta["exits"]},
         }
-        | {k: meta[k] for k in ("calibration", "exit_stats", "fit") if k in meta}
+        | {k: meta[k] for k in ("certificate", "calibration", "exit_stats", "fit", "exit_policy") if k in meta}
     )
 
 

@@ -182,12 +182,12 @@ def test_learned_policy_scores_agreement():
     np.testing.assert_array_equal(again.scores(p), pol.scores(p))
 
 
-@pytest.mark.parametrize("value,expected", [("0.9", 0.9), ("95", 0.95), ("none", None), (None, 0.9), ("90%", 0.9)])
+@pytest.mark.parametrize("value,expected", [("0.9", 0.9), ("95%", 0.95), ("none", None), (None, 0.9), ("90%", 0.9)])
 def test_parse_confidence(value, expected):
     assert parse_confidence(value) == expected
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "1", "-0.5", "100"])
+@pytest.mark.parametrize("value", ["abc", "0", "1", "-0.5", "90", "100%"])
 def test_parse_confidence_rejects(value):
     with pytest.raises(Exception, match="--confidence"):
         parse_confidence(value)

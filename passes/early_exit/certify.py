@@ -397,17 +397,16 @@ class CertifiedExits:
 
 
 def parse_confidence(value: Any) -> float | None:
-    """``--confidence``: a number in (0, 1) (or a percentage in (1, 100)), or ``none``; raises CalibrationError."""
+    """``--confidence``: a probability in (0, 1) (``90%`` also reads 0.9), or ``none``; raises CalibrationError."""
     if value is None:
         return DEFAULT_CONFIDENCE
     if isinstance(value, str) and value.strip().lower() in ("none", "off", "uncertified"):
         return None
+    text = str(value).strip()
     try:
-        c = float(str(value).strip().rstrip("%"))
+        c = float(text.rstrip("%")) / (100.0 if text.endswith("%") else 1.0)
     except ValueError:
-        raise CalibrationError(f"--confidence must be a probability like 0.9 or 'none', got {value!r}") from None
-    if 1.0 < c < 100.0:
-        c /= 100.0
+        raise CalibrationError(f"--confidence must be a probability like 0.9 (or 90%) or 'none', got {value!r}") from None
     if not 0.0 < c < 1.0:
         raise CalibrationError(f"--confidence must lie strictly between 0 and 1 (e.g. 0.9), or be 'none'; got {value!r}")
     return c
@@ -576,7 +575,9 @@ def certify_exits(
         raise CalibrationError(f"labels must have shape ({n},), got {y.shape}")
     mode = "agreement" if y is None else "labels"
     strata = ref_pred if y is None else y
-    if path_rows is None:
+    if confidence is None:  # uncertified: path and choice on every row (a plain in-sample calibration)
+        a, b = np.arange(n), np.random.default_rng(seed).permutation(n)
+    elif path_rows is None:
         a, b = _split(n, split, seed, strata)
     else:
         a = np.sort(np.asarray(path_rows, np.int64))
@@ -603,3 +604,75 @@ def certify_exits(
         thresholds=_to_criterion_thresholds(tc, criterion, c), criterion=criterion, certificate=cert, policy=policy,
         exit_histogram=np.bincount(ex, minlength=n_exits).astype(int).tolist(), path=summary,
     )
+
+
+def certified_calibration(
+    oof_probs: np.ndarray,
+    teacher: np.ndarray,
+    labels: np.ndarray | None,
+    exits: Sequence[int],
+    num_layers: int,
+    *,
+    budget: float,
+    confidence: float | None,
+    criterion: str,
+    patience: int = 2,
+    reference_probs: np.ndarray | None = None,
+    split: float = DEFAULT_SPLIT,
+    seed: int = 0,
+    method: str = "betting",
+) -> tuple[CertifiedExits, dict[str, Any]]:
+    """:func:`certify_exits` for head exits + the full model as the last exit (costs ``k / L``), and the
+    ``calibration`` record the early-exit pass writes into the plan."""
+    exit_probs = np.concatenate([np.asarray(oof_probs, np.float32), np.asarray(teacher, np.float32)[None]])
+    costs = [k / num_layers for k in exits] + [1.0]
+    res = certify_exits(
+        exit_probs, teacher, labels, costs, budget=budget, confidence=confidence, criterion=criterion, patience=patience,
+        split=split, seed=seed, method=method, reference_probs=reference_probs,
+    )
+    c = res.certificate
+    record = {
+        "format": "dyncompile.exit_calibration/v1",
+        "method": "learn-then-test" if confidence is not None else "uncertified path (plug-in)",
+        "criterion": criterion,
+        "budget": float(budget),
+        "metric": "accuracy" if labels is not None else "agreement",
+        "costs": costs,
+        "expected_speedup": c.expected_speedup,
+        "observed_loss": c.observed,
+        "exit_histogram": res.exit_histogram,
+        "warnings": [],
+        "n_rows": int(exit_probs.shape[1]),
+        "thresholds_all_exits": dict(zip(map(str, exits), res.thresholds[:-1])),
+        "rows": int(exit_probs.shape[1]),
+        "path": res.path,
+    }
+    return res, record
+
+
+def policy_metadata(policy: ExitPolicy, exits: Sequence[int], keep: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Per kept exit layer: ``{"weights", "bias", "prev_head"}`` for the ``dyncompile.early_exit`` metadata
+    (``prev_head``: the previous exit's head output, ``None`` for the first exit)."""
+    out = {}
+    for j in keep:
+        out[exits[j]] = {
+            "weights": policy.weights[j],
+            "bias": policy.biases[j],
+            "prev_head": f"exit_logits_{exits[j - 1]}" if j > 0 else None,
+        }
+    return out
+
+
+def uncertified_certificate(calibration: dict[str, Any], labels: bool) -> dict[str, Any]:
+    """The ``certificate`` record of ``--confidence none`` (today's in-sample calibration), honestly named."""
+    n = int(calibration.get("rows") or calibration.get("n_rows") or 0)
+    if labels and calibration.get("expected_accuracy") is not None and calibration.get("baseline_accuracy") is not None:
+        observed = calibration["baseline_accuracy"] - calibration["expected_accuracy"]
+    else:
+        observed = 100.0 - float(calibration.get("expected_agreement") or 100.0)
+    return Certificate(
+        mode="labels" if labels else "agreement", confidence=None, delta=None, budget=float(calibration["budget"]),
+        rows=n, path_rows=n, method="none", certified=False, observed=round(float(observed), 4), bound=None, point=-1,
+        path_length=0, safest_bound=None, expected_speedup=round(float(calibration.get("expected_speedup") or 1.0), 4),
+        split=0.0, seed=0,
+    ).to_dict()

@@ -281,11 +281,27 @@ def _make_early_exit(context, **opts):
     if not tok.is_file():
         raise PassConfigError(f"early exit needs the model's tokenizer.json (looked at {tok}); pass --tokenizer")
     criterion = o.get("criterion") or "entropy"
+    if criterion not in ("entropy", "maxprob", "patience", "learned"):
+        raise PassConfigError(f"--criterion must be entropy, maxprob, patience or learned, got {criterion!r}")
+    from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence
+
+    try:
+        confidence = parse_confidence(o.get("confidence"))
+    except CalibrationError as e:
+        raise PassConfigError(str(e)) from None
     heads = o.get("heads") or "fitted"
     if heads not in ("fitted", "given"):
         raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
     if heads == "given":
         from dyncompile.passes.early_exit.wire_given_exit_heads import WireGivenExitHeadsPass
+
+        if criterion == "learned":
+            raise PassConfigError("--criterion learned needs fitted heads (--heads fitted); given heads support entropy, "
+                                  "maxprob and patience")
+        if confidence is not None and o.get("confidence") is not None:
+            raise PassConfigError("--heads given calibrates without a certificate: pass --confidence none")
+        logger.warning("early-exit with --heads given: thresholds are calibrated without a certificate (the budget "
+                       "holds on the calibration rows only)")
 
         wire = WireGivenExitHeadsPass(
             texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
@@ -311,6 +327,7 @@ def _make_early_exit(context, **opts):
         # after quantize-int8/int4 in the same pipeline, the budget is the total drop vs the compile input
         reference_model=context.model_path if budget_reference == "original" and context.model_path else None,
         progress=context.progress,
+        confidence=confidence,
     )
     return [fit, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
 
