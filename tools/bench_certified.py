@@ -99,6 +99,47 @@ def _decide(test_probs: np.ndarray, thresholds, criterion: str, policy) -> np.nd
     return fires.argmax(0)
 
 
+def batch1_runs(runners, texts, labels, *, rows: int | None = None, warmup: int = 5) -> dict[str, Any]:
+    """Batch 1 only: every row through every runner (order rotated per row), one process; the first
+    runner is the baseline. Same figures as ``bench_runners``' batch-1 pass."""
+    from tqdm.auto import tqdm
+
+    n = len(texts) if rows is None else min(rows, len(texts))
+    for r in runners:
+        for t in texts[:warmup]:
+            r.fn([t])
+    lat = {r.name: np.zeros(n) for r in runners}
+    pred = {r.name: np.zeros(n, np.int64) for r in runners}
+    layer = {r.name: np.zeros(n, np.int64) for r in runners}
+    order = list(range(len(runners)))
+    for i in tqdm(range(n), desc="batch 1", leave=False):
+        order = order[1:] + order[:1]
+        for j in order:
+            r = runners[j]
+            t0 = time.perf_counter()
+            p, e = r.fn([texts[i]])
+            lat[r.name][i] = time.perf_counter() - t0
+            pred[r.name][i] = int(np.asarray(p)[0].argmax())
+            layer[r.name][i] = -1 if e is None else int(np.asarray(e).reshape(-1)[0])
+    y = np.asarray(labels[:n])
+    base = runners[0].name
+    results = []
+    for r in runners:
+        b1 = {"rows": n, "accuracy": round(float((pred[r.name] == y).mean() * 100), 3),
+              "agreement": round(float((pred[r.name] == pred[base]).mean() * 100), 3),
+              "latency_ms_median": round(float(np.median(lat[r.name]) * 1e3), 3),
+              "latency_ms_p90": round(float(np.percentile(lat[r.name], 90) * 1e3), 3),
+              "latency_ms_mean": round(float(np.mean(lat[r.name]) * 1e3), 3)}
+        if (layer[r.name] >= 0).all():
+            b1["mean_exit_layer"] = round(float(layer[r.name].mean()), 3)
+            b1["exit_histogram"] = {str(k): int(v) for k, v in zip(*np.unique(layer[r.name], return_counts=True))}
+        results.append({"name": r.name, **r.info, "batch1": b1})
+    for row in results:
+        row["speedup_batch1_median"] = round(results[0]["batch1"]["latency_ms_median"] / row["batch1"]["latency_ms_median"], 3)
+        row["speedup_batch1_mean"] = round(results[0]["batch1"]["latency_ms_mean"] / row["batch1"]["latency_ms_mean"], 3)
+    return {"baseline": base, "batch_size": 1, "results": results}
+
+
 def bench_model(name: str, args, out: Path) -> dict:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
@@ -189,7 +230,10 @@ def bench_model(name: str, args, out: Path) -> dict:
     first = next(iter(loaded.values()))
     runners = [reference_runner("original", art.onnx_path, first, tag=None)]
     runners += [plan_runner(tag, m, tag=tag) for tag, m in loaded.items()]
-    report = bench_runners(runners, test_t, test_y, batch_size=32, batch1_rows=args.batch1_rows)
+    if args.batch32:
+        report = bench_runners(runners, test_t, test_y, batch_size=32, batch1_rows=args.batch1_rows)
+    else:
+        report = batch1_runs(runners, test_t, test_y, rows=args.batch1_rows)
     by_tag = {c["tag"]: c for c in configs}
     for r in report["results"][1:]:
         r["config"] = by_tag[r["tag"]]
@@ -226,7 +270,7 @@ def _markdown(reports: list[dict], machine: dict) -> str:
                 f"| {c['criterion']} | {c['confidence'] if c['confidence'] is not None else 'none'} | {c['budget']} | {cs} | "
                 f"{drop:+.2f} | {b1.get('agreement', float('nan')):.2f} | {b1.get('mean_exit_layer', '–')} | "
                 f"{b1['latency_ms_median']} ms | **{res['speedup_batch1_median']}x** | "
-                f"{res['speedup_batch32_throughput']}x |"
+                f"{res.get('speedup_batch32_throughput', '–')}x |"
             )
         for c in r["configs"]:
             if "error" in c:
@@ -243,6 +287,7 @@ def main(argv=None) -> int:
     p.add_argument("--confidences", default="0.9,none", help="comma-separated, 'none' = uncertified")
     p.add_argument("--criteria", default="entropy,learned")
     p.add_argument("--batch1-rows", type=int, default=None, help="rows in the batch-1 pass (default: all 1,500)")
+    p.add_argument("--batch32", action="store_true", help="also the batch-32 throughput pass (bench_runners)")
     p.add_argument("--features", default=None, help="cache directory for pooled features (NAME.npz)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="bench-results/early-exit-certified")
