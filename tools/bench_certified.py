@@ -175,6 +175,9 @@ def bench_model(name: str, args, out: Path) -> dict:
     fit = fit_exit_heads(cf, ct.astype(np.float32), cy, pooling="cls+mean")
     fit_s = time.perf_counter() - t0
     test_probs = np.stack([h.predict_proba(f) for h, f in zip(fit.heads, tf)] + [tt.astype(np.float32)])
+    if args.features:  # per-row arrays for offline reruns of the calibration (certify_exits needs nothing else)
+        np.savez(Path(args.features) / f"{name}-probs.npz", oof=fit.oof_probs, calib_teacher=ct, calib_y=cy,
+                 test_probs=test_probs, test_y=ty)
     full_pred = tt.argmax(1)
     full_acc = float((full_pred == ty).mean() * 100)
     layers_of = np.array(exits + [num_layers])
