@@ -3,6 +3,8 @@
 The last pass of a pipeline decides the emitter through the model's ``dyncompile.emitter`` metadata
 (default ``single``: one ONNX file run by one ``run_model`` step). Emitters are registered by name so
 that a pass module can add its own (e.g. the staged early-exit lowering writes several segment graphs).
+When no pass chose one, the rules registered with :func:`register_default_emitter` may pick one from the
+model itself (a KV-cache decoder gets the ``generate`` emitter of :mod:`dyncompile.passes.speculative`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,21 @@ from typing import Any
 
 import onnx_ir as ir
 
+from dyncompile.passes import _keys
 from dyncompile.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmitRequest", "PLAN_EMITTERS", "register_emitter", "emit_plan", "save_model", "io_signature"]
+__all__ = [
+    "DEFAULT_EMITTER_RULES",
+    "EmitRequest",
+    "PLAN_EMITTERS",
+    "emit_plan",
+    "io_signature",
+    "register_default_emitter",
+    "register_emitter",
+    "save_model",
+]
 
 #: Models larger than this are saved with their weights as ONNX external data.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -50,6 +62,16 @@ def register_emitter(name: str):
         return fn
 
     return deco
+
+
+#: ``(model, request) -> emitter name or None``, asked in order when no pass set ``dyncompile.emitter``
+DEFAULT_EMITTER_RULES: list[Callable[[ir.Model, EmitRequest], str | None]] = []
+
+
+def register_default_emitter(rule: Callable[[ir.Model, EmitRequest], str | None]):
+    """Register a rule choosing the emitter of a model no pass chose one for (the first non-None answer wins)."""
+    DEFAULT_EMITTER_RULES.append(rule)
+    return rule
 
 
 def _model_nbytes(model: ir.Model) -> int:
@@ -113,8 +135,8 @@ def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
     add_model_files(files, "model", save_model(model, req.out_dir, "model.onnx", "main"))
     tok = add_tokenizer(req, files)
     inputs, outputs = io_signature(model.graph)
-    policy = {k[len("dyncompile.policy.") :]: v for k, v in model.metadata_props.items() if k.startswith("dyncompile.policy.")}
-    if "dyncompile.early_exit" in model.metadata_props:
+    policy = {k[len(_keys.POLICY_PREFIX) :]: v for k, v in model.metadata_props.items() if k.startswith(_keys.POLICY_PREFIX)}
+    if _keys.EARLY_EXIT in model.metadata_props:
         policy["early_exit"] = early_exit_policy(model)
     return Plan(
         task=req.task,
@@ -133,12 +155,12 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
     """The early-exit decisions recorded by the passes, for the plan's ``policy`` (and ``inspect``)."""
     import json
 
-    meta = json.loads(model.metadata_props["dyncompile.early_exit"])
+    meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
     return (
         {k: meta[k] for k in ("criterion", "patience", "num_layers") if k in meta}
         | {
-            "lowering": model.metadata_props.get("dyncompile.early_exit.lowering"),
-            "lowering_choice": json.loads(model.metadata_props.get("dyncompile.early_exit.lowering_choice", "null")),
+            "lowering": model.metadata_props.get(_keys.EARLY_EXIT_LOWERING),
+            "lowering_choice": json.loads(model.metadata_props.get(_keys.EARLY_EXIT_LOWERING_CHOICE, "null")),
             "thresholds": {str(e["layer"]): e["threshold"] for e in meta["exits"]},
         }
         | {k: meta[k] for k in ("certificate", "calibration", "exit_stats", "fit", "exit_policy") if k in meta}
@@ -146,11 +168,9 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
 
 
 def emit_plan(model: ir.Model, req: EmitRequest) -> Plan:
-    name = model.metadata_props.get("dyncompile.emitter")
-    if name is None:  # a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
-        from dyncompile.passes.speculative.emit import is_kv_decoder
-
-        name = "generate" if req.task == "text-generation" and is_kv_decoder(model) else "single"
+    name = model.metadata_props.get(_keys.EMITTER)
+    if name is None:  # e.g. a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
+        name = next((n for rule in DEFAULT_EMITTER_RULES if (n := rule(model, req)) is not None), "single")
     if name not in PLAN_EMITTERS:
         raise ValueError(f"model asks for unknown plan emitter {name!r}; known: {', '.join(PLAN_EMITTERS)}")
     logger.debug("emitting plan with %r", name)

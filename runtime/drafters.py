@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dyncompile.runtime.generate import KVDecoder, probs_from_logits, sample_from
+from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 

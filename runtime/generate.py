@@ -1,4 +1,4 @@
-"""Autoregressive generation on a plan's decoder (batch 1): KV-cache bookkeeping, sampling, the ``generate`` step.
+"""Autoregressive generation on a plan's decoder (batch 1): the ``generate`` step and the Python API.
 
 A plan for a decoder names its ONNX file(s) and, in the step parameters, everything the runtime needs to
 drive them without looking at the graphs again (the runtime never re-derives what the compiler decided):
@@ -15,10 +15,11 @@ drive them without looking at the graphs again (the runtime never re-derives wha
 ``generation`` config: ``eos_token_ids``, ``bos_token_id``, ``max_length`` (positions the model supports),
 ``chat_template`` (optional).
 
-:class:`KVDecoder` keeps one decoder's cache as arrays (past tensors), feeds ``attention_mask`` /
-``position_ids`` for batch 1, and rolls back by slicing the past tensors to a length (a copy only
-when something is cut). The ``generate`` step (target-only plans) and the ``speculative_generate`` step
-(:mod:`dyncompile.runtime.speculative`) share it. ``CompiledModel.generate`` is the Python entry point.
+:class:`~dyncompile.runtime.kv_cache.KVDecoder` keeps one decoder's cache (:mod:`dyncompile.runtime.kv_cache`),
+:mod:`dyncompile.runtime.sampling` picks tokens from logits, :class:`~dyncompile.runtime.text.TextCodec`
+turns text into ids and back. The ``generate`` step (target-only plans) and the ``speculative_generate`` step
+(:mod:`dyncompile.runtime.speculative`) share them. :func:`generate` (``CompiledModel.generate``) is the
+Python entry point.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.errors import DataError, PlanError
+from dyncompile.errors import DataError
+from dyncompile.plan import STEP_SCHEMAS, DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (schema; re-exported)
 from dyncompile.runtime.executor import StepHandler, register_step
+from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
+from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.text import ChatTemplateError, TextCodec, render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +47,12 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "GenerateStep",
-    "KVDecoder",
+    "KVEntry",
     "PromptError",
+    "check_generation_args",
+    "decode_target_only",
     "generate",
-    "probs_from_logits",
-    "sample_from",
+    "prompt_ids_of",
 ]
 
 
@@ -54,291 +60,6 @@ class PromptError(DataError):
     """An empty prompt, a bad ``max_new_tokens``/``temperature``, or a prompt longer than the model allows."""
 
 
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float": np.float32, "FLOAT": np.float32,
-              "FLOAT16": np.float16, "bfloat16": np.float32}
-
-
-@dataclasses.dataclass
-class KVEntry:
-    past: str
-    present: str
-    axis: int = 2
-    shape: tuple[int, ...] = ()  # the fixed dims of the past tensor after batch, with the seq axis left out
-
-
-@dataclasses.dataclass
-class DecoderSpec:
-    """How to drive one KV-cache decoder graph (see the module docstring for the JSON form)."""
-
-    model: str
-    input_ids: str = "input_ids"
-    attention_mask: str | None = "attention_mask"
-    position_ids: str | None = "position_ids"
-    logits: str = "logits"
-    kv: list[KVEntry] = dataclasses.field(default_factory=list)
-    kv_dtype: str = "float32"
-
-    @classmethod
-    def from_params(cls, d: dict[str, Any], what: str = "decoder") -> DecoderSpec:
-        try:
-            kv = [KVEntry(e["past"], e["present"], int(e.get("axis", 2)), tuple(e.get("shape", ()))) for e in d["kv"]]
-            return cls(
-                model=d["model"],
-                input_ids=d.get("input_ids", "input_ids"),
-                attention_mask=d.get("attention_mask"),
-                position_ids=d.get("position_ids"),
-                logits=d.get("logits", "logits"),
-                kv=kv,
-                kv_dtype=d.get("kv_dtype", "float32"),
-            )
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"plan step: malformed {what} spec ({type(e).__name__}: {e}); recompile the model") from None
-
-    def to_params(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "input_ids": self.input_ids,
-            "attention_mask": self.attention_mask,
-            "position_ids": self.position_ids,
-            "logits": self.logits,
-            "kv": [{"past": e.past, "present": e.present, "axis": e.axis, "shape": list(e.shape)} for e in self.kv],
-            "kv_dtype": self.kv_dtype,
-        }
-
-
-@dataclasses.dataclass
-class GenerationConfig:
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    max_length: int | None = None
-    chat_template: str | None = None
-
-    @classmethod
-    def from_params(cls, d: dict[str, Any] | None) -> GenerationConfig:
-        d = d or {}
-        eos = d.get("eos_token_ids") or []
-        return cls(
-            eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])),
-            bos_token_id=d.get("bos_token_id"),
-            max_length=d.get("max_length"),
-            chat_template=d.get("chat_template"),
-        )
-
-
-class SessionTimer:
-    """Accumulates seconds spent inside ORT ``run`` calls, per model role."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def add(self, role: str, dt: float) -> None:
-        self.seconds[role] = self.seconds.get(role, 0.0) + dt
-        self.calls[role] = self.calls.get(role, 0) + 1
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-
-class KVDecoder:
-    """One decoder session plus its KV cache (batch 1).
-
-    ``forward(ids)`` runs the new tokens on top of the cache and returns their logits ``[n, vocab]``;
-    the cache grows by ``n``. ``truncate(length)`` rolls the cache back (rejected draft tokens).
-    ``adopt(arrays, length)`` installs past tensors computed elsewhere (a split drafter's first layers are
-    the target's first layers, so it takes the target's cache instead of recomputing it).
-
-    Rollback (``rollback=``):
-
-    * ``"mask"`` (default): rejected positions stay in the past tensors but get ``attention_mask = 0`` (their
-      attention weight is exactly zero) and later tokens take their positions through ``position_ids``; no
-      copy per rejection. The cache is compacted (one copy) once masked slots exceed a quarter of it. Logits
-      differ from a gap-free cache only in float rounding, like verifying several tokens per call does
-      (measured on SmolLM2: 3e-5 vs 2e-5 max abs logit difference).
-    * ``"copy"``: slice the past tensors to the kept length at once (a copy of the whole cache per rejected round).
-      Needs a model without ``attention_mask`` input too.
-
-    With ``io_binding=True`` the past tensors stay ORT values bound by ``IOBinding`` between calls instead
-    of numpy arrays passed to ``run``; both give the same numbers (``tools/bench_speculative.py --io-binding``
-    measures which is faster). On the CUDA EP the bound past/present tensors live in GPU memory (only the
-    logits come back to the host), so the cache is not copied across PCIe on every step.
-    """
-
-    def __init__(self, session, spec: DecoderSpec, *, role: str = "target", timer: SessionTimer | None = None,
-                 io_binding: bool = False, rollback: str = "mask") -> None:
-        self.session = session
-        self.spec = spec
-        self.role = role
-        self.timer = timer or SessionTimer()
-        self.io_binding = bool(io_binding)
-        providers = session.get_providers() if hasattr(session, "get_providers") else []
-        self.kv_device = "cuda" if providers and providers[0] == "CUDAExecutionProvider" else "cpu"
-        names = {i.name for i in session.get_inputs()}
-        outs = {o.name for o in session.get_outputs()}
-        missing = [n for n in [spec.input_ids, *(e.past for e in spec.kv)] if n not in names]
-        missing += [n for n in [spec.logits, *(e.present for e in spec.kv)] if n not in outs]
-        if missing:
-            raise PlanError(
-                f"the {role} model of the plan lacks {missing[:4]}{'…' if len(missing) > 4 else ''} named in the plan; "
-                "the plan and its ONNX files disagree — recompile"
-            )
-        self.mask_name = spec.attention_mask if spec.attention_mask in names else None
-        self.pos_name = spec.position_ids if spec.position_ids in names else None
-        self.output_names = [spec.logits, *(e.present for e in spec.kv)]
-        self.dtype = _NP_DTYPES.get(spec.kv_dtype, np.float32)
-        if rollback not in ("mask", "copy"):
-            raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
-        self.rollback = rollback if self.mask_name and self.pos_name else "copy"
-        self._mask = np.ones((1, 1024), np.int64)  # validity of each physical cache slot, then ones
-        self._arange = np.arange(1024, dtype=np.int64)[None]
-        self.past: list[Any] = []
-        self.length = 0  # tokens of the sequence held in the cache
-        self.slots = 0  # physical positions of the past tensors (>= length when some are masked)
-        self.compactions = 0
-        self.reset()
-
-    # --- cache -----------------------------------------------------------------------------------
-    def _empty(self, e: KVEntry) -> np.ndarray:
-        dims = list(e.shape)
-        dims.insert(e.axis - 1, 0)
-        return np.zeros([1, *dims], self.dtype)
-
-    def reset(self) -> None:
-        self.past = [self._empty(e) for e in self.spec.kv]
-        if self.io_binding:
-            self.past = [self._ortvalue(a) for a in self.past]
-        self.length = self.slots = 0
-        self._mask[:] = 1
-
-    def _ortvalue(self, a: np.ndarray):
-        import onnxruntime as ort
-
-        return ort.OrtValue.ortvalue_from_numpy(a, self.kv_device, 0)
-
-    def _arrays(self) -> list[np.ndarray]:
-        return [v.numpy() for v in self.past] if self.io_binding else list(self.past)
-
-    def _set_arrays(self, arrays: list[np.ndarray]) -> None:
-        self.past = [self._ortvalue(a) for a in arrays] if self.io_binding else arrays
-
-    def _keep(self, keep) -> None:
-        """Keep the physical slots ``keep`` (a slice or an index array) of every past tensor (one copy)."""
-        out = []
-        for a, e in zip(self._arrays(), self.spec.kv):
-            idx = [slice(None)] * a.ndim
-            idx[e.axis] = keep
-            out.append(np.ascontiguousarray(a[tuple(idx)]))
-        self._set_arrays(out)
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` tokens of the sequence in the cache (no-op when it holds no more)."""
-        drop = self.length - length
-        if drop <= 0:
-            return
-        if self.rollback == "copy" and self.slots == self.length:
-            self._keep(slice(0, length))
-            self.slots = self.length = length
-            return
-        # mask the newest ``drop`` valid slots (they are the last ones written)
-        valid = np.flatnonzero(self._mask[0, : self.slots])
-        self._mask[0, valid[-drop:]] = 0
-        self.length = length
-        garbage = self.slots - self.length
-        if self.rollback == "copy" or garbage > max(32, self.slots // 4):
-            self.compact()
-
-    def compact(self) -> None:
-        """Drop masked slots from the past tensors (one copy)."""
-        if self.slots == self.length:
-            return
-        keep = np.flatnonzero(self._mask[0, : self.slots])
-        self._keep(keep)
-        self.slots = self.length = len(keep)
-        self._mask[0, : self.slots] = 1
-        self._mask[0, self.slots :] = 1
-        self.compactions += 1
-
-    def adopt(self, other: KVDecoder, indices: Sequence[int]) -> None:
-        """Use ``other``'s past tensors ``indices`` (aligned with this decoder's kv entries) and its slot mask."""
-        self.past = [other.past[j] for j in indices]
-        self.length, self.slots = other.length, other.slots
-        self._grow(self.slots + 1)
-        self._mask[0, : self.slots] = other._mask[0, : self.slots]
-        self._mask[0, self.slots :] = 1
-
-    # --- running ---------------------------------------------------------------------------------
-    def _grow(self, total: int) -> None:
-        if total > self._mask.shape[1]:
-            size = max(2 * total, 2048)
-            mask = np.ones((1, size), np.int64)
-            mask[0, : self.slots] = self._mask[0, : self.slots]
-            self._mask = mask
-            self._arange = np.arange(size, dtype=np.int64)[None]
-
-    def _aux(self, n: int) -> dict[str, np.ndarray]:
-        total = self.slots + n
-        self._grow(total)
-        feeds = {}
-        if self.mask_name:
-            feeds[self.mask_name] = self._mask[:, :total]
-        if self.pos_name:
-            feeds[self.pos_name] = self._arange[:, self.length : self.length + n]
-        return feeds
-
-    def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Logits ``[len(ids), vocab]`` of the new tokens; the cache grows by ``len(ids)``."""
-        ids_arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        n = ids_arr.shape[1]
-        if self.io_binding:
-            io = self.session.io_binding()
-            io.bind_cpu_input(self.spec.input_ids, ids_arr)
-            for k, v in self._aux(n).items():
-                io.bind_cpu_input(k, np.ascontiguousarray(v))
-            for e, v in zip(self.spec.kv, self.past):
-                io.bind_ortvalue_input(e.past, v)
-            io.bind_output(self.output_names[0], "cpu")
-            for name in self.output_names[1:]:
-                io.bind_output(name, self.kv_device)
-            t0 = time.perf_counter()
-            self.session.run_with_iobinding(io)
-            self.timer.add(self.role, time.perf_counter() - t0)
-            outs = io.get_outputs()
-            logits = outs[0].numpy()[0]
-            self.past = list(outs[1:])
-        else:
-            feeds = {self.spec.input_ids: ids_arr, **self._aux(n)}
-            for e, a in zip(self.spec.kv, self.past):
-                feeds[e.past] = a
-            t0 = time.perf_counter()
-            outs = self.session.run(self.output_names, feeds)
-            self.timer.add(self.role, time.perf_counter() - t0)
-            logits = outs[0][0]
-            self.past = outs[1:]
-        self.length += n
-        self.slots += n
-        return logits
-
-
-# ------------------------------------------------------------------------------------------- sampling
-
-
-def probs_from_logits(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """Softmax of ``logits / temperature`` in float64 (rows sum to 1)."""
-    z = np.asarray(logits, dtype=np.float64) / float(temperature)
-    z = z - z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def sample_from(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One index drawn from the (possibly unnormalised, non-negative) weights ``p``."""
-    c = np.cumsum(p)
-    total = c[-1]
-    if not total > 0:
-        raise ValueError("cannot sample from an all-zero distribution")
-    i = int(np.searchsorted(c, rng.random() * total, side="right"))
-    return min(i, len(p) - 1)
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -441,34 +162,6 @@ def check_generation_args(max_new_tokens: Any, sample: bool, temperature: Any) -
     return int(max_new_tokens), t
 
 
-def render_chat(template: str | None, prompt: str) -> str:
-    if not template:
-        raise PromptError("this plan has no chat template (the model config had none); call without chat=True")
-    try:
-        import jinja2
-    except ImportError:  # pragma: no cover - jinja2 comes with torch/transformers
-        raise PromptError("chat=True needs jinja2 (pip install jinja2)") from None
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
-
-
-class TextCodec:
-    """The plan's tokenizer for generation: no truncation, no padding, the model's own special tokens."""
-
-    def __init__(self, path) -> None:
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(path))
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
 def prompt_ids_of(prompt: Any, codec: TextCodec | None, gen: GenerationConfig, *, chat: bool = False) -> list[int]:
     """Token ids of ``prompt`` (text, or a sequence of ids), with a clear error for an empty prompt."""
     if isinstance(prompt, str):
@@ -478,7 +171,10 @@ def prompt_ids_of(prompt: Any, codec: TextCodec | None, gen: GenerationConfig, *
             )
         if codec is None:
             raise PromptError("this plan has no tokenizer: pass the prompt as a list of token ids")
-        text = render_chat(gen.chat_template, prompt) if chat else prompt
+        try:
+            text = render_chat(gen.chat_template, prompt) if chat else prompt
+        except ChatTemplateError as e:
+            raise PromptError(str(e)) from None
         ids = codec.encode(text)
     else:
         try:
@@ -532,10 +228,6 @@ def decode_target_only(
     return out
 
 
-def plan_decoder_session(ctx, spec: DecoderSpec):
-    return ctx.session(spec.model)
-
-
 @register_step("generate")
 class GenerateStep(StepHandler):
     """Autoregressive generation with the plan's decoder alone (target-only plans).
@@ -546,12 +238,15 @@ class GenerateStep(StepHandler):
 
     def __init__(self, step, ctx) -> None:
         super().__init__(step, ctx)
-        self.target_spec = DecoderSpec.from_params(step.params.get("target") or {}, "target")
-        self.gen = GenerationConfig.from_params(step.params.get("generation"))
+        # params validated against the plan schema (plan.STEP_SCHEMAS) when the plan loaded
+        self.params = step.typed or STEP_SCHEMAS[step.kind](step.params, f"{step.kind} step")
+        self.target_spec = self.params.target
+        self.gen = self.params.generation
         self.timer = SessionTimer()
-        self.target = KVDecoder(plan_decoder_session(ctx, self.target_spec), self.target_spec, timer=self.timer,
-                                io_binding=bool(step.params.get("io_binding", False)),
-                                rollback=step.params.get("rollback", "mask"))
+        self.target = KVDecoder(ctx.session(self.target_spec.model), self.target_spec, timer=self.timer,
+                                io_binding=self.params.io_binding, rollback=self.params.rollback)
+        # the plan's tokenizer for prompts and generated text, read at load from the hash-checked bytes
+        self.codec: TextCodec | None = TextCodec.from_plan(ctx.plan)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
         sess = self.target.session
@@ -568,7 +263,7 @@ class GenerateStep(StepHandler):
                      rng: np.random.Generator, speculative: bool = True, **options) -> tuple[list[int], GenerationStats]:
         del speculative  # target-only
         io_binding = options.pop("io_binding", None)
-        self.target.io_binding = bool(self.step.params.get("io_binding", False) if io_binding is None else io_binding)
+        self.target.io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
         options.pop("rollback", None)  # nothing is ever rolled back without drafts
         if options:
             raise PromptError(f"unknown generation options for a target-only plan: {sorted(options)}")
@@ -622,10 +317,7 @@ def generate(
     """
     handler = _generation_handler(compiled)
     max_new_tokens, temperature = check_generation_args(max_new_tokens, sample, temperature)
-    codec = getattr(handler, "_codec", None)
-    if codec is None and compiled.plan.tokenizer:
-        codec = TextCodec(compiled.plan.path_of(compiled.plan.tokenizer["file"]))
-        handler._codec = codec
+    codec = handler.codec
     gen = handler.gen
     ids = prompt_ids_of(prompt, codec, gen, chat=chat)
     if gen.max_length is not None and len(ids) >= gen.max_length:

@@ -15,7 +15,8 @@ Draft length is adapted to the running acceptance rate ``alpha`` (decayed counts
 rejections) and to the costs: ``gamma = argmax E(gamma) / (gamma * c_draft + v(gamma+1))`` with
 ``E = (1 - alpha^(gamma+1)) / (1 - alpha)`` expected tokens per round, ``c_draft`` the drafter's cost per
 token relative to a target step and ``v(s)`` the target's cost for ``s`` tokens relative to one, both
-measured at compile time and recorded in the plan. The schedule then depends only on what was accepted,
+measured at compile time and recorded in the plan (the one cost model, shared with the passes'
+projections: :mod:`dyncompile.runtime.cost_model`). The schedule then depends only on what was accepted,
 so a seed reproduces a sampled output; ``adapt_to_timing=True`` uses this machine's timings measured online
 instead. Stops at an eos token, at ``max_new_tokens`` and at the model's maximum length (drafts are capped
 so no round overshoots).
@@ -28,6 +29,8 @@ Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generat
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import time
 from collections.abc import Sequence
@@ -35,18 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.errors import PlanError
+from dyncompile.runtime.cost_model import DEFAULT_VERIFY_SLOPE, best_draft_length, verify_cost
 from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from dyncompile.runtime.executor import register_step
-from dyncompile.runtime.generate import (
-    DecoderSpec,
-    GenerateStep,
-    GenerationStats,
-    KVDecoder,
-    PromptError,
-    probs_from_logits,
-    sample_from,
-)
+from dyncompile.runtime.generate import GenerateStep, GenerationStats, PromptError
+from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +98,7 @@ class DraftController:
         max_len: int = 8,
         adaptive: bool = True,
         alpha0: float = 0.6,
-        verify_slope: float = 0.1,
+        verify_slope: float = DEFAULT_VERIFY_SLOPE,
         draft_cost: float | None = None,
         decay: float = 0.9,
         probe_every: int = 8,
@@ -132,13 +129,7 @@ class DraftController:
 
     def _model_verify(self, s: int) -> float:
         """Cost of verifying ``s`` tokens relative to one, from the plan (measured at compile time) or the slope."""
-        if self.verify_cost and len(self.verify_cost) >= 2:
-            xs = np.array(sorted(self.verify_cost), float)
-            ys = np.array([self.verify_cost[int(x)] for x in xs])
-            if s <= xs[-1]:
-                return float(np.interp(s, xs, ys))
-            return float(ys[-1] + (s - xs[-1]) * (ys[-1] - ys[0]) / max(xs[-1] - xs[0], 1.0))
-        return 1.0 + self.verify_slope * (s - 1)
+        return verify_cost(s, self.verify_cost, self.verify_slope)
 
     def _t_verify(self, s: int) -> float | None:
         """Measured seconds to verify ``s`` tokens (timing mode), interpolated from what was seen."""
@@ -178,12 +169,9 @@ class DraftController:
 
             def tv(s):
                 return self._model_verify(s)
-        best, best_rate = 0, 1.0 / t1
-        for g in range(max(1, self.min_len), limit + 1):
-            expected = (1 - alpha ** (g + 1)) / (1 - alpha)
-            rate = expected / (g * td + tv(g + 1))
-            if rate > best_rate:
-                best, best_rate = g, rate
+        rate, best = best_draft_length(alpha, td, tv, range(max(1, self.min_len), limit + 1))
+        if not rate > 1.0 / t1:  # no draft length beats the target alone (one token per verification)
+            best = 0
         if best < self.min_len:
             best = min(self.min_len, limit)
         if best == 0:  # drafting does not pay now: probe once in a while so alpha can recover
@@ -209,57 +197,47 @@ class SpeculativeGenerateStep(GenerateStep):
     """Speculative decoding: the plan's drafter proposes, the target verifies (see the module docstring)."""
 
     def __init__(self, step, ctx) -> None:
-        super().__init__(step, ctx)
-        p = step.params
-        d = p.get("drafter") or {}
-        kind = d.get("kind")
-        self.draft_params = dict(p.get("draft") or {})
+        super().__init__(step, ctx)  # self.params: SpeculativeParams, validated at load
+        d = self.params.drafter
+        self.draft_policy = self.params.draft
         self.drafter: Drafter
-        if kind == "prompt-lookup":
-            self.drafter = PromptLookupDrafter(int(d.get("max_ngram", 3)), int(d.get("min_ngram", 1)))
-        elif kind == "model":
-            spec = DecoderSpec.from_params(d.get("decoder") or {}, "drafter")
+        if d.kind == "prompt-lookup":
+            self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
+        else:  # "model" (the schema admits no other kind, and checks decoder and share_kv)
             vocab = None
-            if d.get("vocab"):
-                vocab = np.load(ctx.plan.path_of(d["vocab"]), allow_pickle=False)
-            share = d.get("share_kv")
-            dec = KVDecoder(ctx.session(spec.model), spec, role="drafter", timer=self.timer,
-                            io_binding=bool(p.get("io_binding", False)), rollback=p.get("rollback", "mask"))
-            if share is not None and len(share) != len(spec.kv):
-                raise PlanError("plan step: drafter share_kv must list one target kv index per drafter kv entry")
-            self.drafter = ModelDrafter(dec, name=d.get("name", "external"), share_kv=share, vocab=vocab)
-        else:
-            raise PlanError(f"plan step speculative_generate: unknown drafter kind {kind!r} (known: model, prompt-lookup)")
+            if d.vocab:  # the bytes load_plan read and hash-checked
+                vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False)
+            dec = KVDecoder(ctx.session(d.decoder.model), d.decoder, role="drafter", timer=self.timer,
+                            io_binding=self.params.io_binding, rollback=self.params.rollback)
+            self.drafter = ModelDrafter(dec, name=d.name, share_kv=d.share_kv, vocab=vocab)
 
     def _controller(self, options: dict[str, Any]) -> DraftController:
         """The plan's draft policy, overridden by ``draft_length``/``min_draft``/``max_draft``/``adaptive``."""
-        dp = dict(self.draft_params)
+        dp = dataclasses.asdict(self.draft_policy)
         for opt, key in (("draft_length", "initial"), ("min_draft", "min"), ("max_draft", "max"),
                          ("adaptive", "adaptive"), ("adapt_to_timing", "timing")):
             if opt in options:
                 dp[key] = options.pop(opt)
-        initial = int(dp.get("initial", 4))
-        max_len = int(dp.get("max", 8))
-        if initial > max_len:
-            max_len = initial
+        initial = int(dp["initial"])
+        max_len = max(int(dp["max"]), initial)
         return DraftController(
             initial=initial,
-            min_len=int(dp.get("min", 1)),
+            min_len=int(dp["min"]),
             max_len=max_len,
-            adaptive=bool(dp.get("adaptive", True)),
-            alpha0=float(dp.get("alpha0", 0.6)),
-            verify_slope=float(dp.get("verify_slope", 0.1)),
-            draft_cost=dp.get("draft_cost"),
-            verify_cost=dp.get("verify_cost"),
-            timing=bool(dp.get("timing", False)),
+            adaptive=bool(dp["adaptive"]),
+            alpha0=float(dp["alpha0"]),
+            verify_slope=float(dp["verify_slope"]),
+            draft_cost=dp["draft_cost"],
+            verify_cost=dp["verify_cost"],
+            timing=bool(dp["timing"]),
         )
 
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
         # per-call runtime options (the plan's defaults otherwise)
         decoders = [self.target] + ([self.drafter.decoder] if isinstance(self.drafter, ModelDrafter) else [])
         io_binding = options.pop("io_binding", None)
-        io_binding = bool(self.step.params.get("io_binding", False) if io_binding is None else io_binding)
-        rollback = options.pop("rollback", None) or self.step.params.get("rollback", "mask")
+        io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
+        rollback = options.pop("rollback", None) or self.params.rollback
         if rollback not in ("mask", "copy"):
             raise PromptError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
         for d in decoders:

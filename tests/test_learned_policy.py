@@ -13,9 +13,9 @@ from helpers import ort_session, random_token_feeds, tolerance
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import InsertEarlyExitPass, run_pipeline
-from dyncompile.passes.early_exit.exit_heads import ExitHead
-from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, attach_exit_heads
+from dyncompile.passes.early_exit.attach_exit_heads import EARLY_EXIT_KEY, attach_exit_heads
 from dyncompile.passes.early_exit.graph import GraphBuilder
+from dyncompile.passes.early_exit.heads import ExitHead
 from dyncompile.passes.emit import EmitRequest, emit_plan
 from dyncompile.plan import save_plan
 from dyncompile.runtime.exit_policy import POLICY_FEATURES, ExitPolicy, policy_scores
@@ -43,13 +43,14 @@ def with_learned(thresholds: dict[int, float | None]) -> ir.Model:
         k: ExitHead("cls+mean", [(rng.standard_normal((512, 2)).astype(np.float32) * 0.3, np.zeros(2, np.float32), "none")])
         for k in EXITS
     }
+    policies = {
+        k: {"weights": POLICY[k][0], "bias": POLICY[k][1], "prev_head": f"exit_logits_{EXITS[i - 1]}" if i else None}
+        for i, k in enumerate(EXITS)
+    }
     attach_exit_heads(m, heads=heads, cuts=cuts, thresholds={k: thresholds.get(k) for k in EXITS}, num_layers=LAYERS,
-                      criterion="learned")
+                      criterion="learned", policies=policies)
     meta = json.loads(m.metadata_props[EARLY_EXIT_KEY])
-    for i, ex in enumerate(meta["exits"]):
-        w, b = POLICY[ex["layer"]]
-        ex["policy"] = {"weights": w, "bias": b, "prev_head": meta["exits"][i - 1]["head_output"] if i else None}
-    m.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
+    assert [e["policy"]["prev_head"] for e in meta["exits"]] == [None, "exit_logits_1", "exit_logits_2"]
     return m
 
 
@@ -65,6 +66,15 @@ def numpy_scores(heads) -> np.ndarray:
         prev = heads[f"exit_logits_{EXITS[i - 1]}"] if i else None
         out.append(policy_scores(heads[f"exit_logits_{k}"], prev, *POLICY[k]))
     return np.stack(out)
+
+
+def test_learned_criterion_needs_a_policy_per_exit():
+    m = tiny_encoder_classifier(num_layers=LAYERS)
+    lns = [n for n in m.graph if n.op_type == "LayerNormalization"]
+    head = ExitHead("cls", [(np.zeros((256, 2), np.float32), np.zeros(2, np.float32), "none")])
+    with pytest.raises(ir.passes.PreconditionError, match="needs a policy for every exit head"):
+        attach_exit_heads(m, heads={1: head}, cuts={1: lns[1].outputs[0].name}, thresholds={1: 0.0}, num_layers=LAYERS,
+                          criterion="learned")
 
 
 def test_onnx_score_matches_numpy_policy():

@@ -12,13 +12,17 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from helpers import assert_clean_error, run_cli
-from tiny_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
 
 import dyncompile
+import dyncompile.runtime.speculative as runtime_speculative
 from dyncompile.errors import DyncompileError, PassConfigError
+from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
 from dyncompile.passes.compiler import compile_model
-from dyncompile.passes.speculative.speculative import DrafterError, SpeculativePass
-from dyncompile.runtime.generate import GenerationConfig, PromptError
+from dyncompile.passes.speculative import DrafterError, SpeculativePass
+from dyncompile.passes.speculative.probe import weight_reads
+from dyncompile.plan import GenerationConfig
+from dyncompile.runtime.generate import PromptError
+from dyncompile.runtime.sampling import probs_from_logits, sample_from
 from dyncompile.runtime.speculative import DraftController
 
 VOCAB = 16
@@ -234,8 +238,6 @@ def sampling_plans(tmp_path_factory, provider):
 
 def _exact_joint(m, prompt, temperature):
     """The target's own distribution of new tokens 2 and 3 (marginalising token 1), by enumeration."""
-    from dyncompile.runtime.generate import probs_from_logits
-
     tgt = m.handlers[0].target
     tgt.reset()
     p1 = probs_from_logits(tgt.forward(prompt)[-1], temperature)
@@ -273,16 +275,13 @@ def test_speculative_sampling_reproduces_target_distribution(sampling_plans, whi
 
 def test_chi_square_detects_a_wrong_sampler(sampling_plans, monkeypatch):
     """Negative control: always accepting the drafts gives the drafter's distribution, which the test rejects."""
-    import dyncompile.runtime.speculative as spec
 
     def accept_all(p, drafts, qs, rng):
-        from dyncompile.runtime.generate import sample_from
-
         return len(drafts), sample_from(p[len(drafts)], rng)
 
     m = sampling_plans[0]
     expected = _exact_joint(m, [1, 2, 3, 4], 1.0)
-    monkeypatch.setattr(spec, "verify_sampling", accept_all)
+    monkeypatch.setattr(runtime_speculative, "verify_sampling", accept_all)
     counts, _, _ = _sample_joint(m, [1, 2, 3, 4], 1.0, 1500)
     assert chi_square_p(counts, expected) < 1e-6
 
@@ -319,8 +318,6 @@ def test_draft_controller_follows_acceptance():
 
 
 # ------------------------------------------------------------------------------------------- bad input
-
-
 
 
 @pytest.fixture()
@@ -420,10 +417,59 @@ def test_cli_run_prompt(plans, capsys):
     assert len(json.loads(out)["token_ids"]) == 3
 
 
+# ------------------------------------------------------------------------------------------- chat templates
+
+#: a chat template that runs a shell command when rendered by an unsandboxed Jinja2 environment (issue #9)
+ATTACK = '{{{{ cycler.__init__.__globals__.os.system("touch {}") }}}}'
+#: a normal template: the user's text, then the assistant prefix (here the word w9)
+CHAT = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %} w9{% endif %}"
+
+
+def _chat_plan(root, template):
+    d = write_decoder_dir(root, tiny_decoder(num_layers=1, vocab=VOCAB, seed=0), eos=EOS_UNUSED, chat_template=template)
+    write_word_tokenizer(root, VOCAB)
+    return compile_model(d, "speculative", root / "plan", drafter="prompt-lookup").plan_dir
+
+
+def test_chat_template_renders_in_a_sandbox(tmp_path, capsys):
+    """The plan's chat template is data: one that reaches Python internals is refused (the command never runs)
+    through the API and the CLI, one that is not Jinja2 is a clean error, and a normal one still renders."""
+    import jinja2
+
+    control = tmp_path / "control"
+    jinja2.Environment().from_string(ATTACK.format(control)).render()
+    assert control.exists()  # the payload is a real attack on an unsandboxed environment
+
+    marker = tmp_path / "pwned"
+    m = dyncompile.load(_chat_plan(tmp_path / "evil", ATTACK.format(marker)))
+    with pytest.raises(PromptError, match="chat template tried an unsafe operation"):
+        m.generate("w1 w2", max_new_tokens=2, chat=True)
+    rc, _, err = run_cli(capsys, "run", tmp_path / "evil" / "plan", "--prompt", "x", "--chat")
+    assert_clean_error(rc, err, "chat template", "unsafe", "trusted chat_template")
+    assert not marker.exists()
+    assert m.generate("w1 w2", max_new_tokens=2).prompt_ids == [1, 2]  # without chat the plan works
+
+    broken = dyncompile.load(_chat_plan(tmp_path / "broken", "{% for m in messages %}{{ m.content }}"))
+    with pytest.raises(PromptError, match="not valid Jinja2"):
+        broken.generate("w1", max_new_tokens=2, chat=True)
+
+    good = dyncompile.load(_chat_plan(tmp_path / "good", CHAT))
+    res = good.generate("w1 w2", max_new_tokens=3, chat=True)
+    assert res.prompt_ids == [1, 2, 9]
+    assert res.token_ids == good.generate([1, 2, 9], max_new_tokens=3).token_ids
+
+
 # ------------------------------------------------------------------------------------------- pass contract
 
 
-def test_speculative_pass_is_idempotent_and_leaves_the_graph(tiny):
+def test_speculative_pass_is_idempotent_and_leaves_the_graph(tiny, monkeypatch):
+    """With its defaults (costs timed on this machine) a second run on its own output changes nothing and times
+    nothing; another policy is a change, another graph is timed afresh."""
+    import dyncompile.passes.speculative.speculative as spec_pass
+
+    timed = []
+    real = spec_pass.target_verify_costs
+    monkeypatch.setattr(spec_pass, "target_verify_costs", lambda m, s: timed.append(m) or real(m, s))
     model = ir.load(str(tiny["target"]))
 
     def body(m):
@@ -431,20 +477,28 @@ def test_speculative_pass_is_idempotent_and_leaves_the_graph(tiny):
                 for n in m.graph] + [v.name for v in m.graph.outputs]
 
     before = body(model)
-    p = SpeculativePass("prompt-lookup", generation={"eos_token_ids": [EOS_UNUSED]}, measure=False)
+    p = SpeculativePass("prompt-lookup", generation={"eos_token_ids": [EOS_UNUSED]})
+    assert p.measure
     assert p(model).modified
+    record = model.metadata_props["dyncompile.speculative"]
+    assert "verify_cost" in json.loads(record)["draft"]
     assert not p(model).modified
+    assert model.metadata_props["dyncompile.speculative"] == record and len(timed) == 1
     assert body(model) == before  # only metadata changed
     assert model.metadata_props["dyncompile.emitter"] == "speculative"
     assert "SpeculativePass(drafter='prompt-lookup'" in repr(p)
+    # a different draft policy is a different record (the graph's timings are kept: they do not depend on it)
+    assert SpeculativePass("prompt-lookup", draft_length=2, generation={"eos_token_ids": [EOS_UNUSED]})(model).modified
+    assert len(timed) == 1
+    # the same target loaded again has no timings in memory: timed afresh
+    fresh = ir.load(str(tiny["target"]))
+    assert p(fresh).modified and len(timed) == 2
 
 
 def test_int4_drafter_from_an_external_data_model_is_costed_in_bytes(tmp_path, monkeypatch):
     """quantize-int4 reads a decoder saved with external data from any working directory, the result is a
     valid drafter, and the plan's drafter-cost prior counts the packed int4 bytes (an fp32 element count
     would call the int4 drafter almost free)."""
-    from dyncompile.passes.speculative.split_drafter import weight_reads
-
     src = tmp_path / "big"
     src.mkdir()
     model = tiny_decoder(num_layers=2, vocab=VOCAB, hidden=64, seed=3)
@@ -457,12 +511,18 @@ def test_int4_drafter_from_an_external_data_model_is_costed_in_bytes(tmp_path, m
     fp32, int4 = ir.load(src / "model.onnx"), ir.load(q / "model.onnx")
     assert any(n.op_type == "MatMulNBits" for n in int4.graph)
     ratio = weight_reads(int4) / weight_reads(fp32)
-    assert 0.1 < ratio < 0.35, ratio  # 4 bits + block scales vs 32 bits
+    assert 4 / 32 <= ratio <= 5.25 / 32, ratio  # 4 bits + a float32 scale per 32 weights (+ zero points) vs 32 bits
     target = write_decoder_dir(tmp_path / "t", tiny_decoder(num_layers=3, vocab=VOCAB, hidden=64, seed=0), eos=EOS_UNUSED)
     write_word_tokenizer(tmp_path / "t", VOCAB)
     unmeasured = compile_model(target, "speculative{measure=false}", tmp_path / "spec0", drafter=str(q / "model.onnx"))
     draft = json.loads((unmeasured.plan_dir / "plan.json").read_text())["policy"]["speculative"]["draft"]
-    assert draft["draft_cost_source"] == "weight bytes" and 0.02 < draft["draft_cost"] < 0.5, draft
+    assert draft["draft_cost_source"] == "weight bytes", draft
+    # the matrices a step reads: 6 hidden x hidden per layer + the LM head (hidden x vocab); the int4 drafter
+    # (2 layers) stores 4 bits per weight + a float32 scale per 32-weight block (+ at most a 4-bit zero point
+    # per block): 4 to 5.25 bits, against 32 bits per weight of the 3-layer fp32 target
+    drafter_weights, target_weights = 2 * 6 * 64 * 64 + 64 * VOCAB, 3 * 6 * 64 * 64 + 64 * VOCAB
+    lo, hi = (bits * drafter_weights / (32 * target_weights) for bits in (4.0, 5.25))
+    assert lo - 1e-4 <= draft["draft_cost"] <= hi + 1e-4, (draft, lo, hi)
     plan = compile_model(target, "speculative", tmp_path / "spec", drafter=str(q / "model.onnx")).plan_dir
     draft = json.loads((plan / "plan.json").read_text())["policy"]["speculative"]["draft"]
     assert draft["draft_cost_source"].startswith("measured") and draft["draft_cost"] > 0, draft
@@ -507,7 +567,8 @@ def test_int8_compute_target_refused_through_cli(tiny, tmp_path, capsys):
 
 
 def test_split_drafter_after_quantization_says_to_reorder(tiny, tmp_path):
-    with pytest.raises(DrafterError, match="before the quantize pass"):
+    # the registry's order constraint (split-drafter before=quantize-*) fires before the model loads
+    with pytest.raises(PassConfigError, match="'split-drafter' must come before 'quantize-int4'"):
         compile_model(tiny["target"], "quantize-int4{accuracy_level=0},split-drafter{layers=1,min_speedup=0},speculative",
                       tmp_path / "o", calib=str(tiny["calib"]))
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 import dyncompile
+from dyncompile.errors import DyncompileError
+from dyncompile.models import build_model
 from dyncompile.passes.compiler import compile_model
 
 pytestmark = pytest.mark.slow
@@ -22,10 +24,6 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def _build(name):
-    from dyncompile.models import build_model, list_models
-
-    if name not in {r.name for r in list_models()}:
-        pytest.skip(f"no recipe {name!r} in dyncompile.models yet")
     return build_model(name, progress=False)
 
 
@@ -56,8 +54,6 @@ def test_qwen_pair_greedy_token_identical(qwen_plan):
 
 def test_drafter_with_another_tokenizer_is_refused(tmp_path):
     """A real mismatched pair: Qwen2.5-Coder-0.5B (151,936 tokens) as drafter for SmolLM2-135M (49,152)."""
-    from dyncompile.errors import DyncompileError
-
     smol, draft = _build("smollm2-135m"), _build(DRAFT)
     with pytest.raises(DyncompileError, match="tokenizer mismatch.*49152 tokens.*151936"):
         compile_model(smol.onnx_path, "speculative", tmp_path / "bad", drafter=str(draft.onnx_path), progress=False)

@@ -7,25 +7,31 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from helpers import ort_session
-from tiny_decoder import tiny_decoder
 
-from dyncompile.passes._infra import check_model, run_pipeline
+from dyncompile.models.synthetic_decoder import tiny_decoder
+from dyncompile.passes import run_pipeline
 from dyncompile.passes.analysis.layers import analyze_model
-from dyncompile.passes.speculative.speculative import DrafterError
+from dyncompile.passes.speculative import DrafterError
 from dyncompile.passes.speculative.split_drafter import (
     SPLIT_DRAFTER_KEY,
     SPLIT_DRAFTER_META,
     VOCAB_META,
     SplitDrafterPass,
-    projected_speedup,
     trim_lm_head,
 )
+from dyncompile.runtime.cost_model import projected_speedup
 
 L, VOCAB, HIDDEN = 4, 64, 256
 RTOL, ATOL = 1e-4, 1e-4
+
+
+def check_model(model: ir.Model) -> None:
+    """The ONNX checker with full_check (shape inference included) on an in-memory model."""
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
 
 
 def _calib(n=900, seed=0):
@@ -156,8 +162,13 @@ def test_choose_k_and_refuse():
     assert [c["layers"] for c in rec["candidates"]] == [1, 2, 3]
     best = max(rec["candidates"], key=lambda c: c["projected_speedup"])
     assert rec["layers"] == best["layers"] and rec["projected_speedup"] == best["projected_speedup"]
+    verify = {int(s): v for s, v in rec["verify_cost"].items()}
+    assert sorted(verify) == [1, 2, 4, 9] and verify[1] == 1.0  # max_draft 8: up to 9 tokens per verification
     for c in rec["candidates"]:
         assert 0 <= c["acceptance"] <= 1 and 0 < c["draft_cost"] < 1 and c["draft_length"] >= 1
+        # each candidate is projected with the runtime's cost model (from its rounded numbers: 1e-3)
+        speed, g = projected_speedup(c["acceptance"], c["draft_cost"], verify, 8)
+        assert c["projected_speedup"] == pytest.approx(speed, rel=1e-3) and c["draft_length"] == g, c
     # the same numbers with the default threshold of 1x: a random tiny model never pays -> a clear refusal
     with pytest.raises(DrafterError, match=r"split-drafter refuses: the best projected speedup is .*x < 50.*layers=K"):
         SplitDrafterPass(_calib(), min_speedup=50.0, progress=False)(tiny_decoder(num_layers=L, vocab=VOCAB, seed=0))
@@ -166,11 +177,3 @@ def test_choose_k_and_refuse():
 def test_too_little_calibration_text():
     with pytest.raises(DrafterError, match="calibration text has 20 tokens"):
         SplitDrafterPass([list(range(20))], layers=1, progress=False)(tiny_decoder(num_layers=L, vocab=VOCAB))
-
-
-def test_projected_speedup_model():
-    verify = {1: 1.0, 2: 1.1, 4: 1.3, 9: 1.8}
-    s_good, g_good = projected_speedup(0.9, 0.05, verify, 8)
-    s_bad, g_bad = projected_speedup(0.1, 0.3, verify, 8)
-    assert s_good > 2 and g_good >= 4
-    assert s_bad < 1 and g_bad == 1

@@ -18,7 +18,6 @@ only fits, certifies and measures.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -29,25 +28,6 @@ import numpy as np
 import onnx_ir as ir
 
 logger = logging.getLogger(__name__)
-
-
-class RecordExitPolicyPass(ir.passes.InPlacePass):
-    """Write a learned policy's per-exit weights into the ``dyncompile.early_exit`` metadata (bench only)."""
-
-    def __init__(self, per_exit: dict[int, dict[str, Any]]) -> None:
-        super().__init__()
-        self.per_exit = per_exit
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY
-
-        meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
-        if all("policy" in e for e in meta["exits"]):
-            return ir.passes.PassResult(model, modified=False)
-        for e in meta["exits"]:
-            e["policy"] = self.per_exit[e["layer"]]
-        model.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
-        return ir.passes.PassResult(model, modified=True)
 
 
 def _features(name: str, art, data_dir: Path, cache: Path | None) -> dict[str, Any]:
@@ -86,17 +66,11 @@ def _features(name: str, art, data_dir: Path, cache: Path | None) -> dict[str, A
 
 
 def _decide(test_probs: np.ndarray, thresholds, criterion: str, policy) -> np.ndarray:
-    from dyncompile.passes.early_exit.exit_heads import exit_scores
+    from dyncompile.runtime.exit_rule import confidence_thresholds, exit_scores, first_exit
 
-    if criterion == "learned":
-        scores = policy.scores(test_probs)
-        tc = np.array([np.inf if t is None else t for t in thresholds])
-    else:
-        scores = exit_scores(test_probs, criterion)
-        tc = np.array([np.inf if t is None else (-t if criterion == "entropy" else t) for t in thresholds])
-    fires = scores > tc[:, None]
-    fires[-1] = True
-    return fires.argmax(0)
+    scores = exit_scores(test_probs, criterion, 2, policy)
+    tc = confidence_thresholds(thresholds, "maxprob" if criterion == "learned" else criterion)  # learned: as is
+    return first_exit(scores, tc)
 
 
 def batch1_runs(runners, texts, labels, *, rows: int | None = None, warmup: int = 5) -> dict[str, Any]:
@@ -146,24 +120,21 @@ def bench_model(name: str, args, out: Path) -> dict:
     from dyncompile.models import build_model
     from dyncompile.passes import InsertEarlyExitPass
     from dyncompile.passes.early_exit import AttachExitHeadsPass
+    from dyncompile.passes.early_exit.calibrate import calibrate_exits
     from dyncompile.passes.early_exit.certify import (
         CertificationError,
         certified_calibration,
         policy_metadata,
         uncertified_certificate,
     )
-    from dyncompile.passes.early_exit.exit_heads import fit_exit_heads
-    from dyncompile.passes.early_exit.fit_exit_heads import calibrate_exits, exits_to_keep
-
-    try:
-        from dyncompile.tools._bench_common import (
-            BENCH_SESSION_CONFIG,
-            bench_runners,
-            plan_runner,
-            reference_runner,
-        )
-    except ImportError:  # before the early-exit restructuring
-        from dyncompile.tools.bench import BENCH_SESSION_CONFIG, bench_runners, plan_runner, reference_runner
+    from dyncompile.passes.early_exit.fit import fit_exit_heads
+    from dyncompile.passes.early_exit.fit_exit_heads import exits_to_keep
+    from dyncompile.tools._bench_common import (
+        BENCH_SESSION_CONFIG,
+        bench_runners,
+        plan_runner,
+        reference_runner,
+    )
 
     art = build_model(name)
     data_dir = Path(args.data_dir)
@@ -220,9 +191,8 @@ def bench_model(name: str, args, out: Path) -> dict:
                 keep = exits_to_keep(thr, "patience" if learned else crit, 2)
                 passes = [AttachExitHeadsPass({exits[j]: fit.heads[j] for j in keep}, {exits[j]: cuts[exits[j]] for j in keep},
                                               {exits[j]: thr[j] for j in keep}, num_layers, crit,
-                                              extra={"certificate": cert, "calibration": record}) ]
-                if learned:
-                    passes.append(RecordExitPolicyPass(policy_metadata(policy, exits, keep)))
+                                              extra={"certificate": cert, "calibration": record},
+                                              policies=policy_metadata(policy, exits, keep) if learned else None)]
                 passes.append(InsertEarlyExitPass("if", provider="cpu", reason="bench: batch 1 on the CPU EP"))
                 plans[tag] = dyncompile.compile(art.onnx_path, passes, out / "plans" / f"{name}-{tag}", force=True,
                                                 progress=False).plan_dir
@@ -302,10 +272,7 @@ def main(argv=None) -> int:
     args.confidences = [None if x.strip().lower() == "none" else float(x) for x in args.confidences.split(",")]
     args.criteria = args.criteria.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        from dyncompile.tools._bench_common import load_avg, machine_info
-    except ImportError:
-        from dyncompile.tools.bench import load_avg, machine_info
+    from dyncompile.tools._bench_common import load_avg, machine_info
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

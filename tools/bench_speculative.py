@@ -9,23 +9,17 @@ Optionally the PyTorch peers a user would pick instead run in the same rotation 
 transformers ``generate``; with ``prompt_lookup_num_tokens`` for prompt-lookup plans, ``assistant_model=``
 with ``--torch-assistant HF_DIR``, or ``assistant_early_exit=k`` for split-drafter plans).
 
-``python -m dyncompile.tools.bench_speculative prompts --out DIR`` writes the prompt sets from real text
-available offline: ``code.jsonl`` (code completion: a Python standard-library file cut after a function's
-signature and docstring) and ``grounded.jsonl`` (a passage or function given in the prompt, then asked to be
-repeated, corrected, edited or mined; chat template on).
-
 Prompt files are JSONL with ``prompt`` (or ``text``) and optional ``chat`` (bool), ``kind``, ``id``,
-``max_new_tokens``.
+``max_new_tokens``; :mod:`dyncompile.tools.prompt_sets` writes them from real text available offline
+(``python -m dyncompile.tools.prompt_sets --out DIR``; ``python -m dyncompile.tools.bench_speculative prompts``
+still works).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import re
-import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,174 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from dyncompile.runtime.generate import prompt_ids_of
+from dyncompile.tools._bench_common import BENCH_SESSION_CONFIG, machine_info
+from dyncompile.tools.prompt_sets import read_prompts
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_prompt_sets", "format_generation", "main", "markdown_report", "run_bench"]
-
-BENCH_SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
-
-
-def format_generation(res) -> str:
-    """The CLI's view of a :class:`~dyncompile.runtime.generate.GenerationResult`."""
-    s = res.stats
-    parts = [f"{s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tokens/s)",
-             f"{s.target_calls} target calls ({s.tokens_per_target_call:.2f} tokens/call)"]
-    if s.drafter:
-        acc = s.acceptance_rate
-        parts.append(f"drafter {s.drafter}: acceptance {acc:.2f}" if acc is not None else f"drafter {s.drafter}: no drafts")
-    parts.append(f"stop: {s.stop_reason}")
-    text = res.text if res.text is not None else " ".join(map(str, res.token_ids))
-    return text + "\n--\n" + ", ".join(parts)
-
-
-# ------------------------------------------------------------------------------------------- prompt sets
-
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-#: files whose functions become code-completion prompts (calibrate split drafters on *other* files)
-CODE_FILES = ("bisect.py", "heapq.py", "textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "base64.py",
-              "csv.py", "calendar.py", "statistics.py", "difflib.py", "ipaddress.py")
-GROUNDED_DOC_FILES = ("json/__init__.py", "argparse.py", "textwrap.py", "string.py", "heapq.py", "csv.py",
-                      "shlex.py", "difflib.py", "calendar.py", "fractions.py")
-
-
-def _functions(src: str) -> list[tuple[int, int, str]]:
-    """(start, end of docstring line, name) of top-level/method defs with a docstring."""
-    out = []
-    for m in re.finditer(r"^( *)def (\w+)\(.*?\):\n(\1    )(\"\"\"|''')", src, re.M | re.S):
-        start = m.start()
-        q = m.group(4)
-        close = src.find(q, m.end())
-        if close < 0:
-            continue
-        line_end = src.find("\n", close) + 1
-        if 0 < line_end - start < 1200:
-            out.append((start, line_end, m.group(2)))
-    return out
-
-
-def _function_source(src: str, start: int, max_lines: int = 40) -> str | None:
-    """The whole def starting at ``start`` (up to the next line indented no deeper), or None if longer."""
-    lines = src[start:].split("\n")
-    indent = len(lines[0]) - len(lines[0].lstrip())
-    out = [lines[0]]
-    for line in lines[1:]:
-        if line.strip() and len(line) - len(line.lstrip()) <= indent:
-            break
-        out.append(line)
-        if len(out) > max_lines:
-            return None
-    text = "\n".join(out).rstrip()
-    return "\n".join(line[indent:] for line in text.split("\n"))
-
-
-def _code_prompts(n: int, context_chars: int = 1500) -> list[dict[str, Any]]:
-    rows = []
-    for fname in CODE_FILES:
-        path = STDLIB / fname
-        if not path.is_file():
-            continue
-        src = path.read_text(encoding="utf-8")
-        funcs = [f for f in _functions(src) if f[0] > context_chars]
-        if not funcs:
-            continue
-        start, end, name = funcs[len(funcs) // 2]
-        begin = src.rfind("\n", 0, start - context_chars) + 1
-        rows.append({"id": f"code:{fname}:{name}", "kind": "code", "chat": False, "prompt": src[begin:end]})
-        if len(rows) >= n:
-            break
-    return rows
-
-
-def _typos(text: str, rng: np.random.Generator, every: int = 9) -> str:
-    words = text.split(" ")
-    for i in range(3, len(words), every):
-        w = words[i]
-        if len(w) > 4 and w.isalpha():
-            j = int(rng.integers(1, len(w) - 2))
-            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2 :]
-    return " ".join(words)
-
-
-def _grounded_prompts(n: int) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(0)
-    rows = []
-    docs = []
-    for fname in GROUNDED_DOC_FILES:
-        path = STDLIB / fname
-        if not path.is_file():
-            continue
-        src = path.read_text(encoding="utf-8")
-        m = re.search(r'^(?:r?"""|\'\'\')(.*?)(?:"""|\'\'\')', src, re.S | re.M)
-        if m and len(m.group(1).strip()) > 300:
-            docs.append((fname, m.group(1).strip()[:700]))
-    funcs = []
-    for fname in CODE_FILES[::-1]:
-        path = STDLIB / fname
-        if path.is_file():
-            src = path.read_text(encoding="utf-8")
-            for s, _, name in _functions(src):
-                body = _function_source(src, s)
-                if body is not None:
-                    funcs.append((fname, name, body))
-                    break
-    tasks = []
-    for i, (fname, doc) in enumerate(docs):
-        if i % 2 == 0:
-            tasks.append((f"repeat:{fname}", f"Repeat the following text exactly.\n\n{doc}"))
-        else:
-            tasks.append((f"typos:{fname}", "Correct the spelling mistakes in the following text and write out the "
-                          f"corrected text in full.\n\n{_typos(doc, rng)}"))
-    for i, (fname, name, body) in enumerate(funcs):
-        if i % 2 == 0:
-            tasks.append((f"hints:{fname}:{name}", "Rewrite the following Python function, adding type hints. Keep "
-                          f"everything else exactly the same.\n\n```python\n{body}\n```"))
-        else:
-            tasks.append((f"rename:{fname}:{name}", f"Rewrite the following Python function, renaming `{name}` to "
-                          f"`{name}_v2`. Keep everything else exactly the same.\n\n```python\n{body}\n```"))
-    order = [t for pair in zip(tasks[: len(docs)], tasks[len(docs) :]) for t in pair] + tasks[2 * min(len(docs), len(funcs)) :]
-    for tid, prompt in order[:n]:
-        rows.append({"id": tid, "kind": "grounded", "chat": True, "prompt": prompt})
-    return rows
-
-
-def build_prompt_sets(out_dir: str | Path, n_code: int = 8, n_grounded: int = 8) -> dict[str, Path]:
-    """Write ``code.jsonl`` and ``grounded.jsonl`` (and ``all.jsonl``) into ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sets = {"code": _code_prompts(n_code), "grounded": _grounded_prompts(n_grounded)}
-    sets["all"] = sets["code"] + sets["grounded"]
-    paths = {}
-    for name, rows in sets.items():
-        p = out / f"{name}.jsonl"
-        p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        paths[name] = p
-    return paths
-
-
-def read_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    from dyncompile.errors import DataError
-
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"prompts file not found: {p} (make one with `python -m dyncompile.tools.bench_speculative prompts`)")
-    rows = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-        text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{p}:{lineno}: each line needs a non-empty string field 'prompt' (or 'text')")
-        rows.append({"id": row.get("id", f"{p.stem}:{lineno}"), "kind": row.get("kind", p.stem),
-                     "chat": bool(row.get("chat", False)), "prompt": text, "max_new_tokens": row.get("max_new_tokens")})
-        if limit is not None and len(rows) >= limit:
-            break
-    if not rows:
-        raise DataError(f"{p} holds no prompts")
-    return rows
+__all__ = ["main", "markdown_report", "plan_runners", "run_bench", "torch_runners"]
 
 
 # ------------------------------------------------------------------------------------------- runners
@@ -302,11 +135,8 @@ def run_bench(model, prompts: list[dict[str, Any]], runners: list[Runner], *, ma
     """Every prompt through every runner (rotating order); the first runner is the baseline."""
     from tqdm.auto import tqdm
 
-    from dyncompile.runtime.generate import TextCodec, prompt_ids_of
-
-    codec = TextCodec(model.plan.path_of(model.plan.tokenizer["file"])) if model.plan.tokenizer else None
-    gen = model.handlers[-1].gen
-    encoded = [prompt_ids_of(p["prompt"], codec, gen, chat=p["chat"]) for p in prompts]
+    handler = model.handlers[-1]  # the generate / speculative_generate step: its tokenizer and chat template
+    encoded = [prompt_ids_of(p["prompt"], handler.codec, handler.gen, chat=p["chat"]) for p in prompts]
     skipped = {}
     for r in list(runners):  # warm-up: sessions, allocators, torch kernels
         try:
@@ -445,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     import dyncompile
     from dyncompile.errors import DataError
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools.bench import machine_info
 
     if args.max_new_tokens <= 0:
         raise DataError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -476,22 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prompts_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_speculative prompts",
-                                description="Write code.jsonl / grounded.jsonl / all.jsonl prompt sets.")
-    p.add_argument("--out", required=True)
-    p.add_argument("--code", type=int, default=8)
-    p.add_argument("--grounded", type=int, default=8)
-    args = p.parse_args(argv)
-    for name, path in build_prompt_sets(args.out, args.code, args.grounded).items():
-        print(f"{name}: {path}")
-    return 0
-
-
 if __name__ == "__main__":
     import sys
 
     argv = sys.argv[1:]
-    if argv and argv[0] == "prompts":
-        sys.exit(_prompts_main(argv[1:]))
+    if argv and argv[0] == "prompts":  # the prompt-set writer's old home
+        from dyncompile.tools.prompt_sets import main as prompts_main
+
+        sys.exit(prompts_main(argv[1:]))
     sys.exit(main(argv))

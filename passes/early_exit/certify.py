@@ -58,8 +58,10 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.passes.early_exit.exit_heads import CalibrationError, _Cascade, exit_scores
+from dyncompile.passes.early_exit.calibrate import _Cascade
+from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.runtime.exit_policy import POLICY_FEATURES, ExitPolicy, policy_features
+from dyncompile.runtime.exit_rule import exit_scores, first_exit, thresholds_from_confidence
 
 __all__ = [
     "CERTIFICATE_FORMAT",
@@ -226,10 +228,7 @@ def exit_losses(exit_probs: np.ndarray, reference_pred: np.ndarray, labels: np.n
     return (pred != y[None, :]).astype(np.float64) - (ref != y).astype(np.float64)[None, :]
 
 
-def _first_exit(scores: np.ndarray, tc: np.ndarray) -> np.ndarray:
-    fires = scores > tc[:, None]
-    fires[-1] = True
-    return fires.argmax(axis=0)
+_first_exit = first_exit
 
 
 def smooth_risk(policy: ExitPolicy, exit_probs: np.ndarray, losses: np.ndarray) -> np.ndarray:
@@ -535,15 +534,10 @@ def certify_scores(
 
 
 def _to_criterion_thresholds(tc: np.ndarray, criterion: str, n_classes: int) -> list[float | None]:
-    out: list[float | None] = []
-    for e, t in enumerate(tc):
-        if e == len(tc) - 1 or t == np.inf:
-            out.append(None)
-        elif t == -np.inf:
-            out.append({"entropy": math.log(n_classes) + 1.0, "learned": LEARNED_ALWAYS}.get(criterion, 0.0))
-        else:
-            out.append(float(-t) if criterion == "entropy" else float(t))
-    return out
+    if criterion != "learned":
+        return thresholds_from_confidence(tc, criterion, n_classes)
+    return [None if (e == len(tc) - 1 or t == np.inf) else (LEARNED_ALWAYS if t == -np.inf else float(t))
+            for e, t in enumerate(tc)]
 
 
 def certify_exits(

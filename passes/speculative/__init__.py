@@ -1,12 +1,34 @@
 """Speculative decoding: a drafter proposes tokens, the target verifies them in one call (lossless).
 
-* ``speculative`` — :class:`SpeculativePass` (external / prompt-lookup / split drafter; measures costs);
-* ``split_drafter`` — :class:`SplitDrafterPass` (a drafter from the target's first k layers);
-* ``emit`` — the generate / speculative plan emitters.
+Modules, in import order (each imports only those above it):
+
+* ``decoder_spec`` — how the runtime drives a KV-cache decoder, its generation config, the tokenizer check;
+* ``probe`` — ORT sessions on in-memory models and the timings that go into a plan;
+* ``split_drafter`` — :class:`SplitDrafterPass` (a drafter from the target's first k layers) and its graph surgery;
+* ``speculative`` — :class:`SpeculativePass` (external / prompt-lookup / split drafter);
+* ``emit`` — the ``generate`` / ``speculative`` plan emitters.
+
+The cost model behind the projections (expected tokens per round, verification cost, speedup) is
+:mod:`dyncompile.runtime.cost_model`, the one the runtime's draft-length controller uses.
 """
 
 from dyncompile.passes.speculative import emit  # noqa: F401  (registers the generate/speculative emitters)
+from dyncompile.passes.speculative.decoder_spec import (
+    DrafterError,
+    check_same_tokenizer,
+    decoder_spec,
+    generation_config,
+    is_kv_decoder,
+)
 from dyncompile.passes.speculative.speculative import SpeculativePass
 from dyncompile.passes.speculative.split_drafter import SplitDrafterPass
 
-__all__ = ["SpeculativePass", "SplitDrafterPass"]
+__all__ = [
+    "DrafterError",
+    "SpeculativePass",
+    "SplitDrafterPass",
+    "check_same_tokenizer",
+    "decoder_spec",
+    "generation_config",
+    "is_kv_decoder",
+]

@@ -21,28 +21,24 @@ from dyncompile.passes.emit import (
     add_model_files,
     add_tokenizer,
     io_signature,
+    register_default_emitter,
     register_emitter,
     save_model,
 )
-from dyncompile.passes.speculative.speculative import (
-    DRAFTER_META,
-    SPECULATIVE_KEY,
-    decoder_spec,
-    generation_config,
-)
+from dyncompile.passes.speculative.decoder_spec import decoder_spec, generation_config, is_kv_decoder
+from dyncompile.passes.speculative.speculative import DRAFTER_META, SPECULATIVE_KEY
+from dyncompile.passes.speculative.split_drafter import SPLIT_DRAFTER_KEY, VOCAB_META
 from dyncompile.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["emit_generate", "emit_speculative", "is_kv_decoder"]
+__all__ = ["emit_generate", "emit_speculative"]
 
 
-def is_kv_decoder(model: ir.Model) -> bool:
-    try:
-        decoder_spec(model, "model")
-    except Exception:  # noqa: BLE001 - any reason not to be one
-        return False
-    return True
+@register_default_emitter
+def _decoder_gets_generate(model: ir.Model, req: EmitRequest) -> str | None:
+    """A text-generation model that no pass gave an emitter: ``generate`` if it is a KV-cache decoder."""
+    return "generate" if req.task == "text-generation" and is_kv_decoder(model) else None
 
 
 def _generation(model: ir.Model, req: EmitRequest) -> dict[str, Any]:
@@ -124,7 +120,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
         else:
             add_model_files(files, "drafter", save_model(drafter, out, "drafter.onnx", "drafter"))
         vocab_key = None
-        subset = model.meta.get("dyncompile.split_drafter.vocab") if split else None
+        subset = model.meta.get(VOCAB_META) if split else None
         if subset is not None:
             np.save(out / "drafter_vocab.npy", np.asarray(subset, np.int64))
             files["drafter_vocab"] = file_ref(out, "drafter_vocab.npy", "vocab_map")
@@ -147,6 +143,6 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     if d.get("tokenizer_check"):
         policy["speculative"]["tokenizer_check"] = d["tokenizer_check"]
     if split:
-        policy["split_drafter"] = json.loads(model.metadata_props["dyncompile.split_drafter"])
+        policy["split_drafter"] = json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
     return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
                 policy=policy, provenance=req.provenance)

@@ -12,7 +12,11 @@ KV cache is the target's, which the runtime hands over after every verification.
 calibration tokens and the drafter's greedy agreement with the target (its acceptance rate) is measured
 on the rest; the cost of a draft step is the fraction of the target's per-token weight reads the drafter
 does; a verification of ``g+1`` tokens costs what the target's measured timings say. The projected speedup
-``max_g E(alpha, g) / (g * c + v(g + 1))`` picks ``k``; below ``min_speedup`` (default 1) the pass refuses.
+``max_g E(alpha, g) / (g * c + v(g + 1))`` (:mod:`dyncompile.runtime.cost_model`, the model the runtime's draft
+length controller uses too) picks ``k``; below ``min_speedup`` (default 1) the pass refuses.
+
+Module layout: graph surgery (:func:`trim_lm_head`, :func:`build_split_drafter`), calibration input
+(:func:`read_calibration_text`), the pass; measurement lives in :mod:`.probe`.
 """
 
 from __future__ import annotations
@@ -27,53 +31,31 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from dyncompile.io import external_data_dirs
+from dyncompile.io import read_jsonl
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
-from dyncompile.passes.speculative.speculative import DrafterError, decoder_spec
+from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
+from dyncompile.passes.speculative.probe import measure_verify_costs, prefill_feeds, session_for
+from dyncompile.runtime.cost_model import projected_speedup, verify_slope
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "SPLIT_DRAFTER_KEY",
-    "measure_step_times",
-    "measure_verify_costs",
-    "relative_verify_costs",
-    "weight_reads",
     "SPLIT_DRAFTER_META",
+    "VOCAB_META",
     "SplitDrafterPass",
     "build_split_drafter",
-    "projected_speedup",
     "read_calibration_text",
     "trim_lm_head",
 ]
 
-SPLIT_DRAFTER_KEY = "dyncompile.split_drafter"
+SPLIT_DRAFTER_KEY = _keys.SPLIT_DRAFTER
 SPLIT_DRAFTER_FORMAT = "dyncompile.split_drafter/v1"
-SPLIT_DRAFTER_META = "dyncompile.split_drafter.model"
-VOCAB_META = "dyncompile.split_drafter.vocab"
+SPLIT_DRAFTER_META = _keys.SPLIT_DRAFTER_MODEL
+VOCAB_META = _keys.SPLIT_DRAFTER_VOCAB
 MIN_CALIB_TOKENS = 64
-EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
-
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Expected tokens per verification round with ``gamma`` drafts accepted i.i.d. with probability ``alpha``."""
-    alpha = min(max(alpha, 0.0), 0.999999)
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def projected_speedup(alpha: float, cost: float, verify: dict[int, float], max_draft: int) -> tuple[float, int]:
-    """``(speedup, best draft length >= 1)`` over the target alone (``verify[s]`` = time of s tokens / time of 1)."""
-    best, best_g = -1.0, 1
-    xs = np.array(sorted(verify), float)
-    ys = np.array([verify[int(x)] for x in xs], float)
-    for g in range(1, max_draft + 1):
-        v = float(np.interp(g + 1, xs, ys)) if g + 1 <= xs[-1] else float(ys[-1] + (g + 1 - xs[-1]) * (
-            (ys[-1] - ys[0]) / max(xs[-1] - xs[0], 1)))
-        s = expected_tokens(alpha, g) / (g * cost + v)
-        if s > best:
-            best, best_g = s, g
-    return best, best_g
 
 
 # ------------------------------------------------------------------------------------------- graph surgery
@@ -238,7 +220,7 @@ def build_split_drafter(
         g.inputs.remove(v)
     if subset is not None and not trim_lm_head(d, logits, subset):
         raise DrafterError("cannot restrict the LM head to a vocabulary subset (unknown head shape); use vocab=full")
-    d.metadata_props["dyncompile.role"] = "drafter"
+    d.metadata_props[_keys.ROLE] = "drafter"
     return d
 
 
@@ -247,8 +229,6 @@ def build_split_drafter(
 
 def read_calibration_text(path: str | Path) -> list[str]:
     """Texts of a calibration file: plain text (one text), JSONL (``text`` fields) or a directory of text files."""
-    from dyncompile.io import read_jsonl
-
     p = Path(path)
     if not p.exists():
         raise DrafterError(f"calibration text not found: {p} (give a text file, a JSONL file or a directory)")
@@ -266,22 +246,6 @@ def read_calibration_text(path: str | Path) -> list[str]:
     if not text.strip():
         raise DrafterError(f"calibration file {p} is empty")
     return [text]
-
-
-def _external_dir(model: ir.Model) -> str | None:
-    dirs = external_data_dirs(model)
-    return min(dirs) if dirs else None
-
-
-def _session(model: ir.Model, ext_dir: str | None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if ext_dir:
-        so.add_session_config_entry(EXTERNAL_DIR_KEY, ext_dir)
-    data = ir.to_proto(model).SerializeToString()
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
 def _chunk(ids_list: Sequence[Sequence[int]], chunk_len: int, max_tokens: int) -> list[list[int]]:
@@ -337,6 +301,8 @@ class SplitDrafterPass(ir.passes.InPlacePass):
             raise DrafterError(f"split-drafter vocab must be 'auto', 'full' or a positive number of tokens, not {vocab!r}")
         if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
             raise DrafterError(f"split-drafter layers must be a positive integer, got {layers!r}")
+        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 1:
+            raise DrafterError(f"split-drafter max_draft must be a positive integer, got {max_draft!r}")
         self.calib_ids = [list(map(int, c)) for c in calib_ids]
         self.layers = layers
         self.bridge = bridge
@@ -359,7 +325,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
 
     # --- checks ----------------------------------------------------------------------------------
     def _structure(self, model: ir.Model):
-        from dyncompile.passes.analysis.layers import analyze_model
+        from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when the pass runs
 
         s = analyze_model(model)
         if not s.has_layers:
@@ -408,9 +374,8 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         cut_names = {k: s.cut_for_layer(k).name for k in [*cands, num]}
         logits_name = target_spec["logits"]
         chunks = _chunk(self.calib_ids, self.chunk_len, self.max_tokens)
-        ext_dir = _external_dir(model)
 
-        hidden, top, inputs, probe = self._collect(model, target_spec, cut_names, chunks, ext_dir)
+        hidden, top, inputs, probe = self._collect(model, target_spec, cut_names, chunks)
         n_chunks = len(chunks)
         n_fit = max(1, int(round(n_chunks * 0.75))) if n_chunks > 1 else 1
         fit_pos = sum(len(c) for c in chunks[:n_fit])
@@ -421,13 +386,13 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         subset = self._subset(vocab_size, top[:fit_pos], inputs[:fit_pos])
 
         head_model = self._head_model(model, cut_names[num], logits_name, subset, hidden[num].shape[-1])
-        head = _session(head_model, ext_dir)
+        head = session_for(head_model)
         head_in = head.get_inputs()[0].name
         layer_params = [layer.param_count for layer in s.layers]
         head_params_full = _head_params(self._head_model(model, cut_names[num], logits_name, None, hidden[num].shape[-1]))
         head_params = _head_params(head_model)
         target_cost = sum(layer_params) + head_params_full
-        verify = self._verify_costs(probe, target_spec, chunks[0])
+        verify = measure_verify_costs(probe, target_spec, chunks[0], self.max_draft)
         del probe
 
         y = hidden[num]
@@ -491,7 +456,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
             "projected_speedup": best["projected_speedup"],
             "draft_length": best["draft_length"],
             "verify_cost": {str(k_): round(v, 4) for k_, v in sorted(verify.items())},
-            "verify_slope": round(_slope(verify), 4),
+            "verify_slope": round(verify_slope(verify), 4),
             "share_kv": share,
             "candidates": rows,
             "calibration": {"tokens": int(len(top)), "chunks": n_chunks, "fit_tokens": int(fit_pos),
@@ -510,7 +475,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
             raise ir.passes.PostconditionError("split-drafter left no drafter graph in model.meta")
 
     # --- helpers ---------------------------------------------------------------------------------
-    def _collect(self, model, spec, cut_names: dict[int, str], chunks, ext_dir):
+    def _collect(self, model, spec, cut_names: dict[int, str], chunks):
         """Hidden states at the cuts, the target's top-1 and the input token of every calibration position."""
         g = model.graph
         values = ir.convenience.create_value_mapping(g)
@@ -518,7 +483,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         extra = [values[n] for n in dict.fromkeys(cut_names.values()) if not values[n].is_graph_output()]
         g.outputs.extend(extra)
         try:
-            sess = _session(model, ext_dir)
+            sess = session_for(model)
         finally:
             while len(g.outputs) > n_out:  # pop(): `del [n:]` skips onnx-ir's graph-output bookkeeping
                 g.outputs.pop()
@@ -527,7 +492,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         tops, ins = [], []
         bar = _progress(sum(len(c) for c in chunks), "split-drafter: running calibration text", self.progress)
         for c in chunks:
-            feeds = _prefill_feeds(spec, c)
+            feeds = prefill_feeds(spec, c)
             outs = sess.run(names, feeds)
             tops.append(outs[0][0].argmax(-1))
             for n, h in zip(names[1:], outs[1:]):
@@ -567,93 +532,6 @@ class SplitDrafterPass(ir.passes.InPlacePass):
             raise DrafterError("cannot restrict this model's LM head to a vocabulary subset; use split-drafter{vocab=full}")
         return head
 
-    def _verify_costs(self, sess, spec, chunk) -> dict[int, float]:
-        return measure_verify_costs(sess, spec, chunk, self.max_draft)
-
-
-def measure_step_times(sess, spec, chunk: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
-    """Seconds for ``s`` new tokens on a cache of ``len(chunk)`` tokens, for each s in ``sizes``.
-
-    Sizes are measured round-robin and the minimum over ``repeats`` is kept, so that a burst of load from
-    other processes does not make one size look expensive (medians taken size by size did: on a loaded
-    2-core machine a 4-token verification once measured 3.4x a single token instead of 1.2x).
-    """
-    names = [spec["logits"], *(e["present"] for e in spec["kv"])]
-    outs = sess.run(names, _prefill_feeds(spec, list(chunk)))
-    past = outs[1:]
-    feeds = {
-        size: _prefill_feeds(spec, [int(chunk[0])] * size, past=past, past_len=len(chunk)) for size in sorted(set(sizes))
-    }
-    sess.run(names[:1], feeds[min(feeds)])  # warm-up
-    times: dict[int, float] = {size: float("inf") for size in feeds}
-    for _ in range(repeats):
-        for size, f in feeds.items():
-            t0 = time.perf_counter()
-            sess.run(names[:1], f)
-            times[size] = min(times[size], time.perf_counter() - t0)
-    return times
-
-
-def relative_verify_costs(times: dict[int, float]) -> dict[int, float]:
-    """Step times by tokens per call -> cost relative to one token, kept monotone (verifying more tokens never
-    costs less)."""
-    costs, run = {}, 1.0
-    for s_ in sorted(times):
-        run = costs[s_] = round(max(run, times[s_] / times[1]), 4)
-    return costs
-
-
-def measure_verify_costs(sess, spec, chunk: Sequence[int], max_draft: int = 8, repeats: int = 5) -> dict[int, float]:
-    """Target time for ``s`` new tokens on a cache of ``len(chunk)``, relative to one token (s = 1, 2, 4, ...)."""
-    return relative_verify_costs(measure_step_times(sess, spec, chunk, sorted({1, 2, 4, max_draft + 1}), repeats))
-
-
-def weight_reads(model: ir.Model) -> int:
-    """Bytes of the weight matrices a decode step reads in full: float matrices and the packed integer
-    weights of quantized ops (MatMulNBits, MatMulInteger), so that an int4 drafter is costed at its real
-    size; embedding tables read by Gather only are left out."""
-    total = 0
-    for v in model.graph.initializers.values():
-        t = v.const_value
-        if t is None or len(t.shape) < 2:
-            continue
-        if not (t.dtype.is_floating_point() or t.dtype in _PACKED_WEIGHT_DTYPES):
-            continue
-        if v.uses() and all(u.node.op_type == "Gather" and u.idx == 0 for u in v.uses()):
-            continue
-        total += int(t.nbytes)
-    return total
-
-
-_PACKED_WEIGHT_DTYPES = (ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT4, ir.DataType.INT4)
-
-
-def _slope(verify: dict[int, float]) -> float:
-    xs = np.array(sorted(verify), float)
-    ys = np.array([verify[int(x)] for x in xs])
-    if len(xs) < 2:
-        return 0.1
-    b = np.polyfit(xs - 1, ys - 1, 1)[0]
-    return float(max(b, 0.0))
-
-
-def _prefill_feeds(spec, ids, past=None, past_len: int = 0) -> dict[str, np.ndarray]:
-    n = len(ids)
-    feeds = {spec["input_ids"]: np.asarray([ids], np.int64)}
-    if spec.get("attention_mask"):
-        feeds[spec["attention_mask"]] = np.ones((1, past_len + n), np.int64)
-    if spec.get("position_ids"):
-        feeds[spec["position_ids"]] = np.arange(past_len, past_len + n, dtype=np.int64)[None]
-    dt = np.float16 if spec.get("kv_dtype") == "float16" else np.float32
-    for i, e in enumerate(spec["kv"]):
-        if past is not None:
-            feeds[e["past"]] = past[i]
-        else:
-            dims = list(e["shape"])
-            dims.insert(e["axis"] - 1, 0)
-            feeds[e["past"]] = np.zeros([1, *dims], dt)
-    return feeds
-
 
 def _ridge_fit(x: np.ndarray, y: np.ndarray, ridge: float) -> tuple[np.ndarray, np.ndarray]:
     """Least squares ``y ~ x @ w + b`` with a ridge of ``ridge * mean(diag(X^T X))``."""
@@ -673,13 +551,14 @@ def _head_params(head: ir.Model) -> int:
     return total
 
 
-
-
 @register_pass(
     "split-drafter",
     help="drafter from the target's first k layers + a bridge fitted on --calib TEXT (k by measured acceptance x "
     "cost; refuses below 1x); use with speculative",
     requires=("calib",),
+    # quantized layers hide the layer structure the drafter is cut from; the drafter feeds speculative
+    before=("quantize-int8", "quantize-int4", "speculative"),
+    choices={"bridge": ("linear", "none")},
 )
 def _make_split_drafter(
     context: CompileContext,
@@ -694,8 +573,8 @@ def _make_split_drafter(
     from tokenizers import Tokenizer
 
     texts = read_calibration_text(context.options["calib"])
-    tok_path = Path(context.options.get("tokenizer") or (context.model_path.parent / "tokenizer.json"))
-    if not tok_path.is_file():
+    tok_path = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
+    if tok_path is None or not Path(tok_path).is_file():
         raise DrafterError(
             f"split-drafter tokenizes the calibration text with the target's tokenizer, but {tok_path} is missing; "
             "pass --tokenizer tokenizer.json"

@@ -1,10 +1,14 @@
-"""A tiny causal decoder with a KV cache, built with onnx_ir (test models are code).
+"""A tiny causal decoder with a KV cache, built with onnx_ir (test models are code, like :mod:`.synthetic`).
 
 Same interface as the exported Hugging Face decoders (SmolLM2): inputs ``input_ids [b, s]``,
 ``attention_mask [b, past+s]``, ``position_ids [b, s]``, ``past_key_values.{i}.key/value [b, H, past, D]``;
 outputs ``logits [b, s, V]`` and ``present.{i}.key/value [b, H, past+s, D]``. Pre-LN blocks with real causal
 attention over the cache, so speculative verification (several tokens per call) and one-token decoding agree.
 Matrices are ``hidden x hidden`` so that, with ``hidden >= 256``, the graph analysis sees "heavy" layers.
+
+:func:`write_decoder_dir` and :func:`write_word_tokenizer` lay one out as a model directory (``model.onnx``,
+``dyncompile-model.json``, ``tokenizer.json``) like the real recipes do, so the compiler and the runtime
+treat it as they treat SmolLM2.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["tiny_decoder", "write_decoder_dir"]
+__all__ = ["tiny_decoder", "write_decoder_dir", "write_word_tokenizer"]
 
 
 def tiny_decoder(
@@ -29,6 +33,8 @@ def tiny_decoder(
     logit_scale: float = 1.0,
     max_positions: int = 512,
 ) -> ir.Model:
+    """A pre-LN causal decoder of ``num_layers`` blocks (``hidden``, ``heads``, vocabulary ``vocab``) with random
+    weights from ``seed``; ``with_kv=False`` drops the cache inputs/outputs, ``logit_scale`` spreads the logits."""
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
     tape = ir.tape.Tape()
@@ -128,7 +134,7 @@ def tiny_decoder(
     graph = ir.Graph(
         inputs, outputs, nodes=tape.nodes, initializers=inits, opset_imports={"": 18}, name="tiny_decoder"
     )
-    return ir.Model(graph, ir_version=10, producer_name="tests.tiny_decoder")
+    return ir.Model(graph, ir_version=10, producer_name="dyncompile.models.synthetic_decoder")
 
 
 def write_decoder_dir(

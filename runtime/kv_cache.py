@@ -1,0 +1,219 @@
+"""A decoder's KV cache for batch-1 generation: one ORT session plus its past tensors, with rollback.
+
+:class:`KVDecoder` drives one KV-cache decoder graph as a plan's decoder spec describes it (see
+:mod:`dyncompile.runtime.generate` for the JSON form): it keeps the cache as arrays (or ORT values bound by
+IOBinding), feeds ``attention_mask`` / ``position_ids`` for batch 1, and rolls back rejected draft tokens by
+masking them (default) or slicing the past tensors. :class:`SessionTimer` adds up the seconds spent inside
+ORT calls per model role. The ``generate`` and ``speculative_generate`` steps share both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dyncompile.errors import PlanError
+from dyncompile.plan import DecoderSpec, KVEntry
+
+__all__ = ["KVDecoder", "SessionTimer"]
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float": np.float32, "FLOAT": np.float32,
+              "FLOAT16": np.float16, "bfloat16": np.float32}
+
+
+class SessionTimer:
+    """Accumulates seconds spent inside ORT ``run`` calls, per model role."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def add(self, role: str, dt: float) -> None:
+        self.seconds[role] = self.seconds.get(role, 0.0) + dt
+        self.calls[role] = self.calls.get(role, 0) + 1
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+class KVDecoder:
+    """One decoder session plus its KV cache (batch 1).
+
+    ``forward(ids)`` runs the new tokens on top of the cache and returns their logits ``[n, vocab]``;
+    the cache grows by ``n``. ``truncate(length)`` rolls the cache back (rejected draft tokens).
+    ``adopt(arrays, length)`` installs past tensors computed elsewhere (a split drafter's first layers are
+    the target's first layers, so it takes the target's cache instead of recomputing it).
+
+    Rollback (``rollback=``):
+
+    * ``"mask"`` (default): rejected positions stay in the past tensors but get ``attention_mask = 0`` (their
+      attention weight is exactly zero) and later tokens take their positions through ``position_ids``; no
+      copy per rejection. The cache is compacted (one copy) once masked slots exceed a quarter of it. Logits
+      differ from a gap-free cache only in float rounding, like verifying several tokens per call does
+      (measured on SmolLM2: 3e-5 vs 2e-5 max abs logit difference).
+    * ``"copy"``: slice the past tensors to the kept length at once (a copy of the whole cache per rejected round).
+      Needs a model without ``attention_mask`` input too.
+
+    With ``io_binding=True`` the past tensors stay ORT values bound by ``IOBinding`` between calls instead
+    of numpy arrays passed to ``run``; both give the same numbers (``tools/bench_speculative.py --io-binding``
+    measures which is faster). On the CUDA EP the bound past/present tensors live in GPU memory (only the
+    logits come back to the host), so the cache is not copied across PCIe on every step.
+    """
+
+    def __init__(self, session, spec: DecoderSpec, *, role: str = "target", timer: SessionTimer | None = None,
+                 io_binding: bool = False, rollback: str = "mask") -> None:
+        self.session = session
+        self.spec = spec
+        self.role = role
+        self.timer = timer or SessionTimer()
+        self.io_binding = bool(io_binding)
+        providers = session.get_providers() if hasattr(session, "get_providers") else []
+        self.kv_device = "cuda" if providers and providers[0] == "CUDAExecutionProvider" else "cpu"
+        names = {i.name for i in session.get_inputs()}
+        outs = {o.name for o in session.get_outputs()}
+        missing = [n for n in [spec.input_ids, *(e.past for e in spec.kv)] if n not in names]
+        missing += [n for n in [spec.logits, *(e.present for e in spec.kv)] if n not in outs]
+        if missing:
+            raise PlanError(
+                f"the {role} model of the plan lacks {missing[:4]}{'…' if len(missing) > 4 else ''} named in the plan; "
+                "the plan and its ONNX files disagree — recompile"
+            )
+        self.mask_name = spec.attention_mask if spec.attention_mask in names else None
+        self.pos_name = spec.position_ids if spec.position_ids in names else None
+        self.output_names = [spec.logits, *(e.present for e in spec.kv)]
+        self.dtype = _NP_DTYPES.get(spec.kv_dtype, np.float32)
+        if rollback not in ("mask", "copy"):
+            raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
+        self.rollback = rollback if self.mask_name and self.pos_name else "copy"
+        self._mask = np.ones((1, 1024), np.int64)  # validity of each physical cache slot, then ones
+        self._arange = np.arange(1024, dtype=np.int64)[None]
+        self.past: list[Any] = []
+        self.length = 0  # tokens of the sequence held in the cache
+        self.slots = 0  # physical positions of the past tensors (>= length when some are masked)
+        self.compactions = 0
+        self.reset()
+
+    # --- cache -----------------------------------------------------------------------------------
+    def _empty(self, e: KVEntry) -> np.ndarray:
+        dims = list(e.shape)
+        dims.insert(e.axis - 1, 0)
+        return np.zeros([1, *dims], self.dtype)
+
+    def reset(self) -> None:
+        self.past = [self._empty(e) for e in self.spec.kv]
+        if self.io_binding:
+            self.past = [self._ortvalue(a) for a in self.past]
+        self.length = self.slots = 0
+        self._mask[:] = 1
+
+    def _ortvalue(self, a: np.ndarray):
+        import onnxruntime as ort
+
+        return ort.OrtValue.ortvalue_from_numpy(a, self.kv_device, 0)
+
+    def _arrays(self) -> list[np.ndarray]:
+        return [v.numpy() for v in self.past] if self.io_binding else list(self.past)
+
+    def _set_arrays(self, arrays: list[np.ndarray]) -> None:
+        self.past = [self._ortvalue(a) for a in arrays] if self.io_binding else arrays
+
+    def _keep(self, keep) -> None:
+        """Keep the physical slots ``keep`` (a slice or an index array) of every past tensor (one copy)."""
+        out = []
+        for a, e in zip(self._arrays(), self.spec.kv):
+            idx = [slice(None)] * a.ndim
+            idx[e.axis] = keep
+            out.append(np.ascontiguousarray(a[tuple(idx)]))
+        self._set_arrays(out)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens of the sequence in the cache (no-op when it holds no more)."""
+        drop = self.length - length
+        if drop <= 0:
+            return
+        if self.rollback == "copy" and self.slots == self.length:
+            self._keep(slice(0, length))
+            self.slots = self.length = length
+            return
+        # mask the newest ``drop`` valid slots (they are the last ones written)
+        valid = np.flatnonzero(self._mask[0, : self.slots])
+        self._mask[0, valid[-drop:]] = 0
+        self.length = length
+        garbage = self.slots - self.length
+        if self.rollback == "copy" or garbage > max(32, self.slots // 4):
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop masked slots from the past tensors (one copy)."""
+        if self.slots == self.length:
+            return
+        keep = np.flatnonzero(self._mask[0, : self.slots])
+        self._keep(keep)
+        self.slots = self.length = len(keep)
+        self._mask[0, : self.slots] = 1
+        self._mask[0, self.slots :] = 1
+        self.compactions += 1
+
+    def adopt(self, other: KVDecoder, indices: Sequence[int]) -> None:
+        """Use ``other``'s past tensors ``indices`` (aligned with this decoder's kv entries) and its slot mask."""
+        self.past = [other.past[j] for j in indices]
+        self.length, self.slots = other.length, other.slots
+        self._grow(self.slots + 1)
+        self._mask[0, : self.slots] = other._mask[0, : self.slots]
+        self._mask[0, self.slots :] = 1
+
+    # --- running ---------------------------------------------------------------------------------
+    def _grow(self, total: int) -> None:
+        if total > self._mask.shape[1]:
+            size = max(2 * total, 2048)
+            mask = np.ones((1, size), np.int64)
+            mask[0, : self.slots] = self._mask[0, : self.slots]
+            self._mask = mask
+            self._arange = np.arange(size, dtype=np.int64)[None]
+
+    def _aux(self, n: int) -> dict[str, np.ndarray]:
+        total = self.slots + n
+        self._grow(total)
+        feeds = {}
+        if self.mask_name:
+            feeds[self.mask_name] = self._mask[:, :total]
+        if self.pos_name:
+            feeds[self.pos_name] = self._arange[:, self.length : self.length + n]
+        return feeds
+
+    def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Logits ``[len(ids), vocab]`` of the new tokens; the cache grows by ``len(ids)``."""
+        ids_arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        n = ids_arr.shape[1]
+        if self.io_binding:
+            io = self.session.io_binding()
+            io.bind_cpu_input(self.spec.input_ids, ids_arr)
+            for k, v in self._aux(n).items():
+                io.bind_cpu_input(k, np.ascontiguousarray(v))
+            for e, v in zip(self.spec.kv, self.past):
+                io.bind_ortvalue_input(e.past, v)
+            io.bind_output(self.output_names[0], "cpu")
+            for name in self.output_names[1:]:
+                io.bind_output(name, self.kv_device)
+            t0 = time.perf_counter()
+            self.session.run_with_iobinding(io)
+            self.timer.add(self.role, time.perf_counter() - t0)
+            outs = io.get_outputs()
+            logits = outs[0].numpy()[0]
+            self.past = list(outs[1:])
+        else:
+            feeds = {self.spec.input_ids: ids_arr, **self._aux(n)}
+            for e, a in zip(self.spec.kv, self.past):
+                feeds[e.past] = a
+            t0 = time.perf_counter()
+            outs = self.session.run(self.output_names, feeds)
+            self.timer.add(self.role, time.perf_counter() - t0)
+            logits = outs[0][0]
+            self.past = outs[1:]
+        self.length += n
+        self.slots += n
+        return logits
