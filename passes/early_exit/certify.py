@@ -34,7 +34,7 @@ here for comparison only.
 
 Split 30/70: the path part only has to *order* configurations (its noise makes the path a little less
 efficient), while the bound's slack shrinks with the test part like ``1/sqrt(n_test)``; on movie-calib
-(OOF head probabilities of MiniLM-L6, budget 1.0, 20 seeded splits per fraction; see
+(OOF head probabilities of MiniLM-L6, budget 1.0, 20 seeded splits per fraction;
 ``bench-results/early-exit-certified/split-study.txt``) the mean certified speedup on the test part was
 1.83/1.86/1.84/1.76x (entropy) and 1.85/1.91/1.87/1.75x (learned) for path fractions 0.15/0.2/0.3/0.5:
 0.2 and 0.3 are within noise of each other, and 0.3 had the best worst case (1.55x / 1.61x).
