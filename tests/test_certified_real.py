@@ -37,7 +37,7 @@ def test_certificate_recorded_and_inspected(learned_plan, capsys):
     assert pol["criterion"] == "learned" and pol["exit_policy"]["format"] == "dyncompile.exit_policy/v1"
     rc, out, _ = run_cli(capsys, "inspect", learned_plan.plan_dir)
     assert rc == 0
-    assert f"budget 6 points of accuracy certified at 90 % confidence on {cert['rows']} rows: observed" in out
+    assert f"budget 6.0 points of accuracy certified at 90 % confidence on {cert['rows']} rows: observed" in out
 
 
 def test_learned_plan_runs_and_exits_early(learned_plan):

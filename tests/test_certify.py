@@ -169,7 +169,7 @@ def test_certificate_round_trip_and_description():
     d = c.to_dict()
     assert Certificate.from_dict(d) == c
     line = describe_certificate(d)
-    assert line.startswith(f"budget 2 points of accuracy certified at 90 % confidence on {c.rows} rows: observed")
+    assert line.startswith(f"budget 2.0 points of accuracy certified at 90 % confidence on {c.rows} rows: observed")
     assert f"bound {c.bound:.2f}" in line
 
 

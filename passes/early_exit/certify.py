@@ -396,17 +396,21 @@ class Certificate:
         return describe_certificate(self.to_dict())
 
 
+def _pts(x: float) -> str:
+    return f"{x:.1f}" if abs(x * 10 - round(x * 10)) < 1e-9 else f"{x:g}"
+
+
 def describe_certificate(d: dict[str, Any]) -> str:
     """One line for ``inspect`` from a certificate dict (as stored in a plan)."""
     what = "points of accuracy" if d.get("mode") == "labels" else "points of disagreement with the full model"
     if d.get("confidence") is None:
-        return (f"budget {d['budget']:g} {what} NOT certified (--confidence none): kept on the {d['rows']} "
+        return (f"budget {_pts(d['budget'])} {what} NOT certified (--confidence none): kept on the {d['rows']} "
                 f"calibration rows only (observed {d['observed']:.2f}); new data may exceed it")
     conf = f"{100 * d['confidence']:g} %"
     if not d.get("certified"):
-        return (f"budget {d['budget']:g} {what} NOT certifiable at {conf} confidence on {d['rows']} rows "
+        return (f"budget {_pts(d['budget'])} {what} NOT certifiable at {conf} confidence on {d['rows']} rows "
                 f"(smallest certifiable {d['safest_bound']:.2f})")
-    return (f"budget {d['budget']:g} {what} certified at {conf} confidence on {d['rows']} rows: observed "
+    return (f"budget {_pts(d['budget'])} {what} certified at {conf} confidence on {d['rows']} rows: observed "
             f"{d['observed']:.2f}, bound {d['bound']:.2f} ({d['method']} bound, path of {d['path_length']} "
             f"configurations built on {d['path_rows']} other rows)")
 
