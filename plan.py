@@ -208,11 +208,13 @@ def from_json(cls: type, d: Any, where: str) -> Any:
 
 # ------------------------------------------------------------------------------------------- step schemas
 
-Criterion = Literal["entropy", "maxprob", "patience"]
+Criterion = Literal["entropy", "maxprob", "patience", "learned"]
 
 
 def _check_threshold(t: float | None, criterion: str, where: str) -> None:
     if t is None:
+        return
+    if criterion == "learned":  # a logit score: any finite number (finiteness is checked for every float)
         return
     if criterion == "entropy" and t < 0:
         raise PlanError(f"{where} must be >= 0 (an entropy in nats) for criterion 'entropy', got {t}")
@@ -239,6 +241,8 @@ class Segment:
     head: str | None = None
     threshold: float | None = None
     output: str | None = None
+    score: str | None = None  # learned criterion: the segment's exit-score output (fires when score > threshold)
+    prev_head: str | None = None  # learned criterion: input fed with the previous exit's head logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +445,8 @@ class EarlyExitPolicy:
     lowering: Literal["if", "staged"] | None = None
     lowering_choice: Any = None
     thresholds: dict[str, float | None] = _field(factory=dict)
+    certificate: Any = None  # passes/early_exit/certify.py Certificate.to_dict(): what the budget promise rests on
+    exit_policy: Any = None  # criterion 'learned': the per-exit policy weights (also in the graph / segments)
 
     def _check(self, where: str) -> None:
         for k, t in self.thresholds.items():

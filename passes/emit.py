@@ -163,7 +163,7 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
             "lowering_choice": json.loads(model.metadata_props.get(_keys.EARLY_EXIT_LOWERING_CHOICE, "null")),
             "thresholds": {str(e["layer"]): e["threshold"] for e in meta["exits"]},
         }
-        | {k: meta[k] for k in ("calibration", "exit_stats", "fit") if k in meta}
+        | {k: meta[k] for k in ("certificate", "calibration", "exit_stats", "fit", "exit_policy") if k in meta}
     )
 
 

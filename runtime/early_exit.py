@@ -43,7 +43,7 @@ class StagedEarlyExitStep(StepHandler):
         feeds_all = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
         result = None
         exit_layer = np.zeros(batch, np.int64)
-        hidden = None
+        hidden = prev_logits = None
         preds: list[np.ndarray] = []  # per exit: argmax of the active rows (patience windows)
         width = feeds_all["input_ids"].shape[1] if "input_ids" in feeds_all else None
         for seg, sess, names in zip(self.segments, self.sessions, self.inputs):
@@ -51,6 +51,8 @@ class StagedEarlyExitStep(StepHandler):
             for n in names:
                 if n == seg.cut_in:
                     feeds[n] = hidden
+                elif n == seg.prev_head:  # learned policy: the previous exit's logits, active rows
+                    feeds[n] = prev_logits
                 else:
                     v = feeds_all[n][active]
                     feeds[n] = v[:, :width] if width is not None and v.ndim == 2 and n != seg.cut_in else v
@@ -70,14 +72,19 @@ class StagedEarlyExitStep(StepHandler):
             if result is None:
                 result = np.zeros((batch, logits.shape[-1]), logits.dtype)
             preds.append(logits.argmax(-1))
-            probs = softmax(logits.astype(np.float64))
-            f = exit_fires(probs, seg.threshold, self.criterion, self.patience, preds)
+            if seg.score:  # learned policy: the segment computed the score (ONNX ops); compare it only
+                thr = seg.threshold
+                f = outs[seg.score] > np.float32(thr) if thr is not None else np.zeros(len(logits), bool)
+            else:
+                probs = softmax(logits.astype(np.float64))
+                f = exit_fires(probs, seg.threshold, self.criterion, self.patience, preds)
             if f.any():
                 result[active[f]] = logits[f]
                 exit_layer[active[f]] = seg.layer
             keep = ~f
             active = active[keep]
             hidden = outs[seg.cut_out][keep]
+            prev_logits = logits[keep]
             preds = [p[keep] for p in preds]
             if active.size == 0:
                 break

@@ -33,6 +33,7 @@ import numpy as np
 
 __all__ = [
     "CRITERIA",
+    "LEARNED",
     "always_value",
     "confidence",
     "confidence_thresholds",
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 CRITERIA = ("entropy", "maxprob", "patience")
+#: The learned exit policy's criterion: scores from :mod:`dyncompile.runtime.exit_policy`, no closed form here.
+LEARNED = "learned"
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -86,9 +89,17 @@ def streak_ok(pred: np.ndarray, patience: int) -> np.ndarray:
     return ok
 
 
-def exit_scores(exit_probs: np.ndarray, criterion: str, patience: int = 2) -> np.ndarray:
-    """Confidence scores ``[E, N]`` (float64; larger = more confident; ``-inf`` = may not exit here)."""
+def exit_scores(exit_probs: np.ndarray, criterion: str, patience: int = 2, policy=None) -> np.ndarray:
+    """Confidence scores ``[E, N]`` (float64; larger = more confident; ``-inf`` = may not exit here).
+
+    Criterion ``learned``: the scores of ``policy`` (a :class:`dyncompile.runtime.exit_policy.ExitPolicy`),
+    compared with the thresholds as they are (the exit fires when ``score > threshold``).
+    """
     p = np.asarray(exit_probs)
+    if criterion == LEARNED:
+        if policy is None:
+            raise ValueError("criterion 'learned' needs the exit policy (policy=ExitPolicy)")
+        return policy.scores(p)
     s = confidence(p, criterion)
     if criterion == "patience":
         return np.where(streak_ok(p.argmax(axis=-1), patience), s, -np.inf)

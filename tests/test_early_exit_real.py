@@ -32,6 +32,7 @@ def test_rows():
 
 
 def _compile(minilm, out, calib, **opts):
+    opts.setdefault("confidence", "none")  # 400 rows certify little; certified plans: test_certified_real.py
     return dyncompile.compile(minilm.onnx_path, "early-exit", out, calib=str(calib), progress=False, **opts)
 
 

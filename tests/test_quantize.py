@@ -101,7 +101,7 @@ def test_int8_then_early_exit_on_minilm(minilm, tmp_path):
     calib.write_text("\n".join((DATA / "movie-calib.jsonl").read_text().splitlines()[:300]) + "\n")
     res = dyncompile.compile(
         minilm.onnx_path, "quantize-int8,early-exit", tmp_path / "q8ee", calib=str(calib), budget=2.0,
-        lowering="staged", progress=False,
+        lowering="staged", confidence="none", progress=False,
     )
     assert [r.name for r in res.pipeline.records] == ["QuantizeDynamicInt8Pass", "FitExitHeadsPass", "InsertEarlyExitPass"]
     seg0 = ir.load(res.plan.directory / res.plan.files["segment0"].path)
@@ -233,7 +233,7 @@ def test_int8_early_exit_pipeline_budget_is_against_the_fp32_original(minilm, tm
     fp32_acc = float((fp32.argmax(-1) == np.array([r["label"] for r in rows])).mean() * 100)
 
     res = dyncompile.compile(d / "model.onnx", "quantize-int8,early-exit", tmp_path / "out", calib=str(calib),
-                             budget=3.0, lowering="staged", exits="2", progress=False)
+                             budget=3.0, lowering="staged", exits="2", confidence="none", progress=False)
     assert "MatMulInteger" in _ops(ir.load(res.plan.directory / res.plan.files["segment0"].path))  # heads on int8
     c = res.plan.policy["early_exit"]["calibration"]
     ref = c["reference"]

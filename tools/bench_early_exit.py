@@ -31,8 +31,14 @@ from dyncompile.tools._bench_common import DATA, compile_early_exit
 logger = logging.getLogger(__name__)
 
 
-def offline_curve(art, calib_t, calib_y, test_t, test_y, budgets, criterion: str) -> tuple[list[dict], dict]:
-    """Accuracy–speedup curve on movie-test from one fit (the pass's recipe) calibrated at every budget."""
+def offline_curve(art, calib_t, calib_y, test_t, test_y, budgets, criterion: str,
+                  confidence: float | None = None) -> tuple[list[dict], dict]:
+    """Accuracy–speedup curve on movie-test from one fit (the pass's recipe) calibrated at every budget.
+
+    ``confidence`` (or criterion ``learned``): thresholds as the pass chooses them with ``--confidence``
+    (:func:`~dyncompile.passes.early_exit.certify.certified_calibration`); a budget that cannot be certified
+    gets a curve point with the error and the budget that could be.
+    """
     import onnx_ir as ir
 
     from dyncompile.passes.early_exit.calibrate import calibrate_exits, exit_decisions
@@ -48,17 +54,34 @@ def offline_curve(art, calib_t, calib_y, test_t, test_y, budgets, criterion: str
     tfeats, tteacher = collect_exit_features(model, [cuts[k] for k in exits], test_t, **kw)
     test_probs = np.stack([h.predict_proba(f) for h, f in zip(fit.heads, tfeats)] + [tteacher.astype(np.float32)])
     curve, thresholds = [], {}
+    from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
+    from dyncompile.runtime.exit_rule import confidence_thresholds, exit_scores, first_exit
+
     for b in budgets:
-        cal = calibrate_exits(fit.oof_probs, teacher, calib_y, exits, num_layers, budget=b, criterion=criterion, patience=2)
-        thresholds[b] = {str(k): t for k, t in zip(exits, cal.thresholds[:-1])}
-        ex = exit_decisions(test_probs, cal)
+        if confidence is not None or criterion == "learned":
+            try:
+                res, rec = certified_calibration(fit.oof_probs, teacher, calib_y, exits, num_layers, budget=b,
+                                                 confidence=confidence, criterion=criterion)
+            except CertificationError as e:
+                curve.append({"budget": b, "error": str(e), "certifiable_budget": e.certifiable_budget})
+                continue
+            thresholds[b] = {str(k): t for k, t in zip(exits, res.thresholds[:-1])}
+            scores = exit_scores(test_probs, criterion, 2, res.policy)
+            ex = first_exit(scores, confidence_thresholds(res.thresholds, "maxprob" if criterion == "learned" else criterion))
+            expected_speedup, expected_acc = res.certificate.expected_speedup, None
+        else:
+            cal = calibrate_exits(fit.oof_probs, teacher, calib_y, exits, num_layers, budget=b, criterion=criterion,
+                                  patience=2)
+            thresholds[b] = {str(k): t for k, t in zip(exits, cal.thresholds[:-1])}
+            ex = exit_decisions(test_probs, cal)
+            expected_speedup, expected_acc = cal.expected_speedup, cal.expected_accuracy
         layers = np.array(exits + [num_layers])[ex]
         pred = test_probs[ex, np.arange(len(test_y))].argmax(-1)
         curve.append(
             {
                 "budget": b,
-                "calib_expected_speedup": round(cal.expected_speedup, 3),
-                "calib_expected_accuracy": None if cal.expected_accuracy is None else round(cal.expected_accuracy, 2),
+                "calib_expected_speedup": round(expected_speedup, 3),
+                "calib_expected_accuracy": None if expected_acc is None else round(expected_acc, 2),
                 "test_accuracy": round(float((pred == test_y).mean() * 100), 2),
                 "test_layer_speedup": round(num_layers / float(layers.mean()), 3),
                 "test_mean_exit_layer": round(float(layers.mean()), 3),
@@ -92,7 +115,8 @@ def bench_model(name: str, args, out: Path) -> dict:
 
     def make_plan(tag, **options):
         res, secs = compile_early_exit(art.onnx_path, out / "plans" / f"{name}-{tag}", calib, criterion=args.criterion,
-                                       provider=args.provider, **options)
+                                       provider=args.provider,
+                                       confidence="none" if args.confidence is None else args.confidence, **options)
         seconds[tag] = round(secs, 1)
         policies[tag] = res.plan.policy["early_exit"]
         logger.info("%s %s: compiled in %.1fs", name, tag, secs)
@@ -103,8 +127,8 @@ def bench_model(name: str, args, out: Path) -> dict:
         for low in args.lowerings:
             plans[(b, low)] = make_plan(f"b{b}-{low}", budget=b, lowering=low)
     curve, facts = offline_curve(art, calib_t, calib_y, test_t, test_y, sorted(set(args.sweep) | set(args.budgets)),
-                                 args.criterion)
-    same = {str(b): facts["thresholds"][b] == policies[f"b{b}-{low}"]["calibration"]["thresholds_all_exits"]
+                                 args.criterion, args.confidence)
+    same = {str(b): facts["thresholds"].get(b) == policies[f"b{b}-{low}"]["calibration"]["thresholds_all_exits"]
             for b in args.budgets for low in args.lowerings[:1]}
     if not all(same.values()):
         logger.warning("%s: the offline curve's thresholds differ from the compiled plans' at budgets %s", name,
@@ -152,6 +176,9 @@ def _markdown(reports: list[dict], machine: dict) -> str:
         parts.append("\nBudget sweep (per-row exits; layer speedup = L / mean exit layer, from the heads' outputs on test):\n")
         parts.append("| budget | calib: expected speedup | calib: expected acc | test acc | test layer speedup |\n|---|---|---|---|---|")
         for c in r["curve"]:
+            if "error" in c:
+                parts.append(f"| {c['budget']} | not certifiable (smallest: {c['certifiable_budget']}) | | | |")
+                continue
             parts.append(
                 f"| {c['budget']} | {c['calib_expected_speedup']}x | {c['calib_expected_accuracy']} | {c['test_accuracy']} "
                 f"(full {r['original_test_accuracy']}) | {c['test_layer_speedup']}x |"
@@ -168,10 +195,11 @@ def _plot(reports: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
     for ax, r in zip(axes[0], reports):
-        xs = [c["test_layer_speedup"] for c in r["curve"]]
-        ys = [c["test_accuracy"] for c in r["curve"]]
+        pts = [c for c in r["curve"] if "error" not in c]
+        xs = [c["test_layer_speedup"] for c in pts]
+        ys = [c["test_accuracy"] for c in pts]
         ax.plot(xs, ys, "o-", label="per-row exits (layer speedup), budget sweep")
-        for c in r["curve"]:
+        for c in pts:
             ax.annotate(str(c["budget"]), (c["test_layer_speedup"], c["test_accuracy"]), fontsize=7)
         for res in r["results"][1:]:
             if res.get("budget") is None:
@@ -194,13 +222,22 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="0.5,1.0,2.0")
     p.add_argument("--sweep", default="0,0.25,0.5,0.75,1.0,1.5,2.0,3.0,4.0,6.0")
     p.add_argument("--lowerings", default="if,staged")
-    p.add_argument("--criterion", default="entropy", choices=["entropy", "maxprob", "patience"])
+    p.add_argument("--criterion", default="entropy", choices=["entropy", "maxprob", "patience", "learned"])
+    p.add_argument("--confidence", default="none",
+                   help="as the pass's --confidence (e.g. 0.9: certified budgets); default none, this bench's "
+                   "historical uncertified calibration (tools/bench_certified.py compares both)")
     p.add_argument("--batch1-rows", type=int, default=None, help="rows in the batch-1 pass (default: all 1,500)")
     p.add_argument("--provider", default="cpu", help="execution provider of every session (original and plans)")
     p.add_argument("--data-dir", default=str(DATA))
     p.add_argument("--out", default="bench-results/early-exit")
     args = p.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",")]
+    from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence
+
+    try:
+        args.confidence = parse_confidence(args.confidence)
+    except CalibrationError as e:
+        p.error(str(e))
     args.sweep = [float(x) for x in args.sweep.split(",")]
     args.lowerings = args.lowerings.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -66,7 +66,10 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--calib", help="calibration data: JSONL with a 'text' field (and 'label' if known)")
     ee.add_argument("--budget", type=float, help="max accuracy drop in points on the calibration data (default 1.0)")
     ee.add_argument("--exits", help="layers to place exits after, e.g. 2,4,6 (default: every layer)")
-    ee.add_argument("--criterion", choices=["entropy", "maxprob", "patience"], help="exit criterion (default entropy)")
+    ee.add_argument("--criterion", choices=["entropy", "maxprob", "patience", "learned"],
+                    help="exit criterion (default entropy; learned: a fitted per-exit policy on the heads' probabilities)")
+    ee.add_argument("--confidence", help="probability that the budget holds on new data, e.g. 0.9 (default), "
+                    "or 'none': uncertified, the budget is kept on the calibration rows only")
     ee.add_argument("--lowering", choices=["if", "staged", "auto"], help="If-graph or staged plan (default auto)")
     ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
     ee.add_argument("--heads", choices=["fitted", "given"],
@@ -107,7 +110,8 @@ def _cmd_compile(argv: list[str]) -> int:
 
     opts = {
         k: getattr(args, k)
-        for k in ("calib", "budget", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads")
+        for k in ("calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider",
+                  "heads")
         if getattr(args, k) not in (None, False)
     }
     t0 = time.perf_counter()

@@ -29,6 +29,11 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
         lines.append(f"  {i}: {s.kind} {params if len(params) < 400 else params[:400] + '…'}")
     if plan.policy:
         lines.append("policy:")
+        cert = (plan.policy.get("early_exit") or {}).get("certificate")
+        if cert:
+            from dyncompile.passes.early_exit.certify import describe_certificate
+
+            lines.append(f"  certificate: {describe_certificate(cert)}")
         for k, v in plan.policy.items():
             lines.append(f"  {k}: {v}")
     src = plan.provenance.get("source", {})

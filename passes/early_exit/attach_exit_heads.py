@@ -37,11 +37,16 @@ def attach_exit_heads(
     criterion: str = "entropy",
     patience: int = 2,
     extra: dict[str, Any] | None = None,
+    policies: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Add ``exit_logits_<k>`` head outputs after the cut tensors and record the early-exit metadata.
 
     ``thresholds[k] is None`` means exit ``k`` never fires (kept for patience windows / fidelity checks).
+    ``policies`` (criterion ``learned``): per exit ``{"weights", "bias", "prev_head"}``
+    (:func:`dyncompile.passes.early_exit.certify.policy_metadata`), written into the exit's entry.
     """
+    if criterion == "learned" and (policies is None or set(policies) != set(heads)):
+        raise ir.passes.PreconditionError("criterion 'learned' needs a policy for every exit head (policies=...)")
     g = model.graph
     outs = [v for v in g.outputs if not v.name.startswith("exit_logits_")]
     final = outs[0]
@@ -69,6 +74,7 @@ def attach_exit_heads(
         "final_output": final.name,
         "exits": [
             {"layer": k, "cut": cuts[k], "head_output": f"exit_logits_{k}", "threshold": thresholds[k]}
+            | ({"policy": policies[k]} if policies else {})
             for k in sorted(heads)
         ],
         **(extra or {}),
@@ -95,11 +101,13 @@ class AttachExitHeadsPass(ir.passes.InPlacePass):
     Sketch: ``h_k = layer_k(...)  ->  exit_logits_k = head_k(pool(h_k, mask))`` (extra output).
     """
 
-    def __init__(self, heads, cuts, thresholds, num_layers: int, criterion: str = "entropy", patience: int = 2, extra=None):
+    def __init__(self, heads, cuts, thresholds, num_layers: int, criterion: str = "entropy", patience: int = 2, extra=None,
+                 policies=None):
         super().__init__()
         self.heads, self.cuts, self.thresholds = dict(heads), dict(cuts), dict(thresholds)
         self.num_layers, self.criterion, self.patience = int(num_layers), criterion, int(patience)
         self.extra = dict(extra or {})
+        self.policies = None if policies is None else dict(policies)
 
     def __repr__(self) -> str:
         return f"AttachExitHeadsPass(exits={sorted(self.heads)}, criterion={self.criterion!r})"
@@ -109,6 +117,6 @@ class AttachExitHeadsPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         attach_exit_heads(
             model, heads=self.heads, cuts=self.cuts, thresholds=self.thresholds, num_layers=self.num_layers,
-            criterion=self.criterion, patience=self.patience, extra=self.extra,
+            criterion=self.criterion, patience=self.patience, extra=self.extra, policies=self.policies,
         )
         return ir.passes.PassResult(model, modified=True)

@@ -27,6 +27,11 @@ from dyncompile.passes.early_exit.calibrate import (
     calibrate_exits,
     reference_budget,
 )
+from dyncompile.passes.early_exit.certify import (
+    certified_calibration,
+    policy_metadata,
+    uncertified_certificate,
+)
 from dyncompile.passes.early_exit.fit import fit_exit_heads
 from dyncompile.passes.early_exit.heads import pool_features
 from dyncompile.passes.quantize_weights import QUANTIZED_KEY
@@ -99,6 +104,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         folds: int = 5,
         seed: int = 0,
         progress: bool = True,
+        confidence: float | None = 0.9,
+        split: float = 0.3,
     ) -> None:
         super().__init__()
         self.texts = list(texts)
@@ -118,10 +125,13 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         self.folds = int(folds)
         self.seed = int(seed)
         self.progress = progress
+        self.confidence = confidence
+        self.split = float(split)
 
     def __repr__(self) -> str:
         return (
-            f"FitExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, criterion={self.criterion!r}, "
+            f"FitExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, confidence={self.confidence}, "
+            f"criterion={self.criterion!r}, "
             f"exits={self.exits or 'all'}, never_exit={self.never_exit})"
         )
 
@@ -211,19 +221,41 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 pooling=pooling, batch_size=self.batch_size, progress=self.progress,
             )
             del ref
+        certified = None
         try:
-            cal = calibrate_exits(
-                fit.oof_probs, teacher, self.labels, exits, num_layers,
-                budget=self.budget, criterion=self.criterion, patience=self.patience, reference_probs=reference_probs,
-            )
+            confidence = None if self.never_exit else self.confidence  # nothing fires: nothing to certify
+            if confidence is not None or self.criterion == "learned":
+                certified, calibration = certified_calibration(
+                    fit.oof_probs, teacher, self.labels, exits, num_layers, budget=self.budget,
+                    confidence=confidence, criterion=self.criterion, patience=self.patience,
+                    reference_probs=reference_probs, split=self.split, seed=self.seed,
+                )
+                logger.info("early-exit certificate: %s", certified.certificate.describe())
+                thresholds = list(certified.thresholds[:-1])
+            else:
+                cal = calibrate_exits(
+                    fit.oof_probs, teacher, self.labels, exits, num_layers,
+                    budget=self.budget, criterion=self.criterion, patience=self.patience, reference_probs=reference_probs,
+                )
+                for w in cal.warnings:
+                    logger.warning("early-exit calibration: %s", w)
+                thresholds = list(cal.thresholds[:-1])
+                calibration = {k: v for k, v in cal.to_dict().items() if k != "thresholds"} | {
+                    "thresholds_all_exits": dict(zip(map(str, exits), thresholds)), "rows": len(self.texts)}
         except CalibrationError as e:
             raise ir.passes.PreconditionError(str(e)) from None
-        for w in cal.warnings:
-            logger.warning("early-exit calibration: %s", w)
-        thresholds = list(cal.thresholds[:-1])
         if self.never_exit:
             thresholds = [None] * len(exits)
-        keep = exits_to_keep(thresholds, self.criterion, self.patience, self.never_exit)
+        learned = self.criterion == "learned"
+        keep = exits_to_keep(thresholds, "patience" if learned else self.criterion, 2 if learned else self.patience,
+                             self.never_exit)
+        extra_policy = {}
+        if certified is not None:
+            extra_policy["certificate"] = certified.certificate.to_dict()
+        else:
+            extra_policy["certificate"] = uncertified_certificate(calibration, self.labels is not None)
+        if learned:
+            extra_policy["exit_policy"] = certified.policy.to_dict()
         attach_exit_heads(
             model,
             heads={exits[j]: fit.heads[j] for j in keep},
@@ -242,14 +274,15 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                     }
                     for j, k in enumerate(exits)
                 },
-                "calibration": {k: v for k, v in cal.to_dict().items() if k != "thresholds"}
-                | {"thresholds_all_exits": dict(zip(map(str, exits), thresholds)), "rows": len(self.texts)},
+                "calibration": calibration,
                 "fit": {"seconds": round(fit.fit_seconds, 2), **fit.config},
+                **extra_policy,
             },
+            policies=policy_metadata(certified.policy, exits, keep) if learned else None,
         )
         logger.info(
-            "early exit: %d exits kept of %d; expected speedup %.2fx, accuracy %s (full %s)",
-            len(keep), len(exits), cal.expected_speedup, cal.expected_accuracy, cal.baseline_accuracy,
+            "early exit: %d exits kept of %d; expected speedup %.2fx on the calibration rows",
+            len(keep), len(exits), calibration["expected_speedup"],
         )
         return ir.passes.PassResult(model, modified=True)
 

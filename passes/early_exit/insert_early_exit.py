@@ -157,7 +157,10 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
             window = head_outs[max(0, j - patience + 1) : j + 1] if criterion == "patience" else ()
             if criterion == "patience" and len(window) < patience:
                 thr = NEVER_THRESHOLD[criterion]  # not enough exits yet for the agreement window
-            cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
+            if criterion == "learned":
+                cond = self._learned_cond(cb, exits[j], head_outs[j], outputs)
+            else:
+                cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
             then_logits = ir.node("Identity", [head_outs[j]])
             then_logits.outputs[0].name = f"exit{k}_logits_out"
             layer_const = cb.const(np.array(k, np.int64), "layer")
@@ -186,6 +189,15 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         e.name = "exit_layer"
         g.outputs.extend([y, e])
         self._move_initializers_inward(g)
+
+    @staticmethod
+    def _learned_cond(cb: GraphBuilder, ex: dict, logits: ir.Value, outputs: dict[str, ir.Value]) -> ir.Value:
+        """All rows' learned score > threshold (a constant False where the exit never fires)."""
+        pol = ex.get("policy")
+        if ex["threshold"] is None or pol is None:
+            return cb.op("Identity", [cb.const(np.array(False), "never")])
+        prev = outputs[pol["prev_head"]] if pol.get("prev_head") else None
+        return cb.all_rows(cb.learned_fires(logits, prev, pol["weights"], pol["bias"], float(ex["threshold"])))
 
     @staticmethod
     def _move_initializers_inward(g: ir.Graph) -> None:
@@ -252,12 +264,13 @@ def _make_early_exit(
     never_exit: bool | None = None,
     heads: str | None = None,
     budget_reference: str = "original",
+    confidence: str | float | None = None,
 ):
     """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass.
 
-    Options left at None take the compile's flags (``--budget``, ``--lowering``, ``--criterion``,
-    ``--exits``, ``--never-exit``, ``--heads``), then the defaults (budget 1.0, lowering auto, entropy,
-    every layer, fitted heads).
+    Options left at None take the compile's flags (``--budget``, ``--confidence``, ``--lowering``,
+    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``), then the defaults (budget 1.0 certified at
+    confidence 0.9, lowering auto, entropy, every layer, fitted heads).
     """
     from pathlib import Path
 
@@ -277,8 +290,15 @@ def _make_early_exit(
     if lowering not in ("if", "staged", "auto"):
         raise PassConfigError(f"--lowering must be if, staged or auto, got {lowering!r}")
     criterion = criterion or o.get("criterion") or "entropy"
-    if criterion not in ("entropy", "maxprob", "patience"):
-        raise PassConfigError(f"--criterion must be entropy, maxprob or patience, got {criterion!r}")
+    if criterion not in ("entropy", "maxprob", "patience", "learned"):
+        raise PassConfigError(f"--criterion must be entropy, maxprob, patience or learned, got {criterion!r}")
+    from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence
+
+    asked = confidence if confidence is not None else o.get("confidence")
+    try:
+        confidence = parse_confidence(asked)
+    except CalibrationError as e:
+        raise PassConfigError(str(e)) from None
     if not 1 <= patience <= 64:
         raise PassConfigError(f"early-exit patience must be in 1..64, got {patience}")
     never_exit = bool(o.get("never_exit", False)) if never_exit is None else never_exit
@@ -304,6 +324,14 @@ def _make_early_exit(
     if heads == "given":
         from dyncompile.passes.early_exit.wire_given_exit_heads import WireGivenExitHeadsPass
 
+        if criterion == "learned":
+            raise PassConfigError("--criterion learned needs fitted heads (--heads fitted); given heads support entropy, "
+                                  "maxprob and patience")
+        if confidence is not None and asked is not None:
+            raise PassConfigError("--heads given calibrates without a certificate: pass --confidence none")
+        logger.warning("early-exit with --heads given: thresholds are calibrated without a certificate (the budget "
+                       "holds on the calibration rows only)")
+
         wire = WireGivenExitHeadsPass(
             texts, labels, tokenizer_file=tok, max_length=max_length, budget=budget, criterion=criterion,
             patience=patience, never_exit=never_exit, progress=context.progress,
@@ -324,6 +352,7 @@ def _make_early_exit(
         # after quantize-int8/int4 in the same pipeline, the budget is the total drop vs the compile input
         reference_model=context.model_path if budget_reference == "original" and context.model_path else None,
         progress=context.progress,
+        confidence=confidence,
     )
     return [fit, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
 
@@ -336,7 +365,7 @@ register_pass(
     requires=("calib",),
     choices={
         "lowering": ("if", "staged", "auto"),
-        "criterion": ("entropy", "maxprob", "patience"),
+        "criterion": ("entropy", "maxprob", "patience", "learned"),
         "heads": ("fitted", "given"),
         "budget_reference": ("original", "self"),
         "pooling": ("cls", "mean", "cls+mean"),
