@@ -207,6 +207,21 @@ def bench_runners(
     return {"baseline": base, "batch_size": batch_size, "results": results}
 
 
+def drift_section(compiled, report: dict[str, Any]) -> str | None:
+    """Observed (batch 1) vs calibration exit histograms + the drift verdict, into ``report["drift"]``."""
+    from dyncompile.runtime.drift import calibration_distribution, check, format_histograms
+
+    if calibration_distribution(compiled.plan.policy) is None:
+        return None
+    row = next((r for r in report["results"] if r["name"] == "compiled"), None)
+    hist = (row or {}).get("batch1", {}).get("exit_histogram")
+    if not hist:
+        return None
+    verdict = check(hist, compiled.plan.policy)
+    report["drift"] = verdict.to_dict()
+    return format_histograms(verdict)
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     bs = report["batch_size"]
     tb = f"batch{bs}"
@@ -264,11 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     report = bench_runners(
         runners, texts, labels, batch_size=args.batch_size, batch1_rows=args.batch1_rows, progress=not args.quiet
     )
+    drift = drift_section(compiled, report)
     report["machine"] = machine_info()
     report["plan"] = str(Path(args.plan).resolve())
     report["provider"] = compiled.provider
     report["markdown"] = markdown_table(report)
     jp, mp = write_report(report, Path(args.report_dir), Path(args.plan).resolve().name)
     print(report["markdown"])
+    if drift:
+        print("\nexit layers at batch 1 vs calibration:\n" + drift)
     print(f"\nmachine: {report['machine']}\nwritten: {jp} {mp}")
     return 0
