@@ -37,10 +37,11 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import PlanError
+from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.cost_model import DEFAULT_VERIFY_SLOPE, best_draft_length, verify_cost
 from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from dyncompile.runtime.executor import register_step
-from dyncompile.runtime.generate import DecoderSpec, GenerateStep, GenerationStats, PromptError
+from dyncompile.runtime.generate import GenerateStep, GenerationStats, PromptError
 from dyncompile.runtime.kv_cache import KVDecoder
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dyncompile.passes.early_exit.exit_heads import CalibrationError, fit_exit_heads
+from dyncompile.passes.early_exit.checks import CalibrationError
+from dyncompile.passes.early_exit.fit import fit_exit_heads
 from dyncompile.passes.early_exit.newton import (
     _fit_linear,
     _openblas_thread_api,
@@ -109,3 +110,12 @@ def test_blas_threads_restores_the_thread_count():
     with blas_threads(1):
         assert get() == 1
     assert get() == before
+
+
+def test_auto_pca_dim_scales_with_rows():
+    from dyncompile.passes.early_exit.newton import auto_pca_dim
+
+    assert auto_pca_dim(1600) == 128 and auto_pca_dim(320) == 32 and auto_pca_dim(50) == 16
+    x, teacher, y = _problem(n=400, f=60)
+    res = fit_exit_heads_newton([x], teacher, y, pooling="cls")  # default "auto": 320 training rows -> 32
+    assert res.config["pca_dim"] == 32

@@ -17,8 +17,8 @@ after layer ``k`` of ``L`` costs ``k / L``), the mean measured drop (full-model 
 accuracy on the measured half), its spread, and the fraction of splits where the drop exceeds the
 budget. Methods: ``entropy`` (today's calibration, **uncertified**) and any registered in
 :data:`CALIBRATORS` (the hook for certified calibration and the learned policy:
-``register_calibrator(name, fn)``; ``certified`` is registered automatically when
-``dyncompile.passes.early_exit.certify`` provides ``calibrate_certified``).
+``register_calibrator(name, fn)``; ``certified`` and ``learned-certified`` are registered by
+:func:`register_certified` when ``dyncompile.passes.early_exit.certify`` provides ``certified_calibration``).
 
     python -m dyncompile.tools.bench_early_exit_resplit --models minilm-l6-sentiment --splits 200
     python -m dyncompile.tools.bench_early_exit_resplit --models mpnet-base-sentiment --splits 200 --heads fixed
@@ -42,10 +42,30 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CALIBRATORS", "register_calibrator", "resplit", "main"]
+__all__ = ["CALIBRATORS", "ExitRule", "main", "register_calibrator", "register_certified", "resplit", "threshold_rule"]
 
-#: name -> fn(oof_probs [E, N, C], teacher [N, C], labels [N], exits, num_layers, budget) -> Calibration
+#: name -> fn(oof_probs [E, N, C], teacher [N, C], labels [N], exits, num_layers, budget) -> ExitRule
 CALIBRATORS: dict[str, Callable[..., Any]] = {}
+
+
+class ExitRule:
+    """A calibrated exit rule: ``scores(p)`` ``[E, N]`` (larger = more confident) vs confidence thresholds ``tc``."""
+
+    def __init__(self, scores: Callable[[np.ndarray], np.ndarray], tc: np.ndarray, costs: Sequence[float]) -> None:
+        self.scores, self.tc, self.costs = scores, np.asarray(tc, np.float64), np.asarray(costs, np.float64)
+
+    def decide(self, exit_probs: np.ndarray) -> np.ndarray:
+        """Exit index per row of ``exit_probs`` ``[E, N, C]`` (the last exit is the full model)."""
+        from dyncompile.runtime.exit_rule import first_exit
+
+        return first_exit(self.scores(exit_probs), self.tc)
+
+
+def threshold_rule(thresholds: Sequence[float | None], criterion: str, costs: Sequence[float], patience: int = 2) -> ExitRule:
+    """The rule of thresholds written in a criterion's units (as in a plan)."""
+    from dyncompile.runtime.exit_rule import confidence_thresholds, exit_scores
+
+    return ExitRule(lambda p: exit_scores(p, criterion, patience), confidence_thresholds(thresholds, criterion), costs)
 
 
 def register_calibrator(name: str, fn: Callable[..., Any]) -> None:
@@ -56,26 +76,51 @@ def register_calibrator(name: str, fn: Callable[..., Any]) -> None:
 def _entropy(oof, teacher, labels, exits, num_layers, budget):
     from dyncompile.passes.early_exit.fit_exit_heads import calibrate_exits
 
-    return calibrate_exits(oof, teacher, labels, exits, num_layers, budget=budget, criterion="entropy", patience=2)
+    cal = calibrate_exits(oof, teacher, labels, exits, num_layers, budget=budget, criterion="entropy", patience=2)
+    return threshold_rule(cal.thresholds, "entropy", cal.costs)
 
 
 register_calibrator("entropy", _entropy)
 
+#: confidence (1 - delta) of the certified methods
+CONFIDENCE = 0.9
+
+
+def register_certified(certify: Any) -> list[str]:
+    """Hook for certified calibration (helper branch ``cert``: ``passes/early_exit/certify.py``).
+
+    Uses ``certify.certified_calibration(oof, teacher, labels, exits, num_layers, budget=, confidence=,
+    criterion=)``, which returns ``(CertifiedExits, record)`` with ``thresholds`` in the criterion's units
+    and, for ``criterion="learned"``, the fitted ``policy`` (``policy.scores(p)``). Registers
+    ``certified`` (entropy, Learn-then-Test at :data:`CONFIDENCE`) and ``learned-certified``.
+    """
+    fn = getattr(certify, "certified_calibration", None)
+    if fn is None:
+        return []
+
+    def make(criterion):
+        def calibrate(oof, teacher, labels, exits, num_layers, budget):
+            res, _ = fn(oof, teacher, labels, exits, num_layers, budget=budget, confidence=CONFIDENCE, criterion=criterion)
+            costs = [k / num_layers for k in exits] + [1.0]
+            if criterion == "learned":
+                tc = np.array([np.inf if t is None else float(t) for t in res.thresholds])
+                return ExitRule(res.policy.scores, tc, costs)
+            return threshold_rule(res.thresholds, criterion, costs)
+
+        return calibrate
+
+    register_calibrator("certified", make("entropy"))
+    register_calibrator("learned-certified", make("learned"))
+    return ["certified", "learned-certified"]
+
 
 def _register_certified() -> None:
-    """Hook: certified calibration, if this checkout has it (helper branch ``cert``)."""
     try:
-        from dyncompile.passes.early_exit import certify  # noqa: F401
+        from dyncompile.passes.early_exit import certify
     except ImportError:
+        logger.info("no dyncompile.passes.early_exit.certify in this checkout: entropy (uncertified) only")
         return
-    fn = getattr(certify, "calibrate_certified", None)
-    if fn is not None:
-        register_calibrator("certified", lambda oof, t, y, exits, L, budget: fn(oof, t, y, exits, L, budget=budget))
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
+    register_certified(certify)
 
 
 def collect(model_name: str, splits: Sequence[str], *, data_dir: Path, cache_dir: Path | None, progress: bool = True):
@@ -116,16 +161,14 @@ def collect(model_name: str, splits: Sequence[str], *, data_dir: Path, cache_dir
     return out, exits, num_layers
 
 
-def _measure(cal, probs: np.ndarray, teacher: np.ndarray, labels: np.ndarray) -> tuple[float, float, float]:
-    """(expected speedup, accuracy drop in points, agreement with the full model %) of ``cal`` on these rows."""
-    from dyncompile.passes.early_exit.exit_heads import exit_decisions
-
+def _measure(rule: ExitRule, probs: np.ndarray, teacher: np.ndarray, labels: np.ndarray) -> tuple[float, float, float]:
+    """(expected speedup, accuracy drop in points, agreement with the full model %) of ``rule`` on these rows."""
     p = np.concatenate([probs, teacher[None].astype(np.float32)])
-    ex = exit_decisions(p, cal)
+    ex = rule.decide(p)
     n = len(labels)
     pred = p[ex, np.arange(n)].argmax(1)
     full = teacher.argmax(1)
-    cost = float(np.asarray(cal.costs)[ex].mean())
+    cost = float(rule.costs[ex].mean())
     drop = float(((full == labels).mean() - (pred == labels).mean()) * 100)
     return 1.0 / cost, drop, float((pred == full).mean() * 100)
 
@@ -170,10 +213,9 @@ def resplit(
         else:
             cal_probs, test_probs = fixed_probs[:, a], fixed_probs[:, b]
         for m in methods:
-            cal = CALIBRATORS[m](cal_probs, teacher[a], labels[a], exits, num_layers, budget)
-            sp, drop, agr = _measure(cal, test_probs, teacher[b], labels[b])
-            per[m].append({"split": s, "speedup": sp, "drop": drop, "agreement": agr,
-                           "calib_speedup": float(cal.expected_speedup)})
+            rule = CALIBRATORS[m](cal_probs, teacher[a], labels[a], exits, num_layers, budget)
+            sp, drop, agr = _measure(rule, test_probs, teacher[b], labels[b])
+            per[m].append({"split": s, "speedup": sp, "drop": drop, "agreement": agr})
     out: dict[str, Any] = {"rows": n, "half": n // 2, "splits": splits, "budget": budget, "heads": heads,
                            "fit_seconds_median": float(np.median(fit_secs)) if fit_secs else None, "methods": {}}
     for m, rows in per.items():
@@ -208,7 +250,7 @@ def fixed_head_probs(data: dict, exits, *, solver: str = "newton") -> tuple[np.n
 
     ``solver="adam"``: the gradient-descent fit the compile used before the Newton fit (for comparing the two).
     """
-    from dyncompile.passes.early_exit.exit_heads import fit_exit_heads
+    from dyncompile.passes.early_exit.fit import fit_exit_heads
     from dyncompile.passes.early_exit.newton import blas_threads, fit_exit_heads_newton
 
     fc, tc, yc = data["movie-calib"]

@@ -13,7 +13,9 @@ import logging
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sentiment"
+from dyncompile.io import shared_dir
+
+DATA = shared_dir() / "data" / "sentiment"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from dyncompile import models
     from dyncompile.errors import DyncompileError
     from dyncompile.io import read_jsonl, texts_and_labels
-    from dyncompile.tools.bench import (
+    from dyncompile.tools._bench_common import (
         BENCH_SESSION_CONFIG,
         bench_runners,
         machine_info,

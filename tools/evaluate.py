@@ -11,7 +11,19 @@ import numpy as np
 from dyncompile.errors import DataError
 from dyncompile.io import read_jsonl, texts_and_labels
 
-__all__ = ["ReferenceModel", "evaluate_plan"]
+__all__ = ["ReferenceModel", "check_labels_in_range", "evaluate_plan"]
+
+
+def check_labels_in_range(labels: list[int] | None, names: list[str] | None, data) -> None:
+    """Every gold label must be one of the plan's classes (a label outside them would be scored as wrong)."""
+    if labels is None or names is None:
+        return
+    bad = [lab for lab in labels if not 0 <= lab < len(names)]
+    if bad:
+        raise DataError(
+            f"{data}: label {bad[0]!r} is outside this plan's {len(names)} classes ({', '.join(names)}); use a class "
+            f"index 0..{len(names) - 1} or a label name"
+        )
 
 
 class ReferenceModel:
@@ -58,6 +70,7 @@ def evaluate_plan(compiled, data: str | Path, *, limit=None, batch_size: int = 3
         raise DataError(f"--data evaluation is for classifiers; this plan's task is {compiled.plan.task!r}")
     rows = read_jsonl(data, limit=limit)
     texts, labels = texts_and_labels(rows, compiled.plan.labels)
+    check_labels_in_range(labels, compiled.plan.labels, data)
     t0 = time.perf_counter()
     probs = compiled.predict_proba(texts, batch_size=batch_size)
     secs = time.perf_counter() - t0
@@ -76,9 +89,7 @@ def evaluate_plan(compiled, data: str | Path, *, limit=None, batch_size: int = 3
         lines.append(f"mean exit layer: {np.mean(exits):.2f}  histogram: {hist}")
         lines.extend(_drift_lines(compiled, exits, batch_size, report))
     if compare:
-        src = compiled.plan.provenance.get("source", {}).get("path")
-        if not src or not Path(src).is_file():
-            raise DataError(f"--compare needs the original model, recorded as {src!r}, which is not there any more")
+        src = compiled.plan.original_model("--compare")  # sha256-checked: figures vs the true original only
         ref = ReferenceModel(src, compiled).predict_proba(texts, batch_size=batch_size)
         diff = float(np.abs(ref - probs).max())
         agree = float((ref.argmax(-1) == pred).mean() * 100)

@@ -45,7 +45,7 @@ def inspect_path(path: str | Path, as_json: bool = False) -> str:
     if p.is_dir() and (p / PLAN_FILENAME).is_file() or p.name == PLAN_FILENAME:
         return _inspect_plan(p if p.is_dir() else p.parent, as_json)
     from dyncompile.io import load_input_model
-    from dyncompile.passes.analysis.layers import analyze_model, format_report
+    from dyncompile.passes.analysis import analyze_model, format_report
 
     model = load_input_model(p)
     structure = analyze_model(model)

@@ -1,60 +1,60 @@
-"""``early-exit`` (part 1): fit exit heads on calibration data and calibrate their thresholds."""
+"""``early-exit`` (part 1): ``FitExitHeadsPass`` fits exit heads on calibration data and calibrates their thresholds.
+
+The pass is the glue between the graph and the numerics: it probes the model in ONNX Runtime for the
+cut tensors' pooled features (:func:`collect_exit_features`), fits heads (:mod:`.fit`), calibrates
+thresholds (:mod:`.calibrate`) and attaches the heads that can fire (:mod:`.attach_exit_heads`).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from dyncompile.passes._infra import progress_bar as _progress
-from dyncompile.passes.early_exit.exit_heads import (
+from dyncompile.passes.early_exit.attach_exit_heads import (
+    EARLY_EXIT_FORMAT,
+    EARLY_EXIT_KEY,
+    attach_exit_heads,
+    default_opset,
+)
+from dyncompile.passes.early_exit.calibrate import (
     Calibration,
     CalibrationError,
-    ExitHead,
-    calibrate_thresholds,
-    exit_decisions,
-    fit_exit_heads,
-    pool_features,
+    calibrate_exits,
+    reference_budget,
 )
-from dyncompile.passes.early_exit.graph import GraphBuilder
-from dyncompile.passes.early_exit.newton import DEFAULT_NEWTON_PCA_DIM, fit_exit_heads_newton
+from dyncompile.passes.early_exit.fit import fit_exit_heads
+from dyncompile.passes.early_exit.heads import pool_features
+from dyncompile.passes.early_exit.newton import fit_exit_heads_newton
 from dyncompile.passes.quantize_weights import QUANTIZED_KEY
+from dyncompile.runtime.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EARLY_EXIT_FORMAT",
     "EARLY_EXIT_KEY",
     "MIN_CALIB_ROWS",
-    "AttachExitHeadsPass",
     "FitExitHeadsPass",
-    "attach_exit_heads",
     "calibrate_exits",
+    "classifier_output",
     "collect_exit_features",
+    "default_opset",
     "exit_distribution",
     "exits_to_keep",
     "find_exit_cuts",
     "reference_budget",
 ]
 
-EARLY_EXIT_KEY = "dyncompile.early_exit"
-EARLY_EXIT_FORMAT = "dyncompile.early_exit/v1"
 SOLVERS = ("newton", "adam")
 #: Fewer calibration rows than this cannot fit K-fold heads and calibrate thresholds meaningfully.
 MIN_CALIB_ROWS = 100
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
-
-
-def default_opset(model: ir.Model) -> int:
-    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
 
 
 class FitExitHeadsPass(ir.passes.InPlacePass):
@@ -195,6 +195,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             )
         pooling = self.pooling or "cls+mean"
         cut_names = [cuts[k] for k in exits]
+        clock = _PhaseClock()
         features, teacher = collect_exit_features(
             model,
             cut_names,
@@ -205,11 +206,12 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             batch_size=self.batch_size,
             progress=self.progress,
         )
+        clock.lap("running the calibration set")
         bar = _progress(len(exits), "early-exit: fitting exit heads", self.progress)
         if self.solver == "newton":
             fit = fit_exit_heads_newton(
                 features, teacher, self.labels, pooling=pooling, seed=self.seed, folds=self.folds,
-                pca_dim=self.pca_dim or DEFAULT_NEWTON_PCA_DIM, progress=lambda done, total, msg: bar.update(1),
+                pca_dim=self.pca_dim or "auto", progress=lambda done, total, msg: bar.update(1),
             )
         else:
             fit = fit_exit_heads(
@@ -223,6 +225,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 progress=lambda done, total, msg: bar.update(1),
             )
         bar.close()
+        clock.lap("fitting exit heads")
         reference_probs = None
         if self.reference_model is not None and QUANTIZED_KEY in model.metadata_props:
             ref = self.reference_model
@@ -232,6 +235,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 pooling=pooling, batch_size=self.batch_size, progress=self.progress,
             )
             del ref
+        if reference_probs is not None:
+            clock.lap("running the reference model")
         bar = _progress(1, "early-exit: calibrating thresholds", self.progress)
         try:
             cal = calibrate_exits(
@@ -242,6 +247,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError(str(e)) from None
         bar.update(1)
         bar.close()
+        clock.lap("calibrating thresholds")
         for w in cal.warnings:
             logger.warning("early-exit calibration: %s", w)
         thresholds = list(cal.thresholds[:-1])
@@ -269,7 +275,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 "calibration": {k: v for k, v in cal.to_dict().items() if k != "thresholds"}
                 | {"thresholds_all_exits": dict(zip(map(str, exits), thresholds)), "rows": len(self.texts),
                    "exit_distribution": exit_distribution(cal, exits, num_layers, never_exit=self.never_exit)},
-                "fit": {"seconds": round(fit.fit_seconds, 2), **fit.config},
+                "fit": {"seconds": round(fit.fit_seconds, 2), **fit.config, "phases": clock.phases},
             },
         )
         logger.info(
@@ -277,6 +283,20 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             len(keep), len(exits), cal.expected_speedup, cal.expected_accuracy, cal.baseline_accuracy,
         )
         return ir.passes.PassResult(model, modified=True)
+
+
+class _PhaseClock:
+    """Wall and CPU seconds (this process, all threads) per compile phase, logged and kept for the plan."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, float]] = {}
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, name: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.phases[name] = {"wall_s": round(wall - self._wall, 2), "cpu_s": round(cpu - self._cpu, 2)}
+        logger.info("early exit: %s took %.1f s wall, %.1f s CPU", name, wall - self._wall, cpu - self._cpu)
+        self._wall, self._cpu = wall, cpu
 
 
 def exit_distribution(cal: Calibration, exits: Sequence[int], num_layers: int, *, never_exit: bool = False) -> dict:
@@ -363,6 +383,9 @@ def collect_exit_features(
             g.outputs.pop()
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    # Threads that sleep instead of spinning between ops: batch-32 throughput work loses nothing to the
+    # wake-up, and on a busy machine spinning burnt ~45 % more CPU for the same rows (MiniLM, 640 rows).
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     del proto
     enc = TextEncoder(tokenizer_file, max_length=max_length)
@@ -376,7 +399,7 @@ def collect_exit_features(
         rows = order[i : i + batch_size]
         feeds = enc([texts[r] for r in rows])
         outs = sess.run([final.name, *cut_names], {k: feeds[k] for k in in_names})
-        p = _softmax(outs[0].astype(np.float64))
+        p = softmax(outs[0].astype(np.float64))
         if finals is None:
             finals = np.empty((n, p.shape[1]), np.float64)
         finals[rows] = p
@@ -401,156 +424,3 @@ def length_order(enc, texts: Sequence[str]) -> np.ndarray:
     lengths = np.fromiter((len(e.ids) for e in enc.tokenizer.encode_batch(list(texts))), np.int64, len(texts))
     return np.argsort(lengths, kind="stable")
 
-
-def reference_budget(
-    budget: float, probs: np.ndarray, reference_probs: np.ndarray, labels: np.ndarray | None
-) -> tuple[float, dict[str, Any]]:
-    """The part of a ``budget`` (accuracy points vs a reference model) left for early exit.
-
-    ``probs`` are the full model's probabilities (e.g. the int8 model), ``reference_probs`` the reference's
-    (its fp32 original) on the same calibration rows. With labels the model already spends
-    ``max(0, acc_ref - acc)`` points; without labels (budget = disagreement with the reference's
-    predictions) ``100 - agreement``. What is left, ``max(0, budget - spent)``, is the budget of the exits
-    against the model itself, so on these rows ``acc_ref - acc_early_exit <= budget`` (and
-    ``disagreement(early exit, reference) <= budget`` by the union bound) whenever ``spent <= budget``.
-    A model more accurate than its reference on these rows does not give the exits more than ``budget``
-    (``spent >= 0``): a gain of a quantized model on calibration data is noise more often than not.
-    """
-    probs, reference_probs = np.asarray(probs), np.asarray(reference_probs)
-    if probs.shape != reference_probs.shape:
-        raise CalibrationError(f"reference probabilities {reference_probs.shape} do not match the model's {probs.shape}")
-    n = len(probs)
-    pred, ref_pred = probs.argmax(1), reference_probs.argmax(1)
-    agree = int((pred == ref_pred).sum())
-    info: dict[str, Any] = {"budget_total": float(budget), "agreement_with_reference": round(100.0 * agree / n, 4)}
-    if labels is not None:
-        y = np.asarray(labels)
-        c_ref, c = int((ref_pred == y).sum()), int((pred == y).sum())
-        spent = max(0.0, 100.0 * (c_ref - c) / n)
-        info.update(metric="accuracy", reference_accuracy=round(100.0 * c_ref / n, 4), model_accuracy=round(100.0 * c / n, 4))
-    else:
-        spent = 100.0 * (n - agree) / n
-        info.update(metric="agreement")
-    left = max(0.0, float(budget) - spent)
-    info.update(spent_by_model=round(spent, 4), budget_left=round(left, 4), budget_exceeded=bool(spent > budget + 1e-9))
-    return left, info
-
-
-def calibrate_exits(
-    oof_probs: np.ndarray,
-    teacher: np.ndarray,
-    labels: np.ndarray | None,
-    exits: Sequence[int],
-    num_layers: int,
-    *,
-    budget: float,
-    criterion: str,
-    patience: int,
-    reference_probs: np.ndarray | None = None,
-) -> Calibration:
-    """Thresholds for the head exits (+ the full model as the last exit), costs ``k / L``.
-
-    ``reference_probs`` (e.g. the fp32 original's probabilities on the same rows, for an int8 model):
-    ``budget`` is the total drop against that reference, and the exits get what the model leaves of it
-    (:func:`reference_budget`); ``Calibration.budget`` stays the total, ``Calibration.reference`` says how
-    it was split.
-    """
-    exit_probs = np.concatenate([oof_probs, teacher[None].astype(np.float32)])
-    costs = [k / num_layers for k in exits] + [1.0]
-    info = None
-    if reference_probs is not None:
-        budget_total = float(budget)
-        budget, info = reference_budget(budget_total, teacher, reference_probs, labels)
-    cal = calibrate_thresholds(exit_probs, teacher, labels, costs, budget=budget, criterion=criterion, patience=patience)
-    if info is not None:
-        cal.budget, cal.reference = budget_total, info
-        if info["budget_exceeded"]:
-            cal.warnings.append(
-                f"the model alone already drops {info['spent_by_model']:.2f} points against its reference on the "
-                f"calibration rows, more than the budget of {budget_total:g}: exits were calibrated with no budget left"
-            )
-        n = len(teacher)
-        pred = exit_probs[exit_decisions(exit_probs, cal), np.arange(n)].argmax(1)
-        ref_pred = np.asarray(reference_probs).argmax(1)
-        info["expected_agreement_with_reference"] = round(float((pred == ref_pred).mean() * 100), 4)
-        if labels is not None:
-            info["expected_drop_vs_reference"] = round(
-                float(((ref_pred == np.asarray(labels)).mean() - (pred == np.asarray(labels)).mean()) * 100), 4
-            )
-    return cal
-
-
-def attach_exit_heads(
-    model: ir.Model,
-    *,
-    heads: dict[int, ExitHead],
-    cuts: dict[int, str],
-    thresholds: dict[int, float | None],
-    num_layers: int,
-    criterion: str = "entropy",
-    patience: int = 2,
-    extra: dict[str, Any] | None = None,
-) -> None:
-    """Add ``exit_logits_<k>`` head outputs after the cut tensors and record the early-exit metadata.
-
-    ``thresholds[k] is None`` means exit ``k`` never fires (kept for patience windows / fidelity checks).
-    """
-    g = model.graph
-    outs = [v for v in g.outputs if not v.name.startswith("exit_logits_")]
-    final = outs[0]
-    values = ir.convenience.create_value_mapping(g)
-    mask = next((v for v in g.inputs if v.name == "attention_mask"), None)
-    opset = default_opset(model)
-    for k in sorted(heads):
-        if cuts[k] not in values:
-            raise ir.passes.PreconditionError(f"cut tensor {cuts[k]!r} for the exit after layer {k} is not in the graph")
-        b = GraphBuilder(opset, f"exit{k}.")
-        hidden = values[cuts[k]]
-        logits = b.head(heads[k], hidden, b.float_mask(mask))
-        logits.name = f"exit_logits_{k}"
-        logits.dtype = ir.DataType.FLOAT
-        logits.shape = ir.Shape([final.shape[0], final.shape[1]])
-        for init in b.initializers:
-            g.register_initializer(init)
-        g.insert_after(hidden.producer(), b.tape.nodes)
-        g.outputs.append(logits)
-    meta = {
-        "format": EARLY_EXIT_FORMAT,
-        "num_layers": int(num_layers),
-        "criterion": criterion,
-        "patience": int(patience),
-        "final_output": final.name,
-        "exits": [
-            {"layer": k, "cut": cuts[k], "head_output": f"exit_logits_{k}", "threshold": thresholds[k]}
-            for k in sorted(heads)
-        ],
-        **(extra or {}),
-    }
-    model.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
-
-
-class AttachExitHeadsPass(ir.passes.InPlacePass):
-    """Attach already-fitted exit heads with given thresholds (no calibration data needed).
-
-    For re-lowering one fit at several budgets (benchmarks) and for heads fitted elsewhere. Same
-    output as :class:`FitExitHeadsPass`: ``exit_logits_<k>`` outputs + ``dyncompile.early_exit``
-    metadata; idempotent.
-    """
-
-    def __init__(self, heads, cuts, thresholds, num_layers: int, criterion: str = "entropy", patience: int = 2, extra=None):
-        super().__init__()
-        self.heads, self.cuts, self.thresholds = dict(heads), dict(cuts), dict(thresholds)
-        self.num_layers, self.criterion, self.patience = int(num_layers), criterion, int(patience)
-        self.extra = dict(extra or {})
-
-    def __repr__(self) -> str:
-        return f"AttachExitHeadsPass(exits={sorted(self.heads)}, criterion={self.criterion!r})"
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if EARLY_EXIT_KEY in model.metadata_props:
-            return ir.passes.PassResult(model, modified=False)
-        attach_exit_heads(
-            model, heads=self.heads, cuts=self.cuts, thresholds=self.thresholds, num_layers=self.num_layers,
-            criterion=self.criterion, patience=self.patience, extra=self.extra,
-        )
-        return ir.passes.PassResult(model, modified=True)

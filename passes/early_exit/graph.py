@@ -1,9 +1,10 @@
 """Builders for early-exit graph pieces (exit heads, exit conditions) with an onnx-ir Tape.
 
-Shared by :mod:`dyncompile.passes.early_exit.fit_exit_heads` (attaches heads) and
+Shared by :mod:`dyncompile.passes.early_exit.attach_exit_heads` (attaches heads) and
 :mod:`dyncompile.passes.early_exit.insert_early_exit` (builds the conditions of the If lowering). The math is
-exactly :mod:`dyncompile.passes.early_exit.exit_heads`' (pooling, dense stack, criteria), so the graph and the
-numpy reference agree.
+exactly the numpy one: heads as :mod:`dyncompile.passes.early_exit.heads` (pooling, dense stack), the exit test
+as :mod:`dyncompile.runtime.exit_rule` (criteria); ``tests/test_exit_rule.py`` checks that both give the same
+decisions.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.early_exit.exit_heads import ExitHead
+from dyncompile.passes.early_exit.heads import ExitHead
 
 __all__ = ["GraphBuilder", "NEVER_THRESHOLD"]
 
@@ -94,7 +95,7 @@ class GraphBuilder:
         threshold: float,
         window: Sequence[ir.Value] = (),
     ) -> ir.Value:
-        """Per-row bool ``[B]``: does this exit's test fire (module docstring of exit_heads)."""
+        """Per-row bool ``[B]``: does this exit's test fire (:func:`dyncompile.runtime.exit_rule.exit_fires`)."""
         thr = self.const(np.array(threshold, np.float32), "threshold")
         if criterion == "entropy":
             logp = self.op("LogSoftmax", [logits], {"axis": -1})

@@ -239,21 +239,51 @@ def _parse_exits(spec) -> list[int] | None:
         raise PassConfigError(f"--exits must be layer numbers like 2,4,6, got {spec!r}") from None
 
 
-def _make_early_exit(context, **opts):
-    """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass."""
+def _make_early_exit(
+    context,
+    budget: float | None = None,
+    lowering: str | None = None,
+    criterion: str | None = None,
+    patience: int = 2,
+    exits: int | str | None = None,
+    pooling: str | None = None,
+    hidden: int | None = None,
+    never_exit: bool | None = None,
+    heads: str | None = None,
+    budget_reference: str = "original",
+):
+    """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass.
+
+    Options left at None take the compile's flags (``--budget``, ``--lowering``, ``--criterion``,
+    ``--exits``, ``--never-exit``, ``--heads``), then the defaults (budget 1.0, lowering auto, entropy,
+    every layer, fitted heads).
+    """
     from pathlib import Path
 
     from dyncompile.errors import PassConfigError
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.passes.early_exit.fit_exit_heads import FitExitHeadsPass
 
-    o = {**context.options, **opts}
-    budget = float(o.get("budget", 1.0) if o.get("budget") is not None else 1.0)
-    if budget < 0:
-        raise PassConfigError(f"--budget is the accepted accuracy drop in points and must be >= 0, got {budget}")
-    lowering = o.get("lowering") or "auto"
+    o = context.options
+    budget = budget if budget is not None else o.get("budget")
+    budget = 1.0 if budget is None else budget
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 100:
+        raise PassConfigError(
+            f"--budget is the accepted accuracy drop in points and must be >= 0 (at most 100), got {budget!r}"
+        )
+    budget = float(budget)
+    lowering = lowering or o.get("lowering") or "auto"
     if lowering not in ("if", "staged", "auto"):
         raise PassConfigError(f"--lowering must be if, staged or auto, got {lowering!r}")
+    criterion = criterion or o.get("criterion") or "entropy"
+    if criterion not in ("entropy", "maxprob", "patience"):
+        raise PassConfigError(f"--criterion must be entropy, maxprob or patience, got {criterion!r}")
+    if not 1 <= patience <= 64:
+        raise PassConfigError(f"early-exit patience must be in 1..64, got {patience}")
+    never_exit = bool(o.get("never_exit", False)) if never_exit is None else never_exit
+    heads = heads or o.get("heads") or "fitted"
+    if heads not in ("fitted", "given"):
+        raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
     target = o.get("provider") or "cpu"
     if lowering == "auto":
         try:
@@ -265,37 +295,31 @@ def _make_early_exit(context, **opts):
     rows = read_jsonl(o["calib"])
     labels_names = context.model_config.get("labels")
     texts, labels = texts_and_labels(rows, labels_names)
-    tok = Path(o.get("tokenizer") or (context.model_path.parent / "tokenizer.json" if context.model_path else ""))
-    if not tok.is_file():
+    tok = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
+    if tok is None or not Path(tok).is_file():
         raise PassConfigError(f"early exit needs the model's tokenizer.json (looked at {tok}); pass --tokenizer")
-    criterion = o.get("criterion") or "entropy"
-    heads = o.get("heads") or "fitted"
-    if heads not in ("fitted", "given"):
-        raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
+    tok = Path(tok)
+    max_length = int(context.model_config.get("max_length", 512))
     if heads == "given":
         from dyncompile.passes.early_exit.wire_given_exit_heads import WireGivenExitHeadsPass
 
         wire = WireGivenExitHeadsPass(
-            texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
-            budget=budget, criterion=criterion, patience=int(o.get("patience", 2)),
-            never_exit=bool(o.get("never_exit", False)), progress=context.progress,
+            texts, labels, tokenizer_file=tok, max_length=max_length, budget=budget, criterion=criterion,
+            patience=patience, never_exit=never_exit, progress=context.progress,
         )
         return [wire, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
-    budget_reference = o.get("budget_reference") or "original"
-    if budget_reference not in ("original", "self"):
-        raise PassConfigError(f"budget_reference must be 'original' or 'self', got {budget_reference!r}")
     fit = FitExitHeadsPass(
         texts,
         labels,
         tokenizer_file=tok,
-        max_length=int(context.model_config.get("max_length", 512)),
+        max_length=max_length,
         budget=budget,
         criterion=criterion,
-        patience=int(o.get("patience", 2)),
-        exits=_parse_exits(o.get("exits")),
-        pooling=o.get("pooling"),
-        hidden=o.get("hidden"),
-        never_exit=bool(o.get("never_exit", False)),
+        patience=patience,
+        exits=_parse_exits(exits if exits is not None else o.get("exits")),
+        pooling=pooling,
+        hidden=hidden,
+        never_exit=never_exit,
         # after quantize-int8/int4 in the same pipeline, the budget is the total drop vs the compile input
         reference_model=context.model_path if budget_reference == "original" and context.model_path else None,
         progress=context.progress,
@@ -309,4 +333,11 @@ register_pass(
     "early-exit",
     help="fit exit heads on --calib data, calibrate thresholds to --budget, lower to an If graph or staged plan",
     requires=("calib",),
+    choices={
+        "lowering": ("if", "staged", "auto"),
+        "criterion": ("entropy", "maxprob", "patience"),
+        "heads": ("fitted", "given"),
+        "budget_reference": ("original", "self"),
+        "pooling": ("cls", "mean", "cls+mean"),
+    },
 )(_make_early_exit)

@@ -309,6 +309,7 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "speculative",
     help="speculative decoding plan: --drafter DRAFT.onnx | prompt-lookup (or after split-drafter); greedy output "
     "token-identical to the target, sampling exact",
+    after=("split-drafter",),
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int = 8,
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,

@@ -555,6 +555,9 @@ def _head_params(head: ir.Model) -> int:
     help="drafter from the target's first k layers + a bridge fitted on --calib TEXT (k by measured acceptance x "
     "cost; refuses below 1x); use with speculative",
     requires=("calib",),
+    # quantized layers hide the layer structure the drafter is cut from; the drafter feeds speculative
+    before=("quantize-int8", "quantize-int4", "speculative"),
+    choices={"bridge": ("linear", "none")},
 )
 def _make_split_drafter(
     context: CompileContext,
@@ -569,8 +572,8 @@ def _make_split_drafter(
     from tokenizers import Tokenizer
 
     texts = read_calibration_text(context.options["calib"])
-    tok_path = Path(context.options.get("tokenizer") or (context.model_path.parent / "tokenizer.json"))
-    if not tok_path.is_file():
+    tok_path = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
+    if tok_path is None or not Path(tok_path).is_file():
         raise DrafterError(
             f"split-drafter tokenizes the calibration text with the target's tokenizer, but {tok_path} is missing; "
             "pass --tokenizer tokenizer.json"
