@@ -268,21 +268,22 @@ def _markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Early exit: re-split honesty check",
         "",
-        f"movie-calib ∪ movie-test ({report['rows_total']} rows), {report['splits']} random halvings: calibrate on "
+        f"movie-calib ∪ movie-test ({report['rows_total']} rows), random halvings: calibrate on "
         f"one half ({report['half']} rows), measure on the other. Budget {report['budget']:g} accuracy points. "
         "Speedup: layer cost model (a row stopping after layer k of L costs k/L), mean over splits. Drop: full-model "
         "accuracy minus early-exit accuracy on the measured half. Violation: drop > budget.",
         "",
-        "| model | heads | method | mean speedup (layers) | mean drop | sd drop | p90 drop | violation rate (95 % CI) | "
+        "| model | heads | method | splits | mean speedup (layers) | mean drop | sd drop | p90 drop | violation rate (95 % CI) | "
         "measured b1 speedup on movie-test |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         for m, s in r["methods"].items():
             wall = (r.get("wall_clock") or {}).get(m, "–")
             ci = s["violation_rate_ci95"]
             lines.append(
-                f"| {r['model']} | {r['heads']} ({r.get('solver', 'newton')}) | {m}{' (uncertified)' if m == 'entropy' else ''} | {s['mean_speedup']:.2f}x | "
+                f"| {r['model']} | {r['heads']} ({r.get('solver', 'newton')}) | {m}{' (uncertified)' if m == 'entropy' else ''} | "
+                f"{r['splits']} | {s['mean_speedup']:.2f}x | "
                 f"{s['mean_drop']:+.2f} | {s['sd_drop']:.2f} | {s['drop_p90']:+.2f} | {100 * s['violation_rate']:.1f} % "
                 f"({100 * ci[0]:.1f}–{100 * ci[1]:.1f}) | {wall} |"
             )
@@ -306,12 +307,32 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         ax.axvline(report["budget"], color="k", ls="--", lw=1, label=f"budget {report['budget']:g}")
         ax.set_xlabel("measured accuracy drop on the held-out half (points)")
         ax.set_ylabel("expected speedup (layer cost model)")
-        ax.set_title(f"{r['model']} — heads {r['heads']}, {r['splits']} splits")
+        ax.set_title(f"{r['model']} — heads {r['heads']} ({r.get('solver', 'newton')}), {r['splits']} splits", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def merge_reports(paths: Sequence[str | Path], out: Path, notes: Sequence[str] = (), wall: dict | None = None) -> dict[str, Any]:
+    """Several ``resplit.json`` runs (e.g. per model / heads mode / method set) into one report + md + PNG."""
+    from dyncompile.io import write_json_atomic
+
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {k: reports[0][k] for k in ("rows_total", "half", "budget")}
+    merged.update(splits=None, results=[r for rep in reports for r in rep["results"]],
+                  runs=[{"file": str(p), "seconds": rep.get("seconds"), "load_avg": rep.get("load_avg"),
+                         "cert_commit": rep.get("cert_commit")} for p, rep in zip(paths, reports)],
+                  notes=[*reports[0].get("notes", []), *notes])
+    for r in merged["results"]:
+        if wall and r["model"] in wall:
+            r["wall_clock"] = wall[r["model"]]
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "resplit.json", merged)
+    (out / "resplit.md").write_text(_markdown(merged))
+    _plot(merged, out / "resplit.png")
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,12 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", help="keep the collected features here (npz) and reuse them")
     p.add_argument("--wall-clock", help="JSON {model: {method: 'text'}} of measured batch-1 speedups to print beside")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", nargs="+", metavar="RESPLIT_JSON", help="combine finished runs into one report in --out")
+    p.add_argument("--note", action="append", default=[], help="a line for the report's notes (with --merge)")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from dyncompile.errors import DataError
     from dyncompile.io import shared_dir
 
+    if args.merge:
+        wall = json.loads(Path(args.wall_clock).read_text()) if args.wall_clock else None
+        merge_reports(args.merge, Path(args.out), args.note, wall)
+        print(f"written: {args.out}/resplit.json, resplit.md, resplit.png")
+        return 0
     _register_certified()
     methods = list(CALIBRATORS) if args.methods == "auto" else [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in methods if m not in CALIBRATORS]
@@ -367,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "rows_total": int(len(labels)), "half": int(len(labels) // 2), "splits": args.splits, "budget": args.budget,
         "results": results, "seconds": round(time.perf_counter() - t_all, 1), "load_avg": list(os.getloadavg()),
+        "cert_commit": os.environ.get("DYNCOMPILE_CERT_COMMIT"),
         "notes": [
             "heads=refit: exit heads refitted on every calibration half (Newton fit, 5-fold OOF), so neither heads "
             "nor thresholds saw the measured half. heads=fixed: heads fitted once on movie-calib only (OOF "
