@@ -298,8 +298,12 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     res = report["results"]
-    fig, axes = plt.subplots(1, len(res), figsize=(6 * len(res), 4.5), squeeze=False)
-    for ax, r in zip(axes[0], res):
+    cols = min(3, len(res))
+    rows = -(-len(res) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(res):]:
+        ax.axis("off")
+    for ax, r in zip(axes.flat, res):
         for m, s in r["methods"].items():
             xs = [p["drop"] for p in s["per_split"]]
             ys = [p["speedup"] for p in s["per_split"]]
@@ -326,7 +330,7 @@ def merge_reports(paths: Sequence[str | Path], out: Path, notes: Sequence[str] =
                          "cert_commit": rep.get("cert_commit")} for p, rep in zip(paths, reports)],
                   notes=[*reports[0].get("notes", []), *notes])
     for r in merged["results"]:
-        if wall and r["model"] in wall:
+        if wall and r["model"] in wall and r.get("solver", "newton") == "newton":  # the compiled plans use Newton heads
             r["wall_clock"] = wall[r["model"]]
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "resplit.json", merged)
