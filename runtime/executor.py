@@ -190,6 +190,8 @@ class CompiledModel:
 
             self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
         self.last_info: dict[str, Any] = {}
+        self._exit_log: list[np.ndarray] = []  # per-row exit layers seen since load (drift guard)
+        self._batch_level_rows = 0  # rows whose exit was decided per batch (If graph, batch > 1)
 
     @property
     def provider(self) -> str:
@@ -241,9 +243,43 @@ class CompiledModel:
             probs.append(softmax(np.asarray(state["logits"], dtype=np.float64)))
             if "exit_layer" in state:  # per row (staged) or one scalar for the whole batch (If graph)
                 n = len(probs[-1])
-                exits.append(np.broadcast_to(np.asarray(state["exit_layer"]).reshape(-1), (n,)).copy())
+                raw = np.asarray(state["exit_layer"]).reshape(-1)
+                exits.append(np.broadcast_to(raw, (n,)).copy())
+                if raw.size == n:  # one exit decision per row: what the drift guard compares
+                    self._exit_log.append(exits[-1])
+                else:
+                    self._batch_level_rows += n
         self.last_info = {"exit_layer": np.concatenate(exits) if exits else None}
         return np.concatenate(probs) if probs else np.zeros((0, len(self.plan.labels or [])))
+
+    def exit_layers_seen(self) -> np.ndarray:
+        """Per-row exit layers of every row this model classified since load (or :meth:`reset_exit_log`)."""
+        return np.concatenate(self._exit_log) if self._exit_log else np.zeros(0, np.int64)
+
+    def reset_exit_log(self) -> None:
+        self._exit_log.clear()
+        self._batch_level_rows = 0
+
+    def drift_report(self, exit_layers=None, **kwargs):
+        """Do the rows seen so far exit like the calibration rows did? (early-exit plans)
+
+        Compares ``exit_layers`` (default: every row classified since load) with the exit-layer
+        distribution the compile recorded, by :func:`dyncompile.runtime.drift.check` (keyword arguments:
+        ``alpha``, ``min_tv``, ``min_rows``, ``warn``). Logs a warning and returns a verdict with
+        ``drift=True`` when they exit in a pattern the calibration did not. If-graph plans decide one exit
+        per batch: rows run at batch size > 1 are not counted (run at batch size 1, or compile with
+        ``--lowering staged``).
+        """
+        from dyncompile.runtime.drift import check
+
+        if exit_layers is None:
+            exit_layers = self.exit_layers_seen()
+            if self._batch_level_rows:
+                logger.info(
+                    "drift report: %d rows ran through an If-graph plan at batch size > 1 (one exit per batch) "
+                    "and are not counted", self._batch_level_rows,
+                )
+        return check(exit_layers, self.plan.policy, **kwargs)
 
     def generate(self, prompt, **kwargs):
         """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.generate.generate`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from dyncompile.tools._bench_common import (
     BENCH_SESSION_CONFIG,
@@ -22,7 +23,22 @@ from dyncompile.tools._bench_common import (
     write_report,
 )
 
-__all__ = ["main"]
+__all__ = ["drift_section", "main"]
+
+
+def drift_section(compiled, report: dict[str, Any]) -> str | None:
+    """Observed (batch 1) vs calibration exit histograms + the drift verdict, into ``report["drift"]``."""
+    from dyncompile.runtime.drift import calibration_distribution, check, format_histograms
+
+    if calibration_distribution(compiled.plan.policy) is None:
+        return None
+    row = next((r for r in report["results"] if r["name"] == "compiled"), None)
+    hist = (row or {}).get("batch1", {}).get("exit_histogram")
+    if not hist:
+        return None
+    verdict = check(hist, compiled.plan.policy)
+    report["drift"] = verdict.to_dict()
+    return format_histograms(verdict)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,11 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     report = bench_runners(
         runners, texts, labels, batch_size=args.batch_size, batch1_rows=args.batch1_rows, progress=not args.quiet
     )
+    drift = drift_section(compiled, report)
     report["machine"] = machine_info()
     report["plan"] = str(Path(args.plan).resolve())
     report["provider"] = compiled.provider
     report["markdown"] = markdown_table(report)
     jp, mp = write_report(report, Path(args.report_dir), Path(args.plan).resolve().name)
     print(report["markdown"])
+    if drift:
+        print("\nexit layers at batch 1 vs calibration:\n" + drift)
     print(f"\nmachine: {report['machine']}\nwritten: {jp} {mp}")
     return 0

@@ -8,7 +8,7 @@ process on movie-test: accuracy (and agreement with the original) from the very 
 latency (median/p90) and the batch-32 throughput.
 
 A budget sweep gives the accuracy–speedup curve offline (test accuracy and layer speedup of per-row exits,
-from the heads' outputs on test): one fit with the pass's own recipe (:func:`fit_exit_heads`,
+from the heads' outputs on test): one fit with the pass's own recipe (:func:`fit_exit_heads_newton`,
 :func:`calibrate_exits`, the functions :class:`FitExitHeadsPass` calls), calibrated at every budget; the
 report records whether its thresholds at the main budgets equal the compiled plans' (they should: same
 recipe, same seed). Writes JSON, markdown and a PNG.
@@ -42,15 +42,16 @@ def offline_curve(art, calib_t, calib_y, test_t, test_y, budgets, criterion: str
     import onnx_ir as ir
 
     from dyncompile.passes.early_exit.calibrate import calibrate_exits, exit_decisions
-    from dyncompile.passes.early_exit.fit import DEFAULT_POOLING, fit_exit_heads
+    from dyncompile.passes.early_exit.fit import DEFAULT_POOLING
     from dyncompile.passes.early_exit.fit_exit_heads import collect_exit_features, find_exit_cuts
+    from dyncompile.passes.early_exit.newton import fit_exit_heads_newton
 
     model = ir.load(art.onnx_path)
     num_layers, cuts, _ = find_exit_cuts(model)
     exits = list(range(1, num_layers))
     kw = dict(tokenizer_file=art.tokenizer_path, max_length=int(art.config.get("max_length", 512)), pooling=DEFAULT_POOLING)
     feats, teacher = collect_exit_features(model, [cuts[k] for k in exits], calib_t, **kw)
-    fit = fit_exit_heads(feats, teacher.astype(np.float32), calib_y, pooling=DEFAULT_POOLING)
+    fit = fit_exit_heads_newton(feats, teacher, calib_y, pooling=DEFAULT_POOLING)
     tfeats, tteacher = collect_exit_features(model, [cuts[k] for k in exits], test_t, **kw)
     test_probs = np.stack([h.predict_proba(f) for h, f in zip(fit.heads, tfeats)] + [tteacher.astype(np.float32)])
     curve, thresholds = [], {}

@@ -50,6 +50,20 @@ class ReferenceModel:
         return np.concatenate(out)
 
 
+def _drift_lines(compiled, exits, batch_size: int, report: dict[str, Any]) -> list[str]:
+    """The observed exit histogram beside the calibration's, and the drift guard's verdict."""
+    from dyncompile.runtime.drift import calibration_distribution, check, format_histograms
+
+    if calibration_distribution(compiled.plan.policy) is None:
+        return []
+    if (compiled.plan.policy.get("early_exit") or {}).get("lowering") == "if" and batch_size > 1:
+        return ["drift check: this If-graph plan decides one exit per batch; run with --batch-size 1 to compare "
+                "per-row exits with the calibration's"]
+    verdict = check(exits, compiled.plan.policy)
+    report["drift"] = {k: v for k, v in verdict.to_dict().items() if k != "message"} | {"message": verdict.message}
+    return ["exit layers vs calibration:", format_histograms(verdict)]
+
+
 def evaluate_plan(compiled, data: str | Path, *, limit=None, batch_size: int = 32, compare: bool = False) -> dict[str, Any]:
     """Accuracy (if labelled), exit statistics, and with ``compare`` the max |p - p_original|."""
     if compiled.plan.task != "text-classification":
@@ -73,6 +87,7 @@ def evaluate_plan(compiled, data: str | Path, *, limit=None, batch_size: int = 3
         hist = {int(k): int(v) for k, v in zip(*np.unique(exits, return_counts=True))}
         report["exit_histogram"] = hist
         lines.append(f"mean exit layer: {np.mean(exits):.2f}  histogram: {hist}")
+        lines.extend(_drift_lines(compiled, exits, batch_size, report))
     if compare:
         src = compiled.plan.original_model("--compare")  # sha256-checked: figures vs the true original only
         ref = ReferenceModel(src, compiled).predict_proba(texts, batch_size=batch_size)

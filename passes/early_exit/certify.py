@@ -625,7 +625,7 @@ def certify_exits(
         scores, losses, costs, a, b, budget=budget, confidence=confidence, mode=mode, method=method,
         split=split, seed=seed, path_risk=smooth_risk(fitted, p, losses),
     )
-    ex = _first_exit(scores[:, b], tc)
+    ex = _first_exit(scores, tc)  # every calibration row (the drift guard's reference histogram)
     return CertifiedExits(
         thresholds=_to_criterion_thresholds(tc, criterion, c), criterion=criterion, certificate=cert, policy=policy,
         exit_histogram=np.bincount(ex, minlength=n_exits).astype(int).tolist(), path=summary,
