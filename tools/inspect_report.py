@@ -35,6 +35,9 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
 
             lines.append(f"  certificate: {describe_certificate(cert)}")
         for k, v in plan.policy.items():
+            cal = v.get("calibration") if isinstance(v, dict) else None
+            if isinstance(cal, dict) and isinstance(cal.get("path"), list):  # the certification path: a count
+                v = {**v, "calibration": {**cal, "path": f"<{len(cal['path'])} configurations, see plan.json>"}}
             lines.append(f"  {k}: {v}")
     src = plan.provenance.get("source", {})
     if src:
