@@ -63,6 +63,10 @@ def compile_model(
         **options: pass inputs such as ``calib=``, ``budget=``, ``drafter=`` (see ``dyncompile --help``).
     """
     model_path = Path(model_path)
+    if model_path.is_dir():  # a diffusers-style pipeline folder: the passes run on its U-Net
+        from dyncompile.passes.step_saver.pipeline import pipeline_compile_inputs
+
+        model_path, output_dir, options = pipeline_compile_inputs(model_path, output_dir, options)
     out = Path(output_dir) if output_dir else model_path.parent / f"{model_path.stem}-compiled"
     if out.exists() and not force:  # fail before any expensive work
         raise OutputExistsError(f"output directory {out.resolve()} already exists; pass --force to replace it")
