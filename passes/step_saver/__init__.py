@@ -7,5 +7,6 @@
 """
 
 from dyncompile.passes.step_saver import pipeline  # noqa: F401  (registers the diffusion emitter)
+from dyncompile.passes.step_saver.step_saver_pass import StepSaverPass
 
-__all__ = ["pipeline"]
+__all__ = ["StepSaverPass", "pipeline"]
