@@ -138,7 +138,7 @@ def run(args) -> int:
     kinds = [h.step.kind for h in model.handlers]
     if "predict_steps" not in kinds:
         raise DataError(f"{args.plan} has no predict_steps step; compile it with --passes step-saver")
-    enc, pred_h, den = model.handlers[0], model.handlers[kinds.index("predict_steps")], model.handlers[-1]
+    enc, pred_h = model.handlers[0], model.handlers[kinds.index("predict_steps")]
     st = enc.run({"prompts": [r["prompt"] for r in rows]})
     predicted, _ = head_predict(pred_h.p, st["text_features"])
     pol = model.plan.policy["step_saver"]
@@ -221,7 +221,7 @@ def run(args) -> int:
     e2e = end_to_end(model, rows[: args.e2e], settings, uni[: args.e2e]) if args.e2e else None
     result = {
         "plan": str(Path(args.plan).resolve()), "runs": str(Path(args.runs).resolve()), "prompts": n,
-        "prompt_set": "first %d TEST captions in eval_rank order (held out; never used for calibration)" % n,
+        "prompt_set": f"first {n} TEST captions in eval_rank order (held out; never used for calibration)",
         "seeds": "torch.randn(generator=manual_seed(eval_rank)) — the asset's seeds", "tau": TAU,
         "run_machine": meta.get("run"), "calibration": pol["calibration"], "settings": report,
         "predicted_vs_uniform_same_mean": cis, "fixed_curve": {str(k): v for k, v in fixed_curve.items()},
