@@ -36,7 +36,12 @@ def make_noise(seeds: Sequence[int], shape: Sequence[int], source: str = "numpy"
         if source == "numpy":
             rows.append(np.random.default_rng(int(s)).standard_normal(shape, dtype=np.float32))
         elif source == "torch":
-            import torch
+            try:
+                import torch
+            except ImportError:
+                from dyncompile.errors import DataError
+
+                raise DataError("noise source 'torch' needs PyTorch (pip install torch); use the default 'numpy' noise") from None
 
             rows.append(torch.randn((1, *shape), generator=torch.Generator().manual_seed(int(s))).numpy()[0])
         else:

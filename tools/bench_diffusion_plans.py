@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=8, help="held-out TEST prompts (eval_rank order)")
     p.add_argument("--out", required=True)
     p.add_argument("--tag", default="")
+    p.add_argument("--noise", choices=["numpy", "torch"], default="numpy", help="initial-noise source (torch: the asset's seeds)")
     args = p.parse_args(argv)
     try:
         return run(args)
@@ -52,7 +53,7 @@ def run(args) -> int:
     for r in rows:
         for j, m in enumerate(models):
             t0 = time.perf_counter()
-            res = generate_images(m, r["prompt"], seed=[r["seed"]], steps=args.steps, noise_source="torch")
+            res = generate_images(m, r["prompt"], seed=[r["seed"]], steps=args.steps, noise_source=args.noise)
             secs[j].append(time.perf_counter() - t0)
             imgs[j].append(res.images[0])
     ref = np.stack(imgs[0])
