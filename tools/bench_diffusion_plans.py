@@ -7,7 +7,6 @@ interleaved in one process: images/s next to SSIM / max pixel difference of each
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time

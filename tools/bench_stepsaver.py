@@ -126,8 +126,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not Path(args.real_images).is_file():
         raise DataError(f"real test images not found: {args.real_images} (apt-get download dataset-fashion-mnist; dpkg -x)")
-    d = np.load(args.runs)
-    meta = json.loads(str(d["meta"]))
+    d, meta = cal.load_runs(args.runs)
     if meta["split"] != "test":
         raise DataError(f"{args.runs} holds {meta['split']} prompts; the bench reports on held-out TEST prompts")
     rows = meta["rows"]
@@ -175,11 +174,12 @@ def run(args) -> int:
     settings[f"online rule (x0 change < {rule50.threshold:.4f}, max {rule50.max_steps})"] = online(
         rule50, d["traj_change"], d["traj_x0"], d["traj_ssim"], secs[:, col[rule50.max_steps]])
     if args.traj20 and args.calib_traj20:
-        c20 = np.load(args.calib_traj20)
+        c20, _ = cal.load_runs(args.calib_traj20)
         rule20, rep20 = cal.calibrate_stop_rule(c20["traj_change"], c20["traj_ssim"], TAU,
                                                 pol["calibration"]["target_share_converged"], 20, sr["min_steps"])
-        e20 = np.load(args.traj20)
-        assert [r["prompt"] for r in json.loads(str(e20["meta"]))["rows"]] == [r["prompt"] for r in rows]
+        e20, m20 = cal.load_runs(args.traj20)
+        if [r["prompt"] for r in m20["rows"]] != [r["prompt"] for r in rows]:
+            raise DataError(f"{args.traj20} holds other prompts than {args.runs}")
         settings[f"online rule (x0 change < {rule20.threshold:.4f}, max 20)"] = online(
             rule20, e20["traj_change"], e20["traj_x0"], e20["traj_ssim"], secs[:, col[20]])
 
@@ -223,7 +223,7 @@ def run(args) -> int:
         "plan": str(Path(args.plan).resolve()), "runs": str(Path(args.runs).resolve()), "prompts": n,
         "prompt_set": f"first {n} TEST captions in eval_rank order (held out; never used for calibration)",
         "seeds": "torch.randn(generator=manual_seed(eval_rank)) — the asset's seeds", "tau": TAU,
-        "run_machine": meta.get("run"), "calibration": pol["calibration"], "settings": report,
+        "run_machine": meta["run"][0], "calibration": pol["calibration"], "settings": report,
         "predicted_vs_uniform_same_mean": cis, "fixed_curve": {str(k): v for k, v in fixed_curve.items()},
         "online_settings": online_names, "end_to_end": e2e,
     }
@@ -245,20 +245,24 @@ def end_to_end(model, rows, settings, uni) -> dict:
     runs = {"fixed 100": {"steps": 100}, "fixed 50": {"steps": 50}, "fixed 30": {"steps": 30},
             "predicted per prompt": {"policy": "predicted"}, "online (plan's rule)": {"policy": "online"}}
     times = {k: [] for k in runs} | {"uniform at the predictor's mean": []}
+    steps = {k: [] for k in times}
     agree = {}
     for i in range(m):
         for name, kw in runs.items():
             t0 = time.perf_counter()
             r = generate_images(model, prompts[i], seed=[seeds[i]], noise_source="torch", **kw)
             times[name].append(time.perf_counter() - t0)
+            steps[name].append(int(r.steps[0]))
             ref = settings.get(name) or next(v for k, v in settings.items() if k.startswith("online rule") and "max 50" in k)
             agree.setdefault(name, []).append(int(np.abs(r.images[0].astype(int) - ref["images"][i].astype(int)).max()))
         t0 = time.perf_counter()
         generate_images(model, prompts[i], seed=[seeds[i]], noise_source="torch", steps=int(uni[i]))
         times["uniform at the predictor's mean"].append(time.perf_counter() - t0)
+        steps["uniform at the predictor's mean"].append(int(uni[i]))
     base = sum(times["fixed 100"])
     return {"prompts": m, "threads": "ORT default (2 cores, shared machine)",
             "images_per_s": {k: m / sum(v) for k, v in times.items()},
+            "mean_steps": {k: float(np.mean(v)) for k, v in steps.items()},
             "speedup_vs_fixed_100": {k: base / sum(v) for k, v in times.items()},
             "max_uint8_diff_vs_bench_images": {k: max(v) for k, v in agree.items()}}
 
@@ -288,9 +292,10 @@ def markdown(r: dict) -> str:
     if r.get("end_to_end"):
         e = r["end_to_end"]
         L += ["", f"End to end through the plan (`generate_images`, {e['prompts']} prompts, interleaved, {e['threads']}):", "",
-              "| policy | images/s | speedup vs 100 | max uint8 diff vs bench image |", "|---|---|---|---|"]
+              "| policy | mean steps | images/s | speedup vs 100 | max uint8 diff vs bench image |", "|---|---|---|---|---|"]
         for k, v in e["images_per_s"].items():
-            L.append(f"| {k} | {v:.2f} | {e['speedup_vs_fixed_100'][k]:.2f}x | {e['max_uint8_diff_vs_bench_images'].get(k, '–')} |")
+            L.append(f"| {k} | {e['mean_steps'][k]:.2f} | {v:.2f} | {e['speedup_vs_fixed_100'][k]:.2f}x | "
+                     f"{e['max_uint8_diff_vs_bench_images'].get(k, '–')} |")
     return "\n".join(L) + "\n"
 
 

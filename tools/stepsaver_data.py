@@ -93,11 +93,12 @@ def cmd_generate(args) -> int:
 
     d = np.load(args.inputs)
     meta = json.loads(str(d["meta"]))
-    n = len(d["ctx"]) if args.limit is None else min(args.limit, len(d["ctx"]))
+    s0 = args.start
+    n = len(d["ctx"]) - s0 if args.limit is None else min(args.limit, len(d["ctx"]) - s0)
     counts = [int(c) for c in args.counts.split(",")]
     t0 = time.perf_counter()
-    runs = generation_runs(args.unet, meta["scheduler"], float(meta["guidance"]), meta["crop"], d["ctx"][:n],
-                           d["null_ctx"], d["noise"][:n], counts, args.ref, args.traj, workers=args.workers)
+    runs = generation_runs(args.unet, meta["scheduler"], float(meta["guidance"]), meta["crop"], d["ctx"][s0 : s0 + n],
+                           d["null_ctx"], d["noise"][s0 : s0 + n], counts, args.ref, args.traj, workers=args.workers)
     wall = time.perf_counter() - t0
     import platform
 
@@ -108,7 +109,7 @@ def cmd_generate(args) -> int:
             "ref_steps": args.ref, "traj_steps": args.traj}
     from dyncompile.io import sha256_file
 
-    meta = {**meta, "rows": meta["rows"][:n], "run": info, "unet_sha256": sha256_file(args.unet)}
+    meta = {**meta, "rows": meta["rows"][s0 : s0 + n], "run": info, "unet_sha256": sha256_file(args.unet)}
     np.savez_compressed(args.out, **runs, meta=json.dumps(meta))
     print(json.dumps(info))
     return 0
@@ -131,6 +132,7 @@ def main(argv=None) -> int:
     g.add_argument("--traj", type=int, default=50)
     g.add_argument("--workers", type=int, default=1)
     g.add_argument("--limit", type=int)
+    g.add_argument("--start", type=int, default=0, help="first prompt (row) of the inputs to run")
     g.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -35,6 +35,7 @@ from dyncompile.runtime.schedulers import make_scheduler
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "load_runs",
     "generation_runs",
     "min_steps",
     "fit_step_head",
@@ -132,6 +133,29 @@ def generation_runs(
         "traj_change": np.stack([r["traj_change"] for r in res]),
         "traj_ssim": ssim(traj_x0, ref[:, None]),
     }
+
+
+def load_runs(spec) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One runs file, or several joined with ``+`` (same step counts, same split): arrays concatenated by prompt."""
+    import json
+    from pathlib import Path
+
+    from dyncompile.errors import DataError
+
+    paths = [Path(p) for p in str(spec).split("+")]
+    parts, metas = [], []
+    for p in paths:
+        if not p.is_file():
+            raise DataError(f"runs file not found: {p}")
+        d = np.load(p)
+        parts.append({k: d[k] for k in d.files if k != "meta"})
+        metas.append(json.loads(str(d["meta"])))
+    for p, part, m in zip(paths[1:], parts[1:], metas[1:]):
+        if list(part["counts"]) != list(parts[0]["counts"]) or m.get("split") != metas[0].get("split"):
+            raise DataError(f"{p}: step counts or split differ from {paths[0]}; join only runs made alike")
+    runs = {k: (parts[0][k] if k == "counts" else np.concatenate([x[k] for x in parts])) for k in parts[0]}
+    meta = {**metas[0], "rows": [r for m in metas for r in m["rows"]], "run": [m.get("run") for m in metas]}
+    return runs, meta
 
 
 def min_steps(ssim_grid: np.ndarray, grid: list[int], tau: float) -> np.ndarray:
