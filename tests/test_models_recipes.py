@@ -41,6 +41,7 @@ def test_list_models():
         "smollm2-135m",
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-1.5b",
+        "fashion-diffusion",
     ]
     assert {i.family for i in infos if i.name.startswith("qwen")} == {"qwen2"}
     by = {i.name: i for i in infos}
