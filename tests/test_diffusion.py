@@ -283,3 +283,8 @@ def test_scheduler_rejects_bad_step_counts():
     for bad in (0, -1, 1001, 2.5):
         with pytest.raises(ValueError):
             s.timesteps(bad)
+
+
+def test_bench_of_a_diffusion_plan_is_one_error(plan_dir, capsys):
+    rc, _, err = _cli(capsys, "bench", plan_dir, "--data", "x.jsonl")
+    assert "text-to-image plan" in _one_error(rc, err)

@@ -225,6 +225,9 @@ def _cmd_run(argv: list[str]) -> int:
 
 
 def _cmd_bench(argv: list[str]) -> int:
+    from dyncompile.tools.diffusion_cli import refuse_diffusion_bench
+
+    refuse_diffusion_bench(argv)
     if any(a == "--prompts" or a.startswith("--prompts=") for a in argv):  # generation plans
         from dyncompile.tools.bench_speculative import main as bench_generation
 
