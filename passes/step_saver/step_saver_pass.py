@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx_ir as ir
@@ -209,9 +209,10 @@ def _read_calib(path, limit: int) -> list[dict]:
     help="diffusion pipelines: per-prompt step count from the text features (fitted head, quality budget) and an "
     "online stop rule; labels=RUNS.npz of TRAIN prompts or --calib PROMPTS.jsonl; tau=0.95, budget=10 (points)",
 )
-def _make_step_saver(context, labels=None, tau: float = 0.95, budget: float | None = None, grid=None, reference_steps: int = 200,
-                     online_max_steps: int = 50, online_min_steps: int = 3, default_policy: str = "auto", limit: int = 256,
-                     workers: int = 1):
+def _make_step_saver(context, labels: str | None = None, tau: float = 0.95, budget: float | None = None,
+                     grid: str | None = None, reference_steps: int = 200, online_max_steps: int = 50,
+                     online_min_steps: int = 3, default_policy: Literal["auto", "predicted", "online"] = "auto",
+                     limit: int = 256, workers: int = 1):
     if budget is None:
         budget = context.options.get("budget")
     return StepSaverPass(
