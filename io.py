@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,15 +22,22 @@ import onnx_ir as ir
 
 from dyncompile.errors import DataError, ModelLoadError, OutputExistsError
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "MODEL_CONFIG_NAME",
+    "STAGING_MARK",
     "atomic_output_dir",
+    "check_output_dir",
+    "clean_stale_staging",
     "external_data_dirs",
     "load_input_model",
     "read_jsonl",
     "read_model_config",
     "sha256_file",
+    "rename_noreplace",
     "shared_dir",
+    "temp_files_inside",
     "texts_and_labels",
     "working_directory",
     "write_json_atomic",
@@ -76,15 +84,25 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 def read_jsonl(path: str | Path, *, limit: int | None = None, text_field: str = "text") -> list[dict]:
     """Rows of a JSONL file; each must be an object with a string ``text_field``."""
     p = Path(path)
+    if p.is_dir():
+        raise DataError(f"{p} is a directory; expected a JSONL file with a {text_field!r} field per line")
     if not p.is_file():
         raise DataError(f"data file not found: {p}")
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{p}:{lineno}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8 JSONL"
+                ) from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
+            except RecursionError:
+                raise DataError(f"{p}:{lineno}: JSON nested too deeply; expected one flat object per line") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg}); expected one JSON object per line") from None
             if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
@@ -107,17 +125,17 @@ def texts_and_labels(rows: list[dict], labels: list[str] | None = None):
         lab = r["label"]
         if isinstance(lab, str) and labels and lab in labels:
             lab = labels.index(lab)
-        try:
-            out.append(int(lab))
-        except (TypeError, ValueError):
-            raise DataError(f"label {lab!r} is neither a class index nor one of {labels}") from None
+        elif isinstance(lab, str) and lab.strip().lstrip("-").isdigit():
+            lab = int(lab)
+        if isinstance(lab, bool) or not isinstance(lab, int):
+            raise DataError(f"label {str(lab)[:40]!r} is neither a class index nor one of {labels}") from None
+        out.append(lab)
     return texts, out
 
 
 def load_input_model(path: str | Path) -> ir.Model:
     """Load an ONNX model for compilation, turning every way it can be bad into one clear error."""
     import onnx
-    from google.protobuf.message import DecodeError
 
     p = Path(path)
     if not p.exists():
@@ -132,7 +150,7 @@ def load_input_model(path: str | Path) -> ir.Model:
         raise ModelLoadError(f"{p} is empty (0 bytes); re-export the model")
     try:
         proto = onnx.load(str(p), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - protobuf / JSON / text-format parsers raise their own types
         raise ModelLoadError(
             f"{p} is not a valid ONNX model: the protobuf does not parse ({type(e).__name__}: {e}). If it is an "
             "ONNX file, it is probably truncated or corrupted (an interrupted copy/download): re-export it"
@@ -164,40 +182,257 @@ def read_model_config(model_path: Path, explicit: str | Path | None = None) -> d
             raise DataError(f"model config {cfg_path} not found")
         return {}
     try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise DataError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise DataError(f"{cfg_path} must hold a JSON object (the model's config), got {type(cfg).__name__}")
+    for key, (ok, what) in _MODEL_CONFIG_FIELDS.items():
+        if key in cfg and not ok(cfg[key]):
+            raise DataError(
+                f"{cfg_path}: {key} must be {what}, got {str(cfg[key])[:60]!r}; fix the model config (or rebuild it "
+                "with `dyncompile models build`)"
+            )
+    return cfg
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 2**31
+
+
+_MODEL_CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
+    # the fields dyncompile reads from a dyncompile-model.json (it may come with a model from a stranger)
+    "task": (lambda v: isinstance(v, str), "a string"),
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "family": (lambda v: isinstance(v, str), "a string"),
+    "labels": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "max_length": (lambda v: _is_int(v, 1), "a positive integer"),
+    "num_layers": (lambda v: _is_int(v, 1), "a positive integer"),
+    "hidden_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "vocab_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "max_position_embeddings": (lambda v: v is None or _is_int(v, 2), "an integer >= 2"),
+    "eos_token_id": (lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
+                     "a token id or a list of token ids"),
+    "bos_token_id": (lambda v: v is None or _is_int(v), "a token id"),
+    "pad_token_id": (lambda v: v is None or _is_int(v), "a token id"),
+    "chat_template": (lambda v: v is None or isinstance(v, str), "a string"),
+    "hf_dir": (lambda v: isinstance(v, str) and bool(v) and "\x00" not in v, "a folder name"),
+}
+
+
+STAGING_MARK = ".dyncompile-staging"
+"""File inside every staging / old-plan folder dyncompile creates beside an output (``.OUT.tmp-*``,
+``.OUT.old-*``): ``pid host``; stale ones (their process is gone) are removed by the next compile."""
+
+_PLAN_FORMAT_PREFIX = "dyncompile.plan/"
+
+
+def _plan_names(path: Path) -> set[str] | None:
+    """Top-level names a plan directory may hold (plan.json + its files), or None if ``path`` is no plan."""
+    pj = path / "plan.json"
+    try:
+        if not pj.is_file() or pj.stat().st_size > 16 * 2**20:
+            return None
+        raw = json.loads(pj.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(raw, dict) or not str(raw.get("format", "")).startswith(_PLAN_FORMAT_PREFIX):
+        return None
+    names = {"plan.json"}
+    files = raw.get("files") if isinstance(raw.get("files"), dict) else {}
+    for fr in files.values():
+        if isinstance(fr, dict):
+            for rel in [fr.get("path"), *(fr.get("external_data") or [])]:
+                if isinstance(rel, str) and rel:
+                    names.add(rel.split("/", 1)[0])
+    return names
+
+
+def check_output_dir(out_dir: str | Path, *, force: bool = False, protect: tuple[str | Path, ...] = ()) -> Path:
+    """Check that compiling into ``out_dir`` may go ahead; returns its absolute path.
+
+    Without ``force`` the directory must not exist. With ``force`` it may exist only as an empty directory
+    or a dyncompile plan directory (a ``plan.json`` of this format and nothing but the files it names);
+    never the working directory or one of its ancestors, never a folder holding a ``protect``ed path (the
+    input model and its data), never a symlink.
+
+    Raises:
+        OutputExistsError: any of the above.
+    """
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))
+    if not os.path.lexists(out):
+        return out
+    if not force:
+        raise OutputExistsError(f"output directory {out} already exists; pass --force to replace it")
+    if out.is_symlink():
+        raise OutputExistsError(f"output path {out} is a symlink; --force replaces only a real plan directory")
+    if not out.is_dir():
+        raise OutputExistsError(
+            f"output path {out} exists and is not a directory; --force replaces only a plan directory — choose another -o"
+        )
+    real = out.resolve()
+    cwd = Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise OutputExistsError(
+            f"output directory {out} is the working directory or one of its ancestors; --force will not replace "
+            "it — choose a new directory for -o"
+        )
+    for p in protect:
+        pr = Path(p).expanduser().resolve()
+        if pr == real or real in pr.parents:
+            raise OutputExistsError(
+                f"output directory {out} holds {pr} (an input of this compile); --force will not replace it — "
+                "choose another -o"
+            )
+    entries = sorted(e.name for e in out.iterdir())
+    if not entries:
+        return out
+    allowed = _plan_names(out)
+    if allowed is None:
+        raise OutputExistsError(
+            f"output directory {out} exists and is not a dyncompile plan (no plan.json of this format; it holds "
+            f"{', '.join(entries[:3])}{'…' if len(entries) > 3 else ''}); --force replaces only a plan directory or "
+            "an empty one — choose another -o"
+        )
+    stray = [e for e in entries if e not in allowed]
+    if stray:
+        raise OutputExistsError(
+            f"output directory {out} is a plan but also holds {', '.join(stray[:3])}, which the plan does not name; "
+            "--force replaces only a plan directory — move those files away or choose another -o"
+        )
+    return out
+
+
+def _mark(folder: Path) -> None:
+    (folder / STAGING_MARK).write_text(f"{os.getpid()} {os.uname().nodename if hasattr(os, 'uname') else ''}\n")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def clean_stale_staging(out: Path) -> list[Path]:
+    """Remove the ``.OUT.tmp-*`` / ``.OUT.old-*`` folders beside ``out`` that an interrupted dyncompile left.
+
+    Only folders carrying :data:`STAGING_MARK` whose process is gone on this host are removed; anything
+    else with a similar name is left alone. Returns the removed folders.
+    """
+    removed = []
+    host = os.uname().nodename if hasattr(os, "uname") else ""
+    try:
+        cands = [p for p in out.parent.iterdir() if p.name.startswith((f".{out.name}.tmp-", f".{out.name}.old-"))]
+    except OSError:
+        return removed
+    for c in cands:
+        mark = c / STAGING_MARK
+        if c.is_symlink() or not c.is_dir() or not mark.is_file():
+            continue
+        try:
+            pid_text, _, mark_host = mark.read_text().strip().partition(" ")
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if mark_host == host and pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(c, ignore_errors=True)
+            removed.append(c)
+            logger.info("removed %s left by an interrupted dyncompile (pid %d)", c, pid)
+    return removed
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` in one step that fails with ``FileExistsError`` if ``dst`` exists.
+
+    Linux ``renameat2(RENAME_NOREPLACE)``; elsewhere (or where the file system lacks it) a hard link of a
+    file / ``os.rename`` after an existence check (a small race window remains there).
+    """
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        fn = None
+    if fn is not None:
+        rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST or err == errno.ENOTEMPTY:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out_dir: str | Path, *, force: bool = False):
-    """Yield a temp dir beside ``out_dir``; on success it replaces ``out_dir`` in one rename.
+def atomic_output_dir(out_dir: str | Path, *, force: bool = False, protect: tuple[str | Path, ...] = ()):
+    """Yield a staging dir beside ``out_dir`` (``.OUT.tmp-*``); on success it becomes ``out_dir`` in one rename.
 
-    Refuses an existing ``out_dir`` unless ``force``; on any error the temp dir is removed and
-    ``out_dir`` is left exactly as it was.
+    The target is checked by :func:`check_output_dir` before and again right before the rename; the rename
+    itself never replaces anything that appeared meanwhile (another compile's plan): without ``force`` that
+    is an :class:`OutputExistsError`; with ``force`` only a plan directory (or an empty one) is moved aside
+    and replaced. On any error the staging dir is removed and ``out_dir`` is left exactly as it was. Stale
+    staging folders of interrupted compiles beside ``out_dir`` are cleaned first.
     """
-    out = Path(out_dir).resolve()
-    if out.exists() and not force:
-        raise OutputExistsError(f"output directory {out} already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"output path {out} exists and is not a directory")
+    out = check_output_dir(out_dir, force=force, protect=protect)
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a plan directory gets the permissions mkdir would give
     try:
+        _mark(tmp)
         yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
+        (tmp / STAGING_MARK).unlink(missing_ok=True)
+        try:
+            rename_noreplace(tmp, out)
+            return
+        except FileExistsError:
+            pass
+        # the target exists now (appeared since the first check, or --force over an existing plan)
+        check_output_dir(out, force=force, protect=protect)
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        _mark(old)
+        os.rename(out, old / out.name)
+        try:
+            rename_noreplace(tmp, out)
+        except FileExistsError:
+            os.rename(old / out.name, out)  # yet another writer won the race: put the plan back, give up
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+            raise OutputExistsError(f"output directory {out} was created by another process meanwhile; nothing written") from None
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def temp_files_inside(folder: Path) -> Iterator[Path]:
+    """Point :mod:`tempfile` at ``folder`` (created) for the body: temporary copies that passes or the
+    libraries they call make (e.g. ORT's quantizer) land inside the compile's staging folder, so an
+    interrupted compile leaves them only there (cleaned by the next compile), never anonymous in /tmp."""
+    folder.mkdir(parents=True, exist_ok=True)
+    old = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = old
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def external_data_dirs(model: ir.Model) -> set[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.errors import DyncompileError
-from dyncompile.io import sha256_file, write_json_atomic  # noqa: F401  (re-exported)
+from dyncompile.io import sha256_file, shared_dir, write_json_atomic  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("dyncompile.models")
 
@@ -84,10 +84,9 @@ def model_home() -> Path:
 
 
 def default_assets_dir() -> Path:
-    """``<repository root>/../shared/assets`` (the checkout's sibling ``shared/`` folder)."""
-    import dyncompile
-
-    return Path(dyncompile.__file__).resolve().parent.parent / "shared" / "assets"
+    """``shared/assets`` of :func:`dyncompile.io.shared_dir` (``$DYNCOMPILE_SHARED``, else the checkout's
+    sibling ``shared/`` folder)."""
+    return shared_dir() / "assets"
 
 
 def resolve_assets_dir(assets_dir: str | os.PathLike | None) -> tuple[Path, str]:
@@ -97,7 +96,7 @@ def resolve_assets_dir(assets_dir: str | os.PathLike | None) -> tuple[Path, str]
     env = os.environ.get(ENV_ASSETS)
     if env:
         return Path(env).expanduser(), f"${ENV_ASSETS}"
-    return default_assets_dir(), "the default (<repository root>/../shared/assets)"
+    return default_assets_dir(), "the default (shared/assets: $DYNCOMPILE_SHARED or <repository root>/../shared)"
 
 
 def require_asset(assets_dir: str | os.PathLike | None, folder: str, files: tuple[str, ...]) -> Path:

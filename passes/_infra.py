@@ -13,10 +13,14 @@ Passes themselves never check, time or dump (TVM ``PassContext`` instruments / M
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import math
 import os
 import re
 import time
+import types
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CompileContext",
+    "PassOption",
     "PassRecord",
     "PipelineResult",
     "PASS_REGISTRY",
@@ -47,13 +52,29 @@ class CompileContext:
     """What a pass factory may read besides its own options: the compile request.
 
     Factories read it once to construct their pass; passes never keep a reference to it (no state
-    between runs).
+    between runs). ``tokenizer`` is the tokenizer.json of the compile (``--tokenizer``, else the one beside
+    the model; None when there is none).
     """
 
     model_path: Path | None = None
     model_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     progress: bool = True
+    tokenizer: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PassOption:
+    """One option of a registered pass, from its factory's signature: name, declared type, default."""
+
+    name: str
+    type: Any
+    default: Any
+    choices: tuple[Any, ...] = ()
+
+    def describe(self) -> str:
+        kind = "|".join(map(str, self.choices)) if self.choices else _type_name(self.type)
+        return f"{self.name}: {kind} = {self.default!r}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,22 +83,96 @@ class PassSpec:
     factory: Callable[..., ir.passes.PassBase]
     help: str
     requires: tuple[str, ...] = ()
+    options: tuple[PassOption, ...] = ()
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+
+    def option(self, name: str) -> PassOption | None:
+        return next((o for o in self.options if o.name == name), None)
 
 
 PASS_REGISTRY: dict[str, PassSpec] = {}
 
 
-def register_pass(name: str, *, help: str, requires: Sequence[str] = ()):  # noqa: A002 - CLI wording
-    """Register ``factory(context, **options) -> PassBase`` under ``name``.
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return "|".join(str(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
 
-    ``requires`` names context fields (e.g. ``calib``) the pass cannot run without; the pipeline
-    builder reports them as one clear error before anything runs.
+
+_OPTION_TYPES = (bool, int, float, str, type(None))
+
+
+def _check_option_type(tp: Any, where: str) -> None:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for a in typing.get_args(tp):
+            _check_option_type(a, where)
+    elif origin is typing.Literal:
+        if not all(isinstance(a, str | int) for a in typing.get_args(tp)):
+            raise TypeError(f"{where}: Literal options must list strings or integers")
+    elif tp not in _OPTION_TYPES:
+        raise TypeError(f"{where}: option type {tp!r} is not one of bool, int, float, str, Literal[...] (or a union)")
+
+
+def _factory_options(name: str, factory: Callable, choices: dict[str, Sequence[Any]]) -> tuple[PassOption, ...]:
+    """The options of pass ``name`` from ``factory(context, *, opt: type = default, ...)``."""
+    sig = inspect.signature(factory)
+    params = list(sig.parameters.values())
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        raise TypeError(f"pass {name!r}: the factory's first parameter must be the CompileContext")
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception as e:  # noqa: BLE001 - an annotation that does not resolve
+        raise TypeError(f"pass {name!r}: the factory's annotations do not resolve ({e})") from None
+    out = []
+    for p in params[1:]:
+        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            raise TypeError(
+                f"pass {name!r}: the factory takes {'**' if p.kind is p.VAR_KEYWORD else '*'}{p.name}; a pass's "
+                "options must be explicit keyword arguments with types and defaults"
+            )
+        if p.default is p.empty or p.name not in hints:
+            raise TypeError(f"pass {name!r}: option {p.name!r} needs a type annotation and a default")
+        _check_option_type(hints[p.name], f"pass {name!r} option {p.name!r}")
+        out.append(PassOption(p.name, hints[p.name], p.default, tuple(choices.get(p.name, ()))))
+    unknown = set(choices) - {o.name for o in out}
+    if unknown:
+        raise TypeError(f"pass {name!r}: choices given for options it does not have: {sorted(unknown)}")
+    return tuple(out)
+
+
+def register_pass(
+    name: str,
+    *,
+    help: str,  # noqa: A002 - CLI wording
+    requires: Sequence[str] = (),
+    after: Sequence[str] = (),
+    before: Sequence[str] = (),
+    choices: dict[str, Sequence[Any]] | None = None,
+):
+    """Register ``factory(context, *, option: type = default, ...) -> PassBase`` under ``name``.
+
+    The factory's keyword arguments *are* the pass's options: their annotations (bool, int, float, str,
+    ``Literal[...]``, unions with None) and defaults are read here, so ``NAME{key=value}`` is checked and
+    converted before the factory runs; a factory taking ``**kwargs`` is rejected. ``requires`` names
+    context fields (e.g. ``calib``) the pass cannot run without. ``after`` / ``before`` name passes that,
+    when in the same pipeline, must come before / after this one; :func:`build_passes` checks them before
+    the model loads. ``choices`` maps an option to its allowed values (e.g. ``{"format": ("dynamic", ...)}``).
     """
 
     def deco(factory):
         if name in PASS_REGISTRY:
             raise ValueError(f"pass {name!r} registered twice")
-        PASS_REGISTRY[name] = PassSpec(name, factory, help, tuple(requires))
+        PASS_REGISTRY[name] = PassSpec(
+            name, factory, help, tuple(requires), _factory_options(name, factory, dict(choices or {})), tuple(after),
+            tuple(before),
+        )
         return factory
 
     return deco
@@ -110,8 +205,8 @@ def _parse_value(text: str) -> Any:
     return text
 
 
-def parse_pass_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Parse ``"verify,early-exit{budget=1.0,lowering=if},cleanup"`` into ``[(name, options), ...]``."""
+def _split_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, str]]]:
+    """``[(name, {key: raw text})]`` of a pipeline spec (values not yet converted)."""
     if isinstance(spec, str):
         parts, depth, cur = [], 0, ""
         for ch in spec:
@@ -127,6 +222,8 @@ def parse_pass_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, Any]
         parts = list(spec)
     out = []
     for part in parts:
+        if not isinstance(part, str):
+            raise PassConfigError(f"pass spec entries must be strings like 'cleanup{{cse=false}}', got {part!r}")
         if not part.strip():
             continue
         m = _SPEC_RE.match(part)
@@ -135,7 +232,7 @@ def parse_pass_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, Any]
                 f"cannot parse pass spec {part!r}: expected NAME or NAME{{key=value,...}} (e.g. 'cleanup' or "
                 "'early-exit{budget=1.0}')"
             )
-        opts: dict[str, Any] = {}
+        opts: dict[str, str] = {}
         if m.group(2):
             for kv in m.group(2).split(","):
                 if not kv.strip():
@@ -143,38 +240,134 @@ def parse_pass_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, Any]
                 if "=" not in kv:
                     raise PassConfigError(f"pass option {kv!r} in {part!r} is not key=value")
                 k, v = kv.split("=", 1)
-                opts[k.strip().replace("-", "_")] = _parse_value(v)
+                key = k.strip().replace("-", "_")
+                if key in opts:
+                    raise PassConfigError(f"pass option {key!r} given twice in {part!r}")
+                opts[key] = v.strip()
         out.append((m.group(1), opts))
     if not out:
         raise PassConfigError("no passes given: use e.g. --passes verify,cleanup (see `dyncompile passes`)")
     return out
 
 
+def parse_pass_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Parse ``"verify,early-exit{budget=1.0,lowering=if},cleanup"`` into ``[(name, options), ...]``.
+
+    Values are read loosely here (``true``/``false``, numbers, else text); :func:`build_passes` converts
+    the raw text against each pass's declared option types instead.
+    """
+    return [(name, {k: _parse_value(v) for k, v in opts.items()}) for name, opts in _split_spec(spec)]
+
+
+def _convert_option(pass_name: str, opt: PassOption, text: str) -> Any:
+    """``text`` as a value of ``opt``'s declared type, or a :class:`PassConfigError` saying what it accepts."""
+    tp = opt.type
+    origin = typing.get_origin(tp)
+    choices = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+    choices = tuple(sorted(choices, key=lambda c: c is str))  # text only when nothing more specific fits
+    low = text.strip().lower()
+    value = _convert_text(choices, text, low)
+    if value is not _NO_VALUE and (not opt.choices or value in opt.choices or value is None):
+        return value
+    if opt.choices:
+        raise PassConfigError(
+            f"pass {pass_name!r}: option {opt.name}={text!r} must be one of {', '.join(map(str, opt.choices))}"
+        )
+    raise PassConfigError(
+        f"pass {pass_name!r}: option {opt.name}={text!r} is not a valid {_type_name(tp)}"
+        + (" (true or false)" if bool in choices else "")
+        + f"; options of {pass_name!r}: {', '.join(o.describe() for o in PASS_REGISTRY[pass_name].options) or 'none'}"
+    )
+
+
+_NO_VALUE = object()
+
+
+def _convert_text(choices: tuple[Any, ...], text: str, low: str) -> Any:
+    for c in choices:
+        if c is type(None):
+            if low in ("none", "null"):
+                return None
+        elif typing.get_origin(c) is typing.Literal:
+            for lit in typing.get_args(c):
+                if str(lit) == text.strip():
+                    return lit
+        elif c is bool:
+            if low in ("true", "false"):
+                return low == "true"
+        elif c is int:
+            try:
+                return int(text.strip())
+            except ValueError:
+                pass
+        elif c is float:
+            try:
+                v = float(text.strip())
+            except ValueError:
+                continue
+            if math.isfinite(v):
+                return v
+        elif c is str:
+            if text.strip():
+                return text.strip()
+    return _NO_VALUE
+
+
+def _check_order(names: list[str]) -> None:
+    for i, name in enumerate(names):
+        entry = PASS_REGISTRY[name]
+        for other in entry.after:
+            later = [j for j, n in enumerate(names) if n == other and j > i]
+            if later:
+                raise PassConfigError(
+                    f"pass {name!r} must come after {other!r} in the pipeline (got {','.join(names)}); reorder --passes"
+                )
+        for other in entry.before:
+            earlier = [j for j, n in enumerate(names) if n == other and j < i]
+            if earlier:
+                raise PassConfigError(
+                    f"pass {name!r} must come before {other!r} in the pipeline (got {','.join(names)}); reorder --passes"
+                )
+
+
 def build_passes(
     spec: str | Sequence[str] | Sequence[ir.passes.PassBase], context: CompileContext | None = None
 ) -> list[ir.passes.PassBase]:
-    """Instantiate the passes named in ``spec`` (unknown names list the known ones).
+    """Instantiate the passes named in ``spec``; every mistake is a :class:`PassConfigError` before any work.
 
-    ``spec`` may also be a list of pass instances (Python API), used as given.
+    Unknown pass names list the known ones; unknown options list the pass's options; option values are
+    converted to the factory's declared types (``cse=maybe`` is an error); ordering constraints
+    (``after``/``before``) and required compile inputs are checked before any factory runs. ``spec`` may
+    also be a list of pass instances (Python API), used as given.
     """
     _load_builtin_passes()
     context = context or CompileContext()
     if not isinstance(spec, str) and spec and all(isinstance(p, ir.passes.PassBase) for p in spec):
         return list(spec)
-    passes = []
-    for name, opts in parse_pass_spec(spec):
+    parsed = _split_spec(spec)
+    known = ", ".join(sorted(PASS_REGISTRY))
+    for name, _ in parsed:
         if name not in PASS_REGISTRY:
-            known = ", ".join(sorted(PASS_REGISTRY))
             raise PassConfigError(f"unknown pass {name!r}; known passes: {known}")
+    _check_order([n for n, _ in parsed])
+    calls = []
+    for name, raw in parsed:
         entry = PASS_REGISTRY[name]
+        opts = {}
+        for key, text in raw.items():
+            opt = entry.option(key)
+            if opt is None:
+                valid = ", ".join(o.describe() for o in entry.options) or "none"
+                raise PassConfigError(f"bad options for pass {name!r}: it has no option {key!r}; its options: {valid}")
+            opts[key] = _convert_option(name, opt, text)
         missing = [r for r in entry.requires if context.options.get(r) in (None, "")]
         if missing:
             flags = ", ".join("--" + r.replace("_", "-") for r in missing)
             raise PassConfigError(f"pass {name!r} needs {flags} (see `dyncompile --help`)")
-        try:
-            made = entry.factory(context, **opts)
-        except TypeError as e:
-            raise PassConfigError(f"bad options for pass {name!r}: {e}") from None
+        calls.append((entry, opts))
+    passes = []
+    for entry, opts in calls:
+        made = entry.factory(context, **opts)
         # A registered name may stand for several passes (e.g. early-exit = fit heads + lower).
         passes.extend(made if isinstance(made, list | tuple) else [made])
     return passes

@@ -8,12 +8,22 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import onnx_ir as ir
+
 import dyncompile
-from dyncompile.errors import DataError, OutputExistsError, PassConfigError
-from dyncompile.io import atomic_output_dir, load_input_model, read_model_config, sha256_file
-from dyncompile.passes import CompileContext, PipelineResult, build_passes, run_pipeline
+from dyncompile.errors import DataError, ModelLoadError, PassConfigError, PlanError
+from dyncompile.io import (
+    MODEL_CONFIG_NAME,
+    atomic_output_dir,
+    check_output_dir,
+    load_input_model,
+    read_model_config,
+    sha256_file,
+    temp_files_inside,
+)
+from dyncompile.passes import CompileContext, PipelineResult, _keys, build_passes, run_pipeline
 from dyncompile.passes.emit import EmitRequest, emit_plan
-from dyncompile.plan import Plan, save_plan
+from dyncompile.plan import Plan, load_plan, save_plan
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +73,47 @@ def compile_model(
         **options: pass inputs such as ``calib=``, ``budget=``, ``drafter=`` (see ``dyncompile --help``).
     """
     model_path = Path(model_path)
+    unknown = sorted(set(options) - COMPILE_OPTIONS)
+    if unknown:
+        raise PassConfigError(
+            f"unknown compile option {unknown[0]!r}; valid options: {', '.join(sorted(COMPILE_OPTIONS))} (pass "
+            "options go into the pass spec, e.g. 'early-exit{budget=1.0}')"
+        )
     if model_path.is_dir():  # a diffusers-style pipeline folder: the passes run on its U-Net
         from dyncompile.passes.step_saver.pipeline import pipeline_compile_inputs
 
         model_path, output_dir, options = pipeline_compile_inputs(model_path, output_dir, options)
     out = Path(output_dir) if output_dir else model_path.parent / f"{model_path.stem}-compiled"
-    if out.exists() and not force:  # fail before any expensive work
-        raise OutputExistsError(f"output directory {out.resolve()} already exists; pass --force to replace it")
+    protect = tuple(
+        p for p in (model_path, tokenizer, model_config, options.get("calib"), options.get("drafter")) if p
+    )
+    check_output_dir(out, force=force, protect=protect)  # fail before any expensive work
     if model_path.exists() and out.resolve() == model_path.parent.resolve():
         raise PassConfigError(f"output directory {out} is the input model's directory; choose another -o")
     cfg = read_model_config(model_path, model_config)
-    context = CompileContext(model_path=model_path, model_config=cfg, options=dict(options), progress=progress)
-    pass_list = build_passes(passes, context)  # unknown names fail here, before loading
-    model = load_input_model(model_path)
-    source_sha = sha256_file(model_path)
-    result = run_pipeline(pass_list, model, check="each" if verify else None, dump_dir=dump_ir)
-
     tok_path = Path(tokenizer) if tokenizer else model_path.parent / "tokenizer.json"
     if tokenizer and not tok_path.is_file():
         raise DataError(f"tokenizer file {tok_path} not found")
-    task = result.model.metadata_props.get("dyncompile.task") or cfg.get("task") or "unknown"
+    if tok_path.is_file():
+        check_tokenizer_file(tok_path)
+    context = CompileContext(model_path=model_path, model_config=cfg, options=dict(options), progress=progress,
+                             tokenizer=tok_path if tok_path.is_file() else None)
+    pass_list = build_passes(passes, context)  # unknown names and options, bad order: fail here, before loading
+    model = load_input_model(model_path)
+    check_runnable_ops(model, model_path)
+    source_sha = sha256_file(model_path)
+    with atomic_output_dir(out, force=force, protect=protect) as tmp:
+        # temp copies made by passes (quantizers) go inside the staging folder, never anonymous in /tmp
+        with temp_files_inside(tmp / ".work"):
+            result = run_pipeline(pass_list, model, check="each" if verify else None, dump_dir=dump_ir)
+            plan = _emit(result, model_path, cfg, tok_path, source_sha, pass_list, options, tmp)
+    plan.directory = out
+    logger.info("wrote plan %s", out / "plan.json")
+    return CompileResult(out, plan, result)
+
+
+def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_list, options, tmp: Path) -> Plan:
+    task = result.model.metadata_props.get(_keys.TASK) or cfg.get("task") or "unknown"
     tok_spec = None
     if tok_path.is_file():
         tok_spec = {"max_length": int(cfg.get("max_length", 512)), "padding": "longest"}
@@ -103,10 +134,49 @@ def compile_model(
         options=dict(options),
         model_config=cfg,
     )
-    with atomic_output_dir(out, force=force) as tmp:
-        req.out_dir = tmp
-        plan = emit_plan(result.model, req)
-        save_plan(plan, tmp)
-    plan.directory = out
-    logger.info("wrote plan %s", out / "plan.json")
-    return CompileResult(out, plan, result)
+    req.out_dir = tmp
+    plan = emit_plan(result.model, req)
+    save_plan(plan, tmp)
+    try:  # never publish a plan the runtime would refuse (e.g. a bad field copied from the model config)
+        load_plan(tmp, verify_hashes=False)
+    except PlanError as e:
+        raise PlanError(f"the compiled plan does not validate, nothing written: {e} (check {MODEL_CONFIG_NAME})") from None
+    return plan
+
+
+COMPILE_OPTIONS = frozenset(
+    {"calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads"}
+)
+"""Keyword options of :func:`compile_model` (the CLI's pass flags); anything else is an error."""
+
+_ORT_DOMAINS = frozenset(
+    {"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc",
+     "ai.onnx.training", "ai.onnx.preview.training", "com.microsoft.experimental"}
+)
+
+
+def check_runnable_ops(model: ir.Model, where: Path) -> None:
+    """Refuse a model with an op of a domain ONNX Runtime does not implement and the model does not define."""
+    local = {(f.domain, f.name) for f in model.functions.values()}
+    for graph in [model.graph, *(f.graph for f in model.functions.values())]:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            if node.domain not in _ORT_DOMAINS and (node.domain, node.op_type) not in local:
+                raise ModelLoadError(
+                    f"{where}: node {node.name or node.op_type!r} uses op {node.op_type!r} of domain {node.domain!r}, "
+                    "which ONNX Runtime does not implement and the model does not define as a function; a plan of "
+                    "it could never run — export the model with standard ONNX ops"
+                )
+
+
+def check_tokenizer_file(path: Path) -> None:
+    """``path`` must be a tokenizer.json the tokenizers library reads (the runtime will need it)."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"{path} is not a tokenizer.json the tokenizers library can read ({first}); give the model's "
+            "tokenizer.json with --tokenizer"
+        ) from None

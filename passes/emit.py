@@ -18,6 +18,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from dyncompile.passes import _keys
 from dyncompile.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,8 @@ def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
     add_model_files(files, "model", save_model(model, req.out_dir, "model.onnx", "main"))
     tok = add_tokenizer(req, files)
     inputs, outputs = io_signature(model.graph)
-    policy = {k[len("dyncompile.policy.") :]: v for k, v in model.metadata_props.items() if k.startswith("dyncompile.policy.")}
-    if "dyncompile.early_exit" in model.metadata_props:
+    policy = {k[len(_keys.POLICY_PREFIX) :]: v for k, v in model.metadata_props.items() if k.startswith(_keys.POLICY_PREFIX)}
+    if _keys.EARLY_EXIT in model.metadata_props:
         policy["early_exit"] = early_exit_policy(model)
     return Plan(
         task=req.task,
@@ -154,20 +155,20 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
     """The early-exit decisions recorded by the passes, for the plan's ``policy`` (and ``inspect``)."""
     import json
 
-    meta = json.loads(model.metadata_props["dyncompile.early_exit"])
+    meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
     return (
         {k: meta[k] for k in ("criterion", "patience", "num_layers") if k in meta}
         | {
-            "lowering": model.metadata_props.get("dyncompile.early_exit.lowering"),
-            "lowering_choice": json.loads(model.metadata_props.get("dyncompile.early_exit.lowering_choice", "null")),
+            "lowering": model.metadata_props.get(_keys.EARLY_EXIT_LOWERING),
+            "lowering_choice": json.loads(model.metadata_props.get(_keys.EARLY_EXIT_LOWERING_CHOICE, "null")),
             "thresholds": {str(e["layer"]): e["threshold"] for e in meta["exits"]},
         }
-        | {k: meta[k] for k in ("calibration", "exit_stats", "fit") if k in meta}
+        | {k: meta[k] for k in ("certificate", "calibration", "exit_stats", "fit", "exit_policy") if k in meta}
     )
 
 
 def emit_plan(model: ir.Model, req: EmitRequest) -> Plan:
-    name = model.metadata_props.get("dyncompile.emitter")
+    name = model.metadata_props.get(_keys.EMITTER)
     if name is None:  # e.g. a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
         name = next((n for rule in DEFAULT_EMITTER_RULES if (n := rule(model, req)) is not None), "single")
     if name not in PLAN_EMITTERS:

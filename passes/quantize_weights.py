@@ -19,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.io import external_data_dirs, working_directory
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ __all__ = [
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
 #: Metadata key the quantization passes set (JSON: scheme and options): the model's numerics differ from its source.
-QUANTIZED_KEY = "dyncompile.quantized"
+QUANTIZED_KEY = _keys.QUANTIZED
 #: ``keep_fp32`` groups the int8 pass understands.
 KEEP_FP32_GROUPS = ("ffn-out",)
 _GELU_OPS = {"Erf", "Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
@@ -201,6 +202,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
     the GELU-fed ones). Invariants: graph inputs/outputs unchanged; every other node unchanged; each quantized
     MatMul gets its DequantizeLinear right before it (a staged cut never separates them). Records
     ``dyncompile.quantized``. Idempotent: a model with that key is left alone (``modified=False``).
+    Precondition (``requires``, checked before anything changes): opset >= 13 when there is a MatMul to quantize.
     """
 
     def __init__(self, per_channel: bool = True, keep_fp32: str | tuple[str, ...] | None = None) -> None:
@@ -212,20 +214,38 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
         keep = f", keep_fp32={'+'.join(self.keep_fp32)!r}" if self.keep_fp32 else ""
         return f"QuantizeWeightsInt8Pass(per_channel={self.per_channel}{keep})"
 
+    def _targets(self, model: ir.Model) -> tuple[list[tuple[ir.Node, ir.Value]], set[str]]:
+        """The MatMuls to quantize with their weights (2-D float initializers), and the names kept in fp32."""
+        g = model.graph
+        exclude = set(gelu_fed_matmuls(model)) if "ffn-out" in self.keep_fp32 else set()
+        targets = []
+        for node in g:
+            w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
+            if w is None or w.const_value is None or node.name in exclude or w.name not in g.initializers:
+                continue
+            if len(w.const_value.shape) == 2 and w.const_value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+                targets.append((node, w))
+        return targets, exclude
+
+    def requires(self, model: ir.Model) -> None:
+        if QUANTIZED_KEY in model.metadata_props:
+            return
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+        if opset < 13 and self._targets(model)[0]:
+            raise ir.passes.PreconditionError(
+                f"weight-only int8 (per-channel DequantizeLinear) needs opset >= 13, the model imports opset {opset};"
+                " re-export with opset >= 13 or use quantize-int8{format=dynamic}"
+            )
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if QUANTIZED_KEY in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         g = model.graph
-        exclude = set(gelu_fed_matmuls(model)) if "ffn-out" in self.keep_fp32 else set()
+        targets, exclude = self._targets(model)
         done: dict[str, tuple[ir.Value, ir.Value, ir.Value]] = {}
         count = 0
-        for node in list(g):
-            w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
-            if w is None or w.const_value is None or node.name in exclude or w.name not in g.initializers:
-                continue
+        for node, w in targets:
             arr = w.const_value.numpy()
-            if arr.ndim != 2 or arr.dtype not in (np.float32, np.float16):
-                continue
             if w.name not in done:
                 a = arr.astype(np.float32)
                 amax = np.abs(a).max(axis=0) if self.per_channel else np.abs(a).max(keepdims=True)
@@ -253,8 +273,6 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
             count += 1
         if not count:
             return ir.passes.PassResult(model, modified=False)
-        if int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18))) < 13:
-            raise ir.passes.PreconditionError("weight-only int8 (per-channel DequantizeLinear) needs opset >= 13")
         model.metadata_props[QUANTIZED_KEY] = json.dumps(
             {"scheme": "int8-weights-qdq", "per_channel": self.per_channel, "keep_fp32": list(self.keep_fp32),
              "fp32_matmuls_kept": len(exclude), "int8_matmuls": count}
@@ -333,6 +351,7 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     "quantize-int8",
     help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), qdq-weights (weight-only QDQ) or auto (by "
     "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out",
+    choices={"format": ("auto", "dynamic", "qdq-weights")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
@@ -354,4 +373,10 @@ def _make_int8(
     help="weight-only int4 MatMulNBits quantization (block-wise); options block_size=32, accuracy_level=4 (int8 compute)",
 )
 def _make_int4(context, block_size: int = 32, symmetric: bool = True, accuracy_level: int | None = 4):
+    from dyncompile.errors import PassConfigError
+
+    if block_size < 16 or block_size & (block_size - 1):
+        raise PassConfigError(f"quantize-int4 block_size must be a power of two >= 16 (e.g. 32), got {block_size}")
+    if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
+        raise PassConfigError(f"quantize-int4 accuracy_level must be 0..4 or none, got {accuracy_level}")
     return QuantizeWeightsInt4Pass(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level)

@@ -7,34 +7,13 @@ from typing import Any
 
 import numpy as np
 
+from dyncompile.plan import STEP_SCHEMAS
 from dyncompile.runtime.executor import StepHandler, register_step
+from dyncompile.runtime.exit_rule import exit_fires, softmax
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StagedEarlyExitStep", "fires"]
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = x - x.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
-
-
-def fires(logits: np.ndarray, criterion: str, threshold: float | None, window_preds: list[np.ndarray]) -> np.ndarray:
-    """Per-row bool: does the exit test fire (same rule as ``dyncompile.passes.early_exit.exit_heads``)."""
-    n = logits.shape[0]
-    if threshold is None:
-        return np.zeros(n, bool)
-    p = _softmax(logits.astype(np.float64))
-    if criterion == "entropy":
-        ent = -(p * np.log(np.clip(p, 1e-30, 1.0))).sum(-1)
-        return ent < threshold
-    ok = p.max(-1) > threshold
-    if criterion == "patience":
-        last = window_preds[-1]
-        for w in window_preds[:-1]:
-            ok &= w == last
-    return ok
+__all__ = ["StagedEarlyExitStep"]
 
 
 @register_step("early_exit_staged")
@@ -49,12 +28,12 @@ class StagedEarlyExitStep(StepHandler):
 
     def __init__(self, step, ctx) -> None:
         super().__init__(step, ctx)
-        p = step.params
-        self.segments = p["segments"]
-        self.criterion = p["criterion"]
-        self.patience = int(p.get("patience", 2))
-        self.output = p["output"]
-        self.sessions = [ctx.session(s["model"]) for s in self.segments]
+        p = step.typed or STEP_SCHEMAS["early_exit_staged"](step.params, "early_exit_staged step")  # validated
+        self.segments = p.segments
+        self.criterion = p.criterion
+        self.patience = p.patience
+        self.output = p.output
+        self.sessions = [ctx.session(s.model) for s in self.segments]
         self.inputs = [[i.name for i in s.get_inputs()] for s in self.sessions]
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -64,45 +43,48 @@ class StagedEarlyExitStep(StepHandler):
         feeds_all = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
         result = None
         exit_layer = np.zeros(batch, np.int64)
-        hidden = None
+        hidden = prev_logits = None
         preds: list[np.ndarray] = []  # per exit: argmax of the active rows (patience windows)
         width = feeds_all["input_ids"].shape[1] if "input_ids" in feeds_all else None
         for seg, sess, names in zip(self.segments, self.sessions, self.inputs):
             feeds = {}
             for n in names:
-                if n == seg["cut_in"]:
+                if n == seg.cut_in:
                     feeds[n] = hidden
+                elif n == seg.prev_head:  # learned policy: the previous exit's logits, active rows
+                    feeds[n] = prev_logits
                 else:
                     v = feeds_all[n][active]
-                    feeds[n] = v[:, :width] if width is not None and v.ndim == 2 and n != seg["cut_in"] else v
-            if seg["cut_in"] and hidden is not None and width is not None:
-                feeds[seg["cut_in"]] = hidden[:, :width]
+                    feeds[n] = v[:, :width] if width is not None and v.ndim == 2 and n != seg.cut_in else v
+            if seg.cut_in and hidden is not None and width is not None:
+                feeds[seg.cut_in] = hidden[:, :width]
             # Trimmed views are strided: ORT's CUDA EP copies raw buffers, so hand it contiguous arrays.
             feeds = {n: np.ascontiguousarray(v) for n, v in feeds.items()}
             outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-            if seg["head"] is None:  # the full model's output for everything still active
-                logits = outs[seg["output"]]
+            if seg.head is None:  # the full model's output for everything still active
+                logits = outs[seg.output]
                 if result is None:
                     result = np.zeros((batch, logits.shape[-1]), logits.dtype)
                 result[active] = logits
-                exit_layer[active] = seg["layer"]
+                exit_layer[active] = seg.layer
                 break
-            logits = outs[seg["head"]]
+            logits = outs[seg.head]
             if result is None:
                 result = np.zeros((batch, logits.shape[-1]), logits.dtype)
-            am = logits.argmax(-1)
-            preds.append(am)
-            window = preds[-self.patience :] if self.criterion == "patience" else []
-            thr = seg["threshold"]
-            if self.criterion == "patience" and len(window) < self.patience:
-                thr = None
-            f = fires(logits, self.criterion, thr, window)
+            preds.append(logits.argmax(-1))
+            if seg.score:  # learned policy: the segment computed the score (ONNX ops); compare it only
+                thr = seg.threshold
+                f = outs[seg.score] > np.float32(thr) if thr is not None else np.zeros(len(logits), bool)
+            else:
+                probs = softmax(logits.astype(np.float64))
+                f = exit_fires(probs, seg.threshold, self.criterion, self.patience, preds)
             if f.any():
                 result[active[f]] = logits[f]
-                exit_layer[active[f]] = seg["layer"]
+                exit_layer[active[f]] = seg.layer
             keep = ~f
             active = active[keep]
-            hidden = outs[seg["cut_out"]][keep]
+            hidden = outs[seg.cut_out][keep]
+            prev_logits = logits[keep]
             preds = [p[keep] for p in preds]
             if active.size == 0:
                 break

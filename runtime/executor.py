@@ -17,6 +17,7 @@ import numpy as np
 
 from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.plan import Plan, Step, load_plan
+from dyncompile.runtime.exit_rule import softmax
 from dyncompile.runtime.providers import check_ort_flavours, resolve_provider
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,10 @@ class RuntimeContext:
         import onnxruntime as ort
 
         self.ort = ort
-        ort.set_default_logger_severity(3)  # EP chatter (e.g. OpenVINO's unused-input notes) stays out of stderr
+        # EP chatter (e.g. OpenVINO's unused-input notes) stays out of stderr; ORT's own error lines too (the
+        # runtime turns ORT failures into one clear error), unless debugging
+        self.log_severity = 3 if logger.isEnabledFor(logging.DEBUG) else 4
+        ort.set_default_logger_severity(self.log_severity)
         self.plan = plan
         self.providers = resolve_provider(provider, fallback=fallback, options=provider_options)
         self.provider = self.providers[0][0]
@@ -77,7 +81,7 @@ class RuntimeContext:
             "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         }
         if optimization not in levels:
-            raise ValueError(f"optimization must be one of {list(levels)}")
+            raise DataError(f"optimization must be one of {', '.join(levels)}, got {optimization!r}")
         self.optimization = levels[optimization]
         self._sessions: dict[str, Any] = {}
 
@@ -86,7 +90,7 @@ class RuntimeContext:
         so.graph_optimization_level = self.optimization
         if self.threads:
             so.intra_op_num_threads = int(self.threads)
-        so.log_severity_level = 3
+        so.log_severity_level = self.log_severity
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, str(v))
         return so
@@ -99,8 +103,15 @@ class RuntimeContext:
             try:
                 s = self.ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-                if self.provider == "CPUExecutionProvider":
+                if not _is_ort_error(e):
                     raise
+                if self.provider == "CPUExecutionProvider":
+                    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                    raise PlanError(
+                        f"ONNX Runtime cannot load {path.name} of plan {self.plan.directory}: {first}. The file is "
+                        "not a model this ONNX Runtime can run (an op or domain it lacks, or a damaged graph); "
+                        "recompile the plan with this dyncompile"
+                    ) from None
                 lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
                 hint = (
                     " This plan is an If-graph early exit; recompile it for this provider with --lowering staged "
@@ -121,6 +132,16 @@ class RuntimeContext:
             logger.debug("session for %s (%s) on %s", file_key, path.name, s.get_providers())
             self._sessions[file_key] = s
         return s
+
+
+def _is_ort_error(e: BaseException) -> bool:
+    """An exception raised by ONNX Runtime itself (its pybind types: Fail, InvalidArgument, InvalidGraph...)."""
+    return type(e).__module__.startswith("onnxruntime")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class StepHandler:
@@ -150,12 +171,6 @@ class Prediction:
         return f"Prediction(label={self.label!r}, score={self.score:.4f}{extra})"
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 class CompiledModel:
     """A loaded plan: call it on texts (classifiers) or feed arrays with :meth:`run_feeds`."""
 
@@ -170,11 +185,13 @@ class CompiledModel:
                 raise PlanError(f"unknown step kind {step.kind!r}; this runtime knows: {', '.join(sorted(STEP_HANDLERS))}")
             self.handlers.append(cls(step, ctx))
         self.encoder = None
-        if plan.tokenizer:
+        if plan.tokenizer and plan.task != "text-generation":  # generation steps hold their own codec
             from dyncompile.runtime.text import TextEncoder
 
             self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
         self.last_info: dict[str, Any] = {}
+        self._exit_log: list[np.ndarray] = []  # per-row exit layers seen since load (drift guard)
+        self._batch_level_rows = 0  # rows whose exit was decided per batch (If graph, batch > 1)
 
     @property
     def provider(self) -> str:
@@ -188,34 +205,95 @@ class CompiledModel:
         if self.encoder is None:
             raise DataError("this plan has no tokenizer; feed arrays with run_feeds()")
         feeds = self.encoder(texts)
+        empty = np.flatnonzero(feeds["attention_mask"].sum(-1) == 0) if "attention_mask" in feeds else []
+        if len(empty):
+            raise DataError(f"text {int(empty[0])} encodes to no tokens (empty text?); give some text to classify")
         return {k: v for k, v in feeds.items() if k in self.input_names}
 
     def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
         """Run the steps on prepared input arrays; returns the final state (``logits``, extras)."""
         state: dict[str, Any] = dict(feeds)
-        for h in self.handlers:
-            state = h.run(state)
+        for i, h in enumerate(self.handlers):
+            try:
+                state = h.run(state)
+            except KeyError as e:
+                raise PlanError(
+                    f"step {i} ({h.kind}) of plan {self.plan.directory} needs {e} , which neither the inputs nor an "
+                    f"earlier step provide (inputs given: {sorted(state)[:6]}); the plan and its ONNX files disagree — "
+                    "recompile"
+                ) from None
+            except Exception as e:
+                if not _is_ort_error(e):
+                    raise
+                raise PlanError(
+                    f"ONNX Runtime failed in step {i} ({h.kind}) of plan {self.plan.directory}: {_first_line(e)}; the "
+                    "plan and its ONNX files disagree, or the input does not fit the model"
+                ) from None
         return state
 
     def predict_proba(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
         """Class probabilities ``[N, C]``; ``self.last_info['exit_layer']`` holds per-row exits if any."""
         if isinstance(texts, str):
             texts = [texts]
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise DataError(f"batch size must be a positive integer, got {batch_size!r}")
         probs, exits = [], []
         for i in range(0, len(texts), batch_size):
             state = self.run_feeds(self.encode(texts[i : i + batch_size]))
-            probs.append(_softmax(np.asarray(state["logits"], dtype=np.float64)))
+            probs.append(softmax(np.asarray(state["logits"], dtype=np.float64)))
             if "exit_layer" in state:  # per row (staged) or one scalar for the whole batch (If graph)
                 n = len(probs[-1])
-                exits.append(np.broadcast_to(np.asarray(state["exit_layer"]).reshape(-1), (n,)).copy())
+                raw = np.asarray(state["exit_layer"]).reshape(-1)
+                exits.append(np.broadcast_to(raw, (n,)).copy())
+                if raw.size == n:  # one exit decision per row: what the drift guard compares
+                    self._exit_log.append(exits[-1])
+                else:
+                    self._batch_level_rows += n
         self.last_info = {"exit_layer": np.concatenate(exits) if exits else None}
         return np.concatenate(probs) if probs else np.zeros((0, len(self.plan.labels or [])))
+
+    def exit_layers_seen(self) -> np.ndarray:
+        """Per-row exit layers of every row this model classified since load (or :meth:`reset_exit_log`)."""
+        return np.concatenate(self._exit_log) if self._exit_log else np.zeros(0, np.int64)
+
+    def reset_exit_log(self) -> None:
+        self._exit_log.clear()
+        self._batch_level_rows = 0
+
+    def drift_report(self, exit_layers=None, **kwargs):
+        """Do the rows seen so far exit like the calibration rows did? (early-exit plans)
+
+        Compares ``exit_layers`` (default: every row classified since load) with the exit-layer
+        distribution the compile recorded, by :func:`dyncompile.runtime.drift.check` (keyword arguments:
+        ``alpha``, ``min_tv``, ``min_rows``, ``warn``). Logs a warning and returns a verdict with
+        ``drift=True`` when they exit in a pattern the calibration did not. If-graph plans decide one exit
+        per batch: rows run at batch size > 1 are not counted (run at batch size 1, or compile with
+        ``--lowering staged``).
+        """
+        from dyncompile.runtime.drift import check
+
+        if exit_layers is None:
+            exit_layers = self.exit_layers_seen()
+            if self._batch_level_rows:
+                logger.info(
+                    "drift report: %d rows ran through an If-graph plan at batch size > 1 (one exit per batch) "
+                    "and are not counted", self._batch_level_rows,
+                )
+        return check(exit_layers, self.plan.policy, **kwargs)
 
     def generate(self, prompt, **kwargs):
         """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.generate.generate`)."""
         from dyncompile.runtime.generate import generate
 
-        return generate(self, prompt, **kwargs)
+        try:
+            return generate(self, prompt, **kwargs)
+        except Exception as e:
+            if not _is_ort_error(e):
+                raise
+            raise PlanError(
+                f"ONNX Runtime failed generating with plan {self.plan.directory}: {_first_line(e)}; the plan and its "
+                "ONNX files disagree — recompile"
+            ) from None
 
     def __call__(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
         if self.plan.task != "text-classification":

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.errors import DataError, PlanError
+from dyncompile.errors import DataError
+from dyncompile.plan import STEP_SCHEMAS, DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (schema; re-exported)
 from dyncompile.runtime.executor import StepHandler, register_step
 from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
@@ -59,71 +60,6 @@ class PromptError(DataError):
     """An empty prompt, a bad ``max_new_tokens``/``temperature``, or a prompt longer than the model allows."""
 
 
-@dataclasses.dataclass
-class KVEntry:
-    past: str
-    present: str
-    axis: int = 2
-    shape: tuple[int, ...] = ()  # the fixed dims of the past tensor after batch, with the seq axis left out
-
-
-@dataclasses.dataclass
-class DecoderSpec:
-    """How to drive one KV-cache decoder graph (see the module docstring for the JSON form)."""
-
-    model: str
-    input_ids: str = "input_ids"
-    attention_mask: str | None = "attention_mask"
-    position_ids: str | None = "position_ids"
-    logits: str = "logits"
-    kv: list[KVEntry] = dataclasses.field(default_factory=list)
-    kv_dtype: str = "float32"
-
-    @classmethod
-    def from_params(cls, d: dict[str, Any], what: str = "decoder") -> DecoderSpec:
-        try:
-            kv = [KVEntry(e["past"], e["present"], int(e.get("axis", 2)), tuple(e.get("shape", ()))) for e in d["kv"]]
-            return cls(
-                model=d["model"],
-                input_ids=d.get("input_ids", "input_ids"),
-                attention_mask=d.get("attention_mask"),
-                position_ids=d.get("position_ids"),
-                logits=d.get("logits", "logits"),
-                kv=kv,
-                kv_dtype=d.get("kv_dtype", "float32"),
-            )
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"plan step: malformed {what} spec ({type(e).__name__}: {e}); recompile the model") from None
-
-    def to_params(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "input_ids": self.input_ids,
-            "attention_mask": self.attention_mask,
-            "position_ids": self.position_ids,
-            "logits": self.logits,
-            "kv": [{"past": e.past, "present": e.present, "axis": e.axis, "shape": list(e.shape)} for e in self.kv],
-            "kv_dtype": self.kv_dtype,
-        }
-
-
-@dataclasses.dataclass
-class GenerationConfig:
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    max_length: int | None = None
-    chat_template: str | None = None
-
-    @classmethod
-    def from_params(cls, d: dict[str, Any] | None) -> GenerationConfig:
-        d = d or {}
-        eos = d.get("eos_token_ids") or []
-        return cls(
-            eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])),
-            bos_token_id=d.get("bos_token_id"),
-            max_length=d.get("max_length"),
-            chat_template=d.get("chat_template"),
-        )
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -302,20 +238,15 @@ class GenerateStep(StepHandler):
 
     def __init__(self, step, ctx) -> None:
         super().__init__(step, ctx)
-        self.target_spec = DecoderSpec.from_params(step.params.get("target") or {}, "target")
-        self.gen = GenerationConfig.from_params(step.params.get("generation"))
+        # params validated against the plan schema (plan.STEP_SCHEMAS) when the plan loaded
+        self.params = step.typed or STEP_SCHEMAS[step.kind](step.params, f"{step.kind} step")
+        self.target_spec = self.params.target
+        self.gen = self.params.generation
         self.timer = SessionTimer()
         self.target = KVDecoder(ctx.session(self.target_spec.model), self.target_spec, timer=self.timer,
-                                io_binding=bool(step.params.get("io_binding", False)),
-                                rollback=step.params.get("rollback", "mask"))
-        self._codec: TextCodec | None = None
-
-    @property
-    def codec(self) -> TextCodec | None:
-        """The plan's tokenizer for prompts and generated text (loaded on first use; None without one)."""
-        if self._codec is None and self.ctx.plan.tokenizer:
-            self._codec = TextCodec.from_plan(self.ctx.plan)
-        return self._codec
+                                io_binding=self.params.io_binding, rollback=self.params.rollback)
+        # the plan's tokenizer for prompts and generated text, read at load from the hash-checked bytes
+        self.codec: TextCodec | None = TextCodec.from_plan(ctx.plan)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
         sess = self.target.session
@@ -332,7 +263,7 @@ class GenerateStep(StepHandler):
                      rng: np.random.Generator, speculative: bool = True, **options) -> tuple[list[int], GenerationStats]:
         del speculative  # target-only
         io_binding = options.pop("io_binding", None)
-        self.target.io_binding = bool(self.step.params.get("io_binding", False) if io_binding is None else io_binding)
+        self.target.io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
         options.pop("rollback", None)  # nothing is ever rolled back without drafts
         if options:
             raise PromptError(f"unknown generation options for a target-only plan: {sorted(options)}")

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from dyncompile.errors import PlanError
-
-if TYPE_CHECKING:  # the plan schema types (runtime.generate imports this module)
-    from dyncompile.runtime.generate import DecoderSpec, KVEntry
+from dyncompile.plan import DecoderSpec, KVEntry
 
 __all__ = ["KVDecoder", "SessionTimer"]
 

@@ -29,6 +29,8 @@ Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generat
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import time
 from collections.abc import Sequence
@@ -36,11 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.errors import PlanError
 from dyncompile.runtime.cost_model import DEFAULT_VERIFY_SLOPE, best_draft_length, verify_cost
 from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from dyncompile.runtime.executor import register_step
-from dyncompile.runtime.generate import DecoderSpec, GenerateStep, GenerationStats, PromptError
+from dyncompile.runtime.generate import GenerateStep, GenerationStats, PromptError
 from dyncompile.runtime.kv_cache import KVDecoder
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
@@ -196,57 +197,47 @@ class SpeculativeGenerateStep(GenerateStep):
     """Speculative decoding: the plan's drafter proposes, the target verifies (see the module docstring)."""
 
     def __init__(self, step, ctx) -> None:
-        super().__init__(step, ctx)
-        p = step.params
-        d = p.get("drafter") or {}
-        kind = d.get("kind")
-        self.draft_params = dict(p.get("draft") or {})
+        super().__init__(step, ctx)  # self.params: SpeculativeParams, validated at load
+        d = self.params.drafter
+        self.draft_policy = self.params.draft
         self.drafter: Drafter
-        if kind == "prompt-lookup":
-            self.drafter = PromptLookupDrafter(int(d.get("max_ngram", 3)), int(d.get("min_ngram", 1)))
-        elif kind == "model":
-            spec = DecoderSpec.from_params(d.get("decoder") or {}, "drafter")
+        if d.kind == "prompt-lookup":
+            self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
+        else:  # "model" (the schema admits no other kind, and checks decoder and share_kv)
             vocab = None
-            if d.get("vocab"):
-                vocab = np.load(ctx.plan.path_of(d["vocab"]), allow_pickle=False)
-            share = d.get("share_kv")
-            dec = KVDecoder(ctx.session(spec.model), spec, role="drafter", timer=self.timer,
-                            io_binding=bool(p.get("io_binding", False)), rollback=p.get("rollback", "mask"))
-            if share is not None and len(share) != len(spec.kv):
-                raise PlanError("plan step: drafter share_kv must list one target kv index per drafter kv entry")
-            self.drafter = ModelDrafter(dec, name=d.get("name", "external"), share_kv=share, vocab=vocab)
-        else:
-            raise PlanError(f"plan step speculative_generate: unknown drafter kind {kind!r} (known: model, prompt-lookup)")
+            if d.vocab:  # the bytes load_plan read and hash-checked
+                vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False)
+            dec = KVDecoder(ctx.session(d.decoder.model), d.decoder, role="drafter", timer=self.timer,
+                            io_binding=self.params.io_binding, rollback=self.params.rollback)
+            self.drafter = ModelDrafter(dec, name=d.name, share_kv=d.share_kv, vocab=vocab)
 
     def _controller(self, options: dict[str, Any]) -> DraftController:
         """The plan's draft policy, overridden by ``draft_length``/``min_draft``/``max_draft``/``adaptive``."""
-        dp = dict(self.draft_params)
+        dp = dataclasses.asdict(self.draft_policy)
         for opt, key in (("draft_length", "initial"), ("min_draft", "min"), ("max_draft", "max"),
                          ("adaptive", "adaptive"), ("adapt_to_timing", "timing")):
             if opt in options:
                 dp[key] = options.pop(opt)
-        initial = int(dp.get("initial", 4))
-        max_len = int(dp.get("max", 8))
-        if initial > max_len:
-            max_len = initial
+        initial = int(dp["initial"])
+        max_len = max(int(dp["max"]), initial)
         return DraftController(
             initial=initial,
-            min_len=int(dp.get("min", 1)),
+            min_len=int(dp["min"]),
             max_len=max_len,
-            adaptive=bool(dp.get("adaptive", True)),
-            alpha0=float(dp.get("alpha0", 0.6)),
-            verify_slope=float(dp.get("verify_slope", DEFAULT_VERIFY_SLOPE)),
-            draft_cost=dp.get("draft_cost"),
-            verify_cost=dp.get("verify_cost"),
-            timing=bool(dp.get("timing", False)),
+            adaptive=bool(dp["adaptive"]),
+            alpha0=float(dp["alpha0"]),
+            verify_slope=float(dp["verify_slope"]),
+            draft_cost=dp["draft_cost"],
+            verify_cost=dp["verify_cost"],
+            timing=bool(dp["timing"]),
         )
 
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
         # per-call runtime options (the plan's defaults otherwise)
         decoders = [self.target] + ([self.drafter.decoder] if isinstance(self.drafter, ModelDrafter) else [])
         io_binding = options.pop("io_binding", None)
-        io_binding = bool(self.step.params.get("io_binding", False) if io_binding is None else io_binding)
-        rollback = options.pop("rollback", None) or self.step.params.get("rollback", "mask")
+        io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
+        rollback = options.pop("rollback", None) or self.params.rollback
         if rollback not in ("mask", "copy"):
             raise PromptError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
         for d in decoders:

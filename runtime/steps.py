@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from dyncompile.plan import STEP_SCHEMAS
 from dyncompile.runtime.executor import StepHandler, register_step
 
 __all__ = ["RunModelStep"]
@@ -25,10 +26,11 @@ class RunModelStep(StepHandler):
 
     def __init__(self, step, ctx) -> None:
         super().__init__(step, ctx)
-        self.session = ctx.session(step.params["model"])
+        p = step.typed or STEP_SCHEMAS["run_model"](step.params, "run_model step")  # validated
+        self.session = ctx.session(p.model)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self.rename = dict(step.params.get("outputs", {}))
+        self.rename = dict(p.outputs)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
         feeds = {n: state[n] for n in self.input_names}

@@ -18,7 +18,25 @@ import numpy as np
 
 from dyncompile.errors import DataError
 
-__all__ = ["ChatTemplateError", "TextCodec", "TextEncoder", "render_chat"]
+__all__ = ["ChatTemplateError", "TextCodec", "TextEncoder", "plan_tokenizer", "render_chat"]
+
+
+def plan_tokenizer(plan):
+    """A fresh ``tokenizers.Tokenizer`` of ``plan``'s tokenizer file, built from the bytes :func:`load_plan`
+    read and hash-checked (a file swapped on disk after loading is never used)."""
+    from tokenizers import Tokenizer
+
+    from dyncompile.errors import PlanError
+
+    key = plan.tokenizer["file"]
+    try:
+        return Tokenizer.from_str(plan.content_of(key).decode("utf-8"))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise PlanError(
+            f"file {key!r} of plan {plan.directory} is not a tokenizer.json the tokenizers library can read "
+            f"({first}); recompile with the model's tokenizer.json"
+        ) from None
 
 
 class TextEncoder:
@@ -28,10 +46,12 @@ class TextEncoder:
     result independent of padding) or to ``max_length`` with ``padding="max_length"``.
     """
 
-    def __init__(self, tokenizer_file: str | Path, *, max_length: int = 512, padding: str = "longest") -> None:
+    def __init__(self, tokenizer_file: str | Path | Any, *, max_length: int = 512, padding: str = "longest") -> None:
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        # a path, or a tokenizers.Tokenizer already built (the runtime's, from hash-checked bytes)
+        is_tok = isinstance(tokenizer_file, Tokenizer)
+        self.tokenizer = tokenizer_file if is_tok else Tokenizer.from_file(str(tokenizer_file))
         self.max_length = int(max_length)
         if padding not in ("longest", "max_length"):
             raise ValueError(f"padding must be 'longest' or 'max_length', not {padding!r}")
@@ -50,7 +70,8 @@ class TextEncoder:
 
     @classmethod
     def from_plan(cls, plan, spec: dict[str, Any]) -> TextEncoder:
-        return cls(plan.path_of(spec["file"]), max_length=spec.get("max_length", 512), padding=spec.get("padding", "longest"))
+        """The classifier encoder of ``plan`` (tokenizer from the hash-checked bytes, see :func:`plan_tokenizer`)."""
+        return cls(plan_tokenizer(plan), max_length=spec.get("max_length", 512), padding=spec.get("padding", "longest"))
 
     def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         if isinstance(texts, str):
@@ -74,17 +95,18 @@ class TextEncoder:
 class TextCodec:
     """The plan's tokenizer for generation: no truncation, no padding, the model's own special tokens."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, source: str | Path | Any) -> None:
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(path))
+        # a path, or a tokenizers.Tokenizer already built (the runtime's, from hash-checked bytes)
+        self.tokenizer = source if isinstance(source, Tokenizer) else Tokenizer.from_file(str(source))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
 
     @classmethod
     def from_plan(cls, plan) -> TextCodec | None:
         """The codec of ``plan``'s tokenizer, or None for a plan without one."""
-        return cls(plan.path_of(plan.tokenizer["file"])) if plan.tokenizer else None
+        return cls(plan_tokenizer(plan)) if plan.tokenizer else None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text).ids)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 import pytest
-from helpers import DATA, REPO, SHARED  # noqa: F401  (tests/ is on pythonpath)
+from helpers import DATA  # tests/ is on pythonpath
 
 
 @pytest.fixture(autouse=True)

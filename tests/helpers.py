@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+from dyncompile.io import shared_dir
+
+SHARED = shared_dir()
 DATA = SHARED / "data" / "sentiment"
 
 
@@ -28,11 +29,13 @@ def ort_session(path_or_model, *, disable_all: bool = True):
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
-def random_token_feeds(batch: int = 3, seq: int = 9, vocab: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
+def random_token_feeds(
+    batch: int = 3, seq: int = 9, vocab: int = 512, seed: int = 0
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     mask = np.ones((batch, seq), np.int64)
     for b in range(1, batch):
-        mask[b, seq - b :] = 0
+        mask[b, seq - b % seq :] = 0  # row b pads its last b % seq positions: every row keeps a token
     return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64), "attention_mask": mask}
 
 
@@ -58,3 +61,45 @@ def assert_clean_error(rc, err, *needles):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for n in needles:
         assert n in err, (n, err)
+
+
+# --- early exit on the generated 4-layer encoder (shared by the lowering and the native OpenVINO tests) ---
+
+EE_LAYERS = 4
+EE_FEEDS = random_token_feeds(batch=6, seq=9)
+
+
+def with_heads(thresholds: dict[int, float | None], criterion: str = "entropy", patience: int = 2, exits=(1, 2, 3)):
+    """The generated ``EE_LAYERS``-layer encoder with random exit heads (seeded) attached after ``exits``."""
+    from dyncompile.models.synthetic import tiny_encoder_classifier
+    from dyncompile.passes.early_exit.attach_exit_heads import attach_exit_heads
+    from dyncompile.passes.early_exit.heads import ExitHead
+
+    m = tiny_encoder_classifier(num_layers=EE_LAYERS)
+    lns = [n for n in m.graph if n.op_type == "LayerNormalization"]  # [embeddings, layer1..layer4]
+    cuts = {k: lns[k].outputs[0].name for k in exits}
+    rng = np.random.default_rng(1)
+    heads = {
+        k: ExitHead(
+            "cls+mean",
+            [
+                (rng.standard_normal((512, 16)).astype(np.float32) * 0.1, np.zeros(16, np.float32), "tanh"),
+                (rng.standard_normal((16, 2)).astype(np.float32), np.zeros(2, np.float32), "none"),
+            ],
+        )
+        for k in exits
+    }
+    attach_exit_heads(
+        m, heads=heads, cuts=cuts, thresholds={k: thresholds.get(k) for k in exits}, num_layers=EE_LAYERS,
+        criterion=criterion, patience=patience,
+    )
+    return m
+
+
+def lower_if(m):
+    """Run the If lowering (checked after the pass) on ``m`` in place; returns ``m``."""
+    from dyncompile.passes import InsertEarlyExitPass, run_pipeline
+
+    res = run_pipeline([InsertEarlyExitPass("if")], m, check="each")
+    assert res.modified
+    return m

@@ -64,9 +64,14 @@ def test_output_exists_refused_untouched_then_force(capsys, tmp_path, tiny_encod
     rc, _, err = run_cli(capsys, tiny_encoder_path, "-o", out)
     assert_clean_error(rc, err, "already exists", "--force")
     assert (out / "keep.txt").read_text() == "mine"
-    rc, outp, err = run_cli(capsys, tiny_encoder_path, "-o", out, "--force")
-    assert rc == 0, err
-    assert (out / "plan.json").is_file() and not (out / "keep.txt").exists()
+    rc, _, err = run_cli(capsys, tiny_encoder_path, "-o", out, "--force")  # --force replaces only a plan (#9)
+    assert_clean_error(rc, err, "not a dyncompile plan", "keep.txt")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    for what in ("an empty directory", "a plan"):
+        rc, outp, err = run_cli(capsys, tiny_encoder_path, "-o", out, "--force")
+        assert rc == 0, (what, err)
+        assert (out / "plan.json").is_file()
     assert tiny_encoder_path.read_bytes() == before
 
 
@@ -93,6 +98,15 @@ def test_inspect_plan_and_passes(capsys, tmp_path, tiny_encoder_path):
     assert rc == 0 and "run_model" in text and "verified" in text
     rc, text, _ = run_cli(capsys, "passes")
     assert rc == 0 and "verify" in text and "cleanup" in text
+
+
+def test_inspect_model_prints_the_structure_report(capsys, tiny_encoder_path):
+    """`dyncompile inspect MODEL.onnx` runs the graph analysis (tiny_encoder_classifier: 4 blocks, CLS head)."""
+    rc, text, err = run_cli(capsys, "inspect", tiny_encoder_path)
+    assert rc == 0, err
+    for line in ("Layers: 4 found", "Family guess: encoder (LayerNorm encoder", "Task guess: text-classification"):
+        assert line in text, line
+    assert "pooling=cls" in text and "after layer   4: " in text
 
 
 def test_dump_ir_from_cli(capsys, tmp_path, tiny_encoder_path):

@@ -261,6 +261,16 @@ def test_tampered_step_params_are_refused(plan_dir, tmp_path):
     with pytest.raises(PlanError, match="guidance_scale"):
         dyncompile.load(bad)
     raw["steps"][-1]["guidance_scale"] = 3.0
+    raw["steps"][-1]["num_inference_steps"] = True
+    (bad / "plan.json").write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match="num_inference_steps"):
+        dyncompile.load(bad)
+    raw["steps"][-1]["num_inference_steps"] = 50
+    raw["steps"][-1]["run_this"] = "import os"
+    (bad / "plan.json").write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match="unknown field 'run_this'"):
+        dyncompile.load(bad)
+    del raw["steps"][-1]["run_this"]
     raw["steps"][-1]["scheduler"]["_class_name"] = "LMSDiscreteScheduler"
     (bad / "plan.json").write_text(json.dumps(raw))
     with pytest.raises(PlanError, match="not implemented"):

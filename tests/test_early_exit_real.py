@@ -6,13 +6,15 @@ import json
 
 import numpy as np
 import pytest
-from helpers import DATA, ort_session, tolerance
+from helpers import DATA, assert_clean_error, ort_session, run_cli, tolerance
 
 import dyncompile
 from dyncompile.errors import ProviderError
 from dyncompile.tools.cli import main
 
 CALIB_ROWS = 400  # a slice of movie-calib keeps CI fast; the benchmark uses all 2,000
+TEST_ROWS = 600  # movie-test rows for the budget check (never used to choose anything)
+BUDGET = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,7 @@ def test_rows():
 
 
 def _compile(minilm, out, calib, **opts):
+    opts.setdefault("confidence", "none")  # 400 rows certify little; certified plans: test_certified_real.py
     return dyncompile.compile(minilm.onnx_path, "early-exit", out, calib=str(calib), progress=False, **opts)
 
 
@@ -80,21 +83,36 @@ def test_if_graph_structure_on_real_model(never_plans):
 @pytest.fixture(scope="module")
 def fitted(minilm, small_calib, tmp_path_factory):
     d = tmp_path_factory.mktemp("fit")
-    return {low: _compile(minilm, d / low, small_calib, budget=2.0, lowering=low) for low in ("if", "staged")}
+    return {low: _compile(minilm, d / low, small_calib, budget=BUDGET, lowering=low) for low in ("if", "staged")}
 
 
-def test_fitted_plan_records_calibration(fitted):
-    pol = fitted["if"].plan.policy["early_exit"]
-    assert pol["criterion"] == "entropy" and pol["lowering"] == "if"
-    cal = pol["calibration"]
-    assert cal["budget"] == 2.0 and cal["rows"] == CALIB_ROWS
-    assert cal["expected_accuracy"] >= cal["baseline_accuracy"] - 2.0 - 1e-9
-    assert cal["expected_speedup"] > 1.2  # exits do fire on real data
-    assert any(t is not None for t in pol["thresholds"].values())
+def test_budget_and_speedup_hold_on_movie_test(fitted, never_plans, movie_test_rows):
+    """The calibration's promise, checked on rows it never saw.
+
+    Accuracy: the drop against the full model is at most the budget plus 3 standard errors of two sample
+    means (the calibration rows' estimate and this one's): a row's change in correctness is -1, 0 or +1 and
+    is non-zero only where the two disagree, so its variance is at most the disagreement rate q.
+    Speed: the mean exit layer on these rows matches the calibration's expected one within 3 standard
+    errors of the same two samples.
+    """
+    rows = movie_test_rows[:TEST_ROWS]
+    texts, labels = [r["text"] for r in rows], np.array([r["label"] for r in rows])
+    ee = dyncompile.load(fitted["staged"].plan_dir, optimization="disable")
+    pred = ee.predict_proba(texts).argmax(-1)
+    layers = ee.last_info["exit_layer"]
+    full = dyncompile.load(never_plans["staged"].plan_dir, optimization="disable").predict_proba(texts).argmax(-1)
+    q = float((pred != full).mean())
+    se = np.sqrt(1 / TEST_ROWS + 1 / CALIB_ROWS)
+    drop = ((full == labels).mean() - (pred == labels).mean()) * 100
+    assert drop <= BUDGET + 3 * 100 * np.sqrt(q) * se, (drop, q)
+    cal = fitted["staged"].plan.policy["early_exit"]["calibration"]
+    expected_layer = 6 / cal["expected_speedup"]
+    assert abs(layers.mean() - expected_layer) <= 3 * layers.std() * se, (layers.mean(), expected_layer)
+    assert 6 / layers.mean() > 2.0, layers.mean()  # README: 3.23x at this budget with 2,000 calibration rows
 
 
 def test_if_and_staged_agree_at_batch_1(fitted, test_rows, provider):
-    texts, labels = test_rows
+    texts, _ = test_rows
     if provider == "openvino":
         pytest.skip("If graphs do not load on the OpenVINO EP 1.24 (asserted in test_never_exit_reproduces_original)")
     a = dyncompile.load(fitted["if"].plan_dir, provider=provider)
@@ -109,8 +127,6 @@ def test_if_and_staged_agree_at_batch_1(fitted, test_rows, provider):
     np.testing.assert_array_equal(ea, eb)
     np.testing.assert_allclose(pa, pb, atol=1e-4)
     assert ea.min() < 6  # some rows exit early
-    acc = float((pb.argmax(-1) == labels).mean())
-    assert acc > 0.7
 
 
 def test_run_prints_exit_layer(fitted, capsys):
@@ -123,9 +139,8 @@ def test_run_prints_exit_layer(fitted, capsys):
 
 
 def _cli_error(capsys, *argv):
-    rc = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert rc == 2 and "Traceback" not in err and err.startswith("error: "), err
+    rc, _, err = run_cli(capsys, *argv)
+    assert_clean_error(rc, err)
     return err
 
 

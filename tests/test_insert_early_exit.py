@@ -7,40 +7,18 @@ import json
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import ort_session, random_token_feeds, tolerance
+from helpers import EE_FEEDS, EE_LAYERS, lower_if, ort_session, tolerance, with_heads
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import InsertEarlyExitPass, run_pipeline
-from dyncompile.passes.early_exit.exit_heads import Calibration, ExitHead, exit_decisions
-from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, FitExitHeadsPass, attach_exit_heads
+from dyncompile.passes.early_exit import AttachExitHeadsPass, FitExitHeadsPass
+from dyncompile.passes.early_exit.attach_exit_heads import EARLY_EXIT_KEY
+from dyncompile.passes.early_exit.calibrate import Calibration, exit_decisions
 from dyncompile.passes.emit import EmitRequest, emit_plan
 from dyncompile.plan import save_plan
 
-LAYERS = 4
-FEEDS = random_token_feeds(batch=6, seq=9)
-
-
-def with_heads(thresholds: dict[int, float | None], criterion: str = "entropy", patience: int = 2, exits=(1, 2, 3)):
-    m = tiny_encoder_classifier(num_layers=LAYERS)
-    lns = [n for n in m.graph if n.op_type == "LayerNormalization"]  # [embeddings, layer1..layer4]
-    cuts = {k: lns[k].outputs[0].name for k in exits}
-    rng = np.random.default_rng(1)
-    heads = {
-        k: ExitHead(
-            "cls+mean",
-            [
-                (rng.standard_normal((512, 16)).astype(np.float32) * 0.1, np.zeros(16, np.float32), "tanh"),
-                (rng.standard_normal((16, 2)).astype(np.float32), np.zeros(2, np.float32), "none"),
-            ],
-        )
-        for k in exits
-    }
-    attach_exit_heads(
-        m, heads=heads, cuts=cuts, thresholds={k: thresholds.get(k) for k in exits}, num_layers=LAYERS,
-        criterion=criterion, patience=patience,
-    )
-    return m
+LAYERS, FEEDS = EE_LAYERS, EE_FEEDS
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +31,6 @@ def head_outputs(m):
     sess = ort_session(m)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(None, FEEDS)))
-
-
-def lower_if(m):
-    res = run_pipeline([InsertEarlyExitPass("if")], m, check="each")
-    assert res.modified
-    return m
 
 
 def test_if_structure_nested_and_initializers_inward():
@@ -184,8 +156,33 @@ def test_staged_per_row_exits_match_reference_decisions(tmp_path, criterion, ori
     np.testing.assert_allclose(st["logits"][want == 4], original_logits[want == 4], rtol=0, atol=tolerance(provider))
 
 
-def test_metadata_records_decisions():
-    m = with_heads({1: 0.3})
+def test_attach_pass_adds_numpy_exact_heads_and_is_idempotent():
+    from dyncompile.passes.early_exit.heads import ExitHead, pool_features
+
+    m = tiny_encoder_classifier(num_layers=LAYERS)
+    lns = [n for n in m.graph if n.op_type == "LayerNormalization"]
+    cuts = {k: lns[k].outputs[0].name for k in (1, 3)}
+    rng = np.random.default_rng(5)
+    heads = {
+        1: ExitHead("cls", [(rng.standard_normal((256, 2)), rng.standard_normal(2), "none")]),
+        3: ExitHead("cls+mean", [(rng.standard_normal((512, 8)), rng.standard_normal(8), "gelu"),
+                                 (rng.standard_normal((8, 2)), rng.standard_normal(2), "none")]),
+    }
+    # the hidden states at the cuts, from the untouched model
+    probe = tiny_encoder_classifier(num_layers=LAYERS)
+    values = ir.convenience.create_value_mapping(probe.graph)
+    probe.graph.outputs.extend(values[cuts[k]] for k in (1, 3))
+    logits, h1, h3 = ort_session(probe).run(None, FEEDS)
+
+    attach = AttachExitHeadsPass(heads, cuts, {1: 0.3, 3: None}, num_layers=LAYERS)
+    assert run_pipeline([attach], m, check="each").modified
+    out = dict(zip([v.name for v in m.graph.outputs], ort_session(m).run(None, FEEDS)))
+    assert list(out) == ["logits", "exit_logits_1", "exit_logits_3"]
+    np.testing.assert_allclose(out["logits"], logits, rtol=0, atol=1e-6)  # the original output is untouched
+    for k, h in ((1, h1), (3, h3)):  # the ONNX head computes what the numpy head computes
+        want = heads[k].logits(pool_features(h, FEEDS["attention_mask"], heads[k].pooling))
+        np.testing.assert_allclose(out[f"exit_logits_{k}"], want, rtol=0, atol=1e-4)
     meta = json.loads(m.metadata_props[EARLY_EXIT_KEY])
-    assert [e["layer"] for e in meta["exits"]] == [1, 2, 3]
-    assert meta["exits"][0]["threshold"] == 0.3 and meta["exits"][1]["threshold"] is None
+    assert meta["final_output"] == "logits" and meta["num_layers"] == LAYERS
+    assert [(e["layer"], e["cut"]) for e in meta["exits"]] == [(1, cuts[1]), (3, cuts[3])]
+    assert attach(m).modified is False

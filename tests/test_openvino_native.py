@@ -32,11 +32,11 @@ def _ov_run(model_or_path, feeds):
 
 @pytest.mark.parametrize("exit_at", [None, 1, 2, 3])
 def test_native_openvino_reproduces_ort_every_branch(exit_at):
-    from test_insert_early_exit import FEEDS, lower_if, with_heads
+    from helpers import EE_FEEDS, lower_if, with_heads
 
     m = lower_if(with_heads({exit_at: 10.0} if exit_at else {}))
-    want_logits, want_layer = ort_session(m).run(None, FEEDS)
-    got = _ov_run(m, FEEDS)
+    want_logits, want_layer = ort_session(m).run(None, EE_FEEDS)
+    got = _ov_run(m, EE_FEEDS)
     assert int(np.asarray(got["exit_layer"]).reshape(())) == int(want_layer) == (exit_at or 4)
     np.testing.assert_allclose(got["logits"], want_logits, rtol=0, atol=1e-4)
 

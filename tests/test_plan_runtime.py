@@ -107,17 +107,32 @@ def test_output_dir_exists_refused_then_force(tiny_encoder_path, tiny_plan):
     assert leftovers == []
 
 
-def test_failed_compile_leaves_no_partial_output(tiny_encoder_path, tmp_path, monkeypatch):
-    import dyncompile.passes.emit as emit
+@pytest.mark.parametrize("existing", [False, True])
+def test_failed_compile_leaves_no_partial_output(tiny_encoder_path, tmp_path, monkeypatch, existing):
+    """A failure mid-write (the model files are already written, plan.json is not) leaves no output, no
+    temp folder, and an existing output (with --force) exactly as it was."""
+    import dyncompile.passes.compiler as compiler
 
-    def boom(*a, **k):
+    seen = []
+
+    def boom(plan, directory):
+        seen.append(sorted(p.name for p in directory.iterdir()))
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(emit, "save_plan", boom, raising=False)
-    monkeypatch.setattr("dyncompile.tools.compiler.save_plan", boom)
+    out = tmp_path / "out"
+    if existing:
+        dyncompile.compile(tiny_encoder_path, "verify", out, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if existing else None
+    monkeypatch.setattr(compiler, "save_plan", boom)  # the plan writer the compile driver calls
     with pytest.raises(RuntimeError, match="disk full"):
-        dyncompile.compile(tiny_encoder_path, "verify", tmp_path / "out", progress=False)
-    assert list(tmp_path.iterdir()) == []
+        dyncompile.compile(tiny_encoder_path, "verify", out, force=existing, progress=False)
+    assert len(seen) == 1 and any(name.endswith(".onnx") for name in seen[0]), seen  # it failed mid-write
+    assert "plan.json" not in seen[0]
+    if existing:
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_input_model_untouched(tiny_encoder_path, tmp_path):

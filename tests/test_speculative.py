@@ -20,7 +20,8 @@ from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir,
 from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative import DrafterError, SpeculativePass
 from dyncompile.passes.speculative.probe import weight_reads
-from dyncompile.runtime.generate import GenerationConfig, PromptError
+from dyncompile.plan import GenerationConfig
+from dyncompile.runtime.generate import PromptError
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
 from dyncompile.runtime.speculative import DraftController
 
@@ -566,7 +567,8 @@ def test_int8_compute_target_refused_through_cli(tiny, tmp_path, capsys):
 
 
 def test_split_drafter_after_quantization_says_to_reorder(tiny, tmp_path):
-    with pytest.raises(DrafterError, match="before the quantize pass"):
+    # the registry's order constraint (split-drafter before=quantize-*) fires before the model loads
+    with pytest.raises(PassConfigError, match="'split-drafter' must come before 'quantize-int4'"):
         compile_model(tiny["target"], "quantize-int4{accuracy_level=0},split-drafter{layers=1,min_speedup=0},speculative",
                       tmp_path / "o", calib=str(tiny["calib"]))
 

@@ -134,5 +134,5 @@ def test_tampered_predictor_is_refused(ss_plan_dir, tmp_path):
     raw["steps"][1]["grid"] = [2, 3, 5]
     raw["steps"][1]["weights"] = raw["steps"][1]["weights"][:10]
     (bad / "plan.json").write_text(json.dumps(raw))
-    with pytest.raises(PlanError, match="mean has 384 values, expected 10"):
+    with pytest.raises(PlanError, match="mean has 384 values"):
         dyncompile.load(bad)

@@ -1,15 +1,14 @@
 """int8 x early exit benchmark (issue #5): fp32 original, int8, early exit and int8 + early exit, one provider.
 
-For each model: exit heads are fitted once on the fp32 original and once on the int8 model (its own
-features, as ``--passes quantize-int8,early-exit`` does), on movie-calib; thresholds are calibrated for every
-budget. int8 is the format ``quantize-int8{format=auto}`` picks for the provider (CPU EP: dynamic int8,
+For each model and budget, every plan is compiled by the pipeline a user runs, on movie-calib: early exit is
+``--passes early-exit``, int8 + early exit is ``--passes quantize-int8{...},early-exit`` (exit heads fitted on
+the int8 model's own features). int8 is the format ``quantize-int8{format=auto}`` picks for the provider (CPU EP: dynamic int8,
 MatMulInteger; OpenVINO EP: weight-only int8 in QDQ form), with the options of ``DEFAULT_INT8``; one more
 int8-only row (``ALT_INT8``) shows the alternative.
 
 The budget is the accuracy drop promised on movie-calib **against the fp32 original** for both: early exit
 spends all of it; int8 + early exit first pays the int8 model's own drop on movie-calib and calibrates its
-exits with what is left (``calibrate_exits(..., reference_probs=fp32)``, what the pipeline does after a
-quantize pass). Every plan uses the lowering ``--lowering auto`` picks for the provider (If graph on the
+exits with what is left (what the ``early-exit`` pass does after a quantize pass: ``budget_reference=original``). Every plan uses the lowering ``--lowering auto`` picks for the provider (If graph on the
 CPU EP, staged on OpenVINO).
 
 All plans and the original are then measured interleaved in one process on movie-test (never used to
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.tools.bench_early_exit import DATA, exit_plan, fit_exits_once
+from dyncompile.tools._bench_common import DATA, compile_early_exit
 
 logger = logging.getLogger(__name__)
 
@@ -162,15 +161,13 @@ def ov_native_profile(onnx_paths: dict[str, Path], compiled, texts, rows: int) -
 
 
 def bench_model(name: str, args, out: Path) -> dict:
-    import onnx_ir as ir
 
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.models import build_model
     from dyncompile.passes import CompileContext, build_passes
-    from dyncompile.passes.early_exit.fit_exit_heads import calibrate_exits
     from dyncompile.passes.early_exit.insert_early_exit import choose_lowering
-    from dyncompile.tools.bench import (
+    from dyncompile.tools._bench_common import (
         BENCH_SESSION_CONFIG,
         bench_runners,
         load_avg,
@@ -180,10 +177,10 @@ def bench_model(name: str, args, out: Path) -> dict:
 
     art = build_model(name)
     cfg = art.config
-    calib_t, calib_y = texts_and_labels(read_jsonl(Path(args.data_dir) / "movie-calib.jsonl"), cfg["labels"])
+    calib = Path(args.data_dir) / "movie-calib.jsonl"
     test_t, test_y = texts_and_labels(read_jsonl(Path(args.data_dir) / "movie-test.jsonl"), cfg["labels"])
-    calib_y, test_y = np.asarray(calib_y), np.asarray(test_y)
-    kw = dict(tokenizer_file=art.tokenizer_path, max_length=cfg.get("max_length", 64))
+    test_y = np.asarray(test_y)
+    calib_rows = len(read_jsonl(calib))
     plans_dir = out / "plans"
     lowering, reason = choose_lowering(args.provider)
     int8_spec = args.int8 or DEFAULT_INT8.get(args.provider, DEFAULT_INT8["cpu"])
@@ -193,45 +190,44 @@ def bench_model(name: str, args, out: Path) -> dict:
         (q,) = build_passes(f"quantize-int8{{{spec}}}", CompileContext(options={"provider": args.provider}))
         return q
 
-    # 1. fp32: heads fitted once
-    fitted32 = fit_exits_once(ir.load(art.onnx_path), calib_t, calib_y, **kw)
-    logger.info("%s fp32: probe %.1fs, probe+fit %.1fs", name, fitted32.probe_seconds, fitted32.fit_seconds)
-    # 2. int8 plan (the deployed int8 graph), heads fitted once on *its* features
+    # 1. int8 plan (the deployed int8 graph)
     t0 = time.perf_counter()
     int8_dir = dyncompile.compile(art.onnx_path, [quantize()], plans_dir / f"{name}-int8", force=True, progress=False).plan_dir
     t_quant = time.perf_counter() - t0
-    fitted8 = fit_exits_once(ir.load(_plan_model(int8_dir)), calib_t, calib_y, **kw)
-    logger.info("%s int8: quantize %.1fs, probe %.1fs, probe+fit %.1fs", name, t_quant, fitted8.probe_seconds, fitted8.fit_seconds)
     alt_label, alt_spec = ALT_INT8.get(args.provider, ALT_INT8["cpu"])
     int8_default_dir = None
     if args.int8_alt_row and alt_spec != int8_spec:
         int8_default_dir = dyncompile.compile(
             art.onnx_path, [quantize(alt_spec)], plans_dir / f"{name}-int8-alt", force=True, progress=False
         ).plan_dir
-    teacher32, teacher8 = fitted32.teacher, fitted8.teacher
-    calib_fidelity = {
-        "fp32_accuracy": round(float((teacher32.argmax(1) == calib_y).mean() * 100), 2),
-        "int8_accuracy": round(float((teacher8.argmax(1) == calib_y).mean() * 100), 2),
-        "int8_agreement_with_fp32": round(float((teacher8.argmax(1) == teacher32.argmax(1)).mean() * 100), 2),
-    }
 
-    # 3. thresholds per budget; plans
+    # 2. per budget: the early-exit and the int8 + early-exit pipelines (heads fitted, thresholds calibrated)
     cals: dict[str, dict] = {}
+    seconds: dict[str, float] = {"int8_quantize": round(t_quant, 1)}
     ee_dirs, qee_dirs = {}, {}
+    num_layers = None
     for b in args.budgets:
-        cal_ee = calibrate_exits(fitted32.fit.oof_probs, teacher32, calib_y, fitted32.exits, fitted32.num_layers,
-                                 budget=b, criterion=args.criterion, patience=2)
-        cal_q = calibrate_exits(fitted8.fit.oof_probs, teacher8, calib_y, fitted8.exits, fitted8.num_layers,
-                                budget=b, criterion=args.criterion, patience=2, reference_probs=teacher32)
-        for w in cal_q.warnings:
+        opts = dict(budget=b, lowering=lowering, criterion=args.criterion, provider=args.provider,
+                    confidence="none")  # the README table's calibration (uncertified); see bench_certified
+        ee, seconds[f"early_exit_b{b}"] = compile_early_exit(art.onnx_path, plans_dir / f"{name}-ee-b{b}", calib, **opts)
+        qee, seconds[f"int8_early_exit_b{b}"] = compile_early_exit(
+            art.onnx_path, plans_dir / f"{name}-int8-ee-b{b}", calib, prefix=f"quantize-int8{{{int8_spec}}},", **opts
+        )
+        pol_ee, pol_q = ee.plan.policy["early_exit"], qee.plan.policy["early_exit"]
+        for w in pol_q["calibration"]["warnings"]:
             logger.warning("int8+EE budget %s: %s", b, w)
-        cals[str(b)] = {"early_exit": cal_ee.to_dict(), "int8_early_exit": cal_q.to_dict()}
-        ee_dirs[b] = exit_plan(art.onnx_path, plans_dir / f"{name}-ee-b{b}", fitted32, cal_ee.thresholds[:-1], lowering,
-                               args.criterion, provider=args.provider, reason=reason)
-        qee_dirs[b] = exit_plan(art.onnx_path, plans_dir / f"{name}-int8-ee-b{b}", fitted8, cal_q.thresholds[:-1], lowering,
-                                args.criterion, pre_passes=[quantize()], provider=args.provider, reason=reason)
+        cals[str(b)] = {"early_exit": pol_ee["calibration"], "int8_early_exit": pol_q["calibration"]}
+        ee_dirs[b], qee_dirs[b] = ee.plan_dir, qee.plan_dir
+        num_layers = pol_ee["num_layers"]
         if not INT8_OPS & _ops(qee_dirs[b]):
             raise RuntimeError(f"{qee_dirs[b]} holds no int8 MatMul: the int8 + early-exit plan is not quantized")
+    first = cals[str(args.budgets[0])]
+    ref = first["int8_early_exit"]["reference"]
+    calib_fidelity = {
+        "fp32_accuracy": round(first["early_exit"]["baseline_accuracy"], 2),
+        "int8_accuracy": round(ref["model_accuracy"], 2),
+        "int8_agreement_with_fp32": round(ref["agreement_with_reference"], 2),
+    }
 
     # 4. measure, interleaved
     load_kw = dict(provider=args.provider, session_config=BENCH_SESSION_CONFIG)
@@ -251,7 +247,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     report = bench_runners(runners, test_t, test_y, batch_size=args.batch_size, batch1_rows=args.batch1_rows)
     bench_s = time.perf_counter() - t0
     load_after = load_avg()
-    _add_ratios(report, fitted32.num_layers)
+    _add_ratios(report, num_layers)
     prof = ov_prof = None
     if args.op_profile:
         models = {"fp32": art.onnx_path, "int8": _plan_model(int8_dir)}
@@ -270,12 +266,10 @@ def bench_model(name: str, args, out: Path) -> dict:
         lowering=lowering,
         lowering_reason=reason,
         int8_options=q_opts,
-        num_layers=fitted32.num_layers,
-        calib_rows=len(calib_t),
+        num_layers=num_layers,
+        calib_rows=calib_rows,
         calib_fidelity=calib_fidelity,
-        seconds={"fp32_probe": round(fitted32.probe_seconds, 1), "fp32_probe_fit": round(fitted32.fit_seconds, 1),
-                 "int8_quantize": round(t_quant, 1), "int8_probe": round(fitted8.probe_seconds, 1),
-                 "int8_probe_fit": round(fitted8.fit_seconds, 1), "measurement": round(bench_s, 1)},
+        seconds=seconds | {"measurement": round(bench_s, 1)},
         load_avg_measurement={"before": load_before, "after": load_after},
         calibrations=cals,
         op_profile=prof,
@@ -375,7 +369,7 @@ def main(argv=None) -> int:
     args.budgets = [float(b) for x in args.budgets for b in x.split(",") if b]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools.bench import machine_info
+    from dyncompile.tools._bench_common import machine_info
 
     out = Path(args.out or f"bench-results/quantized-early-exit-{args.provider}")
     out.mkdir(parents=True, exist_ok=True)

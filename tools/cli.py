@@ -66,7 +66,10 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--calib", help="calibration data: JSONL with a 'text' field (and 'label' if known)")
     ee.add_argument("--budget", type=float, help="max accuracy drop in points on the calibration data (default 1.0)")
     ee.add_argument("--exits", help="layers to place exits after, e.g. 2,4,6 (default: every layer)")
-    ee.add_argument("--criterion", choices=["entropy", "maxprob", "patience"], help="exit criterion (default entropy)")
+    ee.add_argument("--criterion", choices=["entropy", "maxprob", "patience", "learned"],
+                    help="exit criterion (default entropy; learned: a fitted per-exit policy on the heads' probabilities)")
+    ee.add_argument("--confidence", help="probability that the budget holds on new data, e.g. 0.9 (default), "
+                    "or 'none': uncertified, the budget is kept on the calibration rows only")
     ee.add_argument("--lowering", choices=["if", "staged", "auto"], help="If-graph or staged plan (default auto)")
     ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
     ee.add_argument("--heads", choices=["fitted", "given"],
@@ -83,6 +86,18 @@ def _compile_parser() -> argparse.ArgumentParser:
     return p
 
 
+def safe_text(text: object, *, keep_newlines: bool = True) -> str:
+    """``text`` with control and other non-printable characters escaped (``\\x1b``), so that strings from
+    a plan or a model (labels, task, generated text) cannot drive the terminal (escape-sequence injection)."""
+    out = []
+    for ch in str(text):
+        if ch == "\n" and keep_newlines or ch == "\t" or ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii") if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+    return "".join(out)
+
+
 def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -95,7 +110,8 @@ def _cmd_compile(argv: list[str]) -> int:
 
     opts = {
         k: getattr(args, k)
-        for k in ("calib", "budget", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads")
+        for k in ("calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider",
+                  "heads")
         if getattr(args, k) not in (None, False)
     }
     t0 = time.perf_counter()
@@ -133,12 +149,25 @@ def _cmd_inspect(argv: list[str]) -> int:
     )
     p.add_argument("path", help="MODEL.onnx or a plan directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file of the plan against its sha256 and print one digest of the whole plan (plan.json "
+        "+ every file, canonical order) to compare with the digest its publisher gives",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     _setup_logging(args.verbose)
+    if args.verify:
+        from dyncompile.plan import plan_digest
+
+        digest = plan_digest(args.path)
+        print(json.dumps({"plan": str(Path(args.path).resolve()), "sha256": digest}) if args.json
+              else f"{digest}  {safe_text(args.path)}")
+        return 0
     from dyncompile.tools.inspect_report import inspect_path
 
-    print(inspect_path(args.path, as_json=args.json))
+    print(safe_text(inspect_path(args.path, as_json=args.json)))
     return 0
 
 
@@ -192,6 +221,9 @@ def _cmd_run(argv: list[str]) -> int:
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     _setup_logging(args.verbose)
+    for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise DataError(f"{flag} must be >= 1, got {value}")
     import dyncompile
 
     model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback)
@@ -204,23 +236,23 @@ def _cmd_run(argv: list[str]) -> int:
                              temperature=args.temperature, seed=args.seed, chat=args.chat,
                              speculative=not args.target_only)
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.to_dict()}, indent=2)
-              if args.json else format_generation(res))
+              if args.json else safe_text(format_generation(res)))
         return 0
     if args.text:
         preds = model(args.text, batch_size=args.batch_size)
         if args.json:
             print(json.dumps([p.__dict__ for p in preds], indent=2))
         for text, pred in zip(args.text, preds):
-            probs = "  ".join(f"{k}={v:.4f}" for k, v in pred.probabilities.items())
+            probs = "  ".join(f"{safe_text(k)}={v:.4f}" for k, v in pred.probabilities.items())
             ex = f"  (exit after layer {pred.exit_layer})" if pred.exit_layer is not None else ""
-            print(f"{pred.label:<10} {probs}{ex}  | {text}")
+            print(f"{safe_text(pred.label):<10} {probs}{ex}  | {safe_text(text, keep_newlines=False)}")
         return 0
     if not args.data:
         raise DataError("give --text TEXT or --data FILE.jsonl (classifiers) or --prompt TEXT (decoders); see `dyncompile run --help`")
     from dyncompile.tools.evaluate import evaluate_plan
 
     report = evaluate_plan(model, args.data, limit=args.limit, batch_size=args.batch_size, compare=args.compare)
-    print(json.dumps(report, indent=2) if args.json else report["text"])
+    print(json.dumps(report, indent=2) if args.json else safe_text(report["text"]))
     return 0
 
 
@@ -287,8 +319,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _cmd_compile(argv)
     except DyncompileError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {safe_text(e, keep_newlines=False)}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
+        try:
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    except OSError as e:  # a path the user gave that cannot be read or written (permissions, missing folder)
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error: cannot access{safe_text(where, keep_newlines=False)}: {e.strerror or e}; check the path "
+              "and its permissions", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

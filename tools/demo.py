@@ -13,7 +13,9 @@ import logging
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sentiment"
+from dyncompile.io import shared_dir
+
+DATA = shared_dir() / "data" / "sentiment"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from dyncompile import models
     from dyncompile.errors import DyncompileError
     from dyncompile.io import read_jsonl, texts_and_labels
-    from dyncompile.tools.bench import (
+    from dyncompile.tools._bench_common import (
         BENCH_SESSION_CONFIG,
         bench_runners,
         machine_info,
@@ -55,15 +57,20 @@ def main(argv: list[str] | None = None) -> int:
         rep = evaluate_plan(compiled, data / "movie-test.jsonl", compare=True)
         print("   " + rep["text"].replace("\n", "\n   "))
 
-        print(f"== 3. dyncompile MODEL --passes early-exit --calib movie-calib.jsonl --budget {args.budget}")
+        print(f"== 3. dyncompile MODEL --passes early-exit --calib movie-calib.jsonl --budget {args.budget} "
+              "--confidence 0.9")
         ee = dyncompile.compile(
             art.onnx_path, "early-exit", out / "early-exit", force=True,
-            calib=str(data / "movie-calib.jsonl"), budget=args.budget, lowering="if",
+            calib=str(data / "movie-calib.jsonl"), budget=args.budget, confidence=0.9, lowering="if",
         )
         pol = ee.plan.policy.get("early_exit", {})
         cal = pol.get("calibration", {})
-        print(f"   thresholds {pol.get('thresholds')}; expected on calib: speedup {cal.get('expected_speedup', 0):.2f}x, "
-              f"accuracy {cal.get('expected_accuracy')} (full {cal.get('baseline_accuracy')})")
+        from dyncompile.passes.early_exit.certify import describe_certificate
+
+        print(f"   thresholds {pol.get('thresholds')}; expected on calib: speedup {cal.get('expected_speedup', 0):.2f}x")
+        print(f"   {describe_certificate(pol['certificate'])}")
+        print(f"   (the promise: with probability >= 0.9 over the calibration draw, the expected drop on new text like "
+              f"movie-calib is <= {args.budget:g} points; the rows below are one sample of such text)")
 
         print("== 4. original vs early exit on movie-test (interleaved, same process)")
         texts, labels = texts_and_labels(read_jsonl(data / "movie-test.jsonl"), ee.plan.labels)

@@ -10,6 +10,7 @@ from dyncompile.errors import DataError
 
 def run_text_to_image(model, args) -> int:
     from dyncompile.runtime.diffusion import generate_images, save_png
+    from dyncompile.tools.cli import safe_text
 
     prompts = ([args.prompt] if args.prompt is not None else []) + list(args.text or [])
     if not prompts:
@@ -30,7 +31,7 @@ def run_text_to_image(model, args) -> int:
         print(json.dumps({**res.to_dict(), "files": [str(p) for p in paths]}, indent=2))
     else:
         for path, prompt, k in zip(paths, prompts, res.steps):
-            print(f"{path}  ({int(k)} steps, policy {res.policy})  | {prompt}")
+            print(f"{safe_text(path)}  ({int(k)} steps, policy {res.policy})  | {safe_text(prompt, keep_newlines=False)}")
         print(f"{len(prompts)} image(s) in {res.seconds:.2f} s, {res.unet_calls} U-Net calls")
     return 0
 

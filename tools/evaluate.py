@@ -11,7 +11,19 @@ import numpy as np
 from dyncompile.errors import DataError
 from dyncompile.io import read_jsonl, texts_and_labels
 
-__all__ = ["ReferenceModel", "evaluate_plan"]
+__all__ = ["ReferenceModel", "check_labels_in_range", "evaluate_plan"]
+
+
+def check_labels_in_range(labels: list[int] | None, names: list[str] | None, data) -> None:
+    """Every gold label must be one of the plan's classes (a label outside them would be scored as wrong)."""
+    if labels is None or names is None:
+        return
+    bad = [lab for lab in labels if not 0 <= lab < len(names)]
+    if bad:
+        raise DataError(
+            f"{data}: label {bad[0]!r} is outside this plan's {len(names)} classes ({', '.join(names)}); use a class "
+            f"index 0..{len(names) - 1} or a label name"
+        )
 
 
 class ReferenceModel:
@@ -38,12 +50,27 @@ class ReferenceModel:
         return np.concatenate(out)
 
 
+def _drift_lines(compiled, exits, batch_size: int, report: dict[str, Any]) -> list[str]:
+    """The observed exit histogram beside the calibration's, and the drift guard's verdict."""
+    from dyncompile.runtime.drift import calibration_distribution, check, format_histograms
+
+    if calibration_distribution(compiled.plan.policy) is None:
+        return []
+    if (compiled.plan.policy.get("early_exit") or {}).get("lowering") == "if" and batch_size > 1:
+        return ["drift check: this If-graph plan decides one exit per batch; run with --batch-size 1 to compare "
+                "per-row exits with the calibration's"]
+    verdict = check(exits, compiled.plan.policy)
+    report["drift"] = {k: v for k, v in verdict.to_dict().items() if k != "message"} | {"message": verdict.message}
+    return ["exit layers vs calibration:", format_histograms(verdict)]
+
+
 def evaluate_plan(compiled, data: str | Path, *, limit=None, batch_size: int = 32, compare: bool = False) -> dict[str, Any]:
     """Accuracy (if labelled), exit statistics, and with ``compare`` the max |p - p_original|."""
     if compiled.plan.task != "text-classification":
         raise DataError(f"--data evaluation is for classifiers; this plan's task is {compiled.plan.task!r}")
     rows = read_jsonl(data, limit=limit)
     texts, labels = texts_and_labels(rows, compiled.plan.labels)
+    check_labels_in_range(labels, compiled.plan.labels, data)
     t0 = time.perf_counter()
     probs = compiled.predict_proba(texts, batch_size=batch_size)
     secs = time.perf_counter() - t0
@@ -60,10 +87,9 @@ def evaluate_plan(compiled, data: str | Path, *, limit=None, batch_size: int = 3
         hist = {int(k): int(v) for k, v in zip(*np.unique(exits, return_counts=True))}
         report["exit_histogram"] = hist
         lines.append(f"mean exit layer: {np.mean(exits):.2f}  histogram: {hist}")
+        lines.extend(_drift_lines(compiled, exits, batch_size, report))
     if compare:
-        src = compiled.plan.provenance.get("source", {}).get("path")
-        if not src or not Path(src).is_file():
-            raise DataError(f"--compare needs the original model, recorded as {src!r}, which is not there any more")
+        src = compiled.plan.original_model("--compare")  # sha256-checked: figures vs the true original only
         ref = ReferenceModel(src, compiled).predict_proba(texts, batch_size=batch_size)
         diff = float(np.abs(ref - probs).max())
         agree = float((ref.argmax(-1) == pred).mean() * 100)

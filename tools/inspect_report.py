@@ -29,7 +29,15 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
         lines.append(f"  {i}: {s.kind} {params if len(params) < 400 else params[:400] + '…'}")
     if plan.policy:
         lines.append("policy:")
+        cert = (plan.policy.get("early_exit") or {}).get("certificate")
+        if cert:
+            from dyncompile.passes.early_exit.certify import describe_certificate
+
+            lines.append(f"  certificate: {describe_certificate(cert)}")
         for k, v in plan.policy.items():
+            cal = v.get("calibration") if isinstance(v, dict) else None
+            if isinstance(cal, dict) and isinstance(cal.get("path"), list):  # the certification path: a count
+                v = {**v, "calibration": {**cal, "path": f"<{len(cal['path'])} configurations, see plan.json>"}}
             lines.append(f"  {k}: {v}")
     src = plan.provenance.get("source", {})
     if src:
@@ -45,7 +53,7 @@ def inspect_path(path: str | Path, as_json: bool = False) -> str:
     if p.is_dir() and (p / PLAN_FILENAME).is_file() or p.name == PLAN_FILENAME:
         return _inspect_plan(p if p.is_dir() else p.parent, as_json)
     from dyncompile.io import load_input_model
-    from dyncompile.passes.analysis.layers import analyze_model, format_report
+    from dyncompile.passes.analysis import analyze_model, format_report
 
     model = load_input_model(p)
     structure = analyze_model(model)

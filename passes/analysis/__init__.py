@@ -1,14 +1,18 @@
-"""Graph analysis of exported transformers: layers, cut tensors, the head, family and task."""
+"""Graph analysis of exported transformers: layers, cut tensors, the head, family and task.
 
-from dyncompile.passes.analysis.layers import (
-    WEIGHT_MIN_ELEMENTS,
+``layers`` finds the repeated blocks and the cut tensors between them; ``head`` describes what follows the
+last layer; ``family`` guesses family and task from signature tables; ``report`` formats it all for
+``dyncompile inspect``; ``structure`` holds the result types.
+"""
+
+from dyncompile.passes.analysis.layers import WEIGHT_MIN_ELEMENTS, analyze_model
+from dyncompile.passes.analysis.report import format_report
+from dyncompile.passes.analysis.structure import (
     CutTensor,
     HeadInfo,
     LayerInfo,
     ModelStructure,
     NoLayerStructureError,
-    analyze_model,
-    format_report,
 )
 
 __all__ = [

@@ -42,6 +42,36 @@ def _segment_model(model: ir.Model, inputs: list[str], outputs: list[str], name:
     return seg
 
 
+def _add_learned_scores(model: ir.Model, meta: dict) -> dict[str, str]:
+    """Learned criterion: add each firing exit's policy score as a graph output ``exit_score_<k>``.
+
+    Returns ``{head output: score output}``. A segment then reads the previous exit's head logits as an
+    input and returns the score; the runtime only compares it with the threshold.
+    """
+    from dyncompile.passes.early_exit.fit_exit_heads import default_opset
+    from dyncompile.passes.early_exit.graph import GraphBuilder
+
+    g = model.graph
+    values = ir.convenience.create_value_mapping(g)
+    out: dict[str, str] = {}
+    for ex in meta["exits"]:
+        pol = ex.get("policy")
+        if ex["threshold"] is None or pol is None:
+            continue
+        b = GraphBuilder(default_opset(model), f"exit{ex['layer']}.score.")
+        head = values[ex["head_output"]]
+        prev = values[pol["prev_head"]] if pol.get("prev_head") else None
+        score = b.learned_score(head, prev, pol["weights"], pol["bias"])
+        score.name, score.dtype = f"exit_score_{ex['layer']}", ir.DataType.FLOAT
+        score.shape = ir.Shape([head.shape[0]]) if head.shape is not None else None
+        for init in b.initializers:
+            g.register_initializer(init)
+        g.insert_after(head.producer(), b.tape.nodes)
+        g.outputs.append(score)
+        out[ex["head_output"]] = score.name
+    return out
+
+
 @register_emitter("early_exit_staged")
 def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
     meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
@@ -50,6 +80,7 @@ def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
     if any(values[e["cut"]].dtype is None for e in meta["exits"]):
         common_passes.ShapeInferencePass()(model)  # segment inputs need types
     graph_inputs = [v.name for v in g.inputs]
+    scores = _add_learned_scores(model, meta) if meta["criterion"] == "learned" else {}
     files: dict[str, FileRef] = {}
     segments = []
     prev_cut = None
@@ -57,6 +88,12 @@ def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
     for i, ex in enumerate(stages):
         ins = graph_inputs + ([prev_cut] if prev_cut else [])
         outs = [ex["cut"], ex["head_output"]] if ex else [meta["final_output"]]
+        prev_head = None
+        if ex and ex["head_output"] in scores:
+            outs.append(scores[ex["head_output"]])
+            prev_head = (ex.get("policy") or {}).get("prev_head")
+            if prev_head:
+                ins.append(prev_head)
         seg = _segment_model(model, ins, outs, f"segment{i}")
         add_model_files(files, f"segment{i}", save_model(seg, req.out_dir, f"segment{i}.onnx", "segment"))
         segments.append(
@@ -69,6 +106,7 @@ def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
                 "threshold": ex["threshold"] if ex else None,
                 "output": None if ex else meta["final_output"],
             }
+            | ({"score": scores[ex["head_output"]], "prev_head": prev_head} if ex and ex["head_output"] in scores else {})
         )
         prev_cut = ex["cut"] if ex else None
     tok = add_tokenizer(req, files)

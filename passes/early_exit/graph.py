@@ -1,9 +1,10 @@
 """Builders for early-exit graph pieces (exit heads, exit conditions) with an onnx-ir Tape.
 
-Shared by :mod:`dyncompile.passes.early_exit.fit_exit_heads` (attaches heads) and
+Shared by :mod:`dyncompile.passes.early_exit.attach_exit_heads` (attaches heads) and
 :mod:`dyncompile.passes.early_exit.insert_early_exit` (builds the conditions of the If lowering). The math is
-exactly :mod:`dyncompile.passes.early_exit.exit_heads`' (pooling, dense stack, criteria), so the graph and the
-numpy reference agree.
+exactly the numpy one: heads as :mod:`dyncompile.passes.early_exit.heads` (pooling, dense stack), the exit test
+as :mod:`dyncompile.runtime.exit_rule` (criteria); ``tests/test_exit_rule.py`` checks that both give the same
+decisions.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.early_exit.exit_heads import ExitHead
+from dyncompile.passes.early_exit.heads import ExitHead
 
 __all__ = ["GraphBuilder", "NEVER_THRESHOLD"]
 
 #: Thresholds that can never fire, per criterion (entropy >= 0; probabilities <= 1).
-NEVER_THRESHOLD = {"entropy": -1.0, "maxprob": 2.0, "patience": 2.0}
+NEVER_THRESHOLD = {"entropy": -1.0, "maxprob": 2.0, "patience": 2.0, "learned": float("inf")}
 
 
 class GraphBuilder:
@@ -94,7 +95,7 @@ class GraphBuilder:
         threshold: float,
         window: Sequence[ir.Value] = (),
     ) -> ir.Value:
-        """Per-row bool ``[B]``: does this exit's test fire (module docstring of exit_heads)."""
+        """Per-row bool ``[B]``: does this exit's test fire (:func:`dyncompile.runtime.exit_rule.exit_fires`)."""
         thr = self.const(np.array(threshold, np.float32), "threshold")
         if criterion == "entropy":
             logp = self.op("LogSoftmax", [logits], {"axis": -1})
@@ -114,3 +115,48 @@ class GraphBuilder:
         f = self.op("Cast", [fires], {"to": ir.DataType.FLOAT})
         low = self.reduce("ReduceMin", f, [0], 0, "all")
         return self.op("Greater", [low, self.const(np.array(0.5, np.float32), "half_all")])
+
+    # --- learned exit policy ---------------------------------------------------------------------
+
+    def learned_score(
+        self, logits: ir.Value, prev_logits: ir.Value | None, weights: Sequence[float], bias: float
+    ) -> ir.Value:
+        """Per-row float ``[B]``: the learned policy's score of this exit (``dyncompile.runtime.exit_policy``).
+
+        Features ``[maxprob, margin, entropy, agree_prev, moved, prev_maxprob]`` from this head's logits and
+        the previous exit's (``None`` for the first exit: the head itself), then ``features @ w + b``.
+        """
+        p = self.op("Softmax", [logits], {"axis": -1})
+        vals, _ = self.tape.op_multi_out(
+            "TopK", [p, self.const(np.array([2], np.int64), "k2")], {"axis": -1, "largest": 1, "sorted": 1}, num_outputs=2
+        )
+        top1 = self.op("Gather", [vals, self.const(np.array(0, np.int64), "i0")], {"axis": -1})
+        top2 = self.op("Gather", [vals, self.const(np.array(1, np.int64), "i1")], {"axis": -1})
+        margin = self.op("Sub", [top1, top2])
+        logp = self.op("LogSoftmax", [logits], {"axis": -1})
+        ent = self.op("Neg", [self.reduce("ReduceSum", self.op("Mul", [p, logp]), [-1], 0, "pol_ent")])
+        if prev_logits is None:
+            agree = self.op("Identity", [self.const(np.float32(1.0), "agree_first")])
+            q, prev_max = p, top1
+        else:
+            q = self.op("Softmax", [prev_logits], {"axis": -1})
+            same = self.op(
+                "Equal",
+                [self.op("ArgMax", [p], {"axis": -1, "keepdims": 0}), self.op("ArgMax", [q], {"axis": -1, "keepdims": 0})],
+            )
+            agree = self.op("Cast", [same], {"to": ir.DataType.FLOAT})
+            prev_max = self.reduce("ReduceMax", q, [-1], 0, "pol_prevmax")
+        moved = self.reduce("ReduceSum", self.op("Abs", [self.op("Sub", [p, q])]), [-1], 0, "pol_moved")
+        w = [float(v) for v in weights]
+        terms = [top1, margin, ent, agree, moved, prev_max]
+        score = self.const(np.float32(bias), "pol_b")
+        for i, (t, wi) in enumerate(zip(terms, w, strict=True)):
+            score = self.op("Add", [score, self.op("Mul", [t, self.const(np.float32(wi), f"pol_w{i}")])])
+        return score
+
+    def learned_fires(
+        self, logits: ir.Value, prev_logits: ir.Value | None, weights: Sequence[float], bias: float, threshold: float
+    ) -> ir.Value:
+        """Per-row bool ``[B]``: learned score ``> threshold``."""
+        score = self.learned_score(logits, prev_logits, weights, bias)
+        return self.op("Greater", [score, self.const(np.array(threshold, np.float32), "threshold")])

@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from dyncompile.passes import _keys
 from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, default_opset
 from dyncompile.passes.early_exit.graph import NEVER_THRESHOLD, GraphBuilder
 
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["InsertEarlyExitPass", "LOWERING_KEY"]
 
-LOWERING_KEY = "dyncompile.early_exit.lowering"
+LOWERING_KEY = _keys.EARLY_EXIT_LOWERING
 
 
 def _backward_slice(values: list[ir.Value], stop: set[ir.Node] | None = None) -> set[ir.Node]:
@@ -80,17 +81,17 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         if LOWERING_KEY in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
-        model.metadata_props["dyncompile.early_exit.lowering_choice"] = json.dumps(
+        model.metadata_props[_keys.EARLY_EXIT_LOWERING_CHOICE] = json.dumps(
             {"lowering": self.lowering, "provider": self.provider, "reason": self.reason}
         )
         if self.lowering == "staged":
             model.metadata_props[LOWERING_KEY] = "staged"
-            model.metadata_props["dyncompile.emitter"] = "early_exit_staged"
-            model.metadata_props["dyncompile.task"] = "text-classification"
+            model.metadata_props[_keys.EMITTER] = "early_exit_staged"
+            model.metadata_props[_keys.TASK] = "text-classification"
             return ir.passes.PassResult(model, modified=True)
         self._lower_if(model, meta)
         model.metadata_props[LOWERING_KEY] = "if"
-        model.metadata_props["dyncompile.task"] = "text-classification"
+        model.metadata_props[_keys.TASK] = "text-classification"
         common_passes.NameFixPass()(model)
         common_passes.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=True)
@@ -156,7 +157,10 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
             window = head_outs[max(0, j - patience + 1) : j + 1] if criterion == "patience" else ()
             if criterion == "patience" and len(window) < patience:
                 thr = NEVER_THRESHOLD[criterion]  # not enough exits yet for the agreement window
-            cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
+            if criterion == "learned":
+                cond = self._learned_cond(cb, exits[j], head_outs[j], outputs)
+            else:
+                cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
             then_logits = ir.node("Identity", [head_outs[j]])
             then_logits.outputs[0].name = f"exit{k}_logits_out"
             layer_const = cb.const(np.array(k, np.int64), "layer")
@@ -185,6 +189,15 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         e.name = "exit_layer"
         g.outputs.extend([y, e])
         self._move_initializers_inward(g)
+
+    @staticmethod
+    def _learned_cond(cb: GraphBuilder, ex: dict, logits: ir.Value, outputs: dict[str, ir.Value]) -> ir.Value:
+        """All rows' learned score > threshold (a constant False where the exit never fires)."""
+        pol = ex.get("policy")
+        if ex["threshold"] is None or pol is None:
+            return cb.op("Identity", [cb.const(np.array(False), "never")])
+        prev = outputs[pol["prev_head"]] if pol.get("prev_head") else None
+        return cb.all_rows(cb.learned_fires(logits, prev, pol["weights"], pol["bias"], float(ex["threshold"])))
 
     @staticmethod
     def _move_initializers_inward(g: ir.Graph) -> None:
@@ -239,21 +252,59 @@ def _parse_exits(spec) -> list[int] | None:
         raise PassConfigError(f"--exits must be layer numbers like 2,4,6, got {spec!r}") from None
 
 
-def _make_early_exit(context, **opts):
-    """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass."""
+def _make_early_exit(
+    context,
+    budget: float | None = None,
+    lowering: str | None = None,
+    criterion: str | None = None,
+    patience: int = 2,
+    exits: int | str | None = None,
+    pooling: str | None = None,
+    hidden: int | None = None,
+    never_exit: bool | None = None,
+    heads: str | None = None,
+    budget_reference: str = "original",
+    confidence: str | float | None = None,
+):
+    """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass.
+
+    Options left at None take the compile's flags (``--budget``, ``--confidence``, ``--lowering``,
+    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``), then the defaults (budget 1.0 certified at
+    confidence 0.9, lowering auto, entropy, every layer, fitted heads).
+    """
     from pathlib import Path
 
     from dyncompile.errors import PassConfigError
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.passes.early_exit.fit_exit_heads import FitExitHeadsPass
 
-    o = {**context.options, **opts}
-    budget = float(o.get("budget", 1.0) if o.get("budget") is not None else 1.0)
-    if budget < 0:
-        raise PassConfigError(f"--budget is the accepted accuracy drop in points and must be >= 0, got {budget}")
-    lowering = o.get("lowering") or "auto"
+    o = context.options
+    budget = budget if budget is not None else o.get("budget")
+    budget = 1.0 if budget is None else budget
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 100:
+        raise PassConfigError(
+            f"--budget is the accepted accuracy drop in points and must be >= 0 (at most 100), got {budget!r}"
+        )
+    budget = float(budget)
+    lowering = lowering or o.get("lowering") or "auto"
     if lowering not in ("if", "staged", "auto"):
         raise PassConfigError(f"--lowering must be if, staged or auto, got {lowering!r}")
+    criterion = criterion or o.get("criterion") or "entropy"
+    if criterion not in ("entropy", "maxprob", "patience", "learned"):
+        raise PassConfigError(f"--criterion must be entropy, maxprob, patience or learned, got {criterion!r}")
+    from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence
+
+    asked = confidence if confidence is not None else o.get("confidence")
+    try:
+        confidence = parse_confidence(asked)
+    except CalibrationError as e:
+        raise PassConfigError(str(e)) from None
+    if not 1 <= patience <= 64:
+        raise PassConfigError(f"early-exit patience must be in 1..64, got {patience}")
+    never_exit = bool(o.get("never_exit", False)) if never_exit is None else never_exit
+    heads = heads or o.get("heads") or "fitted"
+    if heads not in ("fitted", "given"):
+        raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
     target = o.get("provider") or "cpu"
     if lowering == "auto":
         try:
@@ -265,40 +316,43 @@ def _make_early_exit(context, **opts):
     rows = read_jsonl(o["calib"])
     labels_names = context.model_config.get("labels")
     texts, labels = texts_and_labels(rows, labels_names)
-    tok = Path(o.get("tokenizer") or (context.model_path.parent / "tokenizer.json" if context.model_path else ""))
-    if not tok.is_file():
+    tok = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
+    if tok is None or not Path(tok).is_file():
         raise PassConfigError(f"early exit needs the model's tokenizer.json (looked at {tok}); pass --tokenizer")
-    criterion = o.get("criterion") or "entropy"
-    heads = o.get("heads") or "fitted"
-    if heads not in ("fitted", "given"):
-        raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
+    tok = Path(tok)
+    max_length = int(context.model_config.get("max_length", 512))
     if heads == "given":
         from dyncompile.passes.early_exit.wire_given_exit_heads import WireGivenExitHeadsPass
 
+        if criterion == "learned":
+            raise PassConfigError("--criterion learned needs fitted heads (--heads fitted); given heads support entropy, "
+                                  "maxprob and patience")
+        if confidence is not None and asked is not None:
+            raise PassConfigError("--heads given calibrates without a certificate: pass --confidence none")
+        logger.warning("early-exit with --heads given: thresholds are calibrated without a certificate (the budget "
+                       "holds on the calibration rows only)")
+
         wire = WireGivenExitHeadsPass(
-            texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
-            budget=budget, criterion=criterion, patience=int(o.get("patience", 2)),
-            never_exit=bool(o.get("never_exit", False)), progress=context.progress,
+            texts, labels, tokenizer_file=tok, max_length=max_length, budget=budget, criterion=criterion,
+            patience=patience, never_exit=never_exit, progress=context.progress,
         )
         return [wire, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
-    budget_reference = o.get("budget_reference") or "original"
-    if budget_reference not in ("original", "self"):
-        raise PassConfigError(f"budget_reference must be 'original' or 'self', got {budget_reference!r}")
     fit = FitExitHeadsPass(
         texts,
         labels,
         tokenizer_file=tok,
-        max_length=int(context.model_config.get("max_length", 512)),
+        max_length=max_length,
         budget=budget,
         criterion=criterion,
-        patience=int(o.get("patience", 2)),
-        exits=_parse_exits(o.get("exits")),
-        pooling=o.get("pooling"),
-        hidden=o.get("hidden"),
-        never_exit=bool(o.get("never_exit", False)),
+        patience=patience,
+        exits=_parse_exits(exits if exits is not None else o.get("exits")),
+        pooling=pooling,
+        hidden=hidden,
+        never_exit=never_exit,
         # after quantize-int8/int4 in the same pipeline, the budget is the total drop vs the compile input
         reference_model=context.model_path if budget_reference == "original" and context.model_path else None,
         progress=context.progress,
+        confidence=confidence,
     )
     return [fit, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
 
@@ -309,4 +363,11 @@ register_pass(
     "early-exit",
     help="fit exit heads on --calib data, calibrate thresholds to --budget, lower to an If graph or staged plan",
     requires=("calib",),
+    choices={
+        "lowering": ("if", "staged", "auto"),
+        "criterion": ("entropy", "maxprob", "patience", "learned"),
+        "heads": ("fitted", "given"),
+        "budget_reference": ("original", "self"),
+        "pooling": ("cls", "mean", "cls+mean"),
+    },
 )(_make_early_exit)

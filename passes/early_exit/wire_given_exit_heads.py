@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes._infra import progress_bar
-from dyncompile.passes.early_exit.exit_heads import CalibrationError
+from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.passes.early_exit.fit_exit_heads import (
     EARLY_EXIT_FORMAT,
     EARLY_EXIT_KEY,
@@ -20,6 +20,7 @@ from dyncompile.passes.early_exit.fit_exit_heads import (
     calibrate_exits,
     exits_to_keep,
 )
+from dyncompile.runtime.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
         for i in range(0, len(self.texts), self.batch_size):
             feeds = enc(self.texts[i : i + self.batch_size])
             for j, r in enumerate(sess.run(names, {k: feeds[k] for k in in_names})):
-                z = np.exp(r - r.max(-1, keepdims=True))
-                outs[j].append(z / z.sum(-1, keepdims=True))
+                outs[j].append(softmax(r))
             bar.update(len(feeds["input_ids"]))
         bar.close()
         probs = [np.concatenate(o) for o in outs]

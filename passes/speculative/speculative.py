@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from dyncompile.errors import DyncompileError, PassConfigError
 from dyncompile.io import load_input_model
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes.speculative.decoder_spec import (
     DrafterError,
@@ -44,13 +45,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DRAFTER_META", "PROMPT_LOOKUP", "SPECULATIVE_KEY", "SpeculativePass", "call_shape_dependent_ops"]
 
-SPECULATIVE_KEY = "dyncompile.speculative"
+SPECULATIVE_KEY = _keys.SPECULATIVE
 SPECULATIVE_FORMAT = "dyncompile.speculative/v1"
 #: ``model.meta`` key of the drafter ``ir.Model`` (external or split), read by the plan emitter
-DRAFTER_META = "dyncompile.drafter_model"
+DRAFTER_META = _keys.DRAFTER_MODEL
 PROMPT_LOOKUP = "prompt-lookup"
 #: ``model.meta`` key of the costs timed by the last run, with what they were timed on (in memory only)
-MEASURED_META = "dyncompile.speculative.measured"
+MEASURED_META = _keys.SPECULATIVE_MEASURED
 #: the draft-policy entries that are timed on this machine
 MEASURED_KEYS = ("verify_cost", "draft_cost", "draft_cost_source")
 
@@ -233,10 +234,10 @@ class SpeculativePass(ir.passes.InPlacePass):
         record = self._record(model)
         text = json.dumps(record, sort_keys=True)
         props = model.metadata_props
-        modified = props.get(SPECULATIVE_KEY) != text or props.get("dyncompile.emitter") != "speculative"
+        modified = props.get(SPECULATIVE_KEY) != text or props.get(_keys.EMITTER) != "speculative"
         props[SPECULATIVE_KEY] = text
-        props["dyncompile.emitter"] = "speculative"
-        props["dyncompile.task"] = "text-generation"
+        props[_keys.EMITTER] = "speculative"
+        props[_keys.TASK] = "text-generation"
         if isinstance(self.drafter, ir.Model):
             model.meta[DRAFTER_META] = self.drafter
         elif self.drafter is None:
@@ -309,6 +310,7 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "speculative",
     help="speculative decoding plan: --drafter DRAFT.onnx | prompt-lookup (or after split-drafter); greedy output "
     "token-identical to the target, sampling exact",
+    after=("split-drafter",),
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int = 8,
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,

@@ -32,6 +32,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.io import read_jsonl
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
@@ -50,10 +51,10 @@ __all__ = [
     "trim_lm_head",
 ]
 
-SPLIT_DRAFTER_KEY = "dyncompile.split_drafter"
+SPLIT_DRAFTER_KEY = _keys.SPLIT_DRAFTER
 SPLIT_DRAFTER_FORMAT = "dyncompile.split_drafter/v1"
-SPLIT_DRAFTER_META = "dyncompile.split_drafter.model"
-VOCAB_META = "dyncompile.split_drafter.vocab"
+SPLIT_DRAFTER_META = _keys.SPLIT_DRAFTER_MODEL
+VOCAB_META = _keys.SPLIT_DRAFTER_VOCAB
 MIN_CALIB_TOKENS = 64
 
 
@@ -219,7 +220,7 @@ def build_split_drafter(
         g.inputs.remove(v)
     if subset is not None and not trim_lm_head(d, logits, subset):
         raise DrafterError("cannot restrict the LM head to a vocabulary subset (unknown head shape); use vocab=full")
-    d.metadata_props["dyncompile.role"] = "drafter"
+    d.metadata_props[_keys.ROLE] = "drafter"
     return d
 
 
@@ -555,6 +556,9 @@ def _head_params(head: ir.Model) -> int:
     help="drafter from the target's first k layers + a bridge fitted on --calib TEXT (k by measured acceptance x "
     "cost; refuses below 1x); use with speculative",
     requires=("calib",),
+    # quantized layers hide the layer structure the drafter is cut from; the drafter feeds speculative
+    before=("quantize-int8", "quantize-int4", "speculative"),
+    choices={"bridge": ("linear", "none")},
 )
 def _make_split_drafter(
     context: CompileContext,
@@ -569,8 +573,8 @@ def _make_split_drafter(
     from tokenizers import Tokenizer
 
     texts = read_calibration_text(context.options["calib"])
-    tok_path = Path(context.options.get("tokenizer") or (context.model_path.parent / "tokenizer.json"))
-    if not tok_path.is_file():
+    tok_path = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
+    if tok_path is None or not Path(tok_path).is_file():
         raise DrafterError(
             f"split-drafter tokenizes the calibration text with the target's tokenizer, but {tok_path} is missing; "
             "pass --tokenizer tokenizer.json"

@@ -1,0 +1,51 @@
+"""Every ``dyncompile.*`` key passes write into a model: ``metadata_props`` (strings, saved with the ONNX
+file) and ``model.meta`` (in-memory objects handed from one pass to the next or to the plan emitter).
+
+One module, so that a reader finds every key a pass may leave behind, and a new key is declared once
+(``tests/test_metadata_keys.py`` fails on a ``"dyncompile.…"`` literal in ``passes/`` that is not here).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DRAFTER_MODEL",
+    "EARLY_EXIT",
+    "EARLY_EXIT_LOWERING",
+    "EARLY_EXIT_LOWERING_CHOICE",
+    "EMITTER",
+    "METADATA_KEYS",
+    "META_KEYS",
+    "POLICY_PREFIX",
+    "QUANTIZED",
+    "ROLE",
+    "SPECULATIVE",
+    "SPECULATIVE_MEASURED",
+    "SPLIT_DRAFTER",
+    "SPLIT_DRAFTER_MODEL",
+    "SPLIT_DRAFTER_VOCAB",
+    "TASK",
+]
+
+# --- metadata_props (strings; JSON where structured) -------------------------------------------------
+TASK = "dyncompile.task"  # the plan's task ("text-classification", "text-generation")
+EMITTER = "dyncompile.emitter"  # which plan emitter writes the plan ("early_exit_staged", "speculative", ...)
+EARLY_EXIT = "dyncompile.early_exit"  # JSON: exit heads, cuts, thresholds, calibration (FitExitHeadsPass)
+EARLY_EXIT_LOWERING = "dyncompile.early_exit.lowering"  # "if" | "staged" (InsertEarlyExitPass)
+EARLY_EXIT_LOWERING_CHOICE = "dyncompile.early_exit.lowering_choice"  # JSON: provider and reason of the choice
+QUANTIZED = "dyncompile.quantized"  # JSON: scheme of the quantize passes
+SPECULATIVE = "dyncompile.speculative"  # JSON: target/drafter specs, draft policy, generation config
+SPLIT_DRAFTER = "dyncompile.split_drafter"  # JSON: SplitDrafterPass decisions and measurements
+ROLE = "dyncompile.role"  # "drafter" on a drafter graph
+POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
+
+# --- model.meta (in-memory objects, never saved) ----------------------------------------------------
+DRAFTER_MODEL = "dyncompile.drafter_model"  # ir.Model of the drafter (SpeculativePass -> emitter)
+SPLIT_DRAFTER_MODEL = "dyncompile.split_drafter.model"  # ir.Model built by SplitDrafterPass
+SPLIT_DRAFTER_VOCAB = "dyncompile.split_drafter.vocab"  # the drafter's vocabulary subset (token ids)
+SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timings + graph fingerprint (reused on a re-run)
+
+METADATA_KEYS = frozenset(
+    {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
+     ROLE}
+)
+META_KEYS = frozenset({DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

@@ -1,0 +1,255 @@
+"""Shared pieces of the benchmarks (``dyncompile bench`` and ``tools/bench_*.py``).
+
+Runners that map texts to probabilities, the interleaved measurement (:func:`bench_runners`: batch-1
+latency with rotating order, batched throughput, quality from the very same runs), machine facts, the
+markdown table and the report writer. Sessions run with intra-op spinning off
+(``session.intra_op.allow_spinning=0``): with several sessions in one process on a 2-core machine, idle
+sessions' spinning threads would otherwise slow the one that runs, and the comparison would measure the
+neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dyncompile.io import shared_dir
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BENCH_SESSION_CONFIG",
+    "DATA",
+    "Runner",
+    "bench_runners",
+    "compile_early_exit",
+    "load_avg",
+    "machine_info",
+    "markdown_table",
+    "plan_runner",
+    "reference_runner",
+    "write_report",
+]
+
+#: the sentiment splits (movie-calib for calibration, movie-test for reporting)
+DATA = shared_dir() / "data" / "sentiment"
+BENCH_SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
+
+
+@dataclasses.dataclass
+class Runner:
+    """Something that maps texts to ``(probabilities [N, C], exit layers [N] | None)``."""
+
+    name: str
+    fn: Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray | None]]
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def plan_runner(name: str, compiled, **info) -> Runner:
+    def fn(texts):
+        p = compiled.predict_proba(texts, batch_size=len(texts))
+        return p, compiled.last_info.get("exit_layer")
+
+    return Runner(name, fn, info)
+
+
+def reference_runner(name: str, onnx_path, compiled, **info) -> Runner:
+    from dyncompile.tools.evaluate import ReferenceModel
+
+    ref = ReferenceModel(onnx_path, compiled)
+
+    def fn(texts):
+        return ref.predict_proba(texts, batch_size=len(texts)), None
+
+    return Runner(name, fn, info)
+
+
+def machine_info() -> dict[str, Any]:
+    import os
+
+    import onnxruntime as ort
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = None
+    try:
+        import subprocess
+
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "cpu": cpu,
+        "gpu": gpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "onnxruntime": ort.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_avg": load_avg(),
+    }
+
+
+def load_avg() -> list[float] | None:
+    """The 1/5/15-minute load averages (``uptime``): on a shared machine, read timings next to them."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _quality(probs: np.ndarray, labels, ref_pred: np.ndarray | None) -> dict[str, Any]:
+    pred = probs.argmax(-1)
+    q: dict[str, Any] = {}
+    if labels is not None:
+        q["accuracy"] = round(float((pred == np.asarray(labels)).mean() * 100), 2)
+    if ref_pred is not None:
+        q["agreement"] = round(float((pred == ref_pred).mean() * 100), 2)
+    return q
+
+
+def _exit_stats(exits) -> dict[str, Any]:
+    if exits is None:
+        return {}
+    exits = np.asarray(exits)
+    vals, counts = np.unique(exits, return_counts=True)
+    return {"mean_exit_layer": round(float(exits.mean()), 3), "exit_histogram": {int(v): int(c) for v, c in zip(vals, counts)}}
+
+
+def bench_runners(
+    runners: Sequence[Runner],
+    texts: Sequence[str],
+    labels=None,
+    *,
+    batch_size: int = 32,
+    batch1_rows: int | None = None,
+    warmup: int = 5,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Measure ``runners`` interleaved on ``texts``; the first runner is the baseline.
+
+    Batch 1: every row runs through every runner (order rotated per row); latencies and predictions of
+    that pass give the batch-1 quality and speed. Batch ``batch_size``: every batch runs through every
+    runner (rotated); throughput and the batched quality come from that pass.
+    """
+    from tqdm.auto import tqdm
+
+    n1 = len(texts) if batch1_rows is None else min(batch1_rows, len(texts))
+    for r in runners:  # warm-up (session creation, allocator)
+        for t in texts[:warmup]:
+            r.fn([t])
+    lat = {r.name: np.zeros(n1) for r in runners}
+    probs1 = {r.name: [] for r in runners}
+    exits1 = {r.name: [] for r in runners}
+    order = list(range(len(runners)))
+    for i in tqdm(range(n1), desc="batch 1", disable=not progress, leave=False):
+        order = order[1:] + order[:1]
+        for j in order:
+            r = runners[j]
+            t0 = time.perf_counter()
+            p, e = r.fn([texts[i]])
+            lat[r.name][i] = time.perf_counter() - t0
+            probs1[r.name].append(p[0])
+            exits1[r.name].append(None if e is None else int(np.asarray(e).reshape(-1)[0]))
+    batch_t = {r.name: 0.0 for r in runners}
+    probsb = {r.name: [] for r in runners}
+    exitsb = {r.name: [] for r in runners}
+    for s in tqdm(range(0, len(texts), batch_size), desc=f"batch {batch_size}", disable=not progress, leave=False):
+        chunk = list(texts[s : s + batch_size])
+        order = order[1:] + order[:1]
+        for j in order:
+            r = runners[j]
+            t0 = time.perf_counter()
+            p, e = r.fn(chunk)
+            batch_t[r.name] += time.perf_counter() - t0
+            probsb[r.name].append(p)
+            exitsb[r.name].append(e)
+    base = runners[0].name
+    ref1 = np.stack(probs1[base]).argmax(-1)
+    refb = np.concatenate(probsb[base]).argmax(-1)
+    lab1 = None if labels is None else np.asarray(labels[:n1])
+    results = []
+    for r in runners:
+        p1 = np.stack(probs1[r.name])
+        pb = np.concatenate(probsb[r.name])
+        e1 = None if exits1[r.name][0] is None else np.array(exits1[r.name])
+        eb = None if exitsb[r.name][0] is None else np.concatenate([np.asarray(e).reshape(-1) for e in exitsb[r.name]])
+        row = {
+            "name": r.name,
+            **r.info,
+            "batch1": {
+                "rows": n1,
+                **_quality(p1, lab1, ref1),
+                "latency_ms_median": round(float(np.median(lat[r.name]) * 1e3), 3),
+                "latency_ms_p90": round(float(np.percentile(lat[r.name], 90) * 1e3), 3),
+                "latency_ms_mean": round(float(np.mean(lat[r.name]) * 1e3), 3),
+                **_exit_stats(e1),
+            },
+            f"batch{batch_size}": {
+                "rows": len(texts),
+                **_quality(pb, labels, refb),
+                "throughput_rows_per_s": round(len(texts) / batch_t[r.name], 2),
+                **_exit_stats(eb),
+            },
+        }
+        results.append(row)
+    b0 = results[0]
+    for row in results:
+        row["speedup_batch1_median"] = round(b0["batch1"]["latency_ms_median"] / row["batch1"]["latency_ms_median"], 3)
+        row["speedup_batch1_mean"] = round(b0["batch1"]["latency_ms_mean"] / row["batch1"]["latency_ms_mean"], 3)
+        tb = f"batch{batch_size}"
+        row[f"speedup_{tb}_throughput"] = round(row[tb]["throughput_rows_per_s"] / b0[tb]["throughput_rows_per_s"], 3)
+    return {"baseline": base, "batch_size": batch_size, "results": results}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    bs = report["batch_size"]
+    tb = f"batch{bs}"
+    head = (
+        f"| model | acc b1 (%) | agree b1 (%) | mean exit | p50 b1 (ms) | p90 b1 (ms) | speedup b1 (median) | "
+        f"acc b{bs} (%) | rows/s b{bs} | speedup b{bs} |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in report["results"]:
+        b1, bb = r["batch1"], r[tb]
+        lines.append(
+            f"| {r['name']} | {b1.get('accuracy', '–')} | {b1.get('agreement', '–')} | {b1.get('mean_exit_layer', '–')} | "
+            f"{b1['latency_ms_median']} | {b1['latency_ms_p90']} | {r['speedup_batch1_median']}x | "
+            f"{bb.get('accuracy', '–')} | {bb['throughput_rows_per_s']} | {r[f'speedup_{tb}_throughput']}x |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
+    from dyncompile.io import write_json_atomic
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jp, mp = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    write_json_atomic(jp, report)
+    mp.write_text(report.get("markdown") or markdown_table(report))
+    return jp, mp
+
+
+def compile_early_exit(src, plan_dir: Path, calib: Path, *, prefix: str = "", **options: Any) -> tuple[Any, float]:
+    """``dyncompile SRC --passes [PREFIX,]early-exit --calib CALIB {options}``: ``(CompileResult, seconds)``."""
+    import dyncompile
+
+    t0 = time.perf_counter()
+    res = dyncompile.compile(src, f"{prefix}early-exit", plan_dir, force=True, progress=False, calib=str(calib), **options)
+    return res, time.perf_counter() - t0
