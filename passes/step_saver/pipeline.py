@@ -28,6 +28,7 @@ from typing import Any
 import onnx_ir as ir
 
 from dyncompile.errors import DataError, ModelLoadError, PlanError
+from dyncompile.passes import _keys
 from dyncompile.passes.emit import (
     EmitRequest,
     io_signature,
@@ -41,7 +42,7 @@ from dyncompile.runtime.schedulers import make_scheduler
 __all__ = ["PipelineFolder", "read_pipeline", "is_pipeline_dir", "pipeline_compile_inputs", "STEP_SAVER_META"]
 
 INDEX = "model_index.json"
-STEP_SAVER_META = "dyncompile.step_saver"
+STEP_SAVER_META = _keys.STEP_SAVER
 SD_DEFAULTS = {
     "text_encoder_output": "last_hidden_state",
     "tokenizer_max_length": 77,
