@@ -421,11 +421,99 @@ def _generate_from_json(cls):
     return build
 
 
+# diffusion plans (``task: text-to-image``; runtime/diffusion.py, passes/step_saver/)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionEncodeParams:
+    """``diffusion_encode``: ``[null prompt] + prompts`` through the text encoder in one batch."""
+
+    text_encoder: str
+    output: str = "last_hidden_state"
+    null_prompt: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictStepsParams:
+    """``predict_steps`` (step-saver): ``log2 steps = ((f - mean) / scale) @ weights + bias + offset``, rounded up
+    onto ``grid``; ``f`` the masked mean of the text states."""
+
+    weights: list[float]
+    bias: float
+    mean: list[float]
+    scale: list[float]
+    grid: list[int] = _field(lo=1, hi=1000)
+    offset: float = _field(0.0, lo=-10.0, hi=10.0)
+    features: Literal["mean_pool"] = "mean_pool"
+
+    def _check(self, where: str) -> None:
+        n = len(self.weights)
+        if len(self.mean) != n or len(self.scale) != n:
+            raise PlanError(f"{where}: mean has {len(self.mean)} values, scale {len(self.scale)}, expected {n} (weights)")
+        if any(s <= 0 for s in self.scale):
+            raise PlanError(f"{where}.scale must be > 0")
+        if not self.grid or list(self.grid) != sorted(set(self.grid)):
+            raise PlanError(f"{where}.grid must be an increasing list of step counts, got {_short(self.grid)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StopRuleParams:
+    """The online stop rule: stop a row when its x0 prediction changes by less than ``threshold`` (RMS, [0, 1])."""
+
+    kind: Literal["x0_change"]
+    threshold: float = _field(lo=0.0, hi=1.0)
+    max_steps: int = _field(lo=2, hi=1000)
+    min_steps: int = _field(1, lo=1, hi=1000)
+
+    def _check(self, where: str) -> None:
+        if self.min_steps > self.max_steps:
+            raise PlanError(f"{where}.min_steps {self.min_steps} exceeds max_steps {self.max_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VaeDecoderParams:
+    file: str
+    scaling_factor: float = _field(lo=1e-6, hi=1e6)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionDenoiseParams:
+    """``diffusion_denoise``: the guided scheduler loop over the U-Net (``scheduler`` is a diffusers config the
+    runtime validates; it refuses types and options it does not implement)."""
+
+    unet: str
+    scheduler: dict[str, Any]
+    sample_shape: list[int] = _field(lo=1, hi=1_000_000)
+    guidance_scale: float = _field(lo=1.0, hi=100.0)
+    num_inference_steps: int = _field(lo=1, hi=1000)
+    input_names: list[str] = _field(factory=lambda: ["sample", "timestep", "encoder_hidden_states"])
+    output_crop: list[int] | None = _field(None, lo=0, hi=1_000_000)
+    eta: float = _field(0.0, lo=0.0, hi=0.0)
+    noise: Literal["numpy", "torch"] = "numpy"
+    default_policy: Literal["fixed", "predicted", "online"] = "fixed"
+    stop_rule: StopRuleParams | None = None
+    vae_decoder: VaeDecoderParams | None = None
+
+    def _check(self, where: str) -> None:
+        if len(self.sample_shape) != 3:
+            raise PlanError(f"{where}.sample_shape must be [C, H, W], got {_short(self.sample_shape)}")
+        if len(self.input_names) != 3:
+            raise PlanError(f"{where}.input_names must name the U-Net's sample, timestep and text-state inputs")
+        c = self.output_crop
+        if c is not None and (len(c) != 4 or not (c[0] < c[1] <= self.sample_shape[1] and c[2] < c[3] <= self.sample_shape[2])):
+            raise PlanError(f"{where}.output_crop must be [top, bottom, left, right] inside {self.sample_shape[1:]}, got {_short(c)}")
+        if self.default_policy == "online" and self.stop_rule is None:
+            raise PlanError(f"{where}: default_policy 'online' needs a stop_rule")
+
+
 STEP_SCHEMAS: dict[str, Any] = {
     "run_model": lambda d, where: from_json(RunModelParams, d, where),
     "early_exit_staged": lambda d, where: from_json(StagedEarlyExitParams, d, where),
     "generate": _generate_from_json(GenerateParams),
     "speculative_generate": _generate_from_json(SpeculativeParams),
+    "diffusion_encode": lambda d, where: from_json(DiffusionEncodeParams, d, where),
+    "predict_steps": lambda d, where: from_json(PredictStepsParams, d, where),
+    "diffusion_denoise": lambda d, where: from_json(DiffusionDenoiseParams, d, where),
 }
 """Step kind -> ``build(params_json, where)`` returning the typed params (declared schema per kind)."""
 
@@ -840,6 +928,12 @@ def _check_file_keys(path: Path, i: int, kind: str, typed: Any, files: dict[str,
                 keys.append(("drafter.decoder.model", typed.drafter.decoder.model))
             if typed.drafter.vocab is not None:
                 keys.append(("drafter.vocab", typed.drafter.vocab))
+    elif isinstance(typed, DiffusionEncodeParams):
+        keys.append(("text_encoder", typed.text_encoder))
+    elif isinstance(typed, DiffusionDenoiseParams):
+        keys.append(("unet", typed.unet))
+        if typed.vae_decoder is not None:
+            keys.append(("vae_decoder.file", typed.vae_decoder.file))
     for where, key in keys:
         if key not in files:
             raise PlanError(

@@ -89,6 +89,12 @@ def _build_mpnet(**kw):
     return build_mpnet(**kw)
 
 
+def _build_fashion_diffusion(**kw):
+    from dyncompile.models._diffusion import build_fashion_diffusion
+
+    return build_fashion_diffusion(**kw)
+
+
 def _gguf_decoder(source: _decoders.GGUFSource):
     def build(**kw):
         return _decoders.build_gguf_decoder(source, **kw)
@@ -169,6 +175,19 @@ _RECIPES: dict[str, _Recipe] = {
             ),
             _decoders.DECODER_STEPS,
             _gguf_decoder(_decoders.QWEN_CODER_15B),
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="fashion-diffusion",
+                task="text-to-image",
+                family="diffusion",
+                description="Fashion-MNIST text-to-image diffusion pipeline folder (pixel-space U-Net 3.8M params, "
+                "DDIM, MiniLM-L6 BERT hidden states as text encoder); compile the folder itself",
+                sources=("assets:fashion-diffusion", "assets:minilm-l6-sentiment"),
+            ),
+            ("locate assets", "load BERT backbone (fp32)", "export text encoder (dynamo)", "write + verify tokenizer.json",
+             "check text encoder: ONNX Runtime vs PyTorch", "copy U-Net + scheduler, write model_index.json"),
+            _build_fashion_diffusion,
         ),
     )
 }

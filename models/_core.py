@@ -30,6 +30,7 @@ logger = logging.getLogger("dyncompile.models")
 CONFIG_NAME = "dyncompile-model.json"
 ONNX_NAME = "model.onnx"
 TOKENIZER_NAME = "tokenizer.json"
+PIPELINE_INDEX = "model_index.json"  # a diffusers-style pipeline folder: compile the folder itself
 CONFIG_FORMAT = "dyncompile.model/v1"
 ENV_HOME = "DYNCOMPILE_HOME"
 ENV_ASSETS = "DYNCOMPILE_ASSETS"
@@ -238,7 +239,10 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def is_complete(model_dir: Path) -> bool:
-    """A model dir is complete when its config, ONNX file and tokenizer exist (config is written last)."""
+    """A model dir is complete when its config, ONNX file and tokenizer exist (config is written last);
+    a pipeline folder (``model_index.json``, e.g. fashion-diffusion) when its config and index exist."""
+    if (model_dir / PIPELINE_INDEX).is_file():
+        return (model_dir / CONFIG_NAME).is_file()
     return all((model_dir / n).is_file() for n in (CONFIG_NAME, ONNX_NAME, TOKENIZER_NAME))
 
 
@@ -250,11 +254,12 @@ def load_artifacts(model_dir: Path) -> ModelArtifacts:
     if hf:
         hf_path = Path(hf)
         hf_dir = hf_path if hf_path.is_absolute() else model_dir / hf_path
+    pipeline = (model_dir / PIPELINE_INDEX).is_file()
     return ModelArtifacts(
         name=config["name"],
         dir=model_dir,
-        onnx_path=model_dir / ONNX_NAME,
-        tokenizer_path=model_dir / TOKENIZER_NAME,
+        onnx_path=model_dir if pipeline else model_dir / ONNX_NAME,  # a pipeline compiles as its folder
+        tokenizer_path=model_dir / ("tokenizer" if pipeline else "") / TOKENIZER_NAME,
         config=config,
         hf_dir=hf_dir,
     )

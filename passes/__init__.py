@@ -29,6 +29,7 @@ from dyncompile.passes.early_exit import (
 )
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
 from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
+from dyncompile.passes.step_saver import pipeline as _step_saver  # noqa: F401  (diffusion plans)
 from dyncompile.passes.verify_model import VerifyModelPass
 
 __all__ = [

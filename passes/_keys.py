@@ -23,6 +23,7 @@ __all__ = [
     "SPLIT_DRAFTER",
     "SPLIT_DRAFTER_MODEL",
     "SPLIT_DRAFTER_VOCAB",
+    "STEP_SAVER",
     "TASK",
 ]
 
@@ -36,6 +37,7 @@ QUANTIZED = "dyncompile.quantized"  # JSON: scheme of the quantize passes
 SPECULATIVE = "dyncompile.speculative"  # JSON: target/drafter specs, draft policy, generation config
 SPLIT_DRAFTER = "dyncompile.split_drafter"  # JSON: SplitDrafterPass decisions and measurements
 ROLE = "dyncompile.role"  # "drafter" on a drafter graph
+STEP_SAVER = "dyncompile.step_saver"  # JSON: step head, stop rule, default policy, calibration (StepSaverPass)
 POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
 
 # --- model.meta (in-memory objects, never saved) ----------------------------------------------------
@@ -46,6 +48,6 @@ SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timi
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE}
+     ROLE, STEP_SAVER}
 )
 META_KEYS = frozenset({DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

@@ -79,6 +79,10 @@ def compile_model(
             f"unknown compile option {unknown[0]!r}; valid options: {', '.join(sorted(COMPILE_OPTIONS))} (pass "
             "options go into the pass spec, e.g. 'early-exit{budget=1.0}')"
         )
+    if model_path.is_dir():  # a diffusers-style pipeline folder: the passes run on its U-Net
+        from dyncompile.passes.step_saver.pipeline import pipeline_compile_inputs
+
+        model_path, output_dir, options = pipeline_compile_inputs(model_path, output_dir, options)
     out = Path(output_dir) if output_dir else model_path.parent / f"{model_path.stem}-compiled"
     protect = tuple(
         p for p in (model_path, tokenizer, model_config, options.get("calib"), options.get("drafter")) if p

@@ -213,6 +213,11 @@ def _cmd_run(argv: list[str]) -> int:
     g.add_argument("--seed", type=int, help="sampling seed")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--target-only", action="store_true", help="run the plan's target alone (no drafter)")
+    d = p.add_argument_group("text to image (diffusion plans: --prompt TEXT --seed N -o OUT.png)")
+    d.add_argument("-o", "--output", help="PNG to write (several prompts: OUT-0.png, OUT-1.png, ...)")
+    d.add_argument("--steps", type=int, help="fixed number of denoising steps (default: the plan's step policy)")
+    d.add_argument("--guidance", type=float, help="classifier-free guidance scale, >= 1 (default: the plan's)")
+    d.add_argument("--policy", choices=["fixed", "predicted", "online"], help="step policy (default: the plan's)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     _setup_logging(args.verbose)
@@ -222,6 +227,10 @@ def _cmd_run(argv: list[str]) -> int:
     import dyncompile
 
     model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback)
+    if model.plan.task == "text-to-image":
+        from dyncompile.tools.diffusion_cli import run_text_to_image
+
+        return run_text_to_image(model, args)
     if args.prompt is not None:
         res = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, seed=args.seed, chat=args.chat,
@@ -248,6 +257,9 @@ def _cmd_run(argv: list[str]) -> int:
 
 
 def _cmd_bench(argv: list[str]) -> int:
+    from dyncompile.tools.diffusion_cli import refuse_diffusion_bench
+
+    refuse_diffusion_bench(argv)
     if any(a == "--prompts" or a.startswith("--prompts=") for a in argv):  # generation plans
         from dyncompile.tools.bench_speculative import main as bench_generation
 

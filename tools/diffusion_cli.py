@@ -1,0 +1,52 @@
+"""``dyncompile run PLAN --prompt TEXT --seed N -o OUT.png`` for text-to-image plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dyncompile.errors import DataError
+
+
+def run_text_to_image(model, args) -> int:
+    from dyncompile.runtime.diffusion import generate_images, save_png
+    from dyncompile.tools.cli import safe_text
+
+    prompts = ([args.prompt] if args.prompt is not None else []) + list(args.text or [])
+    if not prompts:
+        raise DataError("give --prompt TEXT for a text-to-image plan (and -o OUT.png)")
+    if not args.output:
+        raise DataError("give -o OUT.png: where to write the generated image")
+    out = Path(args.output)
+    if out.suffix.lower() != ".png":
+        raise DataError(f"-o {out}: the output must be a .png file")
+    if not out.parent.is_dir():
+        raise DataError(f"-o {out}: folder {out.parent} does not exist")
+    res = generate_images(model, prompts, seed=0 if args.seed is None else args.seed, steps=args.steps,
+                          guidance=args.guidance, policy=args.policy)
+    paths = [out] if len(prompts) == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(prompts))]
+    for path, img in zip(paths, res.images):
+        save_png(path, img)
+    if args.json:
+        print(json.dumps({**res.to_dict(), "files": [str(p) for p in paths]}, indent=2))
+    else:
+        for path, prompt, k in zip(paths, prompts, res.steps):
+            print(f"{safe_text(path)}  ({int(k)} steps, policy {res.policy})  | {safe_text(prompt, keep_newlines=False)}")
+        print(f"{len(prompts)} image(s) in {res.seconds:.2f} s, {res.unet_calls} U-Net calls")
+    return 0
+
+
+def refuse_diffusion_bench(argv: list[str]) -> None:
+    """``dyncompile bench`` measures classifiers and decoders; a text-to-image plan gets one clear error."""
+    for a in argv:
+        p = Path(a) / "plan.json"
+        if not a.startswith("-") and p.is_file():
+            try:
+                task = json.loads(p.read_text()).get("task")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                return
+            if task == "text-to-image":
+                raise DataError(
+                    f"{a} is a text-to-image plan; benchmark it with `python -m dyncompile.tools.bench_stepsaver {a} "
+                    "--runs RUNS.npz` (step counts) or `python -m dyncompile.tools.bench_diffusion_plans` (plans side by side)"
+                )
