@@ -129,7 +129,7 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
             "passes": [repr(p) for p in pass_list],
             "pass_seconds": {r.name: round(r.seconds, 4) for r in result.records},
             "dyncompile": dyncompile.__version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         },
         options=dict(options),
         model_config=cfg,
