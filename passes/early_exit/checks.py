@@ -47,3 +47,33 @@ def check_labels(labels: Any, n: int, c: int, what: str = "labels") -> np.ndarra
         )
     return y.astype(np.int64)
 
+
+
+def check_fit_inputs(features, teacher_probs, labels) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
+    """``(features, teacher, labels)`` of an exit-head fit, checked: one finite ``[N, F]`` array per exit,
+    ``[N, C]`` teacher probabilities, ``[N]`` integer labels (or None) of at least two classes."""
+    feats = [np.asarray(f) for f in features]
+    if not feats:
+        raise CalibrationError("no exits: features is empty; pass one [N, F] array per exit")
+    teacher = np.asarray(teacher_probs)
+    if teacher.ndim != 2 or teacher.shape[0] == 0 or teacher.shape[1] < 2:
+        raise CalibrationError(f"teacher_probs must be [N, C] with N >= 1 and C >= 2, got shape {teacher.shape}")
+    n, c = teacher.shape
+    check_probs(teacher, "teacher_probs", "pass the full model's softmax output")
+    for e, f in enumerate(feats):
+        if f.ndim != 2 or f.shape[0] != n or f.shape[1] == 0:
+            raise CalibrationError(
+                f"features[{e}] must be [N, F] with N = {n} rows (as teacher_probs), got shape {f.shape}; "
+                "pool the hidden states with pool_features first"
+            )
+        if not np.all(np.isfinite(f)):
+            raise CalibrationError(f"features[{e}] contains NaN or infinite values")
+    y = None
+    if labels is not None:
+        y = check_labels(labels, n, c)
+        check_two_classes(
+            y,
+            "; heads cannot learn to tell classes apart — use a calibration set with every class (or labels=None "
+            "to distil the full model alone)",
+        )
+    return feats, teacher, y

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.passes.early_exit.checks import CalibrationError, check_labels, check_probs, check_two_classes
+from dyncompile.passes.early_exit.checks import CalibrationError, check_fit_inputs
 from dyncompile.passes.early_exit.heads import POOLINGS, ExitHead, activate
 from dyncompile.runtime.exit_rule import softmax
 
@@ -297,30 +297,8 @@ def fit_exit_heads(
             f"bad fitting options alpha={alpha} (0..1), temperature={temperature} (>0), l2={l2} (>=0), "
             f"steps={steps} (>=1), lr={lr} (>0)"
         )
-    feats = [np.asarray(f) for f in features]
-    if not feats:
-        raise CalibrationError("no exits: features is empty; pass one [N, F] array per exit")
-    teacher = np.asarray(teacher_probs)
-    if teacher.ndim != 2 or teacher.shape[0] == 0 or teacher.shape[1] < 2:
-        raise CalibrationError(f"teacher_probs must be [N, C] with N >= 1 and C >= 2, got shape {teacher.shape}")
+    feats, teacher, y = check_fit_inputs(features, teacher_probs, labels)
     n, c = teacher.shape
-    check_probs(teacher, "teacher_probs", "pass the full model's softmax output")
-    for e, f in enumerate(feats):
-        if f.ndim != 2 or f.shape[0] != n or f.shape[1] == 0:
-            raise CalibrationError(
-                f"features[{e}] must be [N, F] with N = {n} rows (as teacher_probs), got shape {f.shape}; "
-                "pool the hidden states with pool_features first"
-            )
-        if not np.all(np.isfinite(f)):
-            raise CalibrationError(f"features[{e}] contains NaN or infinite values")
-    y = None
-    if labels is not None:
-        y = check_labels(labels, n, c)
-        check_two_classes(
-            y,
-            "; heads cannot learn to tell classes apart — use a calibration set with every class (or labels=None "
-            "to distil the full model alone)",
-        )
     strata = y if y is not None else teacher.argmax(1)
     if n < 2 * folds:
         raise CalibrationError(f"{n} rows are too few for {folds}-fold cross-fitting; use at least {2 * folds} rows")

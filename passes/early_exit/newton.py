@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from dyncompile.passes.early_exit.checks import CalibrationError
+from dyncompile.passes.early_exit.checks import CalibrationError, check_fit_inputs
 from dyncompile.passes.early_exit.fit import (
     DEFAULT_ALPHA,
     DEFAULT_L2,
@@ -232,33 +232,8 @@ def _fit(features, teacher_probs, labels, *, pooling, seed, folds, progress, alp
         raise CalibrationError(f"bad fitting options alpha={alpha} (0..1), temperature={temperature} (>0), l2={l2} (>0)")
     if pca_dim is not None and pca_dim != "auto" and (not isinstance(pca_dim, int | np.integer) or pca_dim < 1):
         raise CalibrationError(f"pca_dim must be a positive int, 'auto' or None, got {pca_dim!r}")
-    feats = [np.asarray(f) for f in features]
-    if not feats:
-        raise CalibrationError("no exits: features is empty; pass one [N, F] array per exit")
-    teacher = np.asarray(teacher_probs)
-    if teacher.ndim != 2 or teacher.shape[0] == 0 or teacher.shape[1] < 2:
-        raise CalibrationError(f"teacher_probs must be [N, C] with N >= 1 and C >= 2, got shape {teacher.shape}")
-    if not np.all(np.isfinite(teacher)) or np.any(teacher < -1e-6) or np.any(np.abs(teacher.sum(-1) - 1) > 1e-3):
-        raise CalibrationError("teacher_probs are not probabilities; pass the full model's softmax output")
+    feats, teacher, y = check_fit_inputs(features, teacher_probs, labels)
     n, c = teacher.shape
-    for e, f in enumerate(feats):
-        if f.ndim != 2 or f.shape[0] != n or f.shape[1] == 0:
-            raise CalibrationError(
-                f"features[{e}] must be [N, F] with N = {n} rows (as teacher_probs), got shape {f.shape}; "
-                "pool the hidden states with pool_features first"
-            )
-        if not np.all(np.isfinite(f)):
-            raise CalibrationError(f"features[{e}] contains NaN or infinite values")
-    y = None
-    if labels is not None:
-        y = np.asarray(labels)
-        if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer) or (n and (y.min() < 0 or y.max() >= c)):
-            raise CalibrationError(f"labels must be [N] = ({n},) integer classes in [0, {c - 1}]")
-        if len(np.unique(y)) < 2:
-            raise CalibrationError(
-                f"all {n} labels are class {int(y[0])}; heads cannot learn to tell classes apart — use a "
-                "calibration set with every class (or labels=None to distil the full model alone)"
-            )
     if n < 2 * folds:
         raise CalibrationError(f"{n} rows are too few for {folds}-fold cross-fitting; use at least {2 * folds} rows")
 
