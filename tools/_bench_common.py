@@ -29,6 +29,7 @@ __all__ = [
     "DATA",
     "Runner",
     "bench_runners",
+    "interleaved_batch1",
     "compile_early_exit",
     "load_avg",
     "machine_info",
@@ -132,6 +133,33 @@ def _exit_stats(exits) -> dict[str, Any]:
     return {"mean_exit_layer": round(float(exits.mean()), 3), "exit_histogram": {int(v): int(c) for v, c in zip(vals, counts)}}
 
 
+def interleaved_batch1(
+    runners: Sequence[Runner], texts: Sequence[str], n: int, *, warmup: int = 5, progress: bool = True
+) -> tuple[dict[str, np.ndarray], dict[str, list], dict[str, list]]:
+    """The batch-1 pass: after ``warmup`` rows per runner, each of the first ``n`` rows runs through every
+    runner (order rotated per row). Returns per runner: latencies ``[n]`` (s), the row's probabilities and its
+    exit layer (None for a runner without exits)."""
+    from tqdm.auto import tqdm
+
+    for r in runners:  # warm-up (session creation, allocator)
+        for t in texts[:warmup]:
+            r.fn([t])
+    lat = {r.name: np.zeros(n) for r in runners}
+    probs = {r.name: [] for r in runners}
+    exits = {r.name: [] for r in runners}
+    order = list(range(len(runners)))
+    for i in tqdm(range(n), desc="batch 1", disable=not progress, leave=False):
+        order = order[1:] + order[:1]
+        for j in order:
+            r = runners[j]
+            t0 = time.perf_counter()
+            p, e = r.fn([texts[i]])
+            lat[r.name][i] = time.perf_counter() - t0
+            probs[r.name].append(p[0])
+            exits[r.name].append(None if e is None else int(np.asarray(e).reshape(-1)[0]))
+    return lat, probs, exits
+
+
 def bench_runners(
     runners: Sequence[Runner],
     texts: Sequence[str],
@@ -151,22 +179,9 @@ def bench_runners(
     from tqdm.auto import tqdm
 
     n1 = len(texts) if batch1_rows is None else min(batch1_rows, len(texts))
-    for r in runners:  # warm-up (session creation, allocator)
-        for t in texts[:warmup]:
-            r.fn([t])
-    lat = {r.name: np.zeros(n1) for r in runners}
-    probs1 = {r.name: [] for r in runners}
-    exits1 = {r.name: [] for r in runners}
-    order = list(range(len(runners)))
-    for i in tqdm(range(n1), desc="batch 1", disable=not progress, leave=False):
-        order = order[1:] + order[:1]
-        for j in order:
-            r = runners[j]
-            t0 = time.perf_counter()
-            p, e = r.fn([texts[i]])
-            lat[r.name][i] = time.perf_counter() - t0
-            probs1[r.name].append(p[0])
-            exits1[r.name].append(None if e is None else int(np.asarray(e).reshape(-1)[0]))
+    lat, probs1, exits1 = interleaved_batch1(runners, texts, n1, warmup=warmup, progress=progress)
+    k = n1 % len(runners)  # the batched pass continues the batch-1 pass's rotation
+    order = list(range(len(runners)))[k:] + list(range(len(runners)))[:k]
     batch_t = {r.name: 0.0 for r in runners}
     probsb = {r.name: [] for r in runners}
     exitsb = {r.name: [] for r in runners}

@@ -76,25 +76,12 @@ def _decide(test_probs: np.ndarray, thresholds, criterion: str, policy) -> np.nd
 def batch1_runs(runners, texts, labels, *, rows: int | None = None, warmup: int = 5) -> dict[str, Any]:
     """Batch 1 only: every row through every runner (order rotated per row), one process; the first
     runner is the baseline. Same figures as ``bench_runners``' batch-1 pass."""
-    from tqdm.auto import tqdm
+    from dyncompile.tools._bench_common import interleaved_batch1
 
     n = len(texts) if rows is None else min(rows, len(texts))
-    for r in runners:
-        for t in texts[:warmup]:
-            r.fn([t])
-    lat = {r.name: np.zeros(n) for r in runners}
-    pred = {r.name: np.zeros(n, np.int64) for r in runners}
-    layer = {r.name: np.zeros(n, np.int64) for r in runners}
-    order = list(range(len(runners)))
-    for i in tqdm(range(n), desc="batch 1", leave=False):
-        order = order[1:] + order[:1]
-        for j in order:
-            r = runners[j]
-            t0 = time.perf_counter()
-            p, e = r.fn([texts[i]])
-            lat[r.name][i] = time.perf_counter() - t0
-            pred[r.name][i] = int(np.asarray(p)[0].argmax())
-            layer[r.name][i] = -1 if e is None else int(np.asarray(e).reshape(-1)[0])
+    lat, probs, exits = interleaved_batch1(runners, texts, n, warmup=warmup)
+    pred = {k: np.array([np.asarray(p).argmax() for p in v], np.int64) for k, v in probs.items()}
+    layer = {k: np.array([-1 if e is None else e for e in v], np.int64) for k, v in exits.items()}
     y = np.asarray(labels[:n])
     base = runners[0].name
     results = []
