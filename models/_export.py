@@ -161,6 +161,9 @@ def ort_session(path: Path, threads: int | None = None):
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    # a check session only: no prepacked second copy of every weight (a 1.5B fp32 decoder would need ~2x its
+    # 6 GB and the recipe was OOM-killed at its greedy check on a 24 GB machine); outputs are unchanged
+    so.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
