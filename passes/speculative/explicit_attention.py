@@ -111,8 +111,8 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
     name, the value it replaced).
     Does not fire (``modified=False``): no ``attention_mask`` input (e.g. a second run), or no single shared
     bias before the Softmaxes.
-    Precondition: a ``position_ids`` input (a decoder that derives positions from the mask would put tree
-    nodes at the wrong positions).
+    Precondition: where it would fire, a ``position_ids`` input (a decoder that derives positions from the mask
+    would put tree nodes at the wrong positions).
 
     Sketch: ``Where(causal & mask, 0, -inf) -> Add(scores, .) -> Softmax`` becomes
     ``attention_bias -> Add(scores, .) -> Softmax``.
@@ -130,7 +130,7 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
 
     def requires(self, model: ir.Model) -> None:
         names = {v.name for v in model.graph.inputs}
-        if self.mask_input in names and self.position_input not in names:
+        if self.position_input not in names and find_attention_bias(model, self.mask_input) is not None:
             raise ir.passes.PreconditionError(
                 f"explicit-attention: the decoder has {self.mask_input!r} but no {self.position_input!r} input, so it "
                 "derives positions from the mask and tree nodes could not be placed at past_len + depth; re-export "
