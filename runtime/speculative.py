@@ -21,6 +21,17 @@ so a seed reproduces a sampled output; ``adapt_to_timing=True`` uses this machin
 instead. Stops at an eos token, at ``max_new_tokens`` and at the model's maximum length (drafts are capped
 so no round overshoots).
 
+Draft trees (plan ``draft.tree`` = ``{max_nodes, max_depth, branching, adaptive}``, or the ``tree=`` option of
+``generate``; the target needs the 4-D ``attention_bias`` input of the ``explicit-attention`` pass): each round
+the drafter proposes a tree (:meth:`~dyncompile.runtime.drafters.Drafter.propose_tree`: prompt lookup merges
+several n-gram matches into a trie, a model drafter adds its top-k alternatives beside its chain), the target
+verifies every node in ONE call (node ``i`` at position ``past + depth(i)``, attending to the past and its
+ancestors: :mod:`dyncompile.runtime.draft_tree`), and the longest path the target agrees with is accepted
+(greedy: token-identical; sampling: multi-candidate rejection sampling, exact). The KV cache then keeps only the
+accepted path (:meth:`~dyncompile.runtime.kv_cache.KVDecoder.keep_path`) and the drafter gets the path and every
+output of the call (:class:`~dyncompile.runtime.drafters.Verification`). :class:`TreeController` sizes the tree
+from the measured verification cost curve and what branch nodes have bought so far.
+
 Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
 "vocab": file key|null}`` or ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``), ``draft``

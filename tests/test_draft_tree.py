@@ -428,3 +428,11 @@ def test_tree_chi_square_detects_a_wrong_sampler(sampling_tree_plans, monkeypatc
     monkeypatch.setattr(runtime_speculative, "accept_sampling", _accept_without_residual)
     counts, _ = _sample_joint(m, [1, 2, 3, 4], 800)
     assert chi_square_p(counts, expected) < 1e-6
+
+
+def test_explicit_attention_must_come_before_speculative(tmp_path, capsys):
+    from helpers import assert_clean_error, run_cli
+
+    rc, _, err = run_cli(capsys, tmp_path / "missing.onnx", "--passes", "speculative,explicit-attention",
+                         "--drafter", "prompt-lookup", "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "explicit-attention", "speculative")
