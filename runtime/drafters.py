@@ -108,8 +108,10 @@ class Drafter:
 
 
 class ModelDrafter(Drafter):
-    """A decoder drafter (external, or split from the target). Its trees: the greedy (or sampled) chain, plus
-    the drafter's next-best tokens at each depth as sibling leaves (top-k branches), shallow depths first."""
+    """A decoder drafter (external, or split from the target). Its trees: greedy, on a drafter graph with a 4-D
+    attention bias input (``explicit-attention``), best-first expansion of its top-k tokens (:meth:`_expand`);
+    otherwise (and when sampling) the greedy or sampled chain plus the drafter's next-best tokens at each
+    depth as sibling leaves (top-k branches), shallow depths first."""
 
     uses_model = True
 
@@ -199,7 +201,82 @@ class ModelDrafter(Drafter):
         tokens, qs, _ = self._chain(seq, n, sample, temperature, rng, vocab_size)
         return tokens, qs
 
+    def _expand(self, seq, budget: TreeBudget, vocab_size: int) -> DraftTree:
+        """Greedy tree by best-first expansion (EAGLE-2 style) on a drafter with a 4-D attention bias input: one
+        drafter call per depth feeds the ``branching`` best frontier nodes together (each attending to the
+        sequence and its own ancestors); every node proposes its drafter's top-``branching`` tokens, scored by
+        the path's summed log-probability; the ``max_nodes`` best-scored nodes form the tree (a node's score
+        never exceeds its parent's, so they are a tree). The first child of each node is its best child, so the
+        main chain is the drafter's greedy chain. The drafter's cache is rolled back to the sequence after."""
+        dec = self.decoder
+        keep = _common_prefix(self._fed, seq, len(seq) - 1)
+        if keep < dec.length:
+            dec.truncate(keep)
+            self._fed = self._fed[:keep]
+        feed = list(seq[dec.length :])
+        logits = dec.forward(feed)[-1]
+        self._fed.extend(feed)
+        committed = dec.length  # the sequence (root included) is in the drafter's cache; tree slots follow
+        committed_slots = dec.slots
+        k = max(1, budget.branching)
+        # candidate nodes: token, parent candidate (-1 = root), depth, score, drafter slot once expanded
+        toks: list[int] = []
+        par: list[int] = []
+        dep: list[int] = []
+        score: list[float] = []
+        slot: dict[int, int] = {}
+
+        def children(lg, parent, base, d):
+            lg = np.asarray(lg, np.float64)
+            m = lg.max()
+            lp = lg - m - np.log(np.exp(lg - m).sum())
+            top = np.argpartition(-lp, min(k, lp.shape[-1] - 1))[:k]
+            for j in top[np.argsort(-lp[top], kind="stable")]:
+                t = int(self.vocab[j]) if self.vocab is not None else int(j)
+                if t < vocab_size:
+                    toks.append(t)
+                    par.append(parent)
+                    dep.append(d)
+                    score.append(base + float(lp[j]))
+
+        children(logits, -1, 0.0, 1)
+        frontier = list(range(len(toks)))
+        for d in range(2, budget.max_depth + 1):
+            if not frontier:
+                break
+            exp = sorted(frontier, key=lambda i: -score[i])[:k]
+            n = len(exp)
+            visible = np.zeros((n, dec.slots + n), bool)
+            visible[:, :committed_slots] = dec._mask[0, :committed_slots].astype(bool)
+            for r, i in enumerate(exp):
+                a = par[i]
+                while a >= 0:
+                    visible[r, slot[a]] = True
+                    a = par[a]
+                visible[r, dec.slots + r] = True
+            base_slot = dec.slots
+            rows = dec.forward_visible([toks[i] for i in exp], [committed - 1 + dep[i] for i in exp], visible)
+            frontier = []
+            for r, i in enumerate(exp):
+                slot[i] = base_slot + r
+                start = len(toks)
+                children(rows[r], i, score[i], d)
+                frontier += range(start, len(toks))
+        dec.truncate(committed)
+        chosen = sorted(range(len(toks)), key=lambda i: (-score[i], i))[: budget.max_nodes]
+        chosen_set = set(chosen)
+        chosen = [i for i in chosen if par[i] < 0 or par[i] in chosen_set]  # ties could orphan a node
+        tree = DraftTree.chain(seq[-1], [])
+        index = {-1: 0}
+        for i in sorted(chosen, key=lambda i: (dep[i], -score[i], i)):
+            if par[i] in index:
+                index[i] = tree.add(index[par[i]], toks[i])
+        return tree
+
     def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size):
+        if (not sample and self.decoder.supports_trees and budget.branching > 1 and budget.max_nodes > budget.max_depth
+                and budget.max_depth > 0):
+            return self._expand(seq, budget, vocab_size)
         depth = min(budget.max_depth, budget.max_nodes)
         if depth <= 0:
             return DraftTree.chain(seq[-1], [])

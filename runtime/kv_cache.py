@@ -195,12 +195,19 @@ class KVDecoder:
         """Whether this decoder can verify a draft tree (a 4-D attention bias and position ids as inputs)."""
         return bool(self.bias_name and self.pos_name)
 
-    def _aux(self, n: int, tree: DraftTree | None = None) -> dict[str, np.ndarray]:
+    def _aux(self, n: int, tree: DraftTree | None = None, visible: np.ndarray | None = None,
+             positions: np.ndarray | None = None) -> dict[str, np.ndarray]:
         total = self.slots + n
         self._grow(total)
         feeds = {}
         if self.mask_name:
             feeds[self.mask_name] = self._mask[:, :total]
+        if visible is not None:  # an explicit visibility matrix over every slot (a drafter expanding a tree)
+            bias = np.full((1, 1, n, total), BIAS_NEG, np.float32)
+            bias[0, 0][visible] = 0.0
+            feeds[self.bias_name] = bias
+            feeds[self.pos_name] = np.asarray(positions, np.int64).reshape(1, n)
+            return feeds
         if self.bias_name:
             if tree is None:
                 tree = DraftTree(list(range(n)), list(range(-1, n - 1)))  # a chain: causal
@@ -228,7 +235,15 @@ class KVDecoder:
         if self.rollback == "copy" or garbage > max(32, self.slots // 4):
             self.compact()
 
-    def forward(self, ids: Sequence[int] | np.ndarray, tree: DraftTree | None = None) -> np.ndarray:
+    def forward_visible(self, ids: Sequence[int], positions: Sequence[int], visible: np.ndarray) -> np.ndarray:
+        """Logits of ``ids`` at ``positions``, token ``i`` attending to the slots where ``visible[i]`` (bool
+        ``[n, slots + n]``) is true; needs :attr:`supports_trees`. The cache grows by ``n`` (every slot stays
+        valid: roll back with :meth:`truncate`)."""
+        if not self.supports_trees:
+            raise PlanError(f"the {self.role} model has no 4-D attention bias input")
+        return self.forward(ids, _visible=(np.asarray(visible, bool), np.asarray(positions, np.int64)))
+
+    def forward(self, ids: Sequence[int] | np.ndarray, tree: DraftTree | None = None, *, _visible=None) -> np.ndarray:
         """Logits ``[len(ids), vocab]`` of the new tokens; the cache grows by ``len(ids)``.
 
         With ``tree`` (its tokens are ``ids``), node ``i`` is fed at position ``length + depth[i]`` and attends
@@ -250,7 +265,7 @@ class KVDecoder:
         if self.io_binding:
             io = self.session.io_binding()
             io.bind_cpu_input(self.spec.input_ids, ids_arr)
-            for k, v in self._aux(n, tree).items():
+            for k, v in self._aux(n, tree, *(_visible or (None, None))).items():
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
             for e, v in zip(self.spec.kv, self.past):
                 io.bind_ortvalue_input(e.past, v)
@@ -269,7 +284,7 @@ class KVDecoder:
             extra = {k: v.numpy()[0] for k, v in zip(self.extra_names, outs[1 + nk :])}
             self.last_outputs = {self.output_names[0]: logits, **extra}
         else:
-            feeds = {self.spec.input_ids: ids_arr, **self._aux(n, tree)}
+            feeds = {self.spec.input_ids: ids_arr, **self._aux(n, tree, *(_visible or (None, None)))}
             for e, a in zip(self.spec.kv, self.past):
                 feeds[e.past] = a
             t0 = time.perf_counter()

@@ -436,3 +436,34 @@ def test_explicit_attention_must_come_before_speculative(tmp_path, capsys):
     rc, _, err = run_cli(capsys, tmp_path / "missing.onnx", "--passes", "speculative,explicit-attention",
                          "--drafter", "prompt-lookup", "-o", tmp_path / "out")
     assert_clean_error(rc, err, "explicit-attention", "speculative")
+
+
+def test_model_drafter_expands_its_top_k_best_first(tree_models):
+    """An external drafter with the bias input expands its tree one depth per call: its first-child path is its
+    greedy chain, and every node's children are the drafter's top tokens after that node's path."""
+    from dyncompile.runtime.drafters import TreeBudget
+
+    m = tree_models["external"]
+    drafter = m.handlers[-1].drafter
+    assert drafter.decoder.supports_trees
+    seq = [1, 2, 3, 4, 5, 1, 2]
+    drafter.reset(seq)
+    tree = drafter.propose_tree(seq, TreeBudget(12, 4, 3), sample=False, temperature=1.0,
+                                rng=np.random.default_rng(0), vocab_size=VOCAB)
+    assert len(tree) == 13 and tree.max_depth >= 2 and not tree.is_chain
+    drafter.reset(seq)
+    chain, _ = drafter.propose(seq, tree.main_chain_length(), sample=False, temperature=1.0, rng=None,
+                               vocab_size=VOCAB)
+    main, node = [], 0
+    while tree.children[node]:
+        node = tree.children[node][0]
+        main.append(tree.tokens[node])
+    assert main == chain
+    dec = drafter.decoder
+    for i in range(len(tree)):
+        if not tree.children[i]:
+            continue
+        dec.reset()
+        logits = dec.forward([*seq[:-1], *(tree.tokens[j] for j in tree.path_to(i))])[-1]
+        top = [int(t) for t in np.argsort(-logits, kind="stable")[: len(tree.children[i])]]
+        assert [tree.tokens[c] for c in tree.children[i]] == top

@@ -43,6 +43,7 @@ from dyncompile.passes.speculative.decoder_spec import (
     decoder_spec,
     generation_config,
 )
+from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.probe import drafter_step_seconds, target_verify_costs, weight_reads
 from dyncompile.passes.speculative.split_drafter import SPLIT_DRAFTER_KEY, SPLIT_DRAFTER_META, VOCAB_META
 
@@ -260,6 +261,9 @@ class SpeculativePass(ir.passes.InPlacePass):
         return costs
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if self.tree and isinstance(self.drafter, ir.Model):
+            # an external drafter expands its tree one depth per call: it gets the 4-D attention bias input too
+            ExposeAttentionMaskPass()(self.drafter)
         record = self._record(model)
         text = json.dumps(record, sort_keys=True)
         props = model.metadata_props
