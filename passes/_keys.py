@@ -13,6 +13,7 @@ __all__ = [
     "EARLY_EXIT_LOWERING",
     "EARLY_EXIT_LOWERING_CHOICE",
     "EMITTER",
+    "EXPLICIT_ATTENTION",
     "METADATA_KEYS",
     "META_KEYS",
     "POLICY_PREFIX",
@@ -38,6 +39,7 @@ SPECULATIVE = "dyncompile.speculative"  # JSON: target/drafter specs, draft poli
 SPLIT_DRAFTER = "dyncompile.split_drafter"  # JSON: SplitDrafterPass decisions and measurements
 ROLE = "dyncompile.role"  # "drafter" on a drafter graph
 STEP_SAVER = "dyncompile.step_saver"  # JSON: step head, stop rule, default policy, calibration (StepSaverPass)
+EXPLICIT_ATTENTION = "dyncompile.explicit_attention"  # JSON: the 4-D attention bias input (ExposeAttentionMaskPass)
 POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
 
 # --- model.meta (in-memory objects, never saved) ----------------------------------------------------
@@ -48,6 +50,6 @@ SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timi
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, STEP_SAVER}
+     ROLE, STEP_SAVER, EXPLICIT_ATTENTION}
 )
 META_KEYS = frozenset({DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

@@ -307,6 +307,11 @@ SPEC_MUTATIONS = {
     "draft min > max": lambda r: r["steps"][0]["draft"].update(min=9, max=2),
     "alpha0 inf": lambda r: r["steps"][0]["draft"].update(alpha0=float("inf")),
     "verify cost key": lambda r: r["steps"][0]["draft"].update(verify_cost={"x": 1.0}),
+    "tree nodes zero": lambda r: r["steps"][0]["draft"].update(tree={"max_nodes": 0}),
+    "tree unknown field": lambda r: r["steps"][0]["draft"].update(tree={"width": 3}),
+    "tree a list": lambda r: r["steps"][0]["draft"].update(tree=[16, 8]),
+    "tree branching a string": lambda r: r["steps"][0]["draft"].update(tree={"branching": "3"}),
+    "attention bias not a string": lambda r: r["steps"][0]["target"].update(attention_bias=7),
 }
 
 
@@ -426,6 +431,8 @@ def test_7_bad_policy_values_are_refused(plan_copy, capsys, what):
         ("early-exit{lowering=sideways}", ["sideways", "staged"]),
         ("split-drafter{bridge=quadratic}", ["quadratic", "linear"]),
         ("speculative{draft_length=many}", ["draft_length", "int"]),
+        ("speculative{tree=maybe}", ["tree", "true or false"]),
+        ("explicit-attention{mask=4d}", ["mask", "input_name"]),
     ],
 )
 def test_7_unknown_or_ill_typed_pass_options(model_copy, tmp_path, capsys, spec, needles):

@@ -4,6 +4,7 @@ Modules, in import order (each imports only those above it):
 
 * ``decoder_spec`` — how the runtime drives a KV-cache decoder, its generation config, the tokenizer check;
 * ``probe`` — ORT sessions on in-memory models and the timings that go into a plan;
+* ``explicit_attention`` — :class:`ExposeAttentionMaskPass` (a 4-D attention mask input, for draft trees);
 * ``split_drafter`` — :class:`SplitDrafterPass` (a drafter from the target's first k layers) and its graph surgery;
 * ``speculative`` — :class:`SpeculativePass` (external / prompt-lookup / split drafter);
 * ``emit`` — the ``generate`` / ``speculative`` plan emitters.
@@ -20,11 +21,13 @@ from dyncompile.passes.speculative.decoder_spec import (
     generation_config,
     is_kv_decoder,
 )
+from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.speculative import SpeculativePass
 from dyncompile.passes.speculative.split_drafter import SplitDrafterPass
 
 __all__ = [
     "DrafterError",
+    "ExposeAttentionMaskPass",
     "SpeculativePass",
     "SplitDrafterPass",
     "check_same_tokenizer",
