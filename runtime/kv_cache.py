@@ -85,6 +85,9 @@ class KVDecoder:
         self.mask_name = spec.attention_mask if spec.attention_mask in names else None
         self.pos_name = spec.position_ids if spec.position_ids in names else None
         self.output_names = [spec.logits, *(e.present for e in spec.kv)]
+        #: further outputs fetched on every call (an EAGLE target's ``features``); last values in ``extras``
+        self.extra_outputs: list[str] = []
+        self.extras: dict[str, np.ndarray] = {}
         self.dtype = _NP_DTYPES.get(spec.kv_dtype, np.float32)
         if rollback not in ("mask", "copy"):
             raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
@@ -199,21 +202,27 @@ class KVDecoder:
             io.bind_output(self.output_names[0], "cpu")
             for name in self.output_names[1:]:
                 io.bind_output(name, self.kv_device)
+            for name in self.extra_outputs:
+                io.bind_output(name, "cpu")
             t0 = time.perf_counter()
             self.session.run_with_iobinding(io)
             self.timer.add(self.role, time.perf_counter() - t0)
             outs = io.get_outputs()
             logits = outs[0].numpy()[0]
-            self.past = list(outs[1:])
+            k = len(self.output_names)
+            self.past = list(outs[1:k])
+            self.extras = {n: o.numpy()[0] for n, o in zip(self.extra_outputs, outs[k:])}
         else:
             feeds = {self.spec.input_ids: ids_arr, **self._aux(n)}
             for e, a in zip(self.spec.kv, self.past):
                 feeds[e.past] = a
             t0 = time.perf_counter()
-            outs = self.session.run(self.output_names, feeds)
+            outs = self.session.run(self.output_names + self.extra_outputs, feeds)
             self.timer.add(self.role, time.perf_counter() - t0)
             logits = outs[0][0]
-            self.past = outs[1:]
+            k = len(self.output_names)
+            self.past = outs[1:k]
+            self.extras = {n: o[0] for n, o in zip(self.extra_outputs, outs[k:])}
         self.length += n
         self.slots += n
         return logits

@@ -203,6 +203,13 @@ class SpeculativeGenerateStep(GenerateStep):
         self.drafter: Drafter
         if d.kind == "prompt-lookup":
             self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
+        elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/eagle.py)
+            from dyncompile.runtime.eagle import EagleDecoder, EagleDrafter
+
+            vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False) if d.vocab else None
+            dec = EagleDecoder(ctx.session(d.decoder.model), d.decoder, feature_input=d.feature_input,
+                               hidden_output=d.hidden_output, timer=self.timer, rollback=self.params.rollback)
+            self.drafter = EagleDrafter(dec, features=d.features, vocab=vocab)
         else:  # "model" (the schema admits no other kind, and checks decoder and share_kv)
             vocab = None
             if d.vocab:  # the bytes load_plan read and hash-checked
@@ -243,6 +250,8 @@ class SpeculativeGenerateStep(GenerateStep):
         for d in decoders:
             d.io_binding = io_binding
             d.rollback = rollback if d.mask_name and d.pos_name else "copy"
+        feats = getattr(self.drafter, "features", None)  # an EAGLE drafter reads the target's features output
+        self.target.extra_outputs = [feats] if (speculative and feats) else []
         if not speculative:
             if options:
                 options = {k: v for k, v in options.items() if k not in ("draft_length", "max_draft", "min_draft",
