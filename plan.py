@@ -51,6 +51,7 @@ __all__ = [
     "SpeculativeParams",
     "StagedEarlyExitParams",
     "Step",
+    "TreePolicy",
     "from_json",
     "is_plan_dir",
     "load_plan",
@@ -294,6 +295,8 @@ class DecoderSpec:
     logits: str = "logits"
     kv: list[KVEntry] = dataclasses.field(default_factory=list)
     kv_dtype: Literal["float32", "float16", "float", "FLOAT", "FLOAT16", "bfloat16"] = "float32"
+    #: a 4-D additive float mask input ``[batch, 1, new, past + new]`` (``explicit-attention``): draft trees
+    attention_bias: str | None = None
 
     def _check(self, where: str) -> None:
         if not self.kv:
@@ -315,6 +318,7 @@ class DecoderSpec:
             "logits": self.logits,
             "kv": [{"past": e.past, "present": e.present, "axis": e.axis, "shape": list(e.shape)} for e in self.kv],
             "kv_dtype": self.kv_dtype,
+            **({"attention_bias": self.attention_bias} if self.attention_bias else {}),
         }
 
 
@@ -373,6 +377,21 @@ class DrafterParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class TreePolicy:
+    """Draft trees of a ``speculative_generate`` step: several candidates verified in one target call.
+
+    ``max_nodes``: drafted nodes per tree (the root excluded); ``max_depth``: longest root-to-leaf path;
+    ``branching``: candidates per node a drafter may offer (prompt-lookup matches, a model's top-k);
+    ``adaptive``: size the tree from the measured verification cost curve and what branches bought.
+    """
+
+    max_nodes: int = _field(16, lo=1, hi=256)
+    max_depth: int = _field(8, lo=1, hi=256)
+    branching: int = _field(3, lo=1, hi=64)
+    adaptive: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftPolicy:
     """Draft lengths and the cost model of a ``speculative_generate`` step."""
 
@@ -386,6 +405,7 @@ class DraftPolicy:
     draft_cost_source: str | None = None
     verify_cost: dict[str, float] | None = _field(None, lo=0.0, hi=1e6)
     timing: bool = False
+    tree: TreePolicy | None = None
 
     def _check(self, where: str) -> None:
         if self.min > self.max:

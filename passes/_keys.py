@@ -16,6 +16,7 @@ __all__ = [
     "EARLY_EXIT_LOWERING",
     "EARLY_EXIT_LOWERING_CHOICE",
     "EMITTER",
+    "EXPLICIT_ATTENTION",
     "METADATA_KEYS",
     "META_KEYS",
     "POLICY_PREFIX",
@@ -43,6 +44,7 @@ ROLE = "dyncompile.role"  # "drafter" on a drafter graph
 STEP_SAVER = "dyncompile.step_saver"  # JSON: step head, stop rule, default policy, calibration (StepSaverPass)
 EAGLE = "dyncompile.eagle"  # JSON: EAGLE head provenance, draft vocabulary, IO names (EagleDrafterPass)
 EAGLE_FEATURES = "dyncompile.eagle.features"  # name of the features output (ExposeFeaturesPass)
+EXPLICIT_ATTENTION = "dyncompile.explicit_attention"  # JSON: the 4-D attention bias input (ExposeAttentionMaskPass)
 POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
 
 # --- model.meta (in-memory objects, never saved) ----------------------------------------------------
@@ -54,6 +56,6 @@ SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timi
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, STEP_SAVER, EAGLE, EAGLE_FEATURES}
+     ROLE, STEP_SAVER, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION}
 )
 META_KEYS = frozenset({EAGLE_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

@@ -14,6 +14,11 @@ interpolation inside it, the line through its first and last points beyond it, a
 when there is no table. The passes use this to choose a drafter (``split-drafter``'s projection), the
 runtime to choose each round's draft length (:class:`dyncompile.runtime.speculative.DraftController`):
 one model, so the projection is what the runtime then does.
+
+Draft trees (:mod:`dyncompile.runtime.draft_tree`) verify a main chain of ``gamma`` drafts plus ``b`` branch
+nodes in one call of ``gamma + 1 + b`` tokens. With ``g`` the tokens one branch node has bought on average
+(measured while generating), a round yields about ``E(alpha, gamma) + g b`` tokens for
+``gamma c + b c_b + v(gamma + 1 + b)``; :func:`best_tree_extra` picks ``b`` on the measured curve ``v``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 __all__ = [
     "DEFAULT_VERIFY_SLOPE",
     "best_draft_length",
+    "best_tree_extra",
     "expected_tokens",
     "projected_speedup",
     "round_rate",
@@ -100,3 +106,19 @@ def projected_speedup(
     """``(speedup, best draft length >= 1)`` over the target alone, for a drafter accepted with probability
     ``alpha`` at ``cost`` target steps per draft token; ``verify[s]`` = time of s tokens / time of 1."""
     return best_draft_length(alpha, cost, lambda s: verify_cost(s, verify), range(1, max_draft + 1))
+
+
+def best_tree_extra(
+    alpha: float, gamma: int, draft_cost: float, branch_cost: float, gain_per_node: float,
+    verify: Callable[[int], float], extras: Iterable[int],
+) -> tuple[float, int]:
+    """``(rate, b)``: the number of branch nodes ``b`` in ``extras`` beside a main chain of ``gamma`` drafts with
+    the highest ``(E(alpha, gamma) + gain_per_node b) / (gamma draft_cost + b branch_cost + v(gamma + 1 + b))``
+    (the first of equals)."""
+    base = expected_tokens(alpha, gamma)
+    best, best_b = -1.0, 0
+    for b in extras:
+        r = (base + gain_per_node * b) / (gamma * draft_cost + b * branch_cost + verify(gamma + 1 + b))
+        if r > best:
+            best, best_b = r, b
+    return max(best, 0.0), best_b

@@ -18,21 +18,69 @@ prompt lookup).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
 import numpy as np
 
+from dyncompile.runtime.draft_tree import DraftTree
 from dyncompile.runtime.kv_cache import KVDecoder
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "TreeBudget", "Verification"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBudget:
+    """How large a draft tree may be: ``max_nodes`` drafted nodes (root excluded), paths of at most
+    ``max_depth`` drafts, at most ``branching`` children per node. A chain of ``g`` is ``(g, g, 1)``."""
+
+    max_nodes: int
+    max_depth: int
+    branching: int = 1
+
+
+@dataclasses.dataclass
+class Verification:
+    """What one verification round decided, handed to :meth:`Drafter.after_verify`.
+
+    Attributes:
+        seq: the sequence after the round (prompt, everything generated, the accepted drafts and the target's
+            next token).
+        valid_length: tokens of ``seq`` now held in the target's cache (all but the last one).
+        tree: the tree the target verified (node 0 = the root, the last token before the round).
+        path: accepted node indices, root first (``path[0] == 0``); ``tree.tokens[path[1:]]`` are the accepted
+            drafts, and ``seq[-1]`` is the target's own next token.
+        outputs: every output of the target call, batch dim dropped, one row per tree node: the logits
+            ``[n, vocab]`` under the plan's logits name and any extra output of the graph (e.g. an EAGLE
+            ``features`` output ``[n, hidden]``: ``outputs["features"][path]`` are the accepted path's rows).
+            The KV ``present`` tensors are not included (the target keeps them).
+        target: the target decoder (its cache already holds only the accepted path).
+    """
+
+    seq: list[int]
+    valid_length: int
+    tree: DraftTree
+    path: list[int]
+    outputs: dict[str, np.ndarray]
+    target: KVDecoder
 
 
 class Drafter:
-    """Interface. ``propose`` returns ``(tokens, q)`` with ``q`` a list of full-vocabulary distributions or None."""
+    """A drafter's interface (the speculative loop calls these, in this order).
+
+    * ``reset(prompt_ids)`` — a new generation.
+    * ``after_prefill(target)`` — the target has run the prompt (``target.last_outputs`` holds its outputs).
+    * each round: ``propose_tree(seq, budget, ...) -> DraftTree`` (the default: the chain of ``propose``;
+      ``propose(seq, n, ...) -> (tokens, qs)`` is the chain form), the target verifies the tree in one call,
+      then ``after_verify(Verification)`` with the accepted path and every output of that call.
+
+    ``qs`` / ``DraftTree.qs``: the full-vocabulary distribution a drafted token was *sampled* from, or ``None``
+    for a deterministic choice (a point mass), which is what exact speculative sampling needs.
+    """
 
     name = "drafter"
     #: drafting costs model calls (timed separately from the target)
@@ -48,11 +96,23 @@ class Drafter:
                 vocab_size: int) -> tuple[list[int], list[np.ndarray] | None]:
         raise NotImplementedError
 
-    def after_verify(self, valid_length: int, target: KVDecoder) -> None:
-        """The target's cache now holds ``valid_length`` tokens of the sequence (all but the last one)."""
+    def propose_tree(self, seq: list[int], budget: TreeBudget, *, sample: bool, temperature: float,
+                     rng: np.random.Generator, vocab_size: int) -> DraftTree:
+        """A draft tree rooted at ``seq[-1]`` within ``budget``; by default the chain of :meth:`propose`."""
+        n = min(budget.max_nodes, budget.max_depth)
+        tokens, qs = self.propose(seq, n, sample=sample, temperature=temperature, rng=rng, vocab_size=vocab_size)
+        return DraftTree.chain(seq[-1], tokens, qs if sample else None)
+
+    def after_verify(self, v: Verification) -> None:
+        """The target verified a tree: ``v`` says what was accepted and carries the target call's outputs."""
 
 
 class ModelDrafter(Drafter):
+    """A decoder drafter (external, or split from the target). Its trees: greedy, on a drafter graph with a 4-D
+    attention bias input (``explicit-attention``), best-first expansion of its top-k tokens (:meth:`_expand`);
+    otherwise (and when sampling) the greedy or sampled chain plus the drafter's next-best tokens at each
+    depth as sibling leaves (top-k branches), shallow depths first."""
+
     uses_model = True
 
     def __init__(self, decoder: KVDecoder, *, name: str = "model", share_kv: Sequence[int] | None = None,
@@ -69,16 +129,20 @@ class ModelDrafter(Drafter):
         self.name = name
         self.share_kv = list(share_kv) if share_kv is not None else None
         self.vocab = None if vocab is None else np.asarray(vocab, dtype=np.int64)
+        self._fed: list[int] = []  # the tokens the drafter's cache holds
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         self.decoder.reset()
+        self._fed = []
+        self._prompt = list(prompt_ids)
 
-    def _adopt(self, target: KVDecoder) -> None:
+    def _adopt(self, target: KVDecoder, seq: Sequence[int]) -> None:
         self.decoder.adopt(target, self.share_kv)
+        self._fed = list(seq[: target.length])
 
     def after_prefill(self, target: KVDecoder) -> None:
         if self.share_kv is not None:
-            self._adopt(target)
+            self._adopt(target, self._prompt)
 
     def _pick(self, logits: np.ndarray, sample: bool, temperature: float, rng, vocab_size: int):
         if not sample:
@@ -97,36 +161,162 @@ class ModelDrafter(Drafter):
             return j, full
         return j, q
 
-    def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
-        if n <= 0:
-            return [], ([] if sample else None)
+    def _alternatives(self, logits: np.ndarray, k: int, exclude: int, vocab_size: int) -> list[int]:
+        """The drafter's ``k`` next-best tokens after ``exclude`` (deterministic: top-k of its logits)."""
+        if k <= 0:
+            return []
+        top = np.argpartition(-logits, min(k + 1, logits.shape[-1] - 1))[: k + 1]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        toks = [int(self.vocab[j]) if self.vocab is not None else int(j) for j in top]
+        return [t for t in toks if t != exclude and t < vocab_size][:k]
+
+    def _chain(self, seq, n, sample, temperature, rng, vocab_size, alt: int = 0):
+        """Draft ``n`` tokens; with ``alt`` also the ``alt`` next-best tokens at each step."""
         dec = self.decoder
-        feed = seq[dec.length :]
-        if not feed:  # cannot happen: the last token is never in the cache
-            dec.truncate(len(seq) - 1)
-            feed = seq[-1:]
+        keep = _common_prefix(self._fed, seq, len(seq) - 1)
+        if keep < dec.length:
+            dec.truncate(keep)
+            self._fed = self._fed[:keep]
+        feed = list(seq[dec.length :])
         tokens: list[int] = []
         qs: list[np.ndarray] = []
+        alts: list[list[int]] = []
         for _ in range(n):
             logits = dec.forward(feed)[-1]
+            self._fed.extend(feed)
             tok, q = self._pick(logits, sample, temperature, rng, vocab_size)
             if tok >= vocab_size:  # a drafter with a larger vocabulary proposed a token the target lacks
                 break
             tokens.append(tok)
             if sample:
                 qs.append(q)
+            if alt:
+                alts.append(self._alternatives(np.asarray(logits, np.float64), alt, tok, vocab_size))
             feed = [tok]
-        return tokens, (qs if sample else None)
+        return tokens, (qs if sample else None), alts
 
-    def after_verify(self, valid_length: int, target: KVDecoder) -> None:
+    def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        if n <= 0:
+            return [], ([] if sample else None)
+        tokens, qs, _ = self._chain(seq, n, sample, temperature, rng, vocab_size)
+        return tokens, qs
+
+    def _expand(self, seq, budget: TreeBudget, vocab_size: int) -> DraftTree:
+        """Greedy tree by best-first expansion (EAGLE-2 style) on a drafter with a 4-D attention bias input: one
+        drafter call per depth feeds the ``branching`` best frontier nodes together (each attending to the
+        sequence and its own ancestors); every node proposes its drafter's top-``branching`` tokens, scored by
+        the path's summed log-probability; the ``max_nodes`` best-scored nodes form the tree (a node's score
+        never exceeds its parent's, so they are a tree). The first child of each node is its best child, so the
+        main chain is the drafter's greedy chain. The drafter's cache is rolled back to the sequence after."""
+        dec = self.decoder
+        keep = _common_prefix(self._fed, seq, len(seq) - 1)
+        if keep < dec.length:
+            dec.truncate(keep)
+            self._fed = self._fed[:keep]
+        feed = list(seq[dec.length :])
+        logits = dec.forward(feed)[-1]
+        self._fed.extend(feed)
+        committed = dec.length  # the sequence (root included) is in the drafter's cache; tree slots follow
+        committed_slots = dec.slots
+        k = max(1, budget.branching)
+        # candidate nodes: token, parent candidate (-1 = root), depth, score, drafter slot once expanded
+        toks: list[int] = []
+        par: list[int] = []
+        dep: list[int] = []
+        score: list[float] = []
+        slot: dict[int, int] = {}
+
+        def children(lg, parent, base, d):
+            lg = np.asarray(lg, np.float64)
+            m = lg.max()
+            lp = lg - m - np.log(np.exp(lg - m).sum())
+            top = np.argpartition(-lp, min(k, lp.shape[-1] - 1))[:k]
+            for j in top[np.argsort(-lp[top], kind="stable")]:
+                t = int(self.vocab[j]) if self.vocab is not None else int(j)
+                if t < vocab_size:
+                    toks.append(t)
+                    par.append(parent)
+                    dep.append(d)
+                    score.append(base + float(lp[j]))
+
+        children(logits, -1, 0.0, 1)
+        frontier = list(range(len(toks)))
+        for d in range(2, budget.max_depth + 1):
+            if not frontier:
+                break
+            exp = sorted(frontier, key=lambda i: -score[i])[:k]
+            n = len(exp)
+            visible = np.zeros((n, dec.slots + n), bool)
+            visible[:, :committed_slots] = dec._mask[0, :committed_slots].astype(bool)
+            for r, i in enumerate(exp):
+                a = par[i]
+                while a >= 0:
+                    visible[r, slot[a]] = True
+                    a = par[a]
+                visible[r, dec.slots + r] = True
+            base_slot = dec.slots
+            rows = dec.forward_visible([toks[i] for i in exp], [committed - 1 + dep[i] for i in exp], visible)
+            frontier = []
+            for r, i in enumerate(exp):
+                slot[i] = base_slot + r
+                start = len(toks)
+                children(rows[r], i, score[i], d)
+                frontier += range(start, len(toks))
+        dec.truncate(committed)
+        chosen = sorted(range(len(toks)), key=lambda i: (-score[i], i))[: budget.max_nodes]
+        chosen_set = set(chosen)
+        chosen = [i for i in chosen if par[i] < 0 or par[i] in chosen_set]  # ties could orphan a node
+        tree = DraftTree.chain(seq[-1], [])
+        index = {-1: 0}
+        for i in sorted(chosen, key=lambda i: (dep[i], -score[i], i)):
+            if par[i] in index:
+                index[i] = tree.add(index[par[i]], toks[i])
+        return tree
+
+    def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size):
+        if (not sample and self.decoder.supports_trees and budget.branching > 1 and budget.max_nodes > budget.max_depth
+                and budget.max_depth > 0):
+            return self._expand(seq, budget, vocab_size)
+        depth = min(budget.max_depth, budget.max_nodes)
+        if depth <= 0:
+            return DraftTree.chain(seq[-1], [])
+        alt = max(0, budget.branching - 1) if budget.max_nodes > depth else 0
+        tokens, qs, alts = self._chain(seq, depth, sample, temperature, rng, vocab_size, alt)
+        tree = DraftTree.chain(seq[-1], tokens, qs)
+        room = budget.max_nodes - len(tokens)
+        for d, cands in enumerate(alts):  # siblings of the chain's node d+1: children of node d
+            for t in cands:
+                if room <= 0:
+                    return tree
+                tree.add(d, t)  # a deterministic candidate: a point mass (q None), exact when sampling too
+                room -= 1
+        return tree
+
+    def after_verify(self, v: Verification) -> None:
         if self.share_kv is not None:
-            self._adopt(target)
-        else:
-            self.decoder.truncate(min(self.decoder.length, valid_length))
+            self._adopt(v.target, v.seq)
+            return
+        keep = _common_prefix(self._fed, v.seq, v.valid_length)
+        self.decoder.truncate(keep)
+        self._fed = self._fed[:keep]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    i = int(np.argmax(x)) if x.any() else n
+    return i
 
 
 class PromptLookupDrafter(Drafter):
-    """Model-free drafts: what followed the last earlier occurrence of the current suffix n-gram."""
+    """Model-free drafts: what followed earlier occurrences of the current suffix n-gram.
+
+    The chain copies the continuation of the most recent occurrence of the longest matching n-gram; the tree
+    merges the continuations of several occurrences (longest n-gram first, most recent first) into a trie.
+    """
 
     name = "prompt-lookup"
 
@@ -135,7 +325,7 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = int(max_ngram)
         self.min_ngram = int(min_ngram)
-        self._index: dict[tuple[int, ...], int] = {}
+        self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
@@ -143,13 +333,13 @@ class PromptLookupDrafter(Drafter):
         self._indexed = 0
 
     def _update(self, seq: list[int]) -> None:
-        # index every n-gram that ends at e <= len(seq) - 2 (so a following token exists): key -> e
+        # index every n-gram that ends at e <= len(seq) - 2 (so a following token exists): key -> [e, ...]
         last = len(seq) - 2
         for e in range(self._indexed, last + 1):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if e - n + 1 < 0:
                     break
-                self._index[tuple(seq[e - n + 1 : e + 1])] = e
+                self._index.setdefault(tuple(seq[e - n + 1 : e + 1]), []).append(e)
         self._indexed = max(self._indexed, last + 1)
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
@@ -158,8 +348,35 @@ class PromptLookupDrafter(Drafter):
             return [], ([] if sample else None)
         self._update(seq)
         for size in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            e = self._index.get(tuple(seq[-size:]))
-            if e is not None:
+            ends = self._index.get(tuple(seq[-size:]))
+            if ends:
+                e = ends[-1]
                 tokens = [int(t) for t in seq[e + 1 : e + 1 + n]]
                 return tokens, None
         return [], None
+
+    def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size):
+        del sample, temperature, rng, vocab_size
+        tree = DraftTree.chain(seq[-1], [])
+        if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(seq) < 2:
+            return tree
+        self._update(seq)
+        room = budget.max_nodes
+        seen: set[int] = set()
+        for size in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            for e in reversed(self._index.get(tuple(seq[-size:]), ())):
+                if e in seen:
+                    continue
+                seen.add(e)
+                node = 0
+                for t in seq[e + 1 : e + 1 + budget.max_depth]:
+                    c = tree.child_with(node, int(t))
+                    if c is None:
+                        if room <= 0 or len(tree.children[node]) >= budget.branching:
+                            break
+                        c = tree.add(node, int(t))
+                        room -= 1
+                    node = c
+                if room <= 0:
+                    return tree
+        return tree

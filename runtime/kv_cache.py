@@ -17,8 +17,12 @@ import numpy as np
 
 from dyncompile.errors import PlanError
 from dyncompile.plan import DecoderSpec, KVEntry
+from dyncompile.runtime.draft_tree import DraftTree
 
-__all__ = ["KVDecoder", "SessionTimer"]
+__all__ = ["BIAS_NEG", "KVDecoder", "SessionTimer"]
+
+#: the additive attention bias of a masked position (the float32 minimum, as Hugging Face's masks use)
+BIAS_NEG = float(np.finfo(np.float32).min)
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float": np.float32, "FLOAT": np.float32,
               "FLOAT16": np.float16, "bfloat16": np.float32}
@@ -84,14 +88,22 @@ class KVDecoder:
             )
         self.mask_name = spec.attention_mask if spec.attention_mask in names else None
         self.pos_name = spec.position_ids if spec.position_ids in names else None
+        self.bias_name = spec.attention_bias if spec.attention_bias and spec.attention_bias in names else None
+        if spec.attention_bias and self.bias_name is None:
+            raise PlanError(
+                f"the {role} model of the plan lacks the attention bias input {spec.attention_bias!r} named in the plan; "
+                "the plan and its ONNX files disagree — recompile"
+            )
         self.output_names = [spec.logits, *(e.present for e in spec.kv)]
-        #: further outputs fetched on every call (an EAGLE target's ``features``); last values in ``extras``
-        self.extra_outputs: list[str] = []
-        self.extras: dict[str, np.ndarray] = {}
+        #: further outputs of the graph (e.g. ``features`` for an EAGLE drafter), fetched on every call
+        self.extra_names = [o for o in (x.name for x in session.get_outputs()) if o not in self.output_names]
+        self.output_names += self.extra_names
+        #: every output of the last ``forward`` (batch dim dropped): logits, presents, extras
+        self.last_outputs: dict[str, np.ndarray] = {}
         self.dtype = _NP_DTYPES.get(spec.kv_dtype, np.float32)
         if rollback not in ("mask", "copy"):
             raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
-        self.rollback = rollback if self.mask_name and self.pos_name else "copy"
+        self.rollback = rollback if (self.mask_name or self.bias_name) and self.pos_name else "copy"
         self._mask = np.ones((1, 1024), np.int64)  # validity of each physical cache slot, then ones
         self._arange = np.arange(1024, dtype=np.int64)[None]
         self.past: list[Any] = []
@@ -178,51 +190,111 @@ class KVDecoder:
             self._mask = mask
             self._arange = np.arange(size, dtype=np.int64)[None]
 
-    def _aux(self, n: int) -> dict[str, np.ndarray]:
+    @property
+    def supports_trees(self) -> bool:
+        """Whether this decoder can verify a draft tree (a 4-D attention bias and position ids as inputs)."""
+        return bool(self.bias_name and self.pos_name)
+
+    def _aux(self, n: int, tree: DraftTree | None = None, visible: np.ndarray | None = None,
+             positions: np.ndarray | None = None) -> dict[str, np.ndarray]:
         total = self.slots + n
         self._grow(total)
         feeds = {}
         if self.mask_name:
             feeds[self.mask_name] = self._mask[:, :total]
+        if visible is not None:  # an explicit visibility matrix over every slot (a drafter expanding a tree)
+            bias = np.full((1, 1, n, total), BIAS_NEG, np.float32)
+            bias[0, 0][visible] = 0.0
+            feeds[self.bias_name] = bias
+            feeds[self.pos_name] = np.asarray(positions, np.int64).reshape(1, n)
+            return feeds
+        if self.bias_name:
+            if tree is None:
+                tree = DraftTree(list(range(n)), list(range(-1, n - 1)))  # a chain: causal
+            feeds[self.bias_name] = tree.attention(self._mask[0, : self.slots].astype(bool), BIAS_NEG)
         if self.pos_name:
-            feeds[self.pos_name] = self._arange[:, self.length : self.length + n]
+            feeds[self.pos_name] = (self._arange[:, self.length : self.length + n] if tree is None
+                                    else tree.positions(self.length))
         return feeds
 
-    def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Logits ``[len(ids), vocab]`` of the new tokens; the cache grows by ``len(ids)``."""
+    def keep_path(self, n: int, keep: Sequence[int]) -> None:
+        """After a ``forward`` of ``n`` tree nodes, keep only the nodes ``keep`` (indices among those ``n``, in
+        increasing order: an accepted root-to-node path) in the cache; the others are dropped (masked, or
+        gathered out along the sequence axis with ``rollback="copy"``)."""
+        keep = sorted(int(k) for k in keep)
+        if keep == list(range(len(keep))):  # a prefix: the plain rollback
+            self.truncate(self.length - n + len(keep))
+            return
+        if self.rollback == "copy" and not self.mask_name and not self.bias_name:
+            raise PlanError(f"the {self.role} model cannot drop tree nodes: it has no attention mask input")
+        base = self.slots - n
+        drop = np.setdiff1d(np.arange(n), np.asarray(keep, dtype=np.int64)) + base
+        self._mask[0, drop] = 0
+        self.length -= n - len(keep)
+        garbage = self.slots - self.length
+        if self.rollback == "copy" or garbage > max(32, self.slots // 4):
+            self.compact()
+
+    def forward_visible(self, ids: Sequence[int], positions: Sequence[int], visible: np.ndarray) -> np.ndarray:
+        """Logits of ``ids`` at ``positions``, token ``i`` attending to the slots where ``visible[i]`` (bool
+        ``[n, slots + n]``) is true; needs :attr:`supports_trees`. The cache grows by ``n`` (every slot stays
+        valid: roll back with :meth:`truncate`)."""
+        if not self.supports_trees:
+            raise PlanError(f"the {self.role} model has no 4-D attention bias input")
+        return self.forward(ids, _visible=(np.asarray(visible, bool), np.asarray(positions, np.int64)))
+
+    def forward(self, ids: Sequence[int] | np.ndarray, tree: DraftTree | None = None, *, _visible=None) -> np.ndarray:
+        """Logits ``[len(ids), vocab]`` of the new tokens; the cache grows by ``len(ids)``.
+
+        With ``tree`` (its tokens are ``ids``), node ``i`` is fed at position ``length + depth[i]`` and attends
+        to the valid past and its ancestors only (needs :attr:`supports_trees`); then :meth:`keep_path`.
+        Every output of the call is kept in :attr:`last_outputs`.
+        """
         ids_arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         n = ids_arr.shape[1]
+        if tree is not None:
+            if len(tree) != n:
+                raise ValueError(f"a tree of {len(tree)} nodes for {n} tokens")
+            if tree.is_chain:
+                tree = None
+            elif not self.supports_trees:
+                raise PlanError(
+                    f"the {self.role} model has no 4-D attention bias input, so it cannot verify a draft tree; "
+                    "compile with --passes explicit-attention,speculative{tree=true}"
+                )
         if self.io_binding:
             io = self.session.io_binding()
             io.bind_cpu_input(self.spec.input_ids, ids_arr)
-            for k, v in self._aux(n).items():
+            for k, v in self._aux(n, tree, *(_visible or (None, None))).items():
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
             for e, v in zip(self.spec.kv, self.past):
                 io.bind_ortvalue_input(e.past, v)
             io.bind_output(self.output_names[0], "cpu")
-            for name in self.output_names[1:]:
-                io.bind_output(name, self.kv_device)
-            for name in self.extra_outputs:
+            for e in self.spec.kv:
+                io.bind_output(e.present, self.kv_device)
+            for name in self.extra_names:
                 io.bind_output(name, "cpu")
             t0 = time.perf_counter()
             self.session.run_with_iobinding(io)
             self.timer.add(self.role, time.perf_counter() - t0)
             outs = io.get_outputs()
             logits = outs[0].numpy()[0]
-            k = len(self.output_names)
-            self.past = list(outs[1:k])
-            self.extras = {n: o.numpy()[0] for n, o in zip(self.extra_outputs, outs[k:])}
+            nk = len(self.spec.kv)
+            self.past = list(outs[1 : 1 + nk])
+            extra = {k: v.numpy()[0] for k, v in zip(self.extra_names, outs[1 + nk :])}
+            self.last_outputs = {self.output_names[0]: logits, **extra}
         else:
-            feeds = {self.spec.input_ids: ids_arr, **self._aux(n)}
+            feeds = {self.spec.input_ids: ids_arr, **self._aux(n, tree, *(_visible or (None, None)))}
             for e, a in zip(self.spec.kv, self.past):
                 feeds[e.past] = a
             t0 = time.perf_counter()
-            outs = self.session.run(self.output_names + self.extra_outputs, feeds)
+            outs = self.session.run(self.output_names, feeds)
             self.timer.add(self.role, time.perf_counter() - t0)
             logits = outs[0][0]
-            k = len(self.output_names)
-            self.past = outs[1:k]
-            self.extras = {n: o[0] for n, o in zip(self.extra_outputs, outs[k:])}
+            nk = len(self.spec.kv)
+            self.past = outs[1 : 1 + nk]
+            self.last_outputs = {self.output_names[0]: logits,
+                                 **{k: v[0] for k, v in zip(self.extra_names, outs[1 + nk :])}}
         self.length += n
         self.slots += n
         return logits

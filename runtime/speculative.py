@@ -21,6 +21,17 @@ so a seed reproduces a sampled output; ``adapt_to_timing=True`` uses this machin
 instead. Stops at an eos token, at ``max_new_tokens`` and at the model's maximum length (drafts are capped
 so no round overshoots).
 
+Draft trees (plan ``draft.tree`` = ``{max_nodes, max_depth, branching, adaptive}``, or the ``tree=`` option of
+``generate``; the target needs the 4-D ``attention_bias`` input of the ``explicit-attention`` pass): each round
+the drafter proposes a tree (:meth:`~dyncompile.runtime.drafters.Drafter.propose_tree`: prompt lookup merges
+several n-gram matches into a trie, a model drafter adds its top-k alternatives beside its chain), the target
+verifies every node in ONE call (node ``i`` at position ``past + depth(i)``, attending to the past and its
+ancestors: :mod:`dyncompile.runtime.draft_tree`), and the longest path the target agrees with is accepted
+(greedy: token-identical; sampling: multi-candidate rejection sampling, exact). The KV cache then keeps only the
+accepted path (:meth:`~dyncompile.runtime.kv_cache.KVDecoder.keep_path`) and the drafter gets the path and every
+output of the call (:class:`~dyncompile.runtime.drafters.Verification`). :class:`TreeController` sizes the tree
+from the measured verification cost curve and what branch nodes have bought so far.
+
 Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
 "vocab": file key|null}`` or ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``), ``draft``
@@ -38,8 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.runtime.cost_model import DEFAULT_VERIFY_SLOPE, best_draft_length, verify_cost
-from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from dyncompile.runtime.cost_model import DEFAULT_VERIFY_SLOPE, best_draft_length, best_tree_extra, verify_cost
+from dyncompile.runtime.draft_tree import DraftTree, accept_greedy, accept_sampling
+from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter, TreeBudget, Verification
 from dyncompile.runtime.executor import register_step
 from dyncompile.runtime.generate import GenerateStep, GenerationStats, PromptError
 from dyncompile.runtime.kv_cache import KVDecoder
@@ -47,7 +59,7 @@ from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DraftController", "SpeculativeGenerateStep", "verify_greedy", "verify_sampling"]
+__all__ = ["DraftController", "SpeculativeGenerateStep", "TreeController", "verify_greedy", "verify_sampling"]
 
 
 def verify_greedy(logits: np.ndarray, drafts: Sequence[int]) -> tuple[int, int]:
@@ -192,6 +204,75 @@ class DraftController:
         self.t_verify[verify_tokens] = verify_s if old is None else 0.7 * old + 0.3 * verify_s
 
 
+class TreeController:
+    """Sizes each round's draft tree: the main chain's depth from :class:`DraftController` (acceptance along the
+    first-child path), the branch nodes beside it from the measured verification cost curve ``v(s)`` and the
+    tokens branch nodes have bought so far (:func:`~dyncompile.runtime.cost_model.best_tree_extra`).
+
+    Non-adaptive: every round asks for ``max_nodes`` nodes, depth ``max_depth``, ``branching`` children.
+    """
+
+    def __init__(self, chain: DraftController, *, max_nodes: int = 16, max_depth: int = 8, branching: int = 3,
+                 adaptive: bool = True, gain0: float = 0.1, probe_every: int = 8) -> None:
+        self.chain = chain
+        self.max_nodes, self.max_depth, self.branching = int(max_nodes), int(max_depth), int(branching)
+        self.adaptive = bool(adaptive)
+        # decayed tokens bought by branch nodes / branch nodes verified (prior: gain0 per node, weight 4 nodes)
+        self.gain, self.extra = 4.0 * float(gain0), 4.0
+        self.probe_every = int(probe_every)
+        self.since_probe = 0
+        self.last_extra = 0
+
+    @property
+    def gain_per_node(self) -> float:
+        return self.gain / self.extra if self.extra > 0 else 0.0
+
+    def next_budget(self, limit: int) -> TreeBudget:
+        """The tree for the next round: depth at most ``limit`` (the tokens still wanted, minus one)."""
+        limit = min(limit, self.max_depth)
+        if limit <= 0:
+            return TreeBudget(0, 0, 1)
+        if not self.adaptive:
+            return TreeBudget(self.max_nodes, limit, self.branching)
+        gamma = self.chain.next_length(limit)
+        room = self.max_nodes - gamma
+        if gamma <= 0 or room <= 0 or self.branching <= 1:
+            self.last_extra = 0
+            return TreeBudget(gamma, gamma, 1)
+        ctl = self.chain
+        extras = sorted({0, 1, 2, 4, 8, 16, 32, 64, room} & set(range(room + 1)))
+        _, b = best_tree_extra(min(ctl.alpha, 0.999), gamma, float(ctl.draft_cost or 0.0), 0.0,
+                               self.gain_per_node, ctl._model_verify, extras)
+        if b == 0 and self._probe():  # branches do not pay now: try them once in a while so the gain can recover
+            b = room
+        self.last_extra = b
+        return TreeBudget(gamma + b, gamma, self.branching if b else 1)
+
+    def _probe(self) -> bool:
+        self.since_probe += 1
+        if self.since_probe >= self.probe_every:
+            self.since_probe = 0
+            return True
+        return False
+
+    def update(self, tree: DraftTree, path: list[int], verify_s: float, draft_s: float) -> None:
+        main = tree.main_chain_length()
+        on_main, node = 0, 0
+        for p in path[1:]:
+            if tree.children[node] and tree.children[node][0] == p:
+                on_main += 1
+                node = p
+            else:
+                break
+        accepted = len(path) - 1
+        self.chain.update(main, on_main, main + 1, verify_s, draft_s)
+        extra = tree.drafted - main
+        if extra > 0:
+            d = self.chain.decay
+            self.gain = d * self.gain + (accepted - on_main)
+            self.extra = d * self.extra + extra
+
+
 @register_step("speculative_generate")
 class SpeculativeGenerateStep(GenerateStep):
     """Speculative decoding: the plan's drafter proposes, the target verifies (see the module docstring)."""
@@ -239,6 +320,34 @@ class SpeculativeGenerateStep(GenerateStep):
             timing=bool(dp["timing"]),
         )
 
+    def _tree_controller(self, ctl: DraftController, options: dict[str, Any]) -> TreeController | None:
+        """The plan's tree policy (``None``: chains), overridden by ``tree`` (``False``/``True``/a dict of
+        ``max_nodes``, ``max_depth``, ``branching``, ``adaptive``)."""
+        tp = self.draft_policy.tree
+        opt = options.pop("tree", None)
+        if opt is None and tp is None or opt is False:
+            return None
+        d = dataclasses.asdict(tp) if tp is not None else {"max_nodes": 16, "max_depth": ctl.max_len, "branching": 3,
+                                                             "adaptive": True}
+        if isinstance(opt, dict):
+            unknown = set(opt) - set(d)
+            if unknown:
+                raise PromptError(f"unknown tree options {sorted(unknown)}; known: {sorted(d)}")
+            d.update(opt)
+        elif opt not in (None, True):
+            raise PromptError(f"tree must be true, false or a dict of {sorted(d)}, not {opt!r}")
+        for k in ("max_nodes", "max_depth", "branching"):
+            if isinstance(d[k], bool) or not isinstance(d[k], int) or d[k] < 1:
+                raise PromptError(f"tree {k} must be an integer >= 1, got {d[k]!r}")
+        if not self.target.supports_trees and (d["max_nodes"] > d["max_depth"] and d["branching"] > 1):
+            raise PromptError(
+                "this plan's target has no 4-D attention bias input, so it cannot verify draft trees; compile with "
+                "--passes explicit-attention,speculative{tree=true} (or run without tree)"
+            )
+        ctl.max_len = max(ctl.max_len, int(d["max_depth"]))
+        return TreeController(ctl, max_nodes=d["max_nodes"], max_depth=d["max_depth"], branching=d["branching"],
+                              adaptive=bool(d["adaptive"]))
+
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
         # per-call runtime options (the plan's defaults otherwise)
         decoders = [self.target] + ([self.drafter.decoder] if isinstance(self.drafter, ModelDrafter) else [])
@@ -250,25 +359,25 @@ class SpeculativeGenerateStep(GenerateStep):
         for d in decoders:
             d.io_binding = io_binding
             d.rollback = rollback if d.mask_name and d.pos_name else "copy"
-        feats = getattr(self.drafter, "features", None)  # an EAGLE drafter reads the target's features output
-        self.target.extra_outputs = [feats] if (speculative and feats) else []
         if not speculative:
             if options:
                 options = {k: v for k, v in options.items() if k not in ("draft_length", "max_draft", "min_draft",
-                                                                          "adaptive", "adapt_to_timing", "rollback")}
+                                                                          "adaptive", "adapt_to_timing", "rollback",
+                                                                          "tree")}
             return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
                                         **options)
         ctl = self._controller(options)
+        tree_ctl = self._tree_controller(ctl, options)
         if options:
             raise PromptError(
                 f"unknown generation options {sorted(options)}; known: draft_length, min_draft, max_draft, adaptive, "
-                "adapt_to_timing, io_binding, rollback"
+                "adapt_to_timing, io_binding, rollback, tree"
             )
         stats = GenerationStats(prompt_tokens=len(prompt_ids), mode="sample" if sample else "greedy",
                                 drafter=self.drafter.name)
         self.timer.reset()
         t_start = time.perf_counter()
-        out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats)
+        out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats, tree_ctl)
         stats.seconds = time.perf_counter() - t_start
         stats.new_tokens = len(out)
         stats.target_seconds = self.timer.seconds.get("target", 0.0)
@@ -277,11 +386,13 @@ class SpeculativeGenerateStep(GenerateStep):
         return out, stats
 
     def _loop(self, prompt_ids, max_new_tokens, sample, temperature, rng, ctl: DraftController,
-              stats: GenerationStats) -> list[int]:
+              stats: GenerationStats, tree_ctl: TreeController | None = None) -> list[int]:
         target, drafter = self.target, self.drafter
         eos = set(self.gen.eos_token_ids)
         max_len = self.gen.max_length
         budget = max_new_tokens if max_len is None else min(max_new_tokens, max_len - len(prompt_ids))
+        #: (drafted nodes, accepted drafts) of each round of the last call (the bench's tokens/call by tree size)
+        self.last_rounds: list[tuple[int, int]] = []
         target.reset()
         drafter.reset(prompt_ids)
         t0 = time.perf_counter()
@@ -301,25 +412,48 @@ class SpeculativeGenerateStep(GenerateStep):
         drafter.after_prefill(target)
         while True:
             remaining = budget - len(out)
-            gamma = ctl.next_length(remaining - 1)
             t_d = time.perf_counter()
-            drafts, qs = drafter.propose(seq, gamma, sample=sample, temperature=temperature, rng=rng,
-                                         vocab_size=vocab_size)
+            if tree_ctl is None:  # one chain per round
+                gamma = ctl.next_length(remaining - 1)
+                drafts, qs = drafter.propose(seq, gamma, sample=sample, temperature=temperature, rng=rng,
+                                             vocab_size=vocab_size)
+                tree = DraftTree.chain(seq[-1], drafts, qs if sample else None)
+            else:
+                tree = drafter.propose_tree(seq, tree_ctl.next_budget(remaining - 1), sample=sample,
+                                            temperature=temperature, rng=rng, vocab_size=vocab_size)
+                if tree.max_depth > remaining - 1:  # never overshoot the budget (a drafter ignoring max_depth)
+                    keep = [i for i in range(len(tree)) if tree.depth[i] <= remaining - 1]
+                    tree = DraftTree([tree.tokens[i] for i in keep], [keep.index(tree.parents[i]) if i else -1
+                                                                      for i in keep], [tree.qs[i] for i in keep])
             t_d = time.perf_counter() - t_d
             tv_before = self.timer.seconds.get("target", 0.0)
-            logits = target.forward([seq[-1], *drafts])
+            logits = target.forward(tree.tokens, tree=tree)
+            outputs = dict(target.last_outputs)
             t_v = self.timer.seconds.get("target", 0.0) - tv_before
-            if sample:
-                n, nxt = verify_sampling(probs_from_logits(logits, temperature), drafts, qs, rng)
+            if tree.is_chain:  # the chain verifiers (the tree ones reduce to them on a chain)
+                drafts = tree.tokens[1:]
+                if sample:
+                    n, nxt = verify_sampling(probs_from_logits(logits, temperature), drafts,
+                                             None if not drafts or tree.qs[1] is None else tree.qs[1:], rng)
+                else:
+                    n, nxt = verify_greedy(logits, drafts)
+                path = list(range(n + 1))
+            elif sample:
+                path, nxt = accept_sampling(tree, probs_from_logits(logits, temperature), rng)
             else:
-                n, nxt = verify_greedy(logits, drafts)
+                path, nxt = accept_greedy(tree, logits)
+            n = len(path) - 1
             stats.rounds += 1
             stats.target_calls += 1
-            stats.drafted += len(drafts)
+            stats.drafted += tree.drafted
             stats.accepted += n
-            stats.draft_lengths[len(drafts)] = stats.draft_lengths.get(len(drafts), 0) + 1
-            ctl.update(len(drafts), n, len(drafts) + 1, t_v, t_d)
-            new = [*drafts[:n], nxt]
+            stats.draft_lengths[tree.drafted] = stats.draft_lengths.get(tree.drafted, 0) + 1
+            self.last_rounds.append((tree.drafted, n))
+            if tree_ctl is None:
+                ctl.update(tree.drafted, n, len(tree), t_v, t_d)
+            else:
+                tree_ctl.update(tree, path, t_v, t_d)
+            new = [*(tree.tokens[i] for i in path[1:]), nxt]
             stop = ""
             for j, t in enumerate(new):
                 if t in eos:
@@ -334,5 +468,5 @@ class SpeculativeGenerateStep(GenerateStep):
             if stop:
                 stats.stop_reason = stop
                 return out
-            target.truncate(len(seq) - 1)
-            drafter.after_verify(len(seq) - 1, target)
+            target.keep_path(len(tree), path)
+            drafter.after_verify(Verification(seq, len(seq) - 1, tree, path, outputs, target))

@@ -313,6 +313,11 @@ SPEC_MUTATIONS = {
     "eagle drafter sharing kv": lambda r: r["steps"][0]["drafter"].update(
         kind="eagle", decoder=dict(r["steps"][0]["target"]), features="f", feature_input="fi", hidden_output="h",
         share_kv=[0] * len(r["steps"][0]["target"]["kv"])),
+    "tree nodes zero": lambda r: r["steps"][0]["draft"].update(tree={"max_nodes": 0}),
+    "tree unknown field": lambda r: r["steps"][0]["draft"].update(tree={"width": 3}),
+    "tree a list": lambda r: r["steps"][0]["draft"].update(tree=[16, 8]),
+    "tree branching a string": lambda r: r["steps"][0]["draft"].update(tree={"branching": "3"}),
+    "attention bias not a string": lambda r: r["steps"][0]["target"].update(attention_bias=7),
 }
 
 
@@ -432,6 +437,8 @@ def test_7_bad_policy_values_are_refused(plan_copy, capsys, what):
         ("early-exit{lowering=sideways}", ["sideways", "staged"]),
         ("split-drafter{bridge=quadratic}", ["quadratic", "linear"]),
         ("speculative{draft_length=many}", ["draft_length", "int"]),
+        ("speculative{tree=maybe}", ["tree", "true or false"]),
+        ("explicit-attention{mask=4d}", ["mask", "input_name"]),
     ],
 )
 def test_7_unknown_or_ill_typed_pass_options(model_copy, tmp_path, capsys, spec, needles):

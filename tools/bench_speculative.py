@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +34,7 @@ from dyncompile.tools.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["main", "markdown_report", "plan_runners", "run_bench", "torch_runners"]
+__all__ = ["main", "markdown_report", "plan_runners", "run_bench", "torch_runners", "tree_plot"]
 
 
 # ------------------------------------------------------------------------------------------- runners
@@ -54,11 +55,13 @@ class Runner:
 
 
 def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False,
-                 label: str | None = None) -> list[Runner]:
+                 label: str | None = None, tree: bool = False, tree_sizes: tuple[int, ...] = ()) -> list[Runner]:
     """Runners of one plan: its target alone, its speculative step (+ IOBinding / copy-rollback variants).
 
     ``label`` names the runners after another plan (``--also``: the prompt ids come from the benchmarked plan's
-    tokenizer, so the plans must share a vocabulary).
+    tokenizer, so the plans must share a vocabulary). ``tree`` (a plan compiled with ``speculative{tree=true}``):
+    the speculative step with chains and with adaptive draft trees; ``tree_sizes``: also fixed trees of that
+    many drafted nodes each.
     """
     def target(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, speculative=False, **opts)
@@ -66,11 +69,21 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
 
     def spec(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, **opts)
-        return Run(r.token_ids, r.stats.seconds, r.stats.to_dict())
+        st = r.stats.to_dict()
+        st["rounds_detail"] = list(getattr(model.handlers[-1], "last_rounds", []))
+        return Run(r.token_ids, r.stats.seconds, st)
 
     runners = [Runner("target alone (ORT)", target)]
     if model.plan.steps[0].kind != "generate":
-        runners.append(Runner("speculative (ORT)", spec))
+        if tree or tree_sizes:
+            runners.append(Runner("speculative chain (ORT)", lambda ids, n: spec(ids, n, tree=False)))
+            runners.append(Runner("speculative tree, adaptive (ORT)", lambda ids, n: spec(ids, n, tree=True)))
+            for size in tree_sizes:
+                runners.append(Runner(f"speculative tree, {size} nodes (ORT)",
+                                      lambda ids, n, size=size: spec(ids, n, tree={"adaptive": False,
+                                                                                   "max_nodes": size})))
+        else:
+            runners.append(Runner("speculative (ORT)", spec))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
         return runners
@@ -215,14 +228,61 @@ def _summary(runs: list[Run], base: list[Run], prompts, encoded) -> dict[str, An
             out["acceptance_rate"] = round(accepted / drafted, 4) if drafted else None
             out["accepted_drafts_per_round"] = round(accepted / rounds, 3) if rounds else None
             out["drafter_seconds"] = round(sum(s["drafter_seconds"] for s in stats), 3)
+        if any("rounds_detail" in s for s in stats):  # decode rounds: tokens per verification call, tree sizes
+            det = [rd for s in stats for rd in s.get("rounds_detail", [])]
+            if det:
+                out["tokens_per_verify_call"] = round(sum(a + 1 for _, a in det) / len(det), 3)
+                out["mean_tree_nodes"] = round(sum(d for d, _ in det) / len(det), 2)
         overhead = sum(s["overhead_seconds"] for s in stats)
         out["overhead_ms_per_round"] = round(1e3 * overhead / max(1, rounds + len(stats)), 3)
         out["overhead_share"] = round(overhead / secs, 4) if secs else None
     return out
 
 
+def tree_plot(report: dict[str, Any], path: Path) -> None:
+    """PNG: tokens per verification call against drafted nodes per call (chain, adaptive and fixed trees), and
+    the plan's measured verification cost curve v(s) beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    groups = [("all", report["results"])] + [(k, rows) for k, rows in report.get("by_kind", {}).items()
+                                             if len(report.get("by_kind", {})) > 1]
+    for kind, rows in groups:
+        pts = sorted((r["mean_tree_nodes"], r["tokens_per_verify_call"], r["name"]) for r in rows
+                     if r.get("mean_tree_nodes") is not None)
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if kind == "all" else ".--", label=kind)
+        for x, y, name in pts:
+            if kind == "all":
+                short = name.replace("speculative ", "").replace(" (ORT)", "")
+                ax.annotate(short, (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
+    ax.set_xlabel("drafted nodes per target call (mean)")
+    ax.set_ylabel("tokens per target call (decode rounds)")
+    ax.set_title(f"{report.get('plan_name', '')}: tokens/call vs tree size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    curve = report.get("verify_cost") or {}
+    if curve:
+        xs = sorted(int(k) for k in curve)
+        bx.plot(xs, [curve[str(x)] for x in xs], "s-")
+        bx.set_xlabel("tokens in one target call (s)")
+        bx.set_ylabel("v(s) = time(s) / time(1)")
+        bx.set_title("verification cost (measured at compile time)")
+        bx.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown_report(report: dict[str, Any]) -> str:
     def table(rows):
+        trees = any(r.get("mean_tree_nodes") is not None for r in rows)
+        if trees:
+            return table_trees(rows)
         lines = ["| runner | tokens/s | speedup | decode tokens/s | acceptance | tokens/target call | accepted drafts/round "
                  "| identical (greedy) | overhead ms/round |", "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
@@ -237,6 +297,23 @@ def markdown_report(report: dict[str, Any]) -> str:
             )
         return "\n".join(lines)
 
+    def table_trees(rows):
+        lines = ["| runner | tokens/s | speedup | decode tokens/s | drafted nodes/call | tokens/verify call | "
+                 "tokens/target call | accepted drafts/round | identical (greedy) | overhead ms/round |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            def f(k, fmt="{}", r=r):
+                v = r.get(k)
+                return "–" if v is None else fmt.format(v)
+            lines.append(
+                f"| {r['name']} | {f('tokens_per_s', '{:.2f}')} | {f('speedup', '{:.2f}x')} | "
+                f"{f('decode_tokens_per_s', '{:.2f}')} | {f('mean_tree_nodes', '{:.1f}')} | "
+                f"{f('tokens_per_verify_call', '{:.2f}')} | {f('tokens_per_target_call', '{:.2f}')} | "
+                f"{f('accepted_drafts_per_round', '{:.2f}')} | {r['identical']}/{r['of']} | "
+                f"{f('overhead_ms_per_round', '{:.2f}')} |"
+            )
+        return "\n".join(lines)
+
     m = report.get("machine", {})
     out = [f"## {report.get('plan_name', 'plan')}: {report['prompts']} prompts, greedy, {report['max_new_tokens']} new "
            f"tokens, {report.get('provider', 'cpu')}", "",
@@ -245,6 +322,12 @@ def markdown_report(report: dict[str, Any]) -> str:
     if len(report.get("by_kind", {})) > 1:
         for kind, rows in report["by_kind"].items():
             out += ["", f"### {kind} prompts", "", table(rows)]
+    if report.get("verify_cost"):
+        vc = report["verify_cost"]
+        out += ["", "Verification cost v(s) (target time for s tokens in one call / one token, measured at compile "
+                "time on this machine): " + ", ".join(f"v({k}) = {vc[k]:.2f}" for k in sorted(vc, key=int))]
+    if report.get("load"):
+        out += ["", f"load average (uptime) before / after: {report['load'].get('before')} / {report['load'].get('after')}"]
     return "\n".join(out) + "\n"
 
 
@@ -266,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--also", metavar="PLAN", action="append", default=[],
                    help="also run another plan with the same tokenizer (its target alone and its speculative step), "
                    "e.g. the fp32 plan next to an int4 one; 'identical' then compares with this plan's target")
+    p.add_argument("--tree", action="store_true",
+                   help="plans compiled with speculative{tree=true}: run the speculative step with chains and with "
+                   "adaptive draft trees (same process, interleaved) and write a PNG of tokens/call vs tree size")
+    p.add_argument("--tree-sizes", default="", metavar="N,N,...",
+                   help="with --tree: also fixed draft trees of these many drafted nodes (e.g. 4,8,16,32)")
     p.add_argument("--torch", metavar="HF_DIR", help="also run transformers generate on this PyTorch model")
     p.add_argument("--torch-assistant", metavar="HF_DIR", help="with --torch: assistant_model for transformers")
     p.add_argument("--report-dir", default="bench-results", help="where JSON + markdown go (default: %(default)s)")
@@ -282,7 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     if model.plan.task != "text-generation":
         raise DataError(f"{args.plan} is a {model.plan.task!r} plan; --prompts is for text-generation plans (use --data)")
     prompts = read_prompts(args.prompts, args.limit)
-    runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback)
+    try:
+        sizes = tuple(int(x) for x in args.tree_sizes.split(",") if x.strip())
+    except ValueError:
+        raise DataError(f"--tree-sizes must be comma-separated integers, got {args.tree_sizes!r}") from None
+    if any(x < 1 for x in sizes):
+        raise DataError(f"--tree-sizes must be >= 1, got {args.tree_sizes!r}")
+    draft = (model.plan.steps[0].params.get("draft") or {})
+    if (args.tree or sizes) and not draft.get("tree"):
+        raise DataError(f"{args.plan} was not compiled for draft trees: compile with "
+                        "--passes explicit-attention,speculative{tree=true} to use --tree")
+    load_before = os.getloadavg()
+    runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback, tree=args.tree,
+                           tree_sizes=sizes)
     for other in args.also:
         extra = dyncompile.load(other, provider=args.provider, threads=args.threads, session_config=BENCH_SESSION_CONFIG)
         runners += plan_runners(extra, label=Path(other).resolve().name)
@@ -293,15 +393,22 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"plan": str(Path(args.plan).resolve()), "plan_name": name, "prompts_file": str(args.prompts),
                    "provider": model.provider, "machine": machine_info(),
                    "drafter": (model.plan.steps[0].params.get("drafter") or {}).get("name")
-                   or (model.plan.steps[0].params.get("drafter") or {}).get("kind")})
+                   or (model.plan.steps[0].params.get("drafter") or {}).get("kind"),
+                   "verify_cost": draft.get("verify_cost"), "tree_policy": draft.get("tree"),
+                   "load": {"before": [round(x, 2) for x in load_before],
+                            "after": [round(x, 2) for x in os.getloadavg()]}})
     report["markdown"] = markdown_report(report)
     out = Path(args.report_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{name}-{Path(args.prompts).stem}"
     write_json_atomic(out / f"{stem}.json", report)
     (out / f"{stem}.md").write_text(report["markdown"])
+    written = [out / f"{stem}.json", out / f"{stem}.md"]
+    if args.tree or sizes:
+        tree_plot(report, out / f"{stem}.png")
+        written.append(out / f"{stem}.png")
     print(report["markdown"])
-    print(f"written: {out / (stem + '.json')} {out / (stem + '.md')}")
+    print("written: " + " ".join(map(str, written)))
     return 0
 
 

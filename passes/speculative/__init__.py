@@ -4,6 +4,7 @@ Modules, in import order (each imports only those above it):
 
 * ``decoder_spec`` — how the runtime drives a KV-cache decoder, its generation config, the tokenizer check;
 * ``probe`` — ORT sessions on in-memory models and the timings that go into a plan;
+* ``explicit_attention`` — :class:`ExposeAttentionMaskPass` (a 4-D attention mask input, for draft trees);
 * ``split_drafter`` — :class:`SplitDrafterPass` (a drafter from the target's first k layers) and its graph surgery;
 * ``expose_features`` — :class:`ExposeFeaturesPass` (the target's top-layer features as an output);
 * ``eagle_drafter`` — :class:`EagleDrafterPass` (an EAGLE drafter from a head trained by ``train-drafter``);
@@ -24,6 +25,7 @@ from dyncompile.passes.speculative.decoder_spec import (
 )
 from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass
 from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
+from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.speculative import SpeculativePass
 from dyncompile.passes.speculative.split_drafter import SplitDrafterPass
 
@@ -31,6 +33,7 @@ __all__ = [
     "DrafterError",
     "EagleDrafterPass",
     "ExposeFeaturesPass",
+    "ExposeAttentionMaskPass",
     "SpeculativePass",
     "SplitDrafterPass",
     "check_same_tokenizer",

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DrafterError", "check_same_tokenizer", "decoder_spec", "generation_config", "is_kv_decoder"]
 
-_KNOWN_INPUTS = ("input_ids", "attention_mask", "position_ids")
+_KNOWN_INPUTS = ("input_ids", "attention_mask", "position_ids", "attention_bias")
 
 
 class DrafterError(PassConfigError, ir.passes.PreconditionError):
@@ -120,6 +120,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         "kv": kv,
         "kv_dtype": "float16" if dtype == ir.DataType.FLOAT16 else "float32",
         "vocab_size": vocab,
+        **({"attention_bias": "attention_bias"} if "attention_bias" in inputs else {}),
     }
 
 

@@ -62,6 +62,10 @@ def prefill_feeds(spec: dict[str, Any], ids: Sequence[int], past=None, past_len:
     feeds = {spec["input_ids"]: np.asarray([ids], np.int64)}
     if spec.get("attention_mask"):
         feeds[spec["attention_mask"]] = np.ones((1, past_len + n), np.int64)
+    if spec.get("attention_bias"):  # causal over past + new (explicit-attention)
+        bias = np.zeros((1, 1, n, past_len + n), np.float32)
+        bias[0, 0, :, past_len:][np.triu_indices(n, 1)] = np.finfo(np.float32).min
+        feeds[spec["attention_bias"]] = bias
     if spec.get("position_ids"):
         feeds[spec["position_ids"]] = np.arange(past_len, past_len + n, dtype=np.int64)[None]
     dt = np.float16 if spec.get("kv_dtype") == "float16" else np.float32
@@ -116,10 +120,12 @@ def _probe_chunk(spec: dict[str, Any]) -> list[int]:
     return [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, 129)]
 
 
-def target_verify_costs(model: ir.Model, spec: dict[str, Any]) -> tuple[dict[str, float], float]:
+def target_verify_costs(model: ir.Model, spec: dict[str, Any], sizes: Sequence[int] = (1, 2, 4, 9)
+                        ) -> tuple[dict[str, float], float]:
     """Verification cost of s tokens relative to one on this machine (the runtime's draft-length model), keyed
-    by ``str(s)`` as the plan stores it, and the seconds of one target decode step."""
-    times = measure_step_times(session_for(model), spec, _probe_chunk(spec), [1, 2, 4, 9])
+    by ``str(s)`` as the plan stores it, and the seconds of one target decode step. Draft trees measure the
+    curve further (``sizes`` up to the largest tree)."""
+    times = measure_step_times(session_for(model), spec, _probe_chunk(spec), sorted({1, *sizes}))
     costs = relative_verify_costs(times)
     logger.info("speculative: target step %.1f ms; verification cost by tokens %s", times[1] * 1e3, costs)
     return {str(k): v for k, v in costs.items()}, times[1]

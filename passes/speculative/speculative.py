@@ -14,6 +14,11 @@ model's ``metadata_props``, and selects the ``speculative`` plan emitter, which 
 drafter files and a ``speculative_generate`` step (:mod:`dyncompile.runtime.speculative`). The external
 drafter graph travels to the emitter in ``model.meta`` (in memory, never serialised).
 
+With ``tree=true`` (after ``explicit-attention``, which gives the target a 4-D attention mask input) each
+round verifies a draft tree instead of a chain (``tree_nodes``, ``tree_depth``, ``branching``,
+``tree_adaptive``; :mod:`dyncompile.runtime.draft_tree`), and the verification cost curve is timed up to
+the largest tree.
+
 The draft-cost numbers of the record (the target's verification cost by tokens per call, an external
 drafter's step cost) are timed on this machine (:mod:`.probe`) unless ``measure=False``.
 """
@@ -38,6 +43,7 @@ from dyncompile.passes.speculative.decoder_spec import (
     decoder_spec,
     generation_config,
 )
+from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.probe import drafter_step_seconds, target_verify_costs, weight_reads
 from dyncompile.passes.speculative.split_drafter import SPLIT_DRAFTER_KEY, SPLIT_DRAFTER_META, VOCAB_META
 
@@ -93,6 +99,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         tokenizer_check: str | None = None,
         measure: bool = True,
         allow_inexact_target: bool = False,
+        tree: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.measure = bool(measure)
@@ -117,11 +124,21 @@ class SpeculativePass(ir.passes.InPlacePass):
         }
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
         self.tokenizer_check = tokenizer_check
+        self.tree = None
+        if tree is not None:
+            t = {"max_nodes": 16, "max_depth": self.draft["max"], "branching": 3, "adaptive": True, **tree}
+            for k in ("max_nodes", "max_depth", "branching"):
+                if not 1 <= int(t[k]) <= 256:
+                    raise DrafterError(f"tree {k} must be in 1..256, got {t[k]}")
+            self.tree = {k: (bool(t[k]) if k == "adaptive" else int(t[k])) for k in
+                         ("max_nodes", "max_depth", "branching", "adaptive")}
+            self.draft["max"] = max(self.draft["max"], self.tree["max_depth"])
 
     def __repr__(self) -> str:
         d = self.drafter
         kind = PROMPT_LOOKUP if d == PROMPT_LOOKUP else ("split" if d is None else f"external:{self.drafter_source}")
-        return f"SpeculativePass(drafter={kind!r}, draft={self.draft})"
+        tree = f", tree={self.tree}" if self.tree else ""
+        return f"SpeculativePass(drafter={kind!r}, draft={self.draft}{tree})"
 
     def _split(self, model: ir.Model) -> tuple[ir.Model, dict[str, Any]]:
         if SPLIT_DRAFTER_KEY not in model.metadata_props:
@@ -139,6 +156,12 @@ class SpeculativePass(ir.passes.InPlacePass):
 
     def requires(self, model: ir.Model) -> None:
         target = decoder_spec(model, "model", what="target model")
+        if self.tree and not (target.get("attention_bias") and target.get("position_ids")):
+            raise DrafterError(
+                "speculative{tree=true} needs a target with a 4-D attention mask input (attention_bias) and "
+                "position_ids, so that one call can verify a draft tree: add the explicit-attention pass first "
+                "(--passes explicit-attention,speculative{tree=true})"
+            )
         inexact = call_shape_dependent_ops(model)
         if inexact and not self.allow_inexact_target:
             raise DrafterError(
@@ -210,6 +233,8 @@ class SpeculativePass(ir.passes.InPlacePass):
                 "vocab_size": split.get("vocab_size"),
             }
         draft = dict(self.draft)
+        if self.tree:
+            draft["tree"] = dict(self.tree)
         if drafter.get("name") == "split":  # measured by split-drafter
             sd = self._split(model)[1]
             draft["alpha0"] = sd.get("acceptance")
@@ -243,13 +268,18 @@ class SpeculativePass(ir.passes.InPlacePass):
         """The draft policy's timed entries: the target's verification costs, an external drafter's step cost
         (0 for prompt lookup). Kept from the last run while the graphs are the ones timed then."""
         external = isinstance(self.drafter, ir.Model)
-        timed_on = (_fingerprint(model), _fingerprint(self.drafter) if external else PROMPT_LOOKUP)
+        timed_on = (_fingerprint(model), _fingerprint(self.drafter) if external else PROMPT_LOOKUP,
+                    self.tree["max_nodes"] if self.tree else 0)
         last = model.meta.get(MEASURED_META)
         if last is not None and last[0] == timed_on:
             logger.info("speculative: the graphs are the ones timed by the last run; keeping its costs")
             return dict(last[1])
         costs: dict[str, Any] = {"draft_cost": 0.0}
-        costs["verify_cost"], t1 = target_verify_costs(model, target)
+        sizes = [1, 2, 4, 9]
+        if self.tree:  # the verification cost curve up to the largest tree (root included)
+            top = self.tree["max_nodes"] + 1
+            sizes = sorted({*(s for s in (1, 2, 4, 9, 16, 24, 32, 48, 64) if s < top), top})
+        costs["verify_cost"], t1 = target_verify_costs(model, target, sizes)
         if external:
             costs["draft_cost"] = round(drafter_step_seconds(self.drafter, target) / t1, 4)
             costs["draft_cost_source"] = "measured (drafter step / target step, this machine)"
@@ -257,6 +287,9 @@ class SpeculativePass(ir.passes.InPlacePass):
         return costs
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if self.tree and isinstance(self.drafter, ir.Model):
+            # an external drafter expands its tree one depth per call: it gets the 4-D attention bias input too
+            ExposeAttentionMaskPass()(self.drafter)
         record = self._record(model)
         text = json.dumps(record, sort_keys=True)
         props = model.metadata_props
@@ -342,7 +375,8 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int = 8,
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,
-                      allow_inexact_target: bool = False):
+                      allow_inexact_target: bool = False, tree: bool = False, tree_nodes: int = 16,
+                      tree_depth: int | None = None, branching: int = 3, tree_adaptive: bool = True):
     opt = context.options.get("drafter")
     target_dir = context.model_path.parent if context.model_path else None
     gen = generation_config(context.model_config, target_dir)
@@ -379,4 +413,6 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         tokenizer_check=check,
         measure=measure,
         allow_inexact_target=allow_inexact_target,
+        tree={"max_nodes": tree_nodes, "max_depth": tree_depth or max(max_draft, draft_length), "branching": branching,
+              "adaptive": tree_adaptive} if tree else None,
     )
