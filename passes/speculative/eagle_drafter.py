@@ -111,9 +111,9 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
     # swap the last layer's weights for the head's (matched by the fingerprint of the tensor each replaces)
     layer_nodes = set(s.layers[-1].node_names)
     params = dict(info.get("layer_params") or {})
-    todo = {k: v for k, v in params.items()}
+    todo = dict(params)
     for node in [n for n in g if n.name in layer_nodes]:
-        for i, v in enumerate(node.inputs):
+        for v in node.inputs:
             if v is None or v.const_value is None or not v.is_initializer() or v.name.startswith("eagle."):
                 continue
             arr = v.const_value.numpy()

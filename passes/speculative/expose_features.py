@@ -62,7 +62,7 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
         if any(v.name == FEATURES_OUTPUT for v in g.outputs):
             return ir.passes.PassResult(model, modified=False)
         v = find_features(model)
-        if v.is_graph_output():  # an odd graph that outputs it already under another name: add an Identity-free alias is impossible
+        if v.is_graph_output():  # already an output under another name: renaming it would change the interface
             raise DrafterError(f"the last layer's output {v.name!r} is already a graph output; cannot rename it")
         v.name = FEATURES_OUTPUT
         g.outputs.append(v)
