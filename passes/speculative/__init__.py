@@ -24,8 +24,8 @@ from dyncompile.passes.speculative.decoder_spec import (
     is_kv_decoder,
 )
 from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass
-from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
+from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
 from dyncompile.passes.speculative.speculative import SpeculativePass
 from dyncompile.passes.speculative.split_drafter import SplitDrafterPass
 
