@@ -197,3 +197,14 @@ def test_eagle_pass_is_idempotent(smollm2, tiny_head):
     assert p(m).modified is True
     assert p(m).modified is False
     assert [v.name for v in m.graph.outputs][-1] == "features"
+
+
+def test_train_drafter_cli_refuses_bad_input_cleanly(tmp_path, capsys):
+    from dyncompile.tools.cli import main as cli_main
+
+    rc = cli_main(["train-drafter", str(tmp_path), "--out", str(tmp_path / "head"), "--steps", "0"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--steps must be positive" in err and "Traceback" not in err
+    rc = cli_main(["train-drafter", str(tmp_path), "--out", str(tmp_path / "head")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "hf/config.json" in err and "Traceback" not in err
