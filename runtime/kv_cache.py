@@ -209,9 +209,13 @@ class KVDecoder:
             feeds[self.pos_name] = np.asarray(positions, np.int64).reshape(1, n)
             return feeds
         if self.bias_name:
-            if tree is None:
-                tree = DraftTree(list(range(n)), list(range(-1, n - 1)))  # a chain: causal
-            feeds[self.bias_name] = tree.attention(self._mask[0, : self.slots].astype(bool), BIAS_NEG)
+            if tree is None:  # a chain: causal over the new tokens
+                bias = np.full((1, 1, n, total), BIAS_NEG, np.float32)
+                bias[0, 0, :, : self.slots][:, self._mask[0, : self.slots].astype(bool)] = 0.0
+                bias[0, 0, :, self.slots :][np.tril_indices(n)] = 0.0
+                feeds[self.bias_name] = bias
+            else:
+                feeds[self.bias_name] = tree.attention(self._mask[0, : self.slots].astype(bool), BIAS_NEG)
         if self.pos_name:
             feeds[self.pos_name] = (self._arange[:, self.length : self.length + n] if tree is None
                                     else tree.positions(self.length))

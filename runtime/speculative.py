@@ -49,7 +49,12 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.runtime.cost_model import DEFAULT_VERIFY_SLOPE, best_draft_length, best_tree_extra, verify_cost
+from dyncompile.runtime.cost_model import (
+    DEFAULT_VERIFY_SLOPE,
+    best_draft_length,
+    best_tree_extra,
+    verify_cost,
+)
 from dyncompile.runtime.draft_tree import DraftTree, accept_greedy, accept_sampling
 from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter, TreeBudget, Verification
 from dyncompile.runtime.executor import register_step

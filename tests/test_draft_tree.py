@@ -270,7 +270,9 @@ def test_tree_plan_records_the_policy_and_the_bias_input(tree_tiny):
     step = plan["steps"][0]
     assert step["draft"]["tree"] == {"adaptive": True, "branching": 3, "max_depth": 8, "max_nodes": 10}
     assert step["target"]["attention_bias"] == "attention_bias" and step["target"]["attention_mask"] is None
-    assert "attention_bias" not in step["drafter"]["decoder"]  # the drafter keeps its own causal mask
+    assert step["drafter"]["decoder"]["attention_bias"] == "attention_bias"  # it expands its tree by depths
+    split = json.loads((tree_tiny["plans"]["split"] / "plan.json").read_text())["steps"][0]
+    assert "attention_bias" not in split["drafter"]["decoder"]  # cut from the target before explicit-attention
 
 
 BRANCHY = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]  # "1 2" continues three ways: a prompt-lookup tree with 3 branches
@@ -467,3 +469,27 @@ def test_model_drafter_expands_its_top_k_best_first(tree_models):
         logits = dec.forward([*seq[:-1], *(tree.tokens[j] for j in tree.path_to(i))])[-1]
         top = [int(t) for t in np.argsort(-logits, kind="stable")[: len(tree.children[i])]]
         assert [tree.tokens[c] for c in tree.children[i]] == top
+
+
+def test_tree_size_follows_the_cost_curve_and_what_branches_bought():
+    from dyncompile.runtime.cost_model import best_tree_extra, verify_cost
+    from dyncompile.runtime.speculative import DraftController, TreeController
+
+    flat = {1: 1.0, 2: 1.05, 9: 1.2, 33: 1.6}  # cheap wide calls
+    steep = {1: 1.0, 2: 1.5, 9: 4.0, 33: 16.0}  # every token costs half a call
+    extras = [0, 2, 4, 8, 16]
+    assert best_tree_extra(0.6, 4, 0.0, 0.0, 0.3, lambda s: verify_cost(s, flat), extras)[1] == 16
+    assert best_tree_extra(0.6, 4, 0.0, 0.0, 0.3, lambda s: verify_cost(s, steep), extras)[1] == 0
+    assert best_tree_extra(0.6, 4, 0.0, 0.0, 0.0, lambda s: verify_cost(s, flat), extras)[1] == 0
+
+    def controller(table, gain):
+        tc = TreeController(DraftController(initial=4, max_len=8, verify_cost=table), max_nodes=20, max_depth=8,
+                            branching=3, gain0=gain)
+        tc.next_budget(100)  # the first round uses the initial length
+        return tc.next_budget(100)
+
+    wide, narrow = controller(flat, 0.3), controller(steep, 0.3)
+    assert wide.max_nodes > wide.max_depth and wide.branching == 3
+    assert narrow.max_nodes == narrow.max_depth and narrow.branching == 1
+    fixed = TreeController(DraftController(), max_nodes=12, max_depth=5, branching=2, adaptive=False)
+    assert (fixed.next_budget(100).max_nodes, fixed.next_budget(3).max_depth) == (12, 3)

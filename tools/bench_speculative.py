@@ -331,6 +331,46 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def verify_curve_main(argv: list[str] | None = None) -> int:
+    """``curve MODEL.onnx``: the target's verification cost v(s) by tokens per call, on its explicit-attention
+    form, in memory (nothing written but the report): what sizes a draft tree can afford on this machine."""
+    import json
+
+    import onnx_ir as ir
+
+    from dyncompile.io import write_json_atomic
+    from dyncompile.passes.speculative import ExposeAttentionMaskPass, decoder_spec
+    from dyncompile.passes.speculative.probe import measure_step_times, relative_verify_costs, session_for
+
+    p = argparse.ArgumentParser(prog="dyncompile-bench-speculative curve",
+                                description="Verification cost v(s) of a KV-cache decoder with a 4-D attention "
+                                "bias (explicit-attention, applied in memory), by tokens per call.")
+    p.add_argument("model", help="decoder ONNX file (KV cache)")
+    p.add_argument("--sizes", default="1,2,4,9,16,24,32", help="tokens per call (default: %(default)s)")
+    p.add_argument("--past", type=int, default=128, help="tokens already in the cache (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--report-dir", default="bench-results/speculative-trees")
+    p.add_argument("--name", required=True, help="report file stem")
+    args = p.parse_args(argv)
+    sizes = sorted({1, *(int(x) for x in args.sizes.split(",") if x.strip())})
+    model = ir.load(args.model)
+    ExposeAttentionMaskPass()(model)
+    spec = decoder_spec(model, "model")
+    chunk = [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, args.past + 1)]
+    load_before = os.getloadavg()
+    times = measure_step_times(session_for(model), spec, chunk, sizes, args.repeats)
+    report = {"model": str(Path(args.model).resolve()), "past": args.past, "sizes": sizes,
+              "seconds_min": {str(k): round(v, 5) for k, v in times.items()},
+              "verify_cost": {str(k): v for k, v in relative_verify_costs(times).items()},
+              "machine": machine_info(),
+              "load": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}}
+    out = Path(args.report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / f"{args.name}.json", report)
+    print(json.dumps({k: report[k] for k in ("seconds_min", "verify_cost", "load")}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dyncompile bench",
@@ -416,6 +456,8 @@ if __name__ == "__main__":
     import sys
 
     argv = sys.argv[1:]
+    if argv and argv[0] == "curve":
+        sys.exit(verify_curve_main(argv[1:]))
     if argv and argv[0] == "prompts":  # the prompt-set writer's old home
         from dyncompile.tools.prompt_sets import main as prompts_main
 

@@ -275,11 +275,12 @@ class SpeculativePass(ir.passes.InPlacePass):
             logger.info("speculative: the graphs are the ones timed by the last run; keeping its costs")
             return dict(last[1])
         costs: dict[str, Any] = {"draft_cost": 0.0}
-        sizes = [1, 2, 4, 9]
         if self.tree:  # the verification cost curve up to the largest tree (root included)
             top = self.tree["max_nodes"] + 1
             sizes = sorted({*(s for s in (1, 2, 4, 9, 16, 24, 32, 48, 64) if s < top), top})
-        costs["verify_cost"], t1 = target_verify_costs(model, target, sizes)
+            costs["verify_cost"], t1 = target_verify_costs(model, target, sizes)
+        else:
+            costs["verify_cost"], t1 = target_verify_costs(model, target)
         if external:
             costs["draft_cost"] = round(drafter_step_seconds(self.drafter, target) / t1, 4)
             costs["draft_cost_source"] = "measured (drafter step / target step, this machine)"
