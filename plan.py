@@ -343,18 +343,31 @@ class GenerationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterParams:
-    """The drafter of a ``speculative_generate`` step: a model (``decoder``) or prompt lookup."""
+    """The drafter of a ``speculative_generate`` step: a model (``decoder``), prompt lookup, or an EAGLE head
+    (``decoder`` fed the target's ``features`` output; see :mod:`dyncompile.runtime.eagle`)."""
 
-    kind: Literal["model", "prompt-lookup"]
+    kind: Literal["model", "prompt-lookup", "eagle"]
     name: str = "external"
     decoder: DecoderSpec | None = None
     share_kv: list[int] | None = _field(None, lo=0, hi=100_000)
     vocab: str | None = None
     max_ngram: int = _field(3, lo=1, hi=64)
     min_ngram: int = _field(1, lo=1, hi=64)
+    #: eagle: the target's features output, the drafter's features input and predicted-feature output
+    features: str | None = None
+    feature_input: str | None = None
+    hidden_output: str | None = None
 
     def _check(self, where: str) -> None:
-        if self.kind == "model":
+        if self.kind == "eagle":
+            if self.decoder is None:
+                raise PlanError(f"{where}: an eagle drafter needs its 'decoder' spec")
+            missing = [k for k in ("features", "feature_input", "hidden_output") if not getattr(self, k)]
+            if missing:
+                raise PlanError(f"{where}: an eagle drafter needs {', '.join(missing)} (tensor names)")
+            if self.share_kv is not None:
+                raise PlanError(f"{where}.share_kv: an eagle drafter keeps its own one-layer cache (give null)")
+        elif self.kind == "model":
             if self.decoder is None:
                 raise PlanError(f"{where}: a model drafter needs its 'decoder' spec")
             if self.share_kv is not None and len(self.share_kv) != len(self.decoder.kv):

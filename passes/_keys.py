@@ -9,6 +9,9 @@ from __future__ import annotations
 
 __all__ = [
     "DRAFTER_MODEL",
+    "EAGLE",
+    "EAGLE_FEATURES",
+    "EAGLE_MODEL",
     "EARLY_EXIT",
     "EARLY_EXIT_LOWERING",
     "EARLY_EXIT_LOWERING_CHOICE",
@@ -39,6 +42,8 @@ SPECULATIVE = "dyncompile.speculative"  # JSON: target/drafter specs, draft poli
 SPLIT_DRAFTER = "dyncompile.split_drafter"  # JSON: SplitDrafterPass decisions and measurements
 ROLE = "dyncompile.role"  # "drafter" on a drafter graph
 STEP_SAVER = "dyncompile.step_saver"  # JSON: step head, stop rule, default policy, calibration (StepSaverPass)
+EAGLE = "dyncompile.eagle"  # JSON: EAGLE head provenance, draft vocabulary, IO names (EagleDrafterPass)
+EAGLE_FEATURES = "dyncompile.eagle.features"  # name of the features output (ExposeFeaturesPass)
 EXPLICIT_ATTENTION = "dyncompile.explicit_attention"  # JSON: the 4-D attention bias input (ExposeAttentionMaskPass)
 POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
 
@@ -46,10 +51,11 @@ POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NA
 DRAFTER_MODEL = "dyncompile.drafter_model"  # ir.Model of the drafter (SpeculativePass -> emitter)
 SPLIT_DRAFTER_MODEL = "dyncompile.split_drafter.model"  # ir.Model built by SplitDrafterPass
 SPLIT_DRAFTER_VOCAB = "dyncompile.split_drafter.vocab"  # the drafter's vocabulary subset (token ids)
+EAGLE_MODEL = "dyncompile.eagle.model"  # (ir.Model drafter, vocab ids) built by EagleDrafterPass
 SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timings + graph fingerprint (reused on a re-run)
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, STEP_SAVER, EXPLICIT_ATTENTION}
+     ROLE, STEP_SAVER, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION}
 )
-META_KEYS = frozenset({DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})
+META_KEYS = frozenset({EAGLE_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

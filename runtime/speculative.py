@@ -289,6 +289,13 @@ class SpeculativeGenerateStep(GenerateStep):
         self.drafter: Drafter
         if d.kind == "prompt-lookup":
             self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
+        elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/eagle.py)
+            from dyncompile.runtime.eagle import EagleDecoder, EagleDrafter
+
+            vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False) if d.vocab else None
+            dec = EagleDecoder(ctx.session(d.decoder.model), d.decoder, feature_input=d.feature_input,
+                               hidden_output=d.hidden_output, timer=self.timer, rollback=self.params.rollback)
+            self.drafter = EagleDrafter(dec, features=d.features, vocab=vocab)
         else:  # "model" (the schema admits no other kind, and checks decoder and share_kv)
             vocab = None
             if d.vocab:  # the bytes load_plan read and hash-checked

@@ -307,6 +307,12 @@ SPEC_MUTATIONS = {
     "draft min > max": lambda r: r["steps"][0]["draft"].update(min=9, max=2),
     "alpha0 inf": lambda r: r["steps"][0]["draft"].update(alpha0=float("inf")),
     "verify cost key": lambda r: r["steps"][0]["draft"].update(verify_cost={"x": 1.0}),
+    "eagle drafter without decoder": lambda r: r["steps"][0]["drafter"].update(kind="eagle"),
+    "eagle drafter without feature names": lambda r: r["steps"][0]["drafter"].update(
+        kind="eagle", decoder=dict(r["steps"][0]["target"])),
+    "eagle drafter sharing kv": lambda r: r["steps"][0]["drafter"].update(
+        kind="eagle", decoder=dict(r["steps"][0]["target"]), features="f", feature_input="fi", hidden_output="h",
+        share_kv=[0] * len(r["steps"][0]["target"]["kv"])),
     "tree nodes zero": lambda r: r["steps"][0]["draft"].update(tree={"max_nodes": 0}),
     "tree unknown field": lambda r: r["steps"][0]["draft"].update(tree={"width": 3}),
     "tree a list": lambda r: r["steps"][0]["draft"].update(tree=[16, 8]),

@@ -28,7 +28,8 @@ leaves = st.one_of(
     st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.5, 1.5, -0.0]),
     st.text(max_size=12),
     st.sampled_from(["model", "segment0", "tokenizer", "input_ids", "logits", "../plan.json", "/etc/passwd",
-                     "entropy", "maxprob", "vibes", "mask", "copy", "model", "prompt-lookup", "\x1b[2J", "x" * 5000]),
+                     "entropy", "maxprob", "vibes", "mask", "copy", "model", "prompt-lookup", "eagle", "features",
+                     "\x1b[2J", "x" * 5000]),
     st.just(DEEP),
 )
 values = st.recursive(

@@ -36,7 +36,7 @@ examples:
   dyncompile inspect out/
   dyncompile MODEL.onnx --passes early-exit --calib ../shared/data/sentiment/movie-calib.jsonl --budget 1.0 -o ee/
 
-other commands (each has --help): inspect, run, bench, models, passes
+other commands (each has --help): inspect, run, bench, models, passes, train-drafter
 Python API: dyncompile.compile(model, passes, output_dir), dyncompile.load(plan_dir, provider="cpu")
 """
 
@@ -269,6 +269,13 @@ def _cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _cmd_train_drafter(argv: list[str]) -> int:
+    _setup_logging(0)
+    from dyncompile.tools.train_drafter import main as train_main  # torch is imported there, when it runs
+
+    return train_main(argv)
+
+
 def _cmd_models(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="dyncompile models",
@@ -310,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": _cmd_bench,
         "models": _cmd_models,
         "passes": _cmd_passes,
+        "train-drafter": _cmd_train_drafter,
     }
     try:
         if argv and argv[0] in commands:

@@ -6,7 +6,9 @@ Modules, in import order (each imports only those above it):
 * ``probe`` — ORT sessions on in-memory models and the timings that go into a plan;
 * ``explicit_attention`` — :class:`ExposeAttentionMaskPass` (a 4-D attention mask input, for draft trees);
 * ``split_drafter`` — :class:`SplitDrafterPass` (a drafter from the target's first k layers) and its graph surgery;
-* ``speculative`` — :class:`SpeculativePass` (external / prompt-lookup / split drafter);
+* ``expose_features`` — :class:`ExposeFeaturesPass` (the target's top-layer features as an output);
+* ``eagle_drafter`` — :class:`EagleDrafterPass` (an EAGLE drafter from a head trained by ``train-drafter``);
+* ``speculative`` — :class:`SpeculativePass` (external / prompt-lookup / split / eagle drafter);
 * ``emit`` — the ``generate`` / ``speculative`` plan emitters.
 
 The cost model behind the projections (expected tokens per round, verification cost, speedup) is
@@ -21,12 +23,16 @@ from dyncompile.passes.speculative.decoder_spec import (
     generation_config,
     is_kv_decoder,
 )
+from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
+from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
 from dyncompile.passes.speculative.speculative import SpeculativePass
 from dyncompile.passes.speculative.split_drafter import SplitDrafterPass
 
 __all__ = [
     "DrafterError",
+    "EagleDrafterPass",
+    "ExposeFeaturesPass",
     "ExposeAttentionMaskPass",
     "SpeculativePass",
     "SplitDrafterPass",

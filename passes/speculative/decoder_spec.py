@@ -38,8 +38,11 @@ def _static(d) -> int | None:
     return d if isinstance(d, int) else None
 
 
-def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: str = "") -> dict[str, Any]:
+def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: str = "",
+                 extra_inputs: tuple[str, ...] = ()) -> dict[str, Any]:
     """How the runtime drives ``model``: input names, logits, and its (past, present) KV pairs.
+
+    ``extra_inputs``: inputs the caller feeds itself (an EAGLE drafter's features), not refused.
 
     Raises:
         DrafterError: no ``input_ids`` input, no logits output, no KV cache, an unknown extra input, or
@@ -77,7 +80,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
             "tokens per call on top of a cache; re-export the model with its KV cache (e.g. optimum "
             "--task text-generation-with-past, or `dyncompile models build`)"
         )
-    extra = [n for n in inputs if n not in pairs and n not in _KNOWN_INPUTS]
+    extra = [n for n in inputs if n not in pairs and n not in _KNOWN_INPUTS and n not in extra_inputs]
     if extra:
         raise DrafterError(
             f"the {what}{where} has inputs the generation runtime does not know how to feed: {extra[:4]}; "

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.passes import _keys
 from dyncompile.passes.emit import (
     EmitRequest,
     add_model_files,
@@ -100,6 +101,8 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     files: dict[str, FileRef] = {}
     step_drafter: dict[str, Any]
     split = d["kind"] == "model" and d.get("name") == "split"
+    if d["kind"] == "eagle":
+        return _emit_eagle(model, req, rec)
     if split:  # always external data, so that the drafter can point into it
         ir.save(model, out / "model.onnx", external_data="model.onnx.data")
         add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
@@ -144,5 +147,38 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
         policy["speculative"]["tokenizer_check"] = d["tokenizer_check"]
     if split:
         policy["split_drafter"] = json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
+    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
+                policy=policy, provenance=req.provenance)
+
+
+def _emit_eagle(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
+    """Target (with its ``features`` output) + EAGLE drafter sharing the target's external data + vocabulary."""
+    d = rec["drafter"]
+    out = req.out_dir
+    files: dict[str, FileRef] = {}
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+    add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
+                                     file_ref(out, "model.onnx.data", "external_data")])
+    drafter, vocab = model.meta[_keys.EAGLE_MODEL]
+    shared = _share_weights(drafter, model, out / "model.onnx")
+    ir.save(drafter, out / "drafter.onnx")
+    files["drafter"] = file_ref(out, "drafter.onnx", "drafter", ["model.onnx.data"])
+    logger.info("eagle drafter: %.1f MB of weights shared with the target, %.1f MB of its own", shared / 2**20,
+                (out / "drafter.onnx").stat().st_size / 2**20)
+    np.save(out / "drafter_vocab.npy", np.asarray(vocab, np.int64))
+    files["drafter_vocab"] = file_ref(out, "drafter_vocab.npy", "vocab_map")
+    spec = dict(d["decoder"])
+    spec.pop("vocab_size", None)
+    spec["model"] = "drafter"
+    step_drafter = {"kind": "eagle", "name": "eagle", "decoder": spec, "vocab": "drafter_vocab",
+                    "features": d["features"], "feature_input": d["feature_input"], "hidden_output": d["hidden_output"]}
+    tok = _tokenizer_spec(req, files, rec.get("generation") or {})
+    inputs, outputs = io_signature(model.graph)
+    target = dict(rec["target"])
+    target.pop("vocab_size", None)
+    step = Step("speculative_generate", {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}),
+                                         "generation": rec.get("generation", {})})
+    policy: dict[str, Any] = {"speculative": {"drafter": "eagle", "draft": rec.get("draft", {})},
+                              "eagle": json.loads(model.metadata_props[_keys.EAGLE])}
     return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
                 policy=policy, provenance=req.provenance)

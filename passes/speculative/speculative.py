@@ -179,6 +179,11 @@ class SpeculativePass(ir.passes.InPlacePass):
             )
         if self.drafter == PROMPT_LOOKUP:
             return
+        if self.drafter is None and _keys.EAGLE in model.metadata_props:
+            if _keys.EAGLE_MODEL not in model.meta:
+                raise DrafterError("this model records an EAGLE drafter but its graph is not in memory; compile from the "
+                                   "original model with --passes eagle-drafter{head=DIR},speculative")
+            return
         if isinstance(self.drafter, ir.Model):
             spec = decoder_spec(self.drafter, "drafter", what="drafter", where=self.drafter_source or "")
         else:
@@ -205,6 +210,18 @@ class SpeculativePass(ir.passes.InPlacePass):
                 "share_kv": None,
                 "tokenizer_check": self.tokenizer_check,
             }
+        elif _keys.EAGLE in model.metadata_props:
+            rec = json.loads(model.metadata_props[_keys.EAGLE])
+            dmodel = model.meta[_keys.EAGLE_MODEL][0]
+            drafter = {
+                "kind": "eagle",
+                "name": "eagle",
+                "decoder": decoder_spec(dmodel, "drafter", what="EAGLE drafter", extra_inputs=(rec["feature_input"],)),
+                "features": rec["features"],
+                "feature_input": rec["feature_input"],
+                "hidden_output": rec["hidden_output"],
+                "head": rec["head"],
+            }
         else:
             dmodel, split = self._split(model)
             drafter = {
@@ -223,6 +240,15 @@ class SpeculativePass(ir.passes.InPlacePass):
             draft["alpha0"] = sd.get("acceptance")
             draft["draft_cost"] = sd.get("draft_cost")
             draft["verify_cost"] = sd.get("verify_cost")
+        elif drafter["kind"] == "eagle":  # one layer + fc + the draft-vocabulary head, in weight bytes
+            dmodel = model.meta[_keys.EAGLE_MODEL][0]
+            draft["draft_cost"] = round(weight_reads(dmodel) / max(1, weight_reads(model)), 4)
+            draft["draft_cost_source"] = "weight bytes"
+            agree = ((drafter["head"].get("eval") or {}).get("draft_top1_agreement"))
+            if agree is not None:
+                draft["alpha0"] = float(agree)
+            if self.measure:
+                draft["verify_cost"] = target_verify_costs(model, target)[0]
         elif self.measure:
             draft.update(self._measured_costs(model, target))
         else:
@@ -274,6 +300,8 @@ class SpeculativePass(ir.passes.InPlacePass):
         props[_keys.TASK] = "text-generation"
         if isinstance(self.drafter, ir.Model):
             model.meta[DRAFTER_META] = self.drafter
+        elif self.drafter is None and _keys.EAGLE in model.metadata_props:
+            model.meta[DRAFTER_META] = model.meta[_keys.EAGLE_MODEL][0]
         elif self.drafter is None:
             model.meta[DRAFTER_META] = self._split(model)[0]
         else:
@@ -284,7 +312,7 @@ class SpeculativePass(ir.passes.InPlacePass):
 
     def ensures(self, model: ir.Model) -> None:
         rec = json.loads(model.metadata_props[SPECULATIVE_KEY])
-        if rec["drafter"]["kind"] == "model" and DRAFTER_META not in model.meta:
+        if rec["drafter"]["kind"] in ("model", "eagle") and DRAFTER_META not in model.meta:
             raise ir.passes.PostconditionError("the drafter graph did not reach model.meta")
 
 
@@ -344,7 +372,7 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "speculative",
     help="speculative decoding plan: --drafter DRAFT.onnx | prompt-lookup (or after split-drafter); greedy output "
     "token-identical to the target, sampling exact",
-    after=("split-drafter",),
+    after=("split-drafter", "eagle-drafter"),
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int = 8,
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,

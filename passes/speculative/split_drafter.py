@@ -47,6 +47,7 @@ __all__ = [
     "VOCAB_META",
     "SplitDrafterPass",
     "build_split_drafter",
+    "drop_unused_pasts",
     "read_calibration_text",
     "trim_lm_head",
 ]
@@ -150,6 +151,31 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     return True
 
 
+def drop_unused_pasts(g: ir.Graph, keep_nodes: set[ir.Node]) -> None:
+    """Remove past inputs no kept Concat reads; shape-only readers are rewired to a kept past of the same shape."""
+    pasts = [v for v in g.inputs if v.shape is not None and len(v.shape) == 4 and v.dtype is not None
+             and v.dtype.is_floating_point()]
+    used_directly = {v for v in pasts if any(u.node in keep_nodes and u.node.op_type == "Concat" for u in v.uses())}
+    for v in pasts:
+        if v in used_directly:
+            continue
+        if v.uses():
+            if any(u.node.op_type not in ("Shape", "Size") for u in v.uses()):
+                raise DrafterError(
+                    f"cannot split the drafter: past input {v.name!r} of a dropped layer is still read by "
+                    f"{[u.node.op_type for u in v.uses()][:3]} in the first layers"
+                )
+            kind = v.name.rsplit(".", 1)[-1]
+            same = [p for p in used_directly if list(p.shape) == list(v.shape) and p.name.endswith(kind)] or [
+                p for p in used_directly if list(p.shape) == list(v.shape)]
+            if not same:
+                raise DrafterError(f"cannot split the drafter: nothing can stand in for the past length read from {v.name!r}")
+            repl = sorted(same, key=lambda p: p.name)[0]
+            for u in list(v.uses()):
+                u.node.replace_input_with(u.idx, repl)
+        g.inputs.remove(v)
+
+
 def build_split_drafter(
     target: ir.Model,
     *,
@@ -197,27 +223,7 @@ def build_split_drafter(
     g.outputs.clear()
     g.outputs.extend(kept_outputs)
     common_passes.RemoveUnusedNodesPass()(d)
-    pasts = [v for v in g.inputs if v.shape is not None and len(v.shape) == 4 and v.dtype is not None
-             and v.dtype.is_floating_point()]
-    used_directly = {v for v in pasts if any(u.node in keep_nodes and u.node.op_type == "Concat" for u in v.uses())}
-    for v in pasts:
-        if v in used_directly:
-            continue
-        if v.uses():
-            if any(u.node.op_type not in ("Shape", "Size") for u in v.uses()):
-                raise DrafterError(
-                    f"cannot split the drafter: past input {v.name!r} of a dropped layer is still read by "
-                    f"{[u.node.op_type for u in v.uses()][:3]} in the first layers"
-                )
-            kind = v.name.rsplit(".", 1)[-1]
-            same = [p for p in used_directly if list(p.shape) == list(v.shape) and p.name.endswith(kind)] or [
-                p for p in used_directly if list(p.shape) == list(v.shape)]
-            if not same:
-                raise DrafterError(f"cannot split the drafter: nothing can stand in for the past length read from {v.name!r}")
-            repl = sorted(same, key=lambda p: p.name)[0]
-            for u in list(v.uses()):
-                u.node.replace_input_with(u.idx, repl)
-        g.inputs.remove(v)
+    drop_unused_pasts(g, keep_nodes)
     if subset is not None and not trim_lm_head(d, logits, subset):
         raise DrafterError("cannot restrict the LM head to a vocabulary subset (unknown head shape); use vocab=full")
     d.metadata_props[_keys.ROLE] = "drafter"

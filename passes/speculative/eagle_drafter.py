@@ -1,0 +1,243 @@
+"""``eagle-drafter``: build an EAGLE drafter graph from the target and a trained head (``train-drafter``).
+
+The drafter, for draft position ``t``, reads the embedding of token ``t+1`` and a top-layer feature
+``f_t`` of the target (the true one for verified positions, its own prediction while drafting), and runs
+
+    x = fc([embedding(ids), features])          # [.., 2H] -> [.., H], trained
+    h = decoder_layer(x)                         # the target's LAST layer subgraph, trained weights swapped in
+    logits = lm_head(final_norm(h))             # the target's own norm and LM head (optionally a vocab subset)
+
+with its own one-layer KV cache. The graph is cut from the target itself (its embedding Gather, rotary
+and attention-mask code, the last layer, the final norm and the LM head stay as they are), so the layer is
+"of the target's architecture" by construction; every tensor except ``fc``, the layer's trained weights and
+the trimmed LM head is the target's own object, which the plan emitter points at the target's external
+data file (no copy on disk). Outputs: ``logits`` (draft vocabulary), ``eagle_hidden`` (the predicted
+feature ``f_{t+1}``, fed back for the next draft step) and the layer's ``present`` pair.
+
+The head's layer tensors are matched to the target's by the fingerprint the trainer recorded of the
+tensor each replaces (transposition-invariant), so a head trained for another model is refused.
+
+The pass also exposes the target's features (:class:`ExposeFeaturesPass`), and records the head's
+provenance in ``metadata_props["dyncompile.eagle"]``; the drafter graph and its vocabulary go to
+``model.meta["dyncompile.eagle.model"]`` for the ``speculative`` pass and the emitter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from dyncompile.passes import _keys
+from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
+from dyncompile.passes.speculative.expose_features import FEATURES_OUTPUT, ExposeFeaturesPass
+from dyncompile.passes.speculative.split_drafter import _ancestors, drop_unused_pasts, trim_lm_head
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EAGLE_FORMAT", "FEATURE_INPUT", "HIDDEN_OUTPUT", "EagleDrafterPass", "build_eagle_drafter", "load_head"]
+
+EAGLE_FORMAT = "dyncompile.eagle/v1"
+HEAD_FORMAT = "dyncompile.eagle_head/v1"
+FEATURE_INPUT = "eagle_features"
+HIDDEN_OUTPUT = "eagle_hidden"
+
+
+def load_head(head_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any], str]:
+    """Arrays of ``eagle_head.npz``, the ``eagle_head.json`` record, and the npz's sha256."""
+    d = Path(head_dir).expanduser()
+    npz, meta = d / "eagle_head.npz", d / "eagle_head.json"
+    if not npz.is_file() or not meta.is_file():
+        raise DrafterError(
+            f"{d} holds no EAGLE head (eagle_head.npz + eagle_head.json); train one with "
+            "`dyncompile train-drafter TARGET --out HEAD_DIR` (README: EAGLE drafter)"
+        )
+    try:
+        info = json.loads(meta.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DrafterError(f"{meta} is not valid JSON ({e}); retrain the head") from None
+    if info.get("format") != HEAD_FORMAT:
+        raise DrafterError(f"{meta}: format {info.get('format')!r}, expected {HEAD_FORMAT!r}; retrain the head")
+    sha = hashlib.sha256(npz.read_bytes()).hexdigest()
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            arrays = {k: np.asarray(z[k]) for k in z.files}
+    except (ValueError, OSError) as e:
+        raise DrafterError(f"{npz} cannot be read as an npz of arrays ({e}); retrain the head") from None
+    for k in ("fc.weight", "fc.bias", "vocab"):
+        if k not in arrays:
+            raise DrafterError(f"{npz} lacks {k!r}; retrain the head")
+    return arrays, info, sha
+
+
+def _match(fp: list[float], arr: np.ndarray, rtol: float = 1e-4) -> bool:
+    a = np.asarray(arr, np.float64)
+    got = [float(a.sum()), float((a * a).sum()), float(np.abs(a).max())]
+    return all(abs(x - y) <= rtol * max(1.0, abs(y)) for x, y in zip(got, fp))
+
+
+def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ir.Model:
+    """The drafter graph (see the module docstring); ``target`` is not modified."""
+    from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
+
+    spec = decoder_spec(target, "model", what="target model")
+    d = target.clone()
+    g = d.graph
+    for k in [k for k in d.metadata_props if k.startswith("dyncompile.")]:
+        del d.metadata_props[k]
+    s = analyze_model(d)
+    if not s.has_layers:
+        raise DrafterError(f"eagle-drafter needs a layered decoder; no repeated layer structure was found: {s.message}")
+    num = s.num_layers
+    cfg = info.get("target_config") or {}
+    if cfg.get("num_layers") not in (None, num):
+        raise DrafterError(f"the EAGLE head was trained for a {cfg['num_layers']}-layer target; this one has {num} layers")
+    values = ir.convenience.create_value_mapping(g)
+    emb, h_in, h_out = (values[s.cut_for_layer(k).name] for k in (0, num - 1, num))
+    hidden = int(h_out.shape[-1]) if h_out.shape is not None and isinstance(h_out.shape[-1], int) else None
+    w_fc = np.asarray(arrays["fc.weight"], np.float32)
+    if hidden is None or w_fc.shape != (hidden, 2 * hidden):
+        raise DrafterError(f"the EAGLE head's fc is {list(w_fc.shape)}, the target's hidden size is {hidden}; "
+                           "this head was trained for another model")
+
+    # swap the last layer's weights for the head's (matched by the fingerprint of the tensor each replaces)
+    layer_nodes = set(s.layers[-1].node_names)
+    params = dict(info.get("layer_params") or {})
+    todo = dict(params)
+    for node in [n for n in g if n.name in layer_nodes]:
+        for v in node.inputs:
+            if v is None or v.const_value is None or not v.is_initializer() or v.name.startswith("eagle."):
+                continue
+            arr = v.const_value.numpy()
+            hit = next((k for k, p in todo.items() if tuple(p["shape"]) in (arr.shape, arr.shape[::-1])
+                        and _match(p["replaces"], arr)), None)
+            if hit is None:
+                continue
+            new = np.asarray(arrays[f"layer.{hit}"], np.float32)  # Hugging Face layout: Linear weights [out, in]
+            if new.ndim == 2 and not (node.op_type == "Gemm" and node.attributes.get_int("transB", 0)):
+                new = new.T  # MatMul(x, W) reads [in, out] (also when square: the shape cannot tell)
+            if new.shape != arr.shape:
+                raise DrafterError(f"the EAGLE head's {hit} is {list(new.shape)} but replaces a {list(arr.shape)} tensor")
+            nv = ir.val(f"eagle.{hit}", const_value=ir.tensor(np.ascontiguousarray(new), name=f"eagle.{hit}"))
+            g.register_initializer(nv)
+            for u in list(v.uses()):
+                if u.node.name in layer_nodes:
+                    u.node.replace_input_with(u.idx, nv)
+            del todo[hit]
+    if todo:
+        raise DrafterError(
+            f"the EAGLE head's tensors {sorted(todo)[:4]} match no weight of the target's last layer: the head was "
+            "trained for another model (or another build of it); retrain with `dyncompile train-drafter`"
+        )
+
+    # x = [embedding(ids), features] @ fc.W^T + fc.b replaces the last layer's input
+    f_in = ir.Value(name=FEATURE_INPUT, shape=ir.Shape(["batch", "seq", hidden]), type=ir.TensorType(ir.DataType.FLOAT))
+    g.inputs.append(f_in)
+    wv = ir.val("eagle.fc.weight", const_value=ir.tensor(np.ascontiguousarray(w_fc.T), name="eagle.fc.weight"))
+    bv = ir.val("eagle.fc.bias", const_value=ir.tensor(np.asarray(arrays["fc.bias"], np.float32), name="eagle.fc.bias"))
+    g.register_initializer(wv)
+    g.register_initializer(bv)
+    cat = ir.node("Concat", [emb, f_in], attributes={"axis": -1}, name="eagle.concat")
+    mm = ir.node("MatMul", [cat.outputs[0], wv], name="eagle.fc.matmul")
+    add = ir.node("Add", [mm.outputs[0], bv], name="eagle.fc.add")
+    for n, nm in ((cat, "eagle.concat_out"), (mm, "eagle.fc_mm"), (add, "eagle.fc_out")):
+        n.outputs[0].name = nm
+        n.outputs[0].dtype = ir.DataType.FLOAT
+    cat.outputs[0].shape = ir.Shape(["batch", "seq", 2 * hidden])
+    mm.outputs[0].shape = add.outputs[0].shape = ir.Shape(["batch", "seq", hidden])
+    g.insert_after(emb.producer(), [cat, mm, add])
+    for u in list(h_in.uses()):
+        if u.node.name in layer_nodes:
+            u.node.replace_input_with(u.idx, add.outputs[0])
+
+    # outputs: logits, the predicted feature, the last layer's present pair
+    logits_v = next(v for v in g.outputs if v.name == spec["logits"])
+    h_out.name = HIDDEN_OUTPUT
+    keep_nodes = _ancestors([logits_v, h_out])
+    kept = [v for v in g.outputs if v is logits_v or (v.producer() in keep_nodes and v is not h_out)]
+    g.outputs.clear()
+    g.outputs.extend([*kept, h_out])
+    common_passes.RemoveUnusedNodesPass()(d)
+    drop_unused_pasts(g, keep_nodes)
+    vocab = np.asarray(arrays["vocab"], np.int64)
+    if len(vocab) < int(cfg.get("vocab_size") or len(vocab) + 1) and not trim_lm_head(d, spec["logits"], vocab):
+        raise DrafterError("cannot restrict the LM head to the head's draft vocabulary (unknown head shape)")
+    common_passes.RemoveUnusedNodesPass()(d)
+    d.metadata_props[_keys.ROLE] = "drafter"
+    return d
+
+
+class EagleDrafterPass(ir.passes.InPlacePass):
+    """Expose the target's features and build its EAGLE drafter from a trained head.
+
+    Scope: target graph: only :class:`ExposeFeaturesPass` (one extra output, no compute); the drafter is a
+    new ``ir.Model`` sharing the target's tensors, left in ``model.meta`` with its vocabulary.
+    Invariants: the target's original outputs are unchanged; ``metadata_props["dyncompile.eagle"]`` records the
+    head (file hash, training record summary, IO names). A model that already carries the record with the
+    drafter in memory is left alone (``modified=False``).
+    Sketch: ``target -> target + features output``; ``drafter = head(fc, last layer) + target norm/LM head``.
+    """
+
+    def __init__(self, head_dir: str | Path) -> None:
+        super().__init__()
+        self.head_dir = Path(head_dir).expanduser()
+
+    def __repr__(self) -> str:
+        return f"EagleDrafterPass(head_dir={str(self.head_dir)!r})"
+
+    def requires(self, model: ir.Model) -> None:
+        if _keys.EAGLE in model.metadata_props:
+            if _keys.EAGLE_MODEL not in model.meta:
+                raise DrafterError("this model records an EAGLE drafter but its graph is not in memory (drafters are "
+                                   "never saved inside the target); compile from the original model")
+            return
+        decoder_spec(model, "model", what="target model")
+        load_head(self.head_dir)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if _keys.EAGLE in model.metadata_props and _keys.EAGLE_MODEL in model.meta:
+            return ir.passes.PassResult(model, modified=False)
+        arrays, info, sha = load_head(self.head_dir)
+        drafter = build_eagle_drafter(model, arrays, info)
+        ExposeFeaturesPass()(model)
+        vocab = np.asarray(arrays["vocab"], np.int64)
+        record = {
+            "format": EAGLE_FORMAT,
+            "head": {"dir": str(self.head_dir), "sha256": sha, "target": info.get("target"),
+                     "eval": info.get("eval"), "training": info.get("training"), "corpus_held_out":
+                     (info.get("corpus") or {}).get("held_out")},
+            "features": FEATURES_OUTPUT,
+            "feature_input": FEATURE_INPUT,
+            "hidden_output": HIDDEN_OUTPUT,
+            "draft_vocab": int(len(vocab)),
+        }
+        model.metadata_props[_keys.EAGLE] = json.dumps(record, sort_keys=True)
+        model.meta[_keys.EAGLE_MODEL] = (drafter, vocab)
+        logger.info("eagle-drafter: head %s (eval one-step agreement %s), draft vocabulary %d", self.head_dir,
+                    (info.get("eval") or {}).get("draft_top1_agreement"), len(vocab))
+        return ir.passes.PassResult(model, modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        if _keys.EAGLE_MODEL not in model.meta:
+            raise ir.passes.PostconditionError("the EAGLE drafter did not reach model.meta")
+
+
+@register_pass(
+    "eagle-drafter",
+    help="EAGLE drafter from a trained head (head=DIR from `dyncompile train-drafter`): fc + one layer of the "
+    "target's architecture on the target's features, the target's norm and LM head shared; then `speculative`",
+    before=("speculative",),
+)
+def _make_eagle_drafter(context: CompileContext, head: str = ""):
+    del context
+    if not head:
+        raise DrafterError("eagle-drafter needs head=DIR (a head trained by `dyncompile train-drafter TARGET --out DIR`)")
+    return EagleDrafterPass(head)

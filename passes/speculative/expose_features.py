@@ -1,0 +1,84 @@
+"""``expose-features``: make the target's top-layer features an extra graph output, at no extra compute.
+
+EAGLE drafters read the target's *feature* of every verified position: here, precisely, the residual
+stream after the last decoder layer — the tensor that enters the final norm (``logits = lm_head(norm(f))``),
+``[batch, seq, hidden]``. It is already computed on every call; this pass only names it ``features`` and
+lists it among the graph outputs.
+
+Scope: the main graph's output list and the name of that one value; no node or initializer is added,
+removed or changed. Invariants: every original output is the same value (bit-identical results); the node
+count is unchanged; the value is found by :func:`dyncompile.passes.analysis.analyze_model` (the cut after
+the last layer), so a graph without a recognisable layer stack is refused. Idempotent: a graph that
+already has the ``features`` output reports ``modified=False``.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from dyncompile.passes import _keys
+from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes.speculative.decoder_spec import DrafterError
+
+__all__ = ["FEATURES_OUTPUT", "ExposeFeaturesPass", "find_features"]
+
+FEATURES_OUTPUT = "features"
+
+
+def find_features(model: ir.Model) -> ir.Value:
+    """The value entering the final norm (the last decoder layer's output)."""
+    from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
+
+    existing = next((v for v in model.graph.outputs if v.name == FEATURES_OUTPUT), None)
+    if existing is not None:
+        return existing
+    s = analyze_model(model)
+    if not s.has_layers:
+        raise DrafterError(f"expose-features needs a layered decoder; no repeated layer structure was found: {s.message}")
+    name = s.cut_for_layer(s.num_layers).name
+    values = ir.convenience.create_value_mapping(model.graph)
+    return values[name]
+
+
+class ExposeFeaturesPass(ir.passes.InPlacePass):
+    """Add the last decoder layer's output (the final norm's input) as graph output ``features``.
+
+    Sketch: ``f = layers(x); logits = head(norm(f))`` -> outputs ``logits, present..., features=f``.
+    """
+
+    def __repr__(self) -> str:
+        return "ExposeFeaturesPass()"
+
+    def requires(self, model: ir.Model) -> None:
+        names = {v.name for v in model.graph.outputs}
+        if FEATURES_OUTPUT in names:
+            return
+        taken = {v.name for v in model.graph.inputs} | set(model.graph.initializers)
+        if FEATURES_OUTPUT in taken:
+            raise DrafterError(f"the graph already has an input or initializer named {FEATURES_OUTPUT!r}")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        g = model.graph
+        if any(v.name == FEATURES_OUTPUT for v in g.outputs):
+            return ir.passes.PassResult(model, modified=False)
+        v = find_features(model)
+        if v.is_graph_output():  # already an output under another name: renaming it would change the interface
+            raise DrafterError(f"the last layer's output {v.name!r} is already a graph output; cannot rename it")
+        v.name = FEATURES_OUTPUT
+        g.outputs.append(v)
+        model.metadata_props[_keys.EAGLE_FEATURES] = FEATURES_OUTPUT
+        return ir.passes.PassResult(model, modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        if not any(v.name == FEATURES_OUTPUT for v in model.graph.outputs):
+            raise ir.passes.PostconditionError("no features output")
+
+
+@register_pass(
+    "expose-features",
+    help="add the target's top-layer features (the final norm's input) as graph output 'features' (no compute); "
+    "what EAGLE drafters read",
+)
+def _make_expose_features(context: CompileContext):
+    del context
+    return ExposeFeaturesPass()

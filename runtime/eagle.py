@@ -1,0 +1,188 @@
+"""The ``eagle`` drafter: draft at the feature level of the target (Li et al. 2024, EAGLE).
+
+The drafter graph (built by the ``eagle-drafter`` pass) maps ``(token_{t+1}, feature_t)`` to the predicted
+``feature_{t+1}`` and draft logits for token ``t+2``; it keeps its own one-layer KV cache, indexed by target
+position. The target's plan exposes its ``features`` output (the final norm's input), which the target's
+:class:`~dyncompile.runtime.kv_cache.KVDecoder` fetches on every call (``extra_outputs``).
+
+Bookkeeping (``F`` = the target's true features by position, ``T = len(seq) - 1`` positions known):
+
+* ``propose``: catch up — feed positions ``L..T-1`` (``L`` = drafter cache length) as
+  ``(seq[t+1], F[t])`` in one call; its last row gives draft 1 and ``f_hat``; then one call per further draft
+  on ``(draft_i, f_hat_i)``.
+* ``after_verify``: keep the verified rows of the target's features (the accepted path of the verified tree:
+  the token before the round and the accepted drafts), and roll the drafter cache back to the positions
+  computed from true features — the draft positions were computed from predictions and are recomputed in
+  the next catch-up.
+* ``propose_tree`` (greedy): the chain plus the drafter's next-best tokens at each depth as sibling leaves,
+  all verified in one target call (the target needs ``explicit-attention`` + ``speculative{tree=true}``).
+
+Greedy output is the target's (the target verifies every draft); sampling returns the drafter's
+distribution over the full vocabulary for exact rejection sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from dyncompile.errors import PlanError
+from dyncompile.plan import DecoderSpec
+from dyncompile.runtime.draft_tree import DraftTree
+from dyncompile.runtime.drafters import Drafter, TreeBudget, Verification
+from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
+from dyncompile.runtime.sampling import probs_from_logits, sample_from
+
+__all__ = ["EagleDecoder", "EagleDrafter"]
+
+
+class EagleDecoder(KVDecoder):
+    """The drafter graph with its KV cache: ``step(ids, features) -> (logits, predicted features)``."""
+
+    def __init__(self, session, spec: DecoderSpec, *, feature_input: str, hidden_output: str,
+                 timer: SessionTimer | None = None, rollback: str = "mask") -> None:
+        super().__init__(session, spec, role="drafter", timer=timer, io_binding=False, rollback=rollback)
+        self.feature_input = feature_input
+        self.hidden_output = hidden_output
+        if hidden_output not in self.extra_names:
+            raise PlanError(f"the EAGLE drafter graph has no {hidden_output!r} output named in the plan; recompile")
+
+    def step(self, ids: Sequence[int], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Logits ``[n, draft vocab]`` and predicted features ``[n, hidden]``; the cache grows by ``n``."""
+        ids_arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        n = ids_arr.shape[1]
+        feeds = {self.spec.input_ids: ids_arr, self.feature_input: np.asarray(features, np.float32).reshape(1, n, -1),
+                 **self._aux(n)}
+        for e, a in zip(self.spec.kv, self.past):
+            feeds[e.past] = a
+        t0 = time.perf_counter()
+        outs = self.session.run(self.output_names, feeds)
+        self.timer.add(self.role, time.perf_counter() - t0)
+        nk = len(self.spec.kv)
+        self.past = outs[1 : 1 + nk]
+        extra = dict(zip(self.extra_names, outs[1 + nk :]))
+        self.length += n
+        self.slots += n
+        return outs[0][0], extra[self.hidden_output][0]
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    uses_model = True
+
+    def __init__(self, decoder: EagleDecoder, *, features: str, vocab: np.ndarray | None = None) -> None:
+        self.decoder = decoder
+        self.features = features
+        self.vocab = None if vocab is None else np.asarray(vocab, dtype=np.int64)
+        self._F = np.zeros((0, 0), np.float32)
+        self.known = 0  # positions whose true target feature is in _F
+        self.true_len = 0  # drafter cache positions computed from true features
+
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        self.decoder.reset()
+        self.known = self.true_len = 0
+
+    def _store(self, rows: np.ndarray) -> None:
+        rows = np.asarray(rows, np.float32)
+        need = self.known + len(rows)
+        if self._F.shape[0] < need or self._F.shape[1] != rows.shape[1]:
+            grown = np.zeros((max(2 * need, 1024), rows.shape[1]), np.float32)
+            if self._F.shape[1] == rows.shape[1]:
+                grown[: self.known] = self._F[: self.known]
+            self._F = grown
+        self._F[self.known : need] = rows
+        self.known = need
+
+    def _features_of(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        f = outputs.get(self.features)
+        if f is None:
+            raise PlanError(f"the target returned no {self.features!r} output; recompile with the eagle-drafter pass")
+        return f
+
+    def after_prefill(self, target: KVDecoder) -> None:
+        self._store(self._features_of(target.last_outputs))
+
+    def after_verify(self, v: Verification) -> None:
+        """Keep the accepted path's true features (root first); drop the drafter's predicted-feature positions."""
+        rows = self._features_of(v.outputs)[np.asarray(v.path, dtype=np.int64)]
+        keep = v.valid_length - self.known
+        if keep > 0:
+            self._store(rows[:keep])
+        self.decoder.truncate(min(self.decoder.length, self.true_len))
+
+    def _pick(self, logits: np.ndarray, sample: bool, temperature: float, rng, vocab_size: int):
+        if not sample:
+            j = int(np.argmax(logits))
+            return (int(self.vocab[j]) if self.vocab is not None else j), None
+        q = probs_from_logits(logits, temperature)
+        j = sample_from(q, rng)
+        full = np.zeros(vocab_size, np.float64)
+        if self.vocab is not None:
+            full[self.vocab] = q
+            return int(self.vocab[j]), full
+        m = min(vocab_size, q.shape[-1])
+        full[:m] = q[:m]
+        return j, full
+
+    def _alternatives(self, logits: np.ndarray, k: int, exclude: int, vocab_size: int) -> list[int]:
+        if k <= 0:
+            return []
+        top = np.argpartition(-logits, min(k + 1, logits.shape[-1] - 1))[: k + 1]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        toks = [int(self.vocab[j]) if self.vocab is not None else int(j) for j in top]
+        return [t for t in toks if t != exclude and t < vocab_size][:k]
+
+    def propose_tree(self, seq, budget: TreeBudget, *, sample, temperature, rng, vocab_size) -> DraftTree:
+        """Greedy: the drafter's chain plus, at each depth, its next-best tokens as sibling leaves (shallow depths
+        first, up to ``max_nodes``); verified by the target in one call. Sampling: the chain."""
+        if sample or budget.branching <= 1:
+            return super().propose_tree(seq, budget, sample=sample, temperature=temperature, rng=rng,
+                                        vocab_size=vocab_size)
+        depth = min(budget.max_depth, max(1, budget.max_nodes - (budget.branching - 1)))  # room for depth-1 siblings
+        tokens, _, alts = self._chain(seq, depth, False, temperature, rng, vocab_size, alt=budget.branching - 1)
+        tree = DraftTree.chain(seq[-1], tokens)
+        room = budget.max_nodes - len(tokens)
+        for d, cands in enumerate(alts[: len(tokens)]):
+            for t in cands:
+                if room <= 0:
+                    return tree
+                tree.add(d, t)  # a sibling of chain node d + 1: child of node d (0 = the root)
+                room -= 1
+        return tree
+
+    def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        if n <= 0:
+            return [], ([] if sample else None)
+        tokens, qs, _ = self._chain(seq, n, sample, temperature, rng, vocab_size)
+        return tokens, qs
+
+    def _chain(self, seq, n, sample, temperature, rng, vocab_size, alt: int = 0):
+        dec = self.decoder
+        T = len(seq) - 1  # positions 0..T-1 have true features
+        if self.known < T:
+            raise RuntimeError(f"eagle drafter: features known for {self.known} positions, sequence needs {T}")
+        start = min(dec.length, T - 1)
+        dec.truncate(start)
+        logits, hid = dec.step(seq[start + 1 : T + 1], self._F[start:T])
+        self.true_len = dec.length
+        tokens: list[int] = []
+        qs: list[np.ndarray] = []
+        alts: list[list[int]] = []
+        tok, q = self._pick(logits[-1], sample, temperature, rng, vocab_size)
+        h = hid[-1]
+        for i in range(n):
+            if tok >= vocab_size:
+                break
+            tokens.append(tok)
+            if sample:
+                qs.append(q)
+            if alt:
+                alts.append(self._alternatives(np.asarray(logits[-1], np.float64), alt, tok, vocab_size))
+            if i == n - 1:
+                break
+            logits, hid = dec.step([tok], h[None])
+            tok, q = self._pick(logits[-1], sample, temperature, rng, vocab_size)
+            h = hid[-1]
+        return tokens, (qs if sample else None), alts

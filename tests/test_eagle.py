@@ -1,0 +1,210 @@
+"""EAGLE drafter on the real SmolLM2-135M: the features output (golden), the drafter graph built from a head
+trained on CPU in seconds (weights shared with the target, refused for a foreign head), and greedy speculative
+decoding with chains and trees token-identical to the target alone (short generations: CI, 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import dyncompile
+from dyncompile.passes.compiler import compile_model
+from dyncompile.passes.speculative.decoder_spec import DrafterError
+from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass, build_eagle_drafter, load_head
+from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+NEW_TOKENS = 24
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _feeds(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
+    n = ids.shape[1]
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64), "position_ids": np.arange(n)[None]}
+    for i in sess.get_inputs():
+        if i.name.startswith("past_key_values"):
+            feeds[i.name] = np.zeros((1, 3, 0, 64), np.float32)
+    return feeds
+
+
+@pytest.fixture(scope="module")
+def exposed(smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle_features")
+    m = ir.load(str(smollm2.onnx_path))
+    nodes_before = len(list(m.graph))
+    outs_before = [v.name for v in m.graph.outputs]
+    first = ExposeFeaturesPass()(m)
+    second = ExposeFeaturesPass()(m)
+    ir.save(m, root / "model.onnx", external_data="model.onnx.data")
+    return {"path": root / "model.onnx", "first": first.modified, "second": second.modified, "model": m,
+            "nodes_before": nodes_before, "outs_before": outs_before}
+
+
+def test_expose_features_adds_one_output_and_no_compute(exposed):
+    m = exposed["model"]
+    assert exposed["first"] is True and exposed["second"] is False
+    assert len(list(m.graph)) == exposed["nodes_before"]
+    assert [v.name for v in m.graph.outputs] == [*exposed["outs_before"], "features"]
+    f = m.graph.outputs[-1]
+    # the final norm's input: read by the RMSNorm (Pow + the Mul by the reciprocal root) and nothing else
+    assert sorted(u.node.op_type for u in f.uses()) == ["Mul", "Pow"]
+    onnx.checker.check_model(str(exposed["path"]), full_check=True)
+
+
+def test_expose_features_golden_in_ort(exposed, smollm2):
+    ids = np.asarray([[1, 504, 3458, 282, 4649, 314, 260, 1345, 28, 19, 355, 253]], np.int64)
+    orig, new = _session(smollm2.onnx_path), _session(exposed["path"])
+    names = [o.name for o in orig.get_outputs()]
+    a = orig.run(names, _feeds(orig, ids))
+    b = new.run([*names, "features"], _feeds(new, ids))
+    for x, y in zip(a, b[:-1]):
+        np.testing.assert_allclose(y, x, rtol=0, atol=1e-5)
+    # features is what enters the final norm: RMSNorm(features) @ lm_head^T reproduces the logits
+    f = b[-1][0].astype(np.float64)
+    m = exposed["model"]
+    w_norm = m.graph.initializers["model.norm.weight"].const_value.numpy().astype(np.float64)
+    lm = m.graph.initializers["lm_head.weight"].const_value.numpy().astype(np.float64)
+    eps = 1e-5
+    normed = f / np.sqrt((f * f).mean(-1, keepdims=True) + eps) * w_norm
+    np.testing.assert_allclose(normed @ lm.T, b[0][0], rtol=0, atol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_head(smollm2, tmp_path_factory):
+    """A head trained on CPU for a few steps (token identity does not depend on its quality)."""
+    pytest.importorskip("torch")
+    from dyncompile.tools.train_drafter import train_drafter
+
+    out = tmp_path_factory.mktemp("eagle_head")
+    train_drafter(smollm2.onnx_path.parent, out, steps=3, batch=2, seq_len=48, max_tokens=6000, draft_vocab=1024,
+                  progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle_plan(smollm2, tiny_head, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle_plan")
+    res = compile_model(smollm2.onnx_path,
+                        f"eagle-drafter{{head={tiny_head}}},explicit-attention,speculative{{tree=true,measure=false}}",
+                        root / "plan", progress=False)
+    return res.plan_dir
+
+
+def test_head_record_and_held_out_files(tiny_head):
+    info = json.loads((tiny_head / "eagle_head.json").read_text())
+    held = set(info["corpus"]["held_out"])
+    # every file a benchmark prompt is cut from is held out of the training corpus
+    from dyncompile.tools.prompt_sets import CODE_FILES, GROUNDED_DOC_FILES
+
+    assert set(CODE_FILES) | set(GROUNDED_DOC_FILES) <= held
+    from dyncompile.tools.train_drafter import corpus_files
+
+    names = {p.relative_to(STDLIB).as_posix() for p in corpus_files(STDLIB)}
+    assert not names & held and "os.py" in names
+
+
+def test_eagle_plan_shares_the_target_weights(eagle_plan):
+    plan = json.loads((eagle_plan / "plan.json").read_text())
+    d = plan["steps"][0]["drafter"]
+    assert d["kind"] == "eagle" and d["features"] == "features"
+    assert plan["files"]["drafter"]["external_data"] == ["model.onnx.data"]
+    drafter = ir.load(str(eagle_plan / "drafter.onnx"))
+    ext = {v.name for v in drafter.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    assert "lm_head.weight" in ext and "model.norm.weight" in ext  # embedding/head and final norm: the target's
+    own = {v.name for v in drafter.graph.initializers.values() if not isinstance(v.const_value, ir.ExternalTensor)}
+    assert {"eagle.fc.weight", "eagle.self_attn.q_proj.weight", "eagle.mlp.down_proj.weight"} <= own
+    assert [v.name for v in drafter.graph.inputs if v.name.startswith("past")] == [
+        "past_key_values.29.key", "past_key_values.29.value"]
+    assert np.load(eagle_plan / "drafter_vocab.npy").shape == (1024,)
+
+
+def test_eagle_greedy_token_identical(eagle_plan):
+    m = dyncompile.load(eagle_plan, session_config={"session.intra_op.allow_spinning": "0"})
+    code = (STDLIB / "bisect.py").read_text()
+    prompts = [(code[: code.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n", False),
+               ("Repeat the following text exactly.\n\nThe quick brown fox jumps over the lazy dog.", True)]
+    for prompt, chat in prompts:
+        ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat, speculative=False)
+        runs = {f"chain {n}": dict(tree=False, draft_length=n, adaptive=False) for n in (1, 4)}
+        runs["tree 8 nodes"] = dict(tree={"adaptive": False, "max_nodes": 8, "max_depth": 4, "branching": 3})
+        runs["tree adaptive"] = dict(tree=True)
+        for what, opts in runs.items():
+            res = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat, **opts)
+            assert res.token_ids == ref.token_ids, (what, prompt[:40], res.text, ref.text)
+            st = res.stats
+            assert st.drafter == "eagle" and st.target_calls == st.rounds + 1
+            if what != "tree adaptive":  # the adaptive controller may decide a tiny head's drafts do not pay
+                assert st.drafted > 0, what
+
+
+def test_drafter_graph_matches_the_torch_head(smollm2, tiny_head, exposed):
+    """The ONNX drafter computes what the trained PyTorch head computes (one call, true features)."""
+    torch = pytest.importorskip("torch")
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    arrays, info, _ = load_head(tiny_head)
+    drafter = build_eagle_drafter(ir.load(str(smollm2.onnx_path)), arrays, info)
+    path = Path(exposed["path"]).parent / "drafter.onnx"
+    ir.save(drafter, path, external_data="drafter.onnx.data")
+    ids = np.asarray([[1, 504, 3458, 282, 4649, 314, 260, 1345, 28, 19]], np.int64)
+    tgt = _session(exposed["path"])
+    f = tgt.run(["features"], _feeds(tgt, ids))[0]
+    ds = _session(path)
+    feeds = _feeds(ds, ids[:, 1:])
+    feeds["eagle_features"] = f[:, :-1]
+    logits, hid = ds.run(["logits", "eagle_hidden"], feeds)
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2.onnx_path.parent / "hf"), dtype=torch.float32).eval()
+    layer = copy.deepcopy(hf.model.layers[-1])
+    layer.load_state_dict({k[6:]: torch.as_tensor(v) for k, v in arrays.items() if k.startswith("layer.")})
+    with torch.no_grad():
+        x = torch.cat([hf.model.embed_tokens(torch.as_tensor(ids[:, 1:])), torch.as_tensor(f[:, :-1])], -1)
+        h = x @ torch.as_tensor(arrays["fc.weight"]).T + torch.as_tensor(arrays["fc.bias"])
+        pos = torch.arange(h.shape[1])[None]
+        out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=hf.model.rotary_emb(h, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        ref_logits = hf.lm_head(hf.model.norm(out))[0].numpy()[:, arrays["vocab"]]
+    np.testing.assert_allclose(hid[0], out[0].numpy(), rtol=0, atol=2e-3)
+    np.testing.assert_allclose(logits[0], ref_logits, rtol=0, atol=2e-3)
+
+
+def test_a_foreign_head_is_refused(smollm2, tiny_head, tmp_path):
+    arrays, info, _ = load_head(tiny_head)
+    info["layer_params"]["self_attn.q_proj.weight"]["replaces"] = [1.0, 2.0, 3.0]
+    with pytest.raises(DrafterError, match="match no weight"):
+        build_eagle_drafter(ir.load(str(smollm2.onnx_path)), arrays, info)
+    with pytest.raises(DrafterError, match="holds no EAGLE head"):
+        EagleDrafterPass(tmp_path).requires(ir.load(str(smollm2.onnx_path)))
+
+
+def test_eagle_pass_is_idempotent(smollm2, tiny_head):
+    m = ir.load(str(smollm2.onnx_path))
+    p = EagleDrafterPass(tiny_head)
+    assert p(m).modified is True
+    assert p(m).modified is False
+    assert [v.name for v in m.graph.outputs][-1] == "features"
+
+
+def test_train_drafter_cli_refuses_bad_input_cleanly(tmp_path, capsys):
+    from dyncompile.tools.cli import main as cli_main
+
+    rc = cli_main(["train-drafter", str(tmp_path), "--out", str(tmp_path / "head"), "--steps", "0"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--steps must be positive" in err and "Traceback" not in err
+    rc = cli_main(["train-drafter", str(tmp_path), "--out", str(tmp_path / "head")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "hf/config.json" in err and "Traceback" not in err

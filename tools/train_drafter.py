@@ -1,0 +1,369 @@
+"""``dyncompile train-drafter TARGET --out HEAD_DIR``: train an EAGLE draft head on the target's own features.
+
+EAGLE (Li et al. 2024) drafts at the feature level of the target: for position ``t`` it reads the
+embedding of token ``t+1`` and the target's top-layer feature ``f_t`` (the hidden state entering the final
+norm), and predicts ``f_{t+1}`` through ``fc([emb, f]) -> one decoder layer of the target's architecture``;
+the target's own final norm and LM head turn the prediction into logits for token ``t+2``. This module
+trains that head (``fc`` + the layer, initialised from the target's last layer) with EAGLE's loss:
+
+    loss = SmoothL1(f_hat_{t+1}, f_{t+1}) + w_p * CE(softmax(target logits_{t+1}) || draft logits_{t+1})
+
+on real text (the CPython standard library, minus the files the benchmark prompts are cut from:
+:data:`HELD_OUT`) plus the target's own greedy continuations of it (self-distillation: the head learns
+what the target *does* say). Inputs get uniform noise on the features (EAGLE's trick against the drift
+of drafting on its own predictions). The draft LM head may cover only the ``draft_vocab`` most frequent
+tokens of the training corpus (mapped back to target ids at run time).
+
+Writes ``HEAD_DIR/eagle_head.npz`` (fc, the layer's trained tensors by Hugging Face name, each with the
+fingerprint of the target tensor it replaces, the draft vocabulary) and ``eagle_head.json`` (provenance,
+corpus, held-out files, losses, draft accuracy on a held-out slice). The ``eagle-drafter`` pass builds the
+ONNX drafter from them. PyTorch + transformers are needed (the ``export`` extra); torch is imported here only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dyncompile.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HELD_OUT", "corpus_files", "fingerprint", "load_corpus_tokens", "train_drafter"]
+
+#: stdlib files the benchmark prompts are cut from (tools/prompt_sets.py CODE_FILES + GROUNDED_DOC_FILES):
+#: never trained on.
+HELD_OUT = (
+    "argparse.py", "base64.py", "bisect.py", "calendar.py", "colorsys.py", "csv.py", "difflib.py", "fnmatch.py",
+    "fractions.py", "heapq.py", "ipaddress.py", "json/__init__.py", "shlex.py", "statistics.py", "string.py",
+    "textwrap.py",
+)
+HEAD_FORMAT = "dyncompile.eagle_head/v1"
+
+
+def fingerprint(a: np.ndarray) -> list[float]:
+    """Shape-free fingerprint of a weight (transposition-invariant): sum, sum of squares, max |x|."""
+    a = np.asarray(a, np.float64)
+    return [float(a.sum()), float((a * a).sum()), float(np.abs(a).max())]
+
+
+def corpus_files(root: Path | None = None) -> list[Path]:
+    """The CPython stdlib's own ``.py`` files (no site-packages: third-party code is kept for evaluation),
+    minus :data:`HELD_OUT`, sorted."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise DataError(f"corpus folder {root} does not exist; give --corpus DIR (a folder of .py files) or a .npy")
+    held = {root / h for h in HELD_OUT}
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).parts
+        if any(part in ("site-packages", "dist-packages") for part in rel) or p in held:
+            continue
+        out.append(p)
+    if not out:
+        raise DataError(f"no .py files under {root}")
+    return out
+
+
+def load_corpus_tokens(corpus: str | Path | None, tokenizer_json: Path, *, max_tokens: int, eos: int) -> np.ndarray:
+    """Token ids of the corpus (files joined by ``eos``): a ``.npy`` of ids, or a folder of ``.py`` files."""
+    if corpus is not None and str(corpus).endswith(".npy"):
+        ids = np.load(corpus, allow_pickle=False)
+        return np.asarray(ids[:max_tokens], np.int64)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    files = corpus_files(Path(corpus) if corpus else None)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(files))  # a mix of modules, not the alphabetical first ones
+    chunks, total = [], 0
+    for i in order:
+        try:
+            text = files[i].read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tok.encode(text, add_special_tokens=False).ids
+        chunks.append(np.asarray([*ids, eos], np.int64))
+        total += len(ids) + 1
+        if total >= max_tokens:
+            break
+    return np.concatenate(chunks)[:max_tokens]
+
+
+def _windows(ids: np.ndarray, seq_len: int) -> np.ndarray:
+    n = len(ids) // seq_len
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+def train_drafter(
+    target: str | Path,
+    out: str | Path,
+    *,
+    corpus: str | Path | None = None,
+    device: str = "cpu",
+    steps: int = 200,
+    batch: int = 8,
+    seq_len: int = 256,
+    lr: float = 3e-4,
+    draft_vocab: int = 8192,
+    max_tokens: int = 2_000_000,
+    distill_sequences: int = 0,
+    distill_prompt: int = 64,
+    distill_new: int = 192,
+    p_weight: float = 0.1,
+    noise: float = 0.2,
+    seed: int = 0,
+    max_seconds: float | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train an EAGLE head for ``target`` (a model directory with ``hf/``) and write it to ``out``."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    t_start = time.perf_counter()
+    target = Path(target).expanduser()
+    torch.manual_seed(seed)
+    dev = torch.device(device)
+    if target.suffix == ".gguf":  # the GGUF the model cache was built from (dequantised: the same fp32 weights)
+        model = AutoModelForCausalLM.from_pretrained(str(target.parent), gguf_file=target.name, dtype=torch.float32)
+    else:
+        hf_dir = target / "hf"
+        if not (hf_dir / "config.json").is_file():
+            raise DataError(f"{target} has no hf/config.json: train-drafter needs a model directory built by "
+                            "`dyncompile models build` (or the .gguf it was built from)")
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = model.to(dev).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cfg = model.config
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
+    tok_json = target / "tokenizer.json"
+    ids = load_corpus_tokens(corpus, tok_json, max_tokens=max_tokens, eos=eos)
+    logger.info("corpus: %d tokens", len(ids))
+    wins = _windows(ids, seq_len)
+    rng = np.random.default_rng(seed)
+    wins = wins[rng.permutation(len(wins))]
+    n_eval = max(2, len(wins) // 50)
+    eval_w, train_w = wins[:n_eval], wins[n_eval:]
+    amp = dev.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else (lambda: torch.autocast("cpu", enabled=False))
+
+    # --- self-distillation: the target's own greedy continuations of corpus prefixes ---------------
+    distilled = np.zeros((0, distill_prompt + distill_new), np.int64)
+    if distill_sequences > 0:
+        gen_bs = 128 if amp else 4
+        starts = rng.integers(0, len(ids) - distill_prompt, size=distill_sequences)
+        prompts = np.stack([ids[s : s + distill_prompt] for s in starts])
+        outs = []
+        bar = tqdm(range(0, len(prompts), gen_bs), desc="self-distillation", disable=not progress)
+        with torch.no_grad(), autocast():
+            for i in bar:
+                p = torch.as_tensor(prompts[i : i + gen_bs], device=dev)
+                g = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=distill_new, min_new_tokens=distill_new,
+                                   do_sample=False, pad_token_id=eos, eos_token_id=None)
+                outs.append(g.cpu().numpy())
+        distilled = np.concatenate(outs)
+        logger.info("self-distillation: %d sequences of %d tokens", len(distilled), distilled.shape[1])
+
+    # --- draft vocabulary: most frequent tokens of the training text (corpus + continuations) -----
+    vocab_size = int(cfg.vocab_size)
+    counts = np.bincount(np.concatenate([train_w.ravel(), distilled.ravel()]), minlength=vocab_size)
+    if draft_vocab and draft_vocab < vocab_size:
+        vocab = np.sort(np.argsort(-counts, kind="stable")[:draft_vocab])
+        if eos not in vocab:
+            vocab = np.sort(np.append(vocab[1:] if len(vocab) else vocab, eos))
+    else:
+        vocab = np.arange(vocab_size)
+    coverage = float(counts[vocab].sum() / max(1, counts.sum()))
+    vocab_t = torch.as_tensor(vocab, device=dev)
+
+    # --- the head: fc + a copy of the target's last decoder layer --------------------------------
+    import copy
+
+    base = model.model
+    hidden = int(cfg.hidden_size)
+    last_idx = len(base.layers) - 1
+    layer = copy.deepcopy(base.layers[last_idx]).float()
+    layer_orig = {k: v.detach().cpu().numpy().copy() for k, v in layer.state_dict().items()}
+    for p in layer.parameters():
+        p.requires_grad_(True)
+    fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+    with torch.no_grad():  # start as "take the feature" (identity on the feature half)
+        fc.weight.zero_()
+        fc.weight[:, hidden:] = torch.eye(hidden)
+        fc.bias.zero_()
+    head = torch.nn.ModuleDict({"fc": fc, "layer": layer}).to(dev)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
+    norm = base.norm
+    w_head = model.lm_head.weight[vocab_t]  # [Vd, H]
+    captured = {}
+    hook = norm.register_forward_hook(lambda m, a, o: captured.__setitem__("f", a[0]))
+
+    def target_pass(x):
+        with torch.no_grad(), autocast():
+            out = model(input_ids=x, use_cache=False)
+        f = captured.pop("f").float()
+        logits = out.logits.float()[..., vocab_t]
+        return f, logits
+
+    def head_forward(x, f_in):
+        """x: tokens [B, T]; f_in: features [B, T-1, H] for positions 0..T-2 -> predicted f for 1..T-1."""
+        emb = base.embed_tokens(x[:, 1:]).float()
+        h = head["fc"](torch.cat([emb, f_in], dim=-1))
+        pos = torch.arange(h.shape[1], device=dev)[None].expand(h.shape[0], -1)
+        pe = base.rotary_emb(h, pos)
+        h = head["layer"](h, attention_mask=None, position_ids=pos, position_embeddings=pe, use_cache=False)
+        h = h[0] if isinstance(h, tuple) else h
+        return h
+
+    def losses(x):
+        f, logits = target_pass(x)
+        f_in = f[:, :-1]
+        if noise > 0 and head.training:
+            f_in = f_in + (torch.rand_like(f_in) - 0.5) * noise
+        with autocast():
+            pred = head_forward(x, f_in)
+            plog = torch.nn.functional.linear(norm(pred), w_head).float()
+        tgt = f[:, 1:]
+        scale = tgt.detach().abs().mean()
+        vloss = torch.nn.functional.smooth_l1_loss(pred.float() / scale, tgt / scale)
+        tp = torch.softmax(logits[:, 1:], -1)
+        ploss = -(tp * torch.log_softmax(plog, -1)).sum(-1).mean()
+        acc = (plog.argmax(-1) == logits[:, 1:].argmax(-1)).float().mean()
+        return vloss, ploss, acc
+
+    # training rows: corpus windows and distilled sequences (each cut to seq_len)
+    rows = [r for r in train_w]
+    for d in distilled:
+        rows.append(d[:seq_len] if len(d) >= seq_len else d)
+    lengths = {len(r) for r in rows}
+    history = []
+    head.train()
+    bar = tqdm(range(steps), desc="train eagle head", disable=not progress)
+    t_train = time.perf_counter()
+    done = 0
+    for step in bar:
+        if max_seconds is not None and time.perf_counter() - t_train > max_seconds:
+            logger.info("stopping at step %d: --max-seconds %.0f reached", step, max_seconds)
+            break
+        done = step + 1
+        L = sorted(lengths)[step % len(lengths)] if len(lengths) > 1 else seq_len
+        pool = [i for i in range(len(rows)) if len(rows[i]) == L]
+        pick = rng.choice(pool, size=min(batch, len(pool)), replace=False)
+        x = torch.as_tensor(np.stack([rows[i] for i in pick]), device=dev)
+        vloss, ploss, acc = losses(x)
+        loss = vloss + p_weight * ploss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        if step % 10 == 0 or step == steps - 1:
+            v, pl, a = (float(t.detach()) for t in (vloss, ploss, acc))
+            history.append({"step": step, "vloss": round(v, 5), "ploss": round(pl, 4), "acc": round(a, 4)})
+            bar.set_postfix(v=f"{v:.4f}", p=f"{pl:.3f}", acc=f"{a:.3f}")
+            if not progress and step % 200 == 0:
+                logger.info("step %d: vloss %.4f ploss %.3f acc %.3f", step, v, pl, a)
+    head.eval()
+    ev = []
+    with torch.no_grad():
+        for i in range(0, len(eval_w), batch):
+            x = torch.as_tensor(eval_w[i : i + batch], device=dev)
+            ev.append([float(t) for t in losses(x)])
+    hook.remove()
+    ev_arr = np.asarray(ev).mean(0)
+
+    # --- save --------------------------------------------------------------------------------------
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {
+        "fc.weight": fc.weight.detach().cpu().float().numpy(),
+        "fc.bias": fc.bias.detach().cpu().float().numpy(),
+        "vocab": vocab.astype(np.int64),
+    }
+    params = {}
+    for k, v in layer.state_dict().items():
+        arrays[f"layer.{k}"] = v.detach().cpu().float().numpy()
+        params[k] = {"shape": list(v.shape), "replaces": fingerprint(layer_orig[k])}
+    np.savez(out / "eagle_head.npz", **arrays)
+    info = {
+        "format": HEAD_FORMAT,
+        "target": target.name,
+        "target_config": {"hidden_size": hidden, "num_layers": last_idx + 1, "vocab_size": vocab_size,
+                          "model_type": cfg.model_type},
+        "layer_params": params,
+        "draft_vocab": int(len(vocab)),
+        "draft_vocab_coverage": round(coverage, 4),
+        "corpus": {"source": str(corpus) if corpus else f"CPython stdlib {sysconfig.get_paths()['stdlib']}",
+                   "held_out": list(HELD_OUT), "tokens": int(len(ids)), "train_windows": int(len(train_w)),
+                   "eval_windows": int(len(eval_w)), "seq_len": seq_len,
+                   "distilled_sequences": int(len(distilled)), "distill_prompt": distill_prompt,
+                   "distill_new": distill_new},
+        "training": {"steps": done, "planned_steps": steps, "batch": batch, "lr": lr, "p_weight": p_weight, "noise": noise, "seed": seed,
+                     "device": str(dev), "torch": torch.__version__,
+                     "seconds": round(time.perf_counter() - t_start, 1)},
+        "eval": {"vloss": round(float(ev_arr[0]), 5), "ploss": round(float(ev_arr[1]), 4),
+                 "draft_top1_agreement": round(float(ev_arr[2]), 4)},
+        "history": history,
+    }
+    (out / "eagle_head.json").write_text(json.dumps(info, indent=1))
+    logger.info("eagle head: eval top-1 agreement %.3f (one step, true features); wrote %s", ev_arr[2], out)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dyncompile train-drafter TARGET --out HEAD_DIR``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="dyncompile train-drafter",
+        description="Train an EAGLE draft head (fc + one decoder layer of the target's architecture) on the target's "
+        "own features over the CPython standard library (minus the files benchmark prompts are cut from) and the "
+        "target's own greedy continuations of it. Needs PyTorch + transformers (`pip install dyncompile[train]`). "
+        "Then: dyncompile MODEL.onnx --passes 'eagle-drafter{head=HEAD_DIR},speculative' -o PLAN",
+        epilog="example (a tiny CPU head in ~1 min): dyncompile train-drafter ~/.cache/dyncompile/models/smollm2-135m "
+        "--out ~/.cache/dyncompile/heads/smollm2-tiny --steps 40 --max-tokens 60000 --seq-len 128 --batch 4",
+    )
+    p.add_argument("target", help="model directory with hf/ (from `dyncompile models build`), or the .gguf it was built from")
+    p.add_argument("--out", required=True, help="head directory to write (eagle_head.npz + eagle_head.json)")
+    p.add_argument("--corpus", help="folder of .py files or a .npy of token ids (default: this Python's stdlib)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft LM head size (0 = the full vocabulary)")
+    p.add_argument("--max-tokens", type=int, default=2_000_000, help="corpus tokens to read")
+    p.add_argument("--distill", type=int, default=0, metavar="N", help="self-distillation: N target continuations")
+    p.add_argument("--max-seconds", type=float, help="stop training after this long")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise DataError(f"train-drafter needs PyTorch and transformers ({e}); pip install 'dyncompile[train]'") from None
+    for name in ("steps", "batch", "seq_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise DataError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise DataError(f"--device must be cpu or cuda, not {args.device!r}")
+    info = train_drafter(args.target, args.out, corpus=args.corpus, device=args.device, steps=args.steps,
+                         batch=args.batch, seq_len=args.seq_len, lr=args.lr, draft_vocab=args.draft_vocab,
+                         max_tokens=args.max_tokens, distill_sequences=args.distill, seed=args.seed,
+                         max_seconds=args.max_seconds, progress=not args.quiet)
+    print(f"head written to {args.out}: one-step draft agreement {info['eval']['draft_top1_agreement']:.3f} on held-out "
+          f"windows, draft vocabulary {info['draft_vocab']} ({info['draft_vocab_coverage']:.1%} of corpus tokens), "
+          f"{info['training']['seconds']} s")
+    return 0
