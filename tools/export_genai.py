@@ -120,6 +120,10 @@ def genai_config(plan, *, max_draft_tokens: int | None = None, adaptive_k: int |
     eos = list(gen.eos_token_ids)
     if not eos:
         raise DataError(f"plan {plan.directory}: no eos_token_ids in the generation settings; onnxruntime-genai needs one")
+    bad = [t for t in eos if t >= vocab]
+    if bad:
+        raise DataError(f"plan {plan.directory}: eos token id(s) {bad} >= the vocabulary size {vocab}; onnxruntime-genai "
+                        "requires every eos_token_id inside the vocabulary")
     files = plan.files
     model: dict[str, Any] = {
         "bos_token_id": gen.bos_token_id if gen.bos_token_id is not None else eos[0],
