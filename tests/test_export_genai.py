@@ -122,18 +122,18 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
     assert_clean_error(rc, err, "/nonexistent/python", "--peer-python")
     env_path = os.pathsep.join(p for p in [str(Path(dyncompile.__file__).parent.parent), os.environ.get("PYTHONPATH")] if p)
     r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
-                        str(prompts), "--peers", "none", "--spinning-off", "--max-new-tokens", "12", "-q",
+                        str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q",
                         "--report-dir", str(tmp_path / "rep"), "--name", "t"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((tmp_path / "rep" / "t.json").read_text())
     names = [x["name"] for x in rep["results"]]
-    assert names[0] == "dyncompile target alone" and "dyncompile speculative, spinning off" in names
+    assert names[0] == "dyncompile target alone" and "dyncompile speculative, spinning on" in names
     for row in rep["results"]:  # greedy speculative and the spinning setting change no token
         assert row["identical"] == row["of"] == len(PROMPTS), row
         assert row["new_tokens"] == 12 * len(PROMPTS)
-    assert rep["workers"]["dyncompile-spin-off"]["settings"]["session_config"] == {
-        "session.intra_op.allow_spinning": "0"}
+    assert rep["workers"]["dyncompile"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0"}
+    assert rep["workers"]["dyncompile-spin-on"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "1"}
 
 
 @pytest.mark.skipif(not PEER_PY.exists(), reason="needs onnxruntime-genai's environment ($DYNCOMPILE_PEER_VENVS/ortgenai)")
@@ -152,3 +152,10 @@ def test_onnxruntime_genai_generates_the_plan_tokens(plans, kind, tmp_path):
         assert rep["ids"] == list(want) and len(want) > 2, (kind, p)
         if kind != "plain":  # it really speculated
             assert rep["stats"].get("rounds", 0) > 0, rep
+
+
+def test_load_default_session_config_is_spinning_off(plans):
+    m = dyncompile.load(plans["plain"])
+    assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    m = dyncompile.load(plans["plain"], session_config={"session.intra_op.allow_spinning": "1"})
+    assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"

@@ -4,7 +4,7 @@
 openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every prompt, greedy, through:
 
 * dyncompile's target alone and its speculative step, loaded the way ``dyncompile.load`` loads them by default
-  (``--spinning-off`` adds the same plan with ORT intra-op spinning off, the setting of the in-process benches);
+  (intra-op spinning off; ``--spinning-on`` adds the same plan with ORT's own default, spinning on);
 * each peer's greedy decoding on its own export of the same model (``--peer-model``), and its speculative modes
   when asked: a draft model (``--peer-draft``: an onnxruntime-genai folder whose genai_config.json has a
   ``model.draft`` section, or an OpenVINO draft IR folder) and n-gram / prompt-lookup decoding (``--peer-ngram``).
@@ -45,7 +45,7 @@ PEERS = {
     "ortgenai": ("ortgenai", "onnxruntime-genai", "draft model / n-gram"),
     "openvino": ("ovgenai", "OpenVINO GenAI", "draft model / prompt lookup"),
 }
-SPIN_OFF = "session.intra_op.allow_spinning=0"
+SPIN_ON = "session.intra_op.allow_spinning=1"
 
 
 class Worker:
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan directory (speculative_generate or generate step)")
     p.add_argument("--prompts", required=True, help="JSONL with 'prompt' (+ 'chat', 'id', 'max_new_tokens')")
     p.add_argument("--peers", default="ortgenai,openvino", help="comma list of %s (default: %%(default)s); "
-                   "'none' runs dyncompile alone (e.g. with --spinning-off)" % ", ".join(PEERS))
+                   "'none' runs dyncompile alone (e.g. with --spinning-on)" % ", ".join(PEERS))
     p.add_argument("--peer-python", action="append", default=[], metavar="NAME=PATH",
                    help="the Python of a peer's environment (default $DYNCOMPILE_PEER_VENVS/{ortgenai,ovgenai}/bin/python)")
     p.add_argument("--peer-model", action="append", default=[], metavar="NAME=DIR",
@@ -214,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram-draft-tokens", type=int, default=8,
                    help="peers' draft tokens per round in n-gram / prompt lookup (default 8)")
     p.add_argument("--ngram-size", type=int, default=3, help="peers' n-gram size (default 3)")
-    p.add_argument("--spinning-off", action="store_true",
-                   help="also run the plan with ORT intra-op spinning off (a second dyncompile worker)")
+    p.add_argument("--spinning-on", action="store_true",
+                   help="also run the plan with ORT intra-op spinning on (ORT's default; dyncompile.load turns it off): "
+                   "a second dyncompile worker")
     p.add_argument("--no-speculative", action="store_true", help="skip dyncompile's speculative step")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
@@ -263,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     runners = [Runner("dyncompile target alone", "dyncompile", "greedy", "dyncompile")]
     if speculative:
         runners.append(Runner(f"dyncompile speculative ({_drafter_name(step)})", "dyncompile", "spec", "dyncompile"))
-    if args.spinning_off:
-        specs["dyncompile-spin-off"] = dyn_cmd + ["--session-config", SPIN_OFF]
-        runners.append(Runner("dyncompile target alone, spinning off", "dyncompile-spin-off", "greedy", "dyncompile"))
+    if args.spinning_on:
+        specs["dyncompile-spin-on"] = dyn_cmd + ["--session-config", SPIN_ON]
+        runners.append(Runner("dyncompile target alone, spinning on", "dyncompile-spin-on", "greedy", "dyncompile"))
         if speculative:
-            runners.append(Runner("dyncompile speculative, spinning off", "dyncompile-spin-off", "spec", "dyncompile"))
+            runners.append(Runner("dyncompile speculative, spinning on", "dyncompile-spin-on", "spec", "dyncompile"))
     for s in peers:
         py = _peer_python(s, pythons)
         human = PEERS[s][1]

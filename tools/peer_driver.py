@@ -130,7 +130,10 @@ class Dyncompile:
         cfg = dict(kv.split("=", 1) for kv in args.session_config)
         self.model = dyncompile.load(args.model, threads=args.threads, session_config=cfg or None)
         self.version = dyncompile.__version__ if hasattr(dyncompile, "__version__") else "checkout"
-        self.settings = {"threads": args.threads, "session_config": cfg or "dyncompile.load defaults"}
+        from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
+
+        self.settings = {"threads": args.threads, "session_config": {**DEFAULT_SESSION_CONFIG, **cfg},
+                         "given": cfg or "dyncompile.load defaults"}
 
     def encode(self, text, chat):
         from dyncompile.runtime.generate import prompt_ids_of
