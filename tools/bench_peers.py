@@ -124,9 +124,9 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
 
-def run_peers(workers: dict[str, Worker], runners: list[Runner], encoded: list[list[int]], budgets: list[int],
-              *, eos: set[int], progress: bool = True) -> dict[str, Any]:
-    """Every prompt through every runner, rotating; the first runner is the reference."""
+def measure(workers: dict[str, Worker], runners: list[Runner], encoded: list[list[int]], budgets: list[int],
+            *, progress: bool = True, desc: str = "prompts") -> tuple[dict[str, list[dict]], list[float]]:
+    """Every prompt through every runner, rotating order per prompt (after one warm-up call each)."""
     from tqdm.auto import tqdm
 
     for r in runners:  # warm-up: allocators, kernels, first-call compilation
@@ -134,12 +134,25 @@ def run_peers(workers: dict[str, Worker], runners: list[Runner], encoded: list[l
     runs: dict[str, list[dict]] = {r.name: [] for r in runners}
     loads = []
     order = list(range(len(runners)))
-    for i in tqdm(range(len(encoded)), desc="prompts", disable=not progress, leave=False):
+    for i in tqdm(range(len(encoded)), desc=desc, disable=not progress, leave=False):
         order = order[1:] + order[:1]
         loads.append(round(os.getloadavg()[0], 2))
         for j in order:
             r = runners[j]
             runs[r.name].append(workers[r.worker].request(ids=encoded[i], max_new_tokens=budgets[i], mode=r.mode))
+    return runs, loads
+
+
+def run_peers(workers: dict[str, Worker], runners: list[Runner], encoded: list[list[int]], budgets: list[int],
+              *, eos: set[int], progress: bool = True) -> dict[str, Any]:
+    """Every prompt through every runner, rotating; the first runner is the reference."""
+    runs, loads = measure(workers, runners, encoded, budgets, progress=progress)
+    return summarize(runners, runs, encoded, eos=eos, loads={"all": loads})
+
+
+def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[list[int]], *, eos: set[int],
+              loads: dict[str, list[float]]) -> dict[str, Any]:
+    """Per-runner tokens/s, prefill, decode tokens/s and token identity with the first runner (the reference)."""
     ref = runs[runners[0].name]
     rows = []
     for r in runners:
@@ -171,7 +184,7 @@ def markdown_report(report: dict[str, Any]) -> str:
     lines = [f"## {report['plan_name']} vs peers: {report['prompts']} prompts ({report['prompts_file']}), greedy, "
              f"{report['max_new_tokens']} new tokens, {report['threads']} threads", "",
              f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '')}; load (1/5/15 min) at start "
-             f"{report.get('load_start')}, at end {report.get('load_end')}", "",
+             f"{report.get('load_start')}, at end {report.get('load_end')}; {report.get('passes', '')}", "",
              "| runner | tok/s (incl. prefill) | prefill s (sum) | decode tok/s | vs dyncompile target | "
              "identical to fp32 greedy reference | acceptance (mean) |", "|---|---|---|---|---|---|---|"]
     for r in report["results"]:
@@ -218,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the plan with ORT intra-op spinning on (ORT's default; dyncompile.load turns it off): "
                    "a second dyncompile worker")
     p.add_argument("--no-speculative", action="store_true", help="skip dyncompile's speculative step")
+    p.add_argument("--sequential-peers", action="store_true",
+                   help="when the models do not fit in memory together: dyncompile's runners first (interleaved), then "
+                   "each peer's runners in a pass of their own with only that peer's workers loaded")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
@@ -294,13 +310,32 @@ def main(argv: list[str] | None = None) -> int:
                 specs[f"{s}-draft"] = dbase + ["--model", drafts[s]]
             runners.append(Runner(f"{human} draft model ({args.max_draft_tokens} drafts)", f"{s}-draft", "draft", "peer"))
     workers: dict[str, Worker] = {}
+    groups = [[r for r in runners if r.kind == "dyncompile"]]
+    if args.sequential_peers:
+        groups += [[r for r in runners if r.worker.split("-")[0] == s] for s in peers]
+    else:
+        groups[0] = runners
+    groups = [g for g in groups if g]
+    runs: dict[str, list[dict]] = {}
+    loads: dict[str, list[float]] = {}
     try:
-        for key, cmd in specs.items():
-            workers[key] = Worker(key, cmd, env=env)
+        for key in {r.worker for r in groups[0]} | {"dyncompile"}:
+            workers[key] = Worker(key, specs[key], env=env)
         enc = workers["dyncompile"]
         encoded = [enc.request(encode=p["prompt"], chat=p["chat"])["ids"] for p in prompts]
         budgets = [int(p.get("max_new_tokens") or args.max_new_tokens) for p in prompts]
-        report = run_peers(workers, runners, encoded, budgets, eos=eos, progress=not args.quiet)
+        for gi, group in enumerate(groups):
+            keys = {r.worker for r in group}
+            for key in keys - set(workers):
+                workers[key] = Worker(key, specs[key], env=env)
+            r, ld = measure(workers, group, encoded, budgets, progress=not args.quiet, desc=f"pass {gi + 1}/{len(groups)}")
+            runs.update(r)
+            loads[" + ".join(x.name for x in group)] = ld
+            if gi:  # a sequential peer pass: free its memory before the next one
+                for key in keys:
+                    workers[key].close()
+        report = summarize(runners, runs, encoded, eos=eos, loads=loads)
+        report["passes"] = "sequential (dyncompile, then each peer alone)" if len(groups) > 1 else "one interleaved pass"
     finally:
         for w in workers.values():
             w.close()
@@ -326,5 +361,11 @@ def _drafter_name(step) -> str:
 
 
 if __name__ == "__main__":
+    from dyncompile.errors import DyncompileError
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DyncompileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
