@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             r, ld = measure(workers, group, encoded, budgets, progress=not args.quiet, desc=f"pass {gi + 1}/{len(groups)}")
             runs.update(r)
             loads[" + ".join(x.name for x in group)] = ld
-            if gi:  # a sequential peer pass: free its memory before the next one
-                for key in keys:
+            if len(groups) > 1:  # sequential passes: free this pass's memory before the next one
+                for key in {r.worker for r in group} | ({"dyncompile"} if gi == 0 else set()):
                     workers[key].close()
         report = summarize(runners, runs, encoded, eos=eos, loads=loads)
         report["passes"] = "sequential (dyncompile, then each peer alone)" if len(groups) > 1 else "one interleaved pass"
