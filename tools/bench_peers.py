@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-speculative", action="store_true", help="skip dyncompile's speculative step")
     p.add_argument("--sequential-peers", action="store_true",
                    help="when the models do not fit in memory together: dyncompile's runners first (interleaved), then "
-                   "each peer's runners in a pass of their own with only that peer's workers loaded")
+                   "each peer worker's runners in a pass of their own with only that worker loaded")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     workers: dict[str, Worker] = {}
     groups = [[r for r in runners if r.kind == "dyncompile"]]
     if args.sequential_peers:
-        groups += [[r for r in runners if r.worker.split("-")[0] == s] for s in peers]
+        peer_workers = list(dict.fromkeys(r.worker for r in runners if r.kind == "peer"))
+        groups += [[r for r in runners if r.worker == w] for w in peer_workers]  # one loaded model at a time
     else:
         groups[0] = runners
     groups = [g for g in groups if g]
