@@ -18,7 +18,7 @@ import numpy as np
 from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.plan import Plan, Step, load_plan
 from dyncompile.runtime.exit_rule import softmax
-from dyncompile.runtime.providers import check_ort_flavours, resolve_provider
+from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG, check_ort_flavours, resolve_provider
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RuntimeContext:
         if self.provider == "CUDAExecutionProvider" and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels (or a matching PyTorch), if present
         self.threads = threads
-        self.session_config = dict(session_config or {})
+        self.session_config = {**DEFAULT_SESSION_CONFIG, **(session_config or {})}
         levels = {
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
@@ -335,7 +335,9 @@ def load(
         threads: ORT intra-op threads (default: ORT's choice, all cores).
         optimization: ORT graph optimisation level: ``all``, ``extended``, ``basic`` or ``disable``.
         provider_options: options for the provider, over dyncompile's defaults.
-        session_config: ORT session config entries (e.g. ``{"session.intra_op.allow_spinning": "0"}``).
+        session_config: ORT session config entries over dyncompile's defaults
+            (:data:`~dyncompile.runtime.providers.DEFAULT_SESSION_CONFIG`: intra-op spinning off; pass
+            ``{"session.intra_op.allow_spinning": "1"}`` to turn spinning back on on a dedicated machine).
         verify_hashes: check every file's sha256 against the plan (default on).
     """
     check_ort_flavours()

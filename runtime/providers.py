@@ -18,7 +18,22 @@ from dyncompile.errors import ProviderError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROVIDERS", "ProviderInfo", "installed_ort_flavours", "check_ort_flavours", "resolve_provider"]
+__all__ = [
+    "DEFAULT_SESSION_CONFIG",
+    "PROVIDERS",
+    "ProviderInfo",
+    "installed_ort_flavours",
+    "check_ort_flavours",
+    "resolve_provider",
+]
+
+#: ORT session config entries every session of ``dyncompile.load`` gets unless the caller overrides them.
+#: Intra-op spinning is off: measured on the 2-core machine while shared (load 9-13, issue #15,
+#: bench-results/peers/smollm2-spinning-all.md), SmolLM2 with spinning off ran 1.88x (target alone) and 1.76x
+#: (prompt-lookup speculative: two sessions in one process, whose threads would spin against each other) the
+#: tokens/s of ORT's default (spinning on). Pass ``session_config={"session.intra_op.allow_spinning": "1"}`` on a
+#: dedicated machine to turn it back on.
+DEFAULT_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "0"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -701,3 +701,22 @@ def test_3_two_concurrent_compiles_to_one_output(model_copy, tmp_path):
     assert "already exists" in err or "meanwhile" in err, err
     assert dyncompile.load(out)([TEXT])[0].label in LABELS
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+# ------------------------------------------------------------------------------------------- 9. export-genai (issue #15)
+
+
+def test_9_export_genai_refuses_bad_plans(built, plan_copy, tmp_path, capsys):
+    """A classifier plan, a tampered model file and KV names without one per-layer pattern: one clean error each,
+    and no output folder."""
+    rc, _, err = run_cli(capsys, "export-genai", built["cls"], "-o", tmp_path / "a")
+    assert_clean_error(rc, err, "text-generation")
+    spec = plan_copy("spec")
+    with open(spec / "model.onnx", "ab") as f:
+        f.write(b"\0")
+    rc, _, err = run_cli(capsys, "export-genai", spec, "-o", tmp_path / "b")
+    assert_clean_error(rc, err, "model.onnx")
+    gen = _mutate(plan_copy("gen"), lambda r: r["steps"][0]["target"]["kv"][2].update(past="cache_k_layer1"))
+    rc, _, err = run_cli(capsys, "export-genai", gen, "-o", tmp_path / "c")
+    assert_clean_error(rc, err, "cache_k_layer1", "pattern")
+    assert not any((tmp_path / d).exists() for d in "abc")

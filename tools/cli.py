@@ -6,6 +6,8 @@ Forms::
     dyncompile inspect MODEL.onnx | PLAN_DIR                   structure report
     dyncompile run PLAN_DIR --text "..." | --data FILE.jsonl   run a plan
     dyncompile bench PLAN_DIR --data FILE.jsonl                compiled vs original, same process
+    dyncompile bench PLAN_DIR --prompts FILE.jsonl [--peers]   generation plans (+ onnxruntime-genai, OpenVINO GenAI)
+    dyncompile export-genai PLAN_DIR -o FOLDER                 a generation plan as an onnxruntime-genai folder
     dyncompile models list | build NAME                        real models -> ONNX (offline)
     dyncompile passes                                          list the passes
 
@@ -25,7 +27,7 @@ from dyncompile.errors import DataError, DyncompileError
 
 logger = logging.getLogger("dyncompile")
 
-SUBCOMMANDS = ("inspect", "run", "bench", "models", "passes")
+SUBCOMMANDS = ("inspect", "run", "bench", "export-genai", "models", "passes")
 
 EPILOG = """\
 examples:
@@ -36,7 +38,7 @@ examples:
   dyncompile inspect out/
   dyncompile MODEL.onnx --passes early-exit --calib ../shared/data/sentiment/movie-calib.jsonl --budget 1.0 -o ee/
 
-other commands (each has --help): inspect, run, bench, models, passes, train-drafter
+other commands (each has --help): inspect, run, bench, export-genai, models, passes, train-drafter
 Python API: dyncompile.compile(model, passes, output_dir), dyncompile.load(plan_dir, provider="cpu")
 """
 
@@ -260,6 +262,10 @@ def _cmd_bench(argv: list[str]) -> int:
     from dyncompile.tools.diffusion_cli import refuse_diffusion_bench
 
     refuse_diffusion_bench(argv)
+    if any(a == "--peers" or a.startswith("--peers=") for a in argv):  # generation plans against peer runtimes
+        from dyncompile.tools.bench_peers import main as bench_peers
+
+        return bench_peers(argv)
     if any(a == "--prompts" or a.startswith("--prompts=") for a in argv):  # generation plans
         from dyncompile.tools.bench_speculative import main as bench_generation
 
@@ -274,6 +280,12 @@ def _cmd_train_drafter(argv: list[str]) -> int:
     from dyncompile.tools.train_drafter import main as train_main  # torch is imported there, when it runs
 
     return train_main(argv)
+
+
+def _cmd_export_genai(argv: list[str]) -> int:
+    from dyncompile.tools.export_genai import main as export_main
+
+    return export_main(argv)
 
 
 def _cmd_models(argv: list[str]) -> int:
@@ -315,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": _cmd_inspect,
         "run": _cmd_run,
         "bench": _cmd_bench,
+        "export-genai": _cmd_export_genai,
         "models": _cmd_models,
         "passes": _cmd_passes,
         "train-drafter": _cmd_train_drafter,

@@ -1,0 +1,161 @@
+"""Interop and peers (issue #15): ``dyncompile export-genai`` writes an onnxruntime-genai folder whose config maps
+the plan's decoder IO exactly (CI, no peer needed), and onnxruntime-genai generates the plan's greedy tokens from
+it (needs the peer's environment: ``$DYNCOMPILE_PEER_VENVS/ortgenai``; skipped without it). ``dyncompile bench
+--peers`` runs its worker processes end to end (dyncompile workers only in CI) and refuses a missing peer cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from helpers import assert_clean_error, run_cli
+
+import dyncompile
+from dyncompile.errors import DataError
+from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
+from dyncompile.passes.compiler import compile_model
+from dyncompile.tools.export_genai import export_genai
+
+VOCAB = 16
+EOS = VOCAB - 1  # onnxruntime-genai requires the eos id inside the vocabulary
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 9, 10, 11, 7, 7, 8]]
+PEER_PY = Path(os.environ.get("DYNCOMPILE_PEER_VENVS", "/nonexistent")) / "ortgenai" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    root = tmp_path_factory.mktemp("genai")
+    target = write_decoder_dir(root / "target", tiny_decoder(num_layers=3, vocab=VOCAB, seed=0), eos=EOS)
+    write_word_tokenizer(root / "target", VOCAB)
+    draft = write_decoder_dir(root / "draft", tiny_decoder(num_layers=1, vocab=VOCAB, seed=1), eos=EOS)
+    write_word_tokenizer(root / "draft", VOCAB)
+    calib = root / "calib.txt"
+    calib.write_text(" ".join(f"w{i % VOCAB}" for i in range(0, 1800, 7)))
+    return {
+        "root": root,
+        "plain": compile_model(target, "verify", root / "plain").plan_dir,
+        "external": compile_model(target, "speculative{draft_length=3}", root / "external", drafter=str(draft)).plan_dir,
+        "prompt-lookup": compile_model(target, "speculative", root / "pl", drafter="prompt-lookup").plan_dir,
+        "split": compile_model(target, "split-drafter{layers=1,min_speedup=0},speculative", root / "split",
+                               calib=str(calib)).plan_dir,
+    }
+
+
+def _expand(pattern: str, n: int) -> list[str]:
+    return [pattern.replace("%d", str(i)) for i in range(n)]
+
+
+def _graph_io(path: Path) -> tuple[list[str], list[str]]:
+    m = onnx.load(str(path), load_external_data=False)
+    return [i.name for i in m.graph.input], [o.name for o in m.graph.output]
+
+
+def _check_decoder_block(block: dict, folder: Path, layers: int) -> None:
+    ins, outs = _graph_io(folder / block["filename"])
+    i, o = block["inputs"], block["outputs"]
+    named_in = [i["input_ids"], i["attention_mask"], i["position_ids"]]
+    kv_in = [n for pair in zip(_expand(i["past_key_names"], layers), _expand(i["past_value_names"], layers)) for n in pair]
+    kv_out = [n for pair in zip(_expand(o["present_key_names"], layers), _expand(o["present_value_names"], layers))
+              for n in pair]
+    assert named_in + kv_in == ins  # every graph input, in the graph's order
+    assert [o["logits"], *kv_out] == outs
+    assert block["num_hidden_layers"] == layers
+
+
+def test_external_drafter_folder(plans, tmp_path):
+    out, notes = export_genai(plans["external"], tmp_path / "g")
+    cfg = json.loads((out / "genai_config.json").read_text())
+    plan = json.loads((Path(plans["external"]) / "plan.json").read_text())
+    step = plan["steps"][0]
+    m = cfg["model"]
+    _check_decoder_block(m["decoder"], out, 3)
+    _check_decoder_block(m["draft"], out, 1)
+    assert m["draft"]["filename"] != m["decoder"]["filename"]
+    assert m["vocab_size"] == VOCAB and m["eos_token_id"] == EOS
+    assert m["decoder"]["num_key_value_heads"] == step["target"]["kv"][0]["shape"][0]
+    assert m["decoder"]["head_size"] == step["target"]["kv"][0]["shape"][1]
+    assert cfg["speculative"] == {"max_draft_tokens": 3}
+    assert cfg["search"]["past_present_share_buffer"] is False and cfg["search"]["do_sample"] is False
+    for f in (m["decoder"]["filename"], m["draft"]["filename"]):  # the plan's bytes, not a re-export
+        assert (out / f).read_bytes() == (Path(plans["external"]) / f).read_bytes()
+    assert any("adaptive draft length" in n for n in notes)
+    assert "not carried over" in (out / "DYNCOMPILE-EXPORT.txt").read_text()
+
+
+def test_prompt_lookup_and_plain_folders(plans, tmp_path):
+    out, notes = export_genai(plans["prompt-lookup"], tmp_path / "pl", max_draft_tokens=6)
+    cfg = json.loads((out / "genai_config.json").read_text())
+    assert "draft" not in cfg["model"]
+    assert cfg["speculative"] == {"max_draft_tokens": 6, "ngram_size": 4}  # dyncompile's max_ngram 3 + 1
+    assert any("no fallback to shorter n-grams" in n for n in notes)
+    out, _ = export_genai(plans["plain"], tmp_path / "plain")
+    cfg = json.loads((out / "genai_config.json").read_text())
+    assert "speculative" not in cfg and "draft" not in cfg["model"]
+    _check_decoder_block(cfg["model"]["decoder"], out, 3)
+
+
+def test_refusals(plans, tmp_path, capsys):
+    with pytest.raises(DataError, match="shares the target's KV cache"):
+        export_genai(plans["split"], tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(DataError, match="1..16"):
+        export_genai(plans["external"], tmp_path / "k", max_draft_tokens=17)
+    rc, _, err = run_cli(capsys, "export-genai", plans["split"], "-o", tmp_path / "s2")
+    assert_clean_error(rc, err, "split drafter", "not exportable")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("keep")
+    rc, _, err = run_cli(capsys, "export-genai", plans["plain"], "-o", tmp_path / "taken")
+    assert rc == 2 and (tmp_path / "taken" / "x").read_text() == "keep"
+
+
+def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{t}" for t in p)}) + "\n" for p in PROMPTS))
+    rc, _, err = run_cli(capsys, "bench", plans["external"], "--prompts", prompts, "--peers", "ortgenai",
+                         "--peer-model", f"ortgenai={tmp_path}", "--peer-python", "ortgenai=/nonexistent/python")
+    assert_clean_error(rc, err, "/nonexistent/python", "--peer-python")
+    env_path = os.pathsep.join(p for p in [str(Path(dyncompile.__file__).parent.parent), os.environ.get("PYTHONPATH")] if p)
+    r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
+                        str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q",
+                        "--report-dir", str(tmp_path / "rep"), "--name", "t"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((tmp_path / "rep" / "t.json").read_text())
+    names = [x["name"] for x in rep["results"]]
+    assert names[0] == "dyncompile target alone" and "dyncompile speculative, spinning on" in names
+    for row in rep["results"]:  # greedy speculative and the spinning setting change no token
+        assert row["identical"] == row["of"] == len(PROMPTS), row
+        assert row["new_tokens"] == 12 * len(PROMPTS)
+    assert rep["workers"]["dyncompile"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0"}
+    assert rep["workers"]["dyncompile-spin-on"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "1"}
+
+
+@pytest.mark.skipif(not PEER_PY.exists(), reason="needs onnxruntime-genai's environment ($DYNCOMPILE_PEER_VENVS/ortgenai)")
+@pytest.mark.parametrize("kind", ["plain", "external", "prompt-lookup"])
+def test_onnxruntime_genai_generates_the_plan_tokens(plans, kind, tmp_path):
+    out, _ = export_genai(plans[kind], tmp_path / kind)
+    model = dyncompile.load(plans[kind])
+    driver = Path(dyncompile.__file__).parent / "tools" / "peer_driver.py"
+    reqs = "".join(json.dumps({"ids": p, "max_new_tokens": 20, "mode": "greedy"}) + "\n" for p in PROMPTS)
+    r = subprocess.run([str(PEER_PY), str(driver), "--backend", "ortgenai", "--model", str(out), "--threads", "1"],
+                       input=reqs, capture_output=True, text=True, timeout=600)
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines[0]["ready"], r.stderr[-2000:]
+    for p, rep in zip(PROMPTS, lines[1:]):
+        want = model.generate(p, max_new_tokens=20, speculative=False).token_ids
+        assert rep["ids"] == list(want) and len(want) > 2, (kind, p)
+        if kind != "plain":  # it really speculated
+            assert rep["stats"].get("rounds", 0) > 0, rep
+
+
+def test_load_default_session_config_is_spinning_off(plans):
+    m = dyncompile.load(plans["plain"])
+    assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    m = dyncompile.load(plans["plain"], session_config={"session.intra_op.allow_spinning": "1"})
+    assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"

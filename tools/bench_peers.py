@@ -1,0 +1,372 @@
+"""dyncompile against the runtimes a user would otherwise pick: onnxruntime-genai and OpenVINO GenAI.
+
+``dyncompile bench PLAN --prompts FILE --peers ortgenai,openvino --peer-model ortgenai=DIR --peer-model
+openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every prompt, greedy, through:
+
+* dyncompile's target alone and its speculative step, loaded the way ``dyncompile.load`` loads them by default
+  (intra-op spinning off; ``--spinning-on`` adds the same plan with ORT's own default, spinning on);
+* each peer's greedy decoding on its own export of the same model (``--peer-model``), and its speculative modes
+  when asked: a draft model (``--peer-draft``: an onnxruntime-genai folder whose genai_config.json has a
+  ``model.draft`` section, or an OpenVINO draft IR folder) and n-gram / prompt-lookup decoding (``--peer-ngram``).
+
+Every runner is a worker process (:mod:`dyncompile.tools.peer_driver`): the peers run with their own Python
+(``--peer-python NAME=PATH``; default ``$DYNCOMPILE_PEER_VENVS/{ortgenai,ovgenai}/bin/python``), because their
+ONNX Runtime builds clash with dyncompile's. All workers are loaded first; then each prompt runs through every
+runner in rotating order, one at a time (an idle worker blocks on its stdin: no spinning neighbours). Each worker
+times its own generation; prompts are tokenized once by the plan's tokenizer and passed as token ids, and every
+runner's new token ids are compared with dyncompile's target alone (greedy fp32 reference; a trailing EOS is
+ignored in the comparison). Reported per runner: tokens/s including prefill, prefill seconds, decode tokens/s
+(``(new - 1) / (total - prefill)`` per prompt summed, as in ``dyncompile bench``), token identity. Peers keep their
+own default session settings (both spin their intra-op threads by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dyncompile.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PEERS", "main", "markdown_report", "run_peers"]
+
+DRIVER = Path(__file__).with_name("peer_driver.py")
+#: peer name -> (venv folder name under $DYNCOMPILE_PEER_VENVS, human name, what its speculative modes are)
+PEERS = {
+    "ortgenai": ("ortgenai", "onnxruntime-genai", "draft model / n-gram"),
+    "openvino": ("ovgenai", "OpenVINO GenAI", "draft model / prompt lookup"),
+}
+SPIN_ON = "session.intra_op.allow_spinning=1"
+
+
+class Worker:
+    """One driver process; ``request`` sends a JSON line and reads the reply."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 1800):
+        self.name = name
+        self.cmd = cmd
+        logger.info("starting %s: %s", name, " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
+                                     bufsize=1, env=env)
+        self.info = self._read()
+        if not self.info.get("ready"):
+            self.close()
+            raise DataError(f"peer worker {name} failed to load: {self.info.get('error')}; command: {' '.join(cmd)}")
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait()
+            return {"ready": False, "error": f"worker exited (status {rc}) before answering; see its stderr above"}
+        return json.loads(line)
+
+    def request(self, **req) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        rep = self._read()
+        if "error" in rep:
+            raise DataError(f"{self.name}: {rep['error']}")
+        return rep
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+@dataclasses.dataclass
+class Runner:
+    name: str
+    worker: str
+    mode: str
+    kind: str  # dyncompile | peer
+
+
+def _peer_python(name: str, given: dict[str, str]) -> str:
+    if name in given:
+        py = given[name]
+    else:
+        root = os.environ.get("DYNCOMPILE_PEER_VENVS")
+        if not root:
+            raise DataError(
+                f"no Python for peer {name!r}: pass --peer-python {name}=/path/to/venv/bin/python or set "
+                f"DYNCOMPILE_PEER_VENVS to a folder holding {PEERS[name][0]}/ (README, section Peers, says how to make it)")
+        py = str(Path(root) / PEERS[name][0] / "bin" / "python")
+    if not Path(py).exists():
+        raise DataError(f"peer {name!r}: Python {py} does not exist; create the peer's environment (README, section "
+                        f"Peers) or pass --peer-python {name}=PATH")
+    return py
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep or k not in PEERS or not v:
+            raise DataError(f"{what} {it!r}: expected NAME=VALUE with NAME one of {', '.join(PEERS)}")
+        out[k] = v
+    return out
+
+
+def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+def measure(workers: dict[str, Worker], runners: list[Runner], encoded: list[list[int]], budgets: list[int],
+            *, progress: bool = True, desc: str = "prompts") -> tuple[dict[str, list[dict]], list[float]]:
+    """Every prompt through every runner, rotating order per prompt (after one warm-up call each)."""
+    from tqdm.auto import tqdm
+
+    for r in runners:  # warm-up: allocators, kernels, first-call compilation
+        workers[r.worker].request(ids=encoded[0][:64], max_new_tokens=8, mode=r.mode)
+    runs: dict[str, list[dict]] = {r.name: [] for r in runners}
+    loads = []
+    order = list(range(len(runners)))
+    for i in tqdm(range(len(encoded)), desc=desc, disable=not progress, leave=False):
+        order = order[1:] + order[:1]
+        loads.append(round(os.getloadavg()[0], 2))
+        for j in order:
+            r = runners[j]
+            runs[r.name].append(workers[r.worker].request(ids=encoded[i], max_new_tokens=budgets[i], mode=r.mode))
+    return runs, loads
+
+
+def run_peers(workers: dict[str, Worker], runners: list[Runner], encoded: list[list[int]], budgets: list[int],
+              *, eos: set[int], progress: bool = True) -> dict[str, Any]:
+    """Every prompt through every runner, rotating; the first runner is the reference."""
+    runs, loads = measure(workers, runners, encoded, budgets, progress=progress)
+    return summarize(runners, runs, encoded, eos=eos, loads={"all": loads})
+
+
+def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[list[int]], *, eos: set[int],
+              loads: dict[str, list[float]]) -> dict[str, Any]:
+    """Per-runner tokens/s, prefill, decode tokens/s and token identity with the first runner (the reference)."""
+    ref = runs[runners[0].name]
+    rows = []
+    for r in runners:
+        rr = runs[r.name]
+        new = sum(len(x["ids"]) for x in rr)
+        total = sum(x["total_s"] for x in rr)
+        pre = sum(x["prefill_s"] for x in rr)
+        ident = [_strip_eos(x["ids"], eos) == _strip_eos(b["ids"], eos) for x, b in zip(rr, ref)]
+        row = {"name": r.name, "kind": r.kind, "mode": r.mode, "new_tokens": new, "seconds": round(total, 3),
+               "tokens_per_s": round(new / total, 3), "prefill_seconds": round(pre, 3),
+               "decode_tokens_per_s": round((new - len(rr)) / max(total - pre, 1e-9), 3),
+               "identical": sum(ident), "of": len(rr), "per_prompt_identical": ident}
+        accs = [x["stats"].get("acceptance_rate") for x in rr if x.get("stats", {}).get("acceptance_rate") is not None]
+        if accs:
+            row["acceptance_rate_mean"] = round(sum(accs) / len(accs), 4)
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["speedup_vs_dyncompile_target"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        row["speedup_decode_vs_dyncompile_target"] = round(row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
+    per_prompt = [{"prompt_tokens": len(encoded[i]), **{r.name: {"new_tokens": len(runs[r.name][i]["ids"]),
+                   "total_s": round(runs[r.name][i]["total_s"], 4), "prefill_s": round(runs[r.name][i]["prefill_s"], 4)}
+                   for r in runners}} for i in range(len(encoded))]
+    return {"reference": base["name"], "results": rows, "per_prompt": per_prompt, "load_1min_per_prompt": loads}
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    m = report.get("machine", {})
+    lines = [f"## {report['plan_name']} vs peers: {report['prompts']} prompts ({report['prompts_file']}), greedy, "
+             f"{report['max_new_tokens']} new tokens, {report['threads']} threads", "",
+             f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '')}; load (1/5/15 min) at start "
+             f"{report.get('load_start')}, at end {report.get('load_end')}; {report.get('passes', '')}", "",
+             "| runner | tok/s (incl. prefill) | prefill s (sum) | decode tok/s | vs dyncompile target | "
+             "identical to fp32 greedy reference | acceptance (mean) |", "|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        acc = r.get("acceptance_rate_mean")
+        lines.append(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['prefill_seconds']:.2f} | {r['decode_tokens_per_s']:.2f} "
+                     f"| {r['speedup_vs_dyncompile_target']:.2f}x | {r['identical']}/{r['of']} | "
+                     f"{'–' if acc is None else f'{acc:.3f}'} |")
+    lines += ["", "workers (versions, settings, load seconds):", ""]
+    for name, info in report["workers"].items():
+        lines.append(f"- {name}: {info.get('backend')} {info.get('version')}, load {info.get('load_s')} s, "
+                     f"settings {json.dumps(info.get('settings'))}")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dyncompile bench PLAN --prompts FILE --peers",
+        description="Benchmark a text-generation plan against onnxruntime-genai and OpenVINO GenAI on the same model, "
+        "prompts and precision: every runner a worker process, interleaved by prompt, greedy; tokens/s, prefill, "
+        "decode, token identity with dyncompile's target alone.",
+        epilog="example: dyncompile bench spec --prompts code.jsonl --peers ortgenai,openvino "
+        "--peer-model ortgenai=peers/ortgenai-qwen-fp32 --peer-model openvino=peers/ov-qwen-fp32 "
+        "--peer-python ortgenai=/venvs/ortgenai/bin/python --peer-python openvino=/venvs/ovgenai/bin/python",
+    )
+    p.add_argument("plan", help="plan directory (speculative_generate or generate step)")
+    p.add_argument("--prompts", required=True, help="JSONL with 'prompt' (+ 'chat', 'id', 'max_new_tokens')")
+    p.add_argument("--peers", default="ortgenai,openvino", help="comma list of %s (default: %%(default)s); "
+                   "'none' runs dyncompile alone (e.g. with --spinning-on)" % ", ".join(PEERS))
+    p.add_argument("--peer-python", action="append", default=[], metavar="NAME=PATH",
+                   help="the Python of a peer's environment (default $DYNCOMPILE_PEER_VENVS/{ortgenai,ovgenai}/bin/python)")
+    p.add_argument("--peer-model", action="append", default=[], metavar="NAME=DIR",
+                   help="the peer's export of the plan's target model (same precision)")
+    p.add_argument("--peer-draft", action="append", default=[], metavar="NAME=DIR",
+                   help="also run the peer's draft-model speculative decoding: ortgenai = a folder with model.draft in "
+                   "genai_config.json, openvino = the draft model's IR folder")
+    p.add_argument("--peer-ngram", action="store_true",
+                   help="also run the peers' n-gram / prompt-lookup decoding (ortgenai ngram, OpenVINO prompt_lookup)")
+    p.add_argument("--no-peer-greedy", action="store_true", help="skip the peers' plain greedy runners")
+    p.add_argument("--max-draft-tokens", type=int, default=4, help="peers' draft tokens per round (default 4)")
+    p.add_argument("--ngram-draft-tokens", type=int, default=8,
+                   help="peers' draft tokens per round in n-gram / prompt lookup (default 8)")
+    p.add_argument("--ngram-size", type=int, default=3, help="peers' n-gram size (default 3)")
+    p.add_argument("--spinning-on", action="store_true",
+                   help="also run the plan with ORT intra-op spinning on (ORT's default; dyncompile.load turns it off): "
+                   "a second dyncompile worker")
+    p.add_argument("--no-speculative", action="store_true", help="skip dyncompile's speculative step")
+    p.add_argument("--sequential-peers", action="store_true",
+                   help="when the models do not fit in memory together: dyncompile's runners first (interleaved), then "
+                   "each peer worker's runners in a pass of their own with only that worker loaded")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
+    p.add_argument("--report-dir", default="bench-results/peers")
+    p.add_argument("--name", help="report file stem (default: PLANNAME-PROMPTSTEM-peers)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dyncompile.io import write_json_atomic
+    from dyncompile.plan import load_plan
+    from dyncompile.tools._bench_common import load_avg, machine_info
+    from dyncompile.tools.prompt_sets import read_prompts
+
+    if args.max_new_tokens < 1 or args.threads < 1:
+        raise DataError("--max-new-tokens and --threads must be >= 1")
+    peers = [] if args.peers.strip() == "none" else [s.strip() for s in args.peers.split(",") if s.strip()]
+    bad = [s for s in peers if s not in PEERS]
+    if bad:
+        raise DataError(f"--peers: unknown peer(s) {bad}; choose from {', '.join(PEERS)} (or 'none')")
+    pythons, models_, drafts = (_pairs(args.peer_python, "--peer-python"), _pairs(args.peer_model, "--peer-model"),
+                                _pairs(args.peer_draft, "--peer-draft"))
+    for s in peers:
+        if s not in models_:
+            raise DataError(f"peer {s!r} needs its export of the target: --peer-model {s}=DIR (README, section Peers)")
+        for d in (models_[s], drafts.get(s)):
+            if d and not Path(d).is_dir():
+                raise DataError(f"peer {s!r}: folder {d} does not exist")
+    plan = load_plan(args.plan, verify_hashes=False)
+    if plan.task != "text-generation":
+        raise DataError(f"{args.plan} is a {plan.task!r} plan; --peers is for text-generation plans")
+    step = plan.steps[0]
+    eos = set((step.params.get("generation") or {}).get("eos_token_ids") or [])
+    speculative = step.kind != "generate" and not args.no_speculative
+    prompts = read_prompts(args.prompts, args.limit)
+    load_start = load_avg()
+
+    env = dict(os.environ)
+    dyn_cmd = [sys.executable, "-m", "dyncompile.tools.peer_driver", "--backend", "dyncompile", "--model",
+               str(args.plan), "--threads", str(args.threads)]
+    specs: dict[str, list[str]] = {"dyncompile": dyn_cmd}
+    runners = [Runner("dyncompile target alone", "dyncompile", "greedy", "dyncompile")]
+    if speculative:
+        runners.append(Runner(f"dyncompile speculative ({_drafter_name(step)})", "dyncompile", "spec", "dyncompile"))
+    if args.spinning_on:
+        specs["dyncompile-spin-on"] = dyn_cmd + ["--session-config", SPIN_ON]
+        runners.append(Runner("dyncompile target alone, spinning on", "dyncompile-spin-on", "greedy", "dyncompile"))
+        if speculative:
+            runners.append(Runner("dyncompile speculative, spinning on", "dyncompile-spin-on", "spec", "dyncompile"))
+    for s in peers:
+        py = _peer_python(s, pythons)
+        human = PEERS[s][1]
+        base = [py, str(DRIVER), "--backend", s, "--threads", str(args.threads), "--ngram-size", str(args.ngram_size)]
+        greedy_cmd = base + ["--model", models_[s], "--max-draft-tokens", str(args.ngram_draft_tokens)]
+        if not args.no_peer_greedy:
+            specs[s] = greedy_cmd
+            runners.append(Runner(f"{human} greedy", s, "greedy", "peer"))
+        if args.peer_ngram:
+            if s == "openvino":
+                specs[f"{s}-lookup"] = greedy_cmd + ["--prompt-lookup"]
+                runners.append(Runner(f"{human} prompt lookup ({args.ngram_size}-grams, {args.ngram_draft_tokens} drafts)",
+                                      f"{s}-lookup", "ngram", "peer"))
+            else:
+                specs.setdefault(s, greedy_cmd)
+                runners.append(Runner(f"{human} n-gram ({args.ngram_size}-grams, {args.ngram_draft_tokens} drafts)", s,
+                                      "ngram", "peer"))
+        if s in drafts:
+            dbase = base + ["--max-draft-tokens", str(args.max_draft_tokens)]
+            if s == "openvino":
+                specs[f"{s}-draft"] = dbase + ["--model", models_[s], "--draft", drafts[s]]
+            else:
+                specs[f"{s}-draft"] = dbase + ["--model", drafts[s]]
+            runners.append(Runner(f"{human} draft model ({args.max_draft_tokens} drafts)", f"{s}-draft", "draft", "peer"))
+    workers: dict[str, Worker] = {}
+    groups = [[r for r in runners if r.kind == "dyncompile"]]
+    if args.sequential_peers:
+        peer_workers = list(dict.fromkeys(r.worker for r in runners if r.kind == "peer"))
+        groups += [[r for r in runners if r.worker == w] for w in peer_workers]  # one loaded model at a time
+    else:
+        groups[0] = runners
+    groups = [g for g in groups if g]
+    runs: dict[str, list[dict]] = {}
+    loads: dict[str, list[float]] = {}
+    try:
+        for key in {r.worker for r in groups[0]} | {"dyncompile"}:
+            workers[key] = Worker(key, specs[key], env=env)
+        enc = workers["dyncompile"]
+        encoded = [enc.request(encode=p["prompt"], chat=p["chat"])["ids"] for p in prompts]
+        budgets = [int(p.get("max_new_tokens") or args.max_new_tokens) for p in prompts]
+        for gi, group in enumerate(groups):
+            keys = {r.worker for r in group}
+            for key in keys - set(workers):
+                workers[key] = Worker(key, specs[key], env=env)
+            r, ld = measure(workers, group, encoded, budgets, progress=not args.quiet, desc=f"pass {gi + 1}/{len(groups)}")
+            runs.update(r)
+            loads[" + ".join(x.name for x in group)] = ld
+            if len(groups) > 1:  # sequential passes: free this pass's memory before the next one
+                for key in {r.worker for r in group} | ({"dyncompile"} if gi == 0 else set()):
+                    workers[key].close()
+        report = summarize(runners, runs, encoded, eos=eos, loads=loads)
+        report["passes"] = "sequential (dyncompile, then each peer alone)" if len(groups) > 1 else "one interleaved pass"
+    finally:
+        for w in workers.values():
+            w.close()
+    name = args.name or f"{Path(args.plan).resolve().name}-{Path(args.prompts).stem}-peers"
+    report.update({"plan": str(Path(args.plan).resolve()), "plan_name": Path(args.plan).resolve().name,
+                   "prompts_file": str(args.prompts), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                   "threads": args.threads, "machine": machine_info(), "load_start": load_start, "load_end": load_avg(),
+                   "workers": {k: {**w.info, "command": specs[k][1:]} for k, w in workers.items()},
+                   "peer_models": models_, "peer_drafts": drafts})
+    report["markdown"] = markdown_report(report)
+    out = Path(args.report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / f"{name}.json", report)
+    (out / f"{name}.md").write_text(report["markdown"])
+    print(report["markdown"])
+    print(f"written: {out / (name + '.json')} {out / (name + '.md')}")
+    return 0
+
+
+def _drafter_name(step) -> str:
+    d = step.params.get("drafter") or {}
+    return str(d.get("kind") or d.get("name") or "drafter")
+
+
+if __name__ == "__main__":
+    from dyncompile.errors import DyncompileError
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        sys.exit(main())
+    except DyncompileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
