@@ -29,7 +29,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("plan", help="plan directory (speculative_generate or generate step)")
     p.add_argument("--prompts", required=True, help="JSONL with 'prompt' (+ 'chat', 'id', 'max_new_tokens')")
-    p.add_argument("--peers", default="ortgenai,openvino", help="comma list of %s (default: %%(default)s); "
-                   "'none' runs dyncompile alone (e.g. with --spinning-on)" % ", ".join(PEERS))
+    p.add_argument("--peers", default="ortgenai,openvino", help=f"comma list of {', '.join(PEERS)} (default: %(default)s); "
+                   "'none' runs dyncompile alone (e.g. with --spinning-on)")
     p.add_argument("--peer-python", action="append", default=[], metavar="NAME=PATH",
                    help="the Python of a peer's environment (default $DYNCOMPILE_PEER_VENVS/{ortgenai,ovgenai}/bin/python)")
     p.add_argument("--peer-model", action="append", default=[], metavar="NAME=DIR",
