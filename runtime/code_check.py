@@ -122,7 +122,7 @@ def _matching_paren(s: str, start: int) -> int:
 
 def _clean_expected(text: str) -> str | None:
     text = text.strip()
-    for cand in (text, text.rstrip("."), re.split(r"\s+#", text)[0].strip().rstrip("."),
+    for cand in (text.rstrip("."), text, re.split(r"\s+#", text)[0].strip().rstrip("."),
                  re.split(r"\s*\(", text)[0].strip().rstrip(".") if not text.startswith("(") else text):
         if not cand:
             continue
