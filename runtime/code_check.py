@@ -33,18 +33,31 @@ import secrets
 import time
 from typing import Any
 
+from dyncompile.errors import DataError
 from dyncompile.runtime.sandbox import SandboxLimits, SandboxResult, run_python
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "STOP_SEQUENCES",
     "CheckOutcome",
     "Example",
     "check_examples",
     "extract_examples",
     "python_doctest",
     "build_example_program",
+    "truncate_completion",
 ]
+
+#: column-0 stop sequences of completion mode (the HumanEval paper's five, plus evalplus's module-level starts)
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nif ", "\nprint(", "\n#", "\nassert ", "\nimport ",
+                  "\nfrom ", '\n"""', "\n```", "\n@")
+
+
+def truncate_completion(text: str) -> tuple[str, bool]:
+    """``text`` cut before its first stop sequence; and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in STOP_SEQUENCES) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,11 +287,16 @@ def check_examples(prompt: str, entry_point: str, completion: str, *, limits: Sa
 def python_doctest(input_record: dict[str, Any], output: dict[str, Any], *, no_examples_policy: bool = False) -> bool:
     """The ``python-doctest`` check (route framework signature): ``True`` = trust this output.
 
-    ``input_record``: ``prompt`` and ``entry_point``; ``output``: ``completion``. A prompt with no
-    examples returns ``no_examples_policy`` (``False`` by default: escalate).
+    ``input_record``: ``prompt`` and ``entry_point``; ``output``: ``completion`` (the code after the prompt),
+    or ``text`` (a raw continuation, cut at the first column-0 stop sequence, :func:`truncate_completion`).
+    A prompt with no examples returns ``no_examples_policy`` (``False`` by default: escalate).
     """
     prompt = input_record["prompt"]
-    entry = input_record["entry_point"]
+    entry = input_record.get("entry_point")
+    if not entry:
+        raise DataError("the python-doctest check needs the record's 'entry_point' (the function's name); "
+                        "pass record={'entry_point': ...} with the prompt")
     if not extract_examples(prompt, entry):
         return bool(no_examples_policy)
-    return check_examples(prompt, entry, output["completion"]).passed
+    completion = output["completion"] if "completion" in output else truncate_completion(output.get("text") or "")[0]
+    return check_examples(prompt, entry, completion).passed

