@@ -16,7 +16,8 @@ value must be a Python literal):
 
 Floats compare with a relative tolerance of 1e-6 (``6.00`` matches ``6.0``).
 
-The check function has the route framework's check signature ``check(input_record, output) -> bool``:
+The check is registered as ``python-doctest`` in the route framework's check registry
+(:func:`dyncompile.runtime.route.register_check`) and has its signature ``check(input_record, output) -> bool``:
 ``input_record`` has ``prompt`` and ``entry_point`` (a HumanEval problem, hidden tests ignored),
 ``output`` has ``completion`` (the generated text after the prompt). A prompt without examples gives
 ``no_examples_policy``'s answer (default ``False``: escalate, since nothing vouches for the code).
@@ -34,6 +35,7 @@ import time
 from typing import Any
 
 from dyncompile.errors import DataError
+from dyncompile.runtime.route import register_check
 from dyncompile.runtime.sandbox import SandboxLimits, SandboxResult, run_python
 
 logger = logging.getLogger(__name__)
@@ -284,6 +286,7 @@ def check_examples(prompt: str, entry_point: str, completion: str, *, limits: Sa
     return CheckOutcome(passed, len(exs), n_passed, per, time.perf_counter() - t0, res.returncode, res.timed_out, err)
 
 
+@register_check("python-doctest")
 def python_doctest(input_record: dict[str, Any], output: dict[str, Any], *, no_examples_policy: bool = False) -> bool:
     """The ``python-doctest`` check (route framework signature): ``True`` = trust this output.
 

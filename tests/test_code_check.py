@@ -104,3 +104,15 @@ def test_check_signature_and_no_example_policy(problems):
     q = problems["HumanEval/2"]
     assert python_doctest({"prompt": q["prompt"], "entry_point": q["entry_point"]},
                           {"completion": q["canonical_solution"]}) is True
+
+
+def test_registered_as_python_doctest_and_reads_raw_text(problems):
+    from dyncompile.runtime.route import get_check
+
+    check = get_check("python-doctest")
+    assert check is python_doctest
+    p = problems["HumanEval/2"]
+    rec = {"prompt": p["prompt"], "entry_point": p["entry_point"]}
+    # a raw continuation (as a cascade of generate steps hands it over): cut at the next top-level def
+    assert check(rec, {"text": p["canonical_solution"] + "\n\ndef unrelated():\n    return 1 / 0\n"}) is True
+    assert check(rec, {"text": "    return None\n\nprint(truncate_number(3.5))\n"}) is False
