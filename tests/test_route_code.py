@@ -113,3 +113,23 @@ def test_hidden_tests_judge_canonical_and_wrong_solutions():
     bad = he.hidden_test(p, "    return False\n")
     assert bad["passed"] is False and "AssertionError" in bad["error"]
     assert he.hidden_test(p, "    while True:\n        pass\n", he.SandboxLimits(timeout_s=2.0, cpu_s=1))["passed"] is False
+
+
+@pytest.mark.slow
+def test_greedy_completer_matches_the_plans_generate():
+    """The outcome tables' completer gives the tokens of the plan's own greedy generate(), up to the stop."""
+    import os
+    from pathlib import Path
+
+    import dyncompile
+    from dyncompile.tools.humaneval import GreedyCompleter, load_problems
+
+    plan = Path(os.environ.get("DYNCOMPILE_CODE_SMALL_PLAN", "/work/scratch/code/q05-int4"))
+    if not (plan / "plan.json").exists():
+        pytest.skip(f"no int4 Qwen2.5-Coder-0.5B plan at {plan} (set DYNCOMPILE_CODE_SMALL_PLAN)")
+    m = dyncompile.load(plan)
+    c = GreedyCompleter(m, "small")
+    p = load_problems()[2]
+    got = c.complete(p["prompt"], 48)
+    ref = m.generate(p["prompt"], max_new_tokens=got["new_tokens"])
+    assert truncate_completion(ref.text)[0] == got["completion"]
