@@ -25,7 +25,8 @@ against the small model's per-problem latency). Writes ``route-code.json``, ``ro
 ``route-code.png`` (the cost-quality plane).
 
 ``--live N`` then re-runs N problems end to end with the real plans (small greedy completion, the check,
-the large model on failure) and compares completions and outcomes with the tables.
+the large model on failure) and compares completions and outcomes with the tables; it writes
+``live-check.json``, which later table-only runs include in the report.
 """
 
 from __future__ import annotations
@@ -344,9 +345,11 @@ def markdown(report: dict[str, Any]) -> str:
             + ".", "", "Agreement: " + ", ".join(f"{k} {v}" for k, v in report["agreement"].items()), ""]
     if "live" in report:
         lv = report["live"]
-        out += ["## Live re-check", "", f"{lv['n']} problems re-run end to end ({lv['time_utc']}, load {lv['load_avg']}): "
-                f"completions identical to the table {lv['completions_identical']}/{lv['n_runs']}, outcomes identical "
-                f"{lv['outcomes_identical']}/{lv['n_runs']}, routing decisions identical {lv['decisions_identical']}/{lv['n']}.", ""]
+        out += ["## Live re-check", "", f"{lv['n']} problems ({', '.join(r['task_id'] for r in lv['rows'])}) re-run end to end "
+                f"({lv['time_utc']}, load {lv['load_avg']}): "
+                f"completions identical to the table {lv['completions_identical']}/{lv['n_runs']} generations, check outcomes "
+                f"identical {lv['doctest_outcomes_identical']}/{lv['n']}, routing decisions identical "
+                f"{lv['decisions_identical']}/{lv['n']}, final hidden-test outcomes identical {lv['hidden_outcomes_identical']}/{lv['n']}.", ""]
     return "\n".join(out)
 
 
@@ -418,10 +421,9 @@ def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
         logger.info("live %s: %s", t, rec)
     n_runs = sum(1 + ("large_completion_identical" in r) for r in rows)
     comp = sum(r["small_completion_identical"] + r.get("large_completion_identical", 0) for r in rows)
-    outs = sum((r["small_doctest"] == r["table_small_doctest"]) + (r["hidden_passed"] == r["table_hidden_passed"])
-               for r in rows)
     return {"n": len(rows), "n_runs": n_runs, "completions_identical": int(comp),
-            "outcomes_identical": int(outs) // 2 if outs % 2 == 0 else outs / 2,
+            "doctest_outcomes_identical": int(sum(r["small_doctest"] == r["table_small_doctest"] for r in rows)),
+            "hidden_outcomes_identical": int(sum(r["hidden_passed"] == r["table_hidden_passed"] for r in rows)),
             "decisions_identical": int(sum(r["escalated"] == r["table_escalated"] for r in rows)),
             "rows": rows, "load_avg": load_avg(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -463,15 +465,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "problems; the cascade's cost includes the small model, the check and the large model on escalation."),
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
         if args.live:
             if not (args.small_plan and args.large_plan):
                 raise DataError("--live needs --small-plan and --large-plan")
-            report["live"] = live_check(small, large, problems, args)
+            write_json_atomic(out / "live-check.json", live_check(small, large, problems, args))
+        if (out / "live-check.json").exists():  # the latest live re-check (kept across table-only reruns)
+            report["live"] = json.loads((out / "live-check.json").read_text())
     except DyncompileError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "route-code.json", report)
     (out / "route-code.md").write_text(markdown(report))
     try:
