@@ -244,7 +244,7 @@ def run_bench(a: Arrays, *, splits: int, seed: int, budget: float, confidence: f
         large_cost = float(cl.sum())
         res: dict[str, Any] = {}
 
-        def add(name, r):
+        def add(name, r, res=res, large_cost=large_cost):
             r = dict(r)
             r["cost_vs_large"] = round(r["cost_ms"] / large_cost, 4)
             res[name] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}

@@ -37,7 +37,12 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.runtime.code_check import STOP_SEQUENCES, check_examples, extract_examples, truncate_completion
+from dyncompile.runtime.code_check import (
+    STOP_SEQUENCES,
+    check_examples,
+    extract_examples,
+    truncate_completion,
+)
 from dyncompile.runtime.sandbox import SandboxLimits, run_python
 
 logger = logging.getLogger(__name__)
