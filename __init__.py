@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "compile", "load"]
+__all__ = ["__version__", "compile", "load", "route"]
 
 
 def load(plan_dir, provider: str = "cpu", **kwargs):
@@ -19,3 +19,11 @@ def compile(model_path, passes="verify,cleanup", output_dir=None, **kwargs):  # 
     from dyncompile.passes.compiler import compile_model
 
     return compile_model(model_path, passes=passes, output_dir=output_dir, **kwargs)
+
+
+def route(candidates, calib, output_dir, **kwargs):
+    """Compile a routed plan (cascade or learned router) over candidate plan folders, cheapest first, calibrated
+    to a certified quality budget on ``calib`` (see :func:`dyncompile.tools.route.route`)."""
+    from dyncompile.tools.route import route as _route
+
+    return _route(candidates, calib, output_dir, **kwargs)

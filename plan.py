@@ -55,6 +55,13 @@ __all__ = [
     "from_json",
     "is_plan_dir",
     "load_plan",
+    "load_subplan",
+    "Candidate",
+    "CandidateCost",
+    "RoutedParams",
+    "RouteParams",
+    "RoutingPolicy",
+    "RoutingRule",
     "plan_digest",
     "save_plan",
 ]
@@ -539,6 +546,119 @@ class DiffusionDenoiseParams:
             raise PlanError(f"{where}: default_policy 'online' needs a stop_rule")
 
 
+# routing and cascades across whole plans (runtime/route.py, passes/routing/, tools/route.py)
+
+RULE_KINDS = ("confidence", "learned", "check")
+_HEX = "0123456789abcdef"
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateCost:
+    """A candidate's cost: median wall-clock ms per call on ``provider`` at ``batch`` (measured at compile time,
+    or ``given`` by the user for plans that cannot be timed there)."""
+
+    ms: float = _field(lo=0.0, hi=1e9)
+    provider: str = "cpu"
+    batch: int = _field(1, lo=1, hi=1_000_000)
+    source: Literal["measured", "given"] = "measured"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One candidate of a ``route``/``cascade`` step: a sub-plan folder inside the routed plan, its digest
+    (:func:`plan_digest`; checked when the routed plan is loaded) and its cost."""
+
+    name: str
+    plan: str
+    digest: str
+    cost: CandidateCost
+    task: str
+    labels: list[str] | None = None
+
+    def _check(self, where: str) -> None:
+        if len(self.digest) != 64 or any(c not in _HEX for c in self.digest):
+            raise PlanError(f"{where}.digest must be 64 lowercase hex digits (a plan digest), got {_short(self.digest)}")
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise PlanError(f"{where}.name must be letters, digits, '-', '_' or '.', got {_short(self.name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRule:
+    """The decision rule of a routed plan.
+
+    * ``confidence`` (cascade): candidate ``k`` answers when its ``criterion`` confidence passes
+      ``thresholds[k]`` (entropy: ``H < t``; maxprob: ``max p > t``; ``None``: never); the last always answers.
+    * ``learned`` (route): the ONNX ``router`` file reads the input before any candidate runs and outputs one
+      score per candidate but the last; the first ``k`` with ``score_k > thresholds[k]`` answers.
+    * ``check`` (cascade): candidate ``k`` answers when the registered executable check ``check`` passes on
+      (input, its output); the last always answers.
+    """
+
+    kind: Literal["confidence", "learned", "check"]
+    thresholds: list[float | None] = _field(factory=list)
+    criterion: Literal["entropy", "maxprob"] | None = None
+    router: str | None = None
+    router_output: str = "route_scores"
+    check: str | None = None
+
+    def _check(self, where: str) -> None:
+        if self.kind == "confidence":
+            if self.criterion is None:
+                raise PlanError(f"{where}: a confidence rule needs 'criterion' (entropy or maxprob)")
+            for i, t in enumerate(self.thresholds):
+                _check_threshold(t, self.criterion, f"{where}.thresholds[{i}]")
+        if self.kind == "learned" and not self.router:
+            raise PlanError(f"{where}: a learned rule needs 'router' (the file key of the router ONNX model)")
+        if self.kind == "check" and not self.check:
+            raise PlanError(f"{where}: a check rule needs 'check' (the name of a registered executable check)")
+        if self.kind != "learned" and self.router is not None:
+            raise PlanError(f"{where}: 'router' belongs to a learned rule, not to a {self.kind!r} rule")
+        if self.kind != "check" and self.check is not None:
+            raise PlanError(f"{where}: 'check' belongs to a check rule, not to a {self.kind!r} rule")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedParams:
+    """``cascade`` (run candidates cheapest first, stop when the rule accepts) and ``route`` (a learned router
+    picks one candidate before any runs): ``candidates`` cheapest first, the last is the fallback."""
+
+    candidates: list[Candidate]
+    rule: RoutingRule
+    output: str = "logits"
+
+    _kind = "cascade"
+
+    def _check(self, where: str) -> None:
+        if len(self.candidates) < 2:
+            raise PlanError(f"{where}.candidates must list at least two sub-plans, got {len(self.candidates)}")
+        names = [c.name for c in self.candidates]
+        if len(set(names)) != len(names):
+            raise PlanError(f"{where}.candidates: names must be unique, got {names}")
+        plans = [c.plan for c in self.candidates]
+        if len(set(plans)) != len(plans):
+            raise PlanError(f"{where}.candidates: each candidate needs its own sub-plan folder, got {plans}")
+        if len(self.rule.thresholds) != len(self.candidates) - 1 and self.rule.kind != "check":
+            raise PlanError(
+                f"{where}.rule.thresholds must have one value per candidate but the last "
+                f"({len(self.candidates) - 1}), got {len(self.rule.thresholds)}"
+            )
+        tasks = {c.task for c in self.candidates}
+        if len(tasks) != 1:
+            raise PlanError(f"{where}.candidates: all candidates must do the same task, got {sorted(tasks)}")
+        labels = {tuple(c.labels) if c.labels is not None else None for c in self.candidates}
+        if len(labels) != 1:
+            raise PlanError(f"{where}.candidates: all candidates must share one label set, got {sorted(map(str, labels))}")
+        want = ("learned",) if self._kind == "route" else ("confidence", "check")
+        if self.rule.kind not in want:
+            raise PlanError(f"{where}.rule.kind {self.rule.kind!r} does not fit a {self._kind!r} step (use {' or '.join(want)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteParams(RoutedParams):
+    _kind = "route"
+
+
+
 STEP_SCHEMAS: dict[str, Any] = {
     "run_model": lambda d, where: from_json(RunModelParams, d, where),
     "early_exit_staged": lambda d, where: from_json(StagedEarlyExitParams, d, where),
@@ -547,6 +667,8 @@ STEP_SCHEMAS: dict[str, Any] = {
     "diffusion_encode": lambda d, where: from_json(DiffusionEncodeParams, d, where),
     "predict_steps": lambda d, where: from_json(PredictStepsParams, d, where),
     "diffusion_denoise": lambda d, where: from_json(DiffusionDenoiseParams, d, where),
+    "cascade": lambda d, where: from_json(RoutedParams, d, where),
+    "route": lambda d, where: from_json(RouteParams, d, where),
 }
 """Step kind -> ``build(params_json, where)`` returning the typed params (declared schema per kind)."""
 
@@ -586,7 +708,24 @@ class SpeculativePolicy:
     draft: DraftPolicy = _field(factory=DraftPolicy)
 
 
-POLICY_SCHEMAS: dict[str, type] = {"early_exit": EarlyExitPolicy, "speculative": SpeculativePolicy}
+@dataclasses.dataclass(frozen=True)
+class RoutingPolicy:
+    """``policy.routing``: the budget the rule was calibrated to, its certificate and calibration record."""
+
+    _extra = True  # calibration records are informational
+
+    budget: float | None = _field(None, lo=0.0, hi=100.0)
+    reference: str | None = None
+    metric: Literal["accuracy", "agreement", "check"] | None = None
+    certificate: Any = None  # passes/early_exit/certify.py Certificate.to_dict()
+    router_overhead_ms: float | None = _field(None, lo=0.0, hi=1e9)
+
+
+POLICY_SCHEMAS: dict[str, type] = {
+    "early_exit": EarlyExitPolicy,
+    "speculative": SpeculativePolicy,
+    "routing": RoutingPolicy,
+}
 """Policy name -> schema; other policy entries must be free-form JSON (finite numbers)."""
 
 
@@ -963,6 +1102,17 @@ def _check_file_keys(path: Path, i: int, kind: str, typed: Any, files: dict[str,
                 keys.append(("drafter.vocab", typed.drafter.vocab))
     elif isinstance(typed, DiffusionEncodeParams):
         keys.append(("text_encoder", typed.text_encoder))
+    elif isinstance(typed, RoutedParams):
+        if typed.rule.router is not None:
+            keys.append(("rule.router", typed.rule.router))
+        for j, c in enumerate(typed.candidates):
+            sub = _check_rel_path(path.parent, c.plan, f"steps[{i}] ({kind}).candidates[{j}].plan")
+            if not (sub / PLAN_FILENAME).is_file():
+                raise PlanError(
+                    f"{path}: steps[{i}] ({kind}): sub-plan {c.name!r} is missing (no {sub / PLAN_FILENAME}); a routed "
+                    "plan carries its candidates inside its folder — copy the whole folder, or recompile with "
+                    "`dyncompile route`"
+                )
     elif isinstance(typed, DiffusionDenoiseParams):
         keys.append(("unet", typed.unet))
         if typed.vae_decoder is not None:
@@ -975,15 +1125,20 @@ def _check_file_keys(path: Path, i: int, kind: str, typed: Any, files: dict[str,
             )
 
 
-def plan_digest(plan_dir: str | Path) -> str:
+def plan_digest(plan_dir: str | Path, *, loaded: Plan | None = None) -> str:
     """One sha256 over the whole plan: ``plan.json`` and every file it names, in canonical (sorted path) order.
 
     Each entry contributes ``path NUL sha256-of-bytes NUL``, so the digest changes when any byte of any
     file changes, when a file is renamed, added to or dropped from the plan. Compare it with the digest
-    the plan's publisher printed (``dyncompile inspect --verify PLAN``).
+    the plan's publisher printed (``dyncompile inspect --verify PLAN``). A routed plan (``route`` /
+    ``cascade`` steps) also checks every sub-plan against the digest it records (:func:`load_subplan`).
+
+    ``loaded``: the plan as :func:`load_plan` returned it with ``verify_hashes=True`` — its files' hashes were
+    just checked, so they are not read a second time (same digest).
     """
-    plan = load_plan(plan_dir, verify_hashes=True)
+    plan = loaded if loaded is not None else load_plan(plan_dir, verify_hashes=True)
     assert plan.directory is not None
+    known = {f.path: f.sha256 for f in plan.files.values()}
     rels = {PLAN_FILENAME}
     for f in plan.files.values():
         rels.add(f.path)
@@ -993,5 +1148,44 @@ def plan_digest(plan_dir: str | Path) -> str:
         full = plan.directory / rel
         if not full.is_file():
             raise PlanError(f"file {rel!r} named by the plan is missing: {full}")
-        h.update(rel.encode("utf-8") + b"\0" + sha256_file(full).encode() + b"\0")
+        digest = known[rel] if (loaded is not None and rel in known) else sha256_file(full)
+        h.update(rel.encode("utf-8") + b"\0" + digest.encode() + b"\0")
+    if loaded is None:
+        for step in plan.steps:
+            if isinstance(step.typed, RoutedParams):
+                for c in step.typed.candidates:
+                    load_subplan(plan, c)
     return h.hexdigest()
+
+
+def load_subplan(parent: Plan, candidate: Candidate, known_step_kinds=None) -> Plan:
+    """Load candidate ``candidate`` of routed plan ``parent`` with the same checks as a top-level plan, and
+    check it against the digest the routed plan records.
+
+    Raises:
+        PlanError: the sub-plan is missing, fails any check of :func:`load_plan`, is itself a routed plan, or
+            differs from what was compiled in (digest mismatch: a file added, removed, renamed or changed).
+    """
+    assert parent.directory is not None
+    sub_dir = _check_rel_path(parent.directory, candidate.plan, f"candidate {candidate.name!r}")
+    if not (sub_dir / PLAN_FILENAME).is_file():
+        raise PlanError(
+            f"sub-plan {candidate.name!r} of {parent.directory} is missing (no {sub_dir / PLAN_FILENAME}); copy the "
+            "whole routed folder, or recompile with `dyncompile route`"
+        )
+    try:
+        sub = load_plan(sub_dir, verify_hashes=True, known_step_kinds=known_step_kinds)
+    except PlanError as e:
+        raise PlanError(f"sub-plan {candidate.name!r} of routed plan {parent.directory}: {e}") from None
+    if any(isinstance(s.typed, RoutedParams) for s in sub.steps):
+        raise PlanError(f"sub-plan {candidate.name!r} of {parent.directory} is itself a routed plan; candidates must be plain plans")
+    digest = plan_digest(sub_dir, loaded=sub)
+    if digest != candidate.digest:
+        raise PlanError(
+            f"sub-plan {candidate.name!r} ({sub_dir}) was modified after the routed plan was compiled: digest "
+            f"{digest[:12]}… != recorded {candidate.digest[:12]}… (a file added, removed or changed); restore it, or "
+            "recompile with `dyncompile route`"
+        )
+    if sub.task != candidate.task or (sub.labels is not None and candidate.labels is not None and list(sub.labels) != list(candidate.labels)):
+        raise PlanError(f"sub-plan {candidate.name!r} does not match the task / labels the routed plan records; recompile")
+    return sub

@@ -165,9 +165,11 @@ class Prediction:
     score: float
     probabilities: dict[str, float]
     exit_layer: int | None = None
+    candidate: str | None = None  # routed plans: the candidate that answered
 
     def __repr__(self) -> str:
         extra = f", exit_layer={self.exit_layer}" if self.exit_layer is not None else ""
+        extra += f", candidate={self.candidate!r}" if self.candidate is not None else ""
         return f"Prediction(label={self.label!r}, score={self.score:.4f}{extra})"
 
 
@@ -184,8 +186,10 @@ class CompiledModel:
             if cls is None:
                 raise PlanError(f"unknown step kind {step.kind!r}; this runtime knows: {', '.join(sorted(STEP_HANDLERS))}")
             self.handlers.append(cls(step, ctx))
+        # routed plans (cascade / route steps) take the raw texts: each candidate tokenizes for itself
+        self.routed = next((h for h in self.handlers if getattr(h, "takes_text", False)), None)
         self.encoder = None
-        if plan.tokenizer and plan.task != "text-generation":  # generation steps hold their own codec
+        if plan.tokenizer and plan.task != "text-generation" and self.routed is None:  # generation steps hold their own codec
             from dyncompile.runtime.text import TextEncoder
 
             self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
@@ -237,10 +241,13 @@ class CompiledModel:
             texts = [texts]
         if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
             raise DataError(f"batch size must be a positive integer, got {batch_size!r}")
-        probs, exits = [], []
+        probs, exits, cands = [], [], []
         for i in range(0, len(texts), batch_size):
-            state = self.run_feeds(self.encode(texts[i : i + batch_size]))
+            chunk = list(texts[i : i + batch_size])
+            state = self.run_feeds({"texts": chunk} if self.routed is not None else self.encode(chunk))
             probs.append(softmax(np.asarray(state["logits"], dtype=np.float64)))
+            if "candidate" in state:
+                cands.append(np.asarray(state["candidate"]).reshape(-1))
             if "exit_layer" in state:  # per row (staged) or one scalar for the whole batch (If graph)
                 n = len(probs[-1])
                 raw = np.asarray(state["exit_layer"]).reshape(-1)
@@ -250,6 +257,8 @@ class CompiledModel:
                 else:
                     self._batch_level_rows += n
         self.last_info = {"exit_layer": np.concatenate(exits) if exits else None}
+        if cands:
+            self.last_info["candidate"] = np.concatenate(cands)
         return np.concatenate(probs) if probs else np.zeros((0, len(self.plan.labels or [])))
 
     def exit_layers_seen(self) -> np.ndarray:
@@ -282,10 +291,17 @@ class CompiledModel:
         return check(exit_layers, self.plan.policy, **kwargs)
 
     def generate(self, prompt, **kwargs):
-        """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.generate.generate`)."""
+        """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.generate.generate`).
+
+        Routed plans of decoders: the answering candidate's result; ``self.last_info`` names the candidate
+        (and the executable check's verdicts); ``record=`` passes extra input fields to the check."""
         from dyncompile.runtime.generate import generate
 
         try:
+            if self.routed is not None:
+                k, res, checks = self.routed.generate(prompt, **kwargs)
+                self.last_info = {"candidate": self.routed.names[k], "candidate_index": k, "checks": checks}
+                return res
             return generate(self, prompt, **kwargs)
         except Exception as e:
             if not _is_ort_error(e):
@@ -301,6 +317,8 @@ class CompiledModel:
         probs = self.predict_proba(texts, batch_size=batch_size)
         labels = self.plan.labels or [str(i) for i in range(probs.shape[1])]
         exits = self.last_info.get("exit_layer")
+        cands = self.last_info.get("candidate")
+        names = self.routed.names if self.routed is not None else None
         out = []
         for i, p in enumerate(probs):
             k = int(np.argmax(p))
@@ -310,6 +328,7 @@ class CompiledModel:
                     float(p[k]),
                     {lab: float(v) for lab, v in zip(labels, p)},
                     None if exits is None else int(exits[i]),
+                    None if cands is None or names is None else names[int(cands[i])],
                 )
             )
         return out

@@ -14,6 +14,7 @@ __all__ = ["RunModelStep"]
 import dyncompile.runtime.diffusion  # noqa: E402,F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
 import dyncompile.runtime.early_exit  # noqa: E402,F401  (registers early_exit_staged)
 import dyncompile.runtime.generate  # noqa: E402,F401  (registers generate)
+import dyncompile.runtime.route  # noqa: E402,F401  (registers cascade, route)
 import dyncompile.runtime.speculative  # noqa: E402,F401  (registers speculative_generate)
 
 

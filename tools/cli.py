@@ -8,6 +8,7 @@ Forms::
     dyncompile bench PLAN_DIR --data FILE.jsonl                compiled vs original, same process
     dyncompile bench PLAN_DIR --prompts FILE.jsonl [--peers]   generation plans (+ onnxruntime-genai, OpenVINO GenAI)
     dyncompile export-genai PLAN_DIR -o FOLDER                 a generation plan as an onnxruntime-genai folder
+    dyncompile route --candidates A/ B/ --calib F -o R/        a cascade / router over plans
     dyncompile models list | build NAME                        real models -> ONNX (offline)
     dyncompile passes                                          list the passes
 
@@ -27,7 +28,7 @@ from dyncompile.errors import DataError, DyncompileError
 
 logger = logging.getLogger("dyncompile")
 
-SUBCOMMANDS = ("inspect", "run", "bench", "export-genai", "models", "passes")
+SUBCOMMANDS = ("inspect", "run", "bench", "route", "export-genai", "models", "passes", "train-drafter")
 
 EPILOG = """\
 examples:
@@ -38,7 +39,9 @@ examples:
   dyncompile inspect out/
   dyncompile MODEL.onnx --passes early-exit --calib ../shared/data/sentiment/movie-calib.jsonl --budget 1.0 -o ee/
 
-other commands (each has --help): inspect, run, bench, export-genai, models, passes, train-drafter
+  dyncompile route --candidates minilm/ mpnet/ --calib movie-calib.jsonl --budget 1.0 -o routed/
+
+other commands (each has --help): inspect, run, bench, route, export-genai, models, passes, train-drafter
 Python API: dyncompile.compile(model, passes, output_dir), dyncompile.load(plan_dir, provider="cpu")
 """
 
@@ -237,6 +240,8 @@ def _cmd_run(argv: list[str]) -> int:
         res = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, seed=args.seed, chat=args.chat,
                              speculative=not args.target_only)
+        if model.routed is not None:
+            print(f"(answered by {safe_text(model.last_info.get('candidate'))}; checks {model.last_info.get('checks')})")
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.to_dict()}, indent=2)
               if args.json else safe_text(format_generation(res)))
         return 0
@@ -247,6 +252,7 @@ def _cmd_run(argv: list[str]) -> int:
         for text, pred in zip(args.text, preds):
             probs = "  ".join(f"{safe_text(k)}={v:.4f}" for k, v in pred.probabilities.items())
             ex = f"  (exit after layer {pred.exit_layer})" if pred.exit_layer is not None else ""
+            ex += f"  (answered by {safe_text(pred.candidate)})" if pred.candidate is not None else ""
             print(f"{safe_text(pred.label):<10} {probs}{ex}  | {safe_text(text, keep_newlines=False)}")
         return 0
     if not args.data:
@@ -262,6 +268,11 @@ def _cmd_bench(argv: list[str]) -> int:
     from dyncompile.tools.diffusion_cli import refuse_diffusion_bench
 
     refuse_diffusion_bench(argv)
+    plan_arg = next((a for a in argv if not a.startswith("-")), None)
+    if plan_arg is not None and _is_routed(plan_arg):
+        from dyncompile.tools.bench_route import main as bench_route
+
+        return bench_route(argv)
     if any(a == "--peers" or a.startswith("--peers=") for a in argv):  # generation plans against peer runtimes
         from dyncompile.tools.bench_peers import main as bench_peers
 
@@ -286,6 +297,85 @@ def _cmd_export_genai(argv: list[str]) -> int:
     from dyncompile.tools.export_genai import main as export_main
 
     return export_main(argv)
+
+
+ROUTE_EPILOG = """\
+rules:
+  confidence  cascade: run the cheapest candidate; keep its answer when its confidence (--criterion entropy or
+              maxprob) passes the calibrated threshold, else go on to the next (zero router overhead)
+  learned     route: a small ONNX router (bag of the first candidate's token embeddings + a logistic head,
+              fitted on calib) reads the text before any candidate runs and picks one
+  check       cascade: keep a candidate's answer when the executable check --check NAME passes on it
+              (decoders: --judge NAME decides which answers are right, to measure quality)
+
+The budget is points of accuracy lost against --reference (default: the last candidate), certified at
+--confidence (Learn-then-Test, the early-exit certifier); without labels, points of disagreement.
+
+examples:
+  dyncompile route --candidates minilm/ mpnet/ --calib movie-calib.jsonl --budget 1.0 -o routed/
+  dyncompile route --candidates minilm/ mpnet-ee/ --reference mpnet/ --calib movie-calib.jsonl -o routed-ee/
+  dyncompile route --candidates minilm/ mpnet/ --rule learned --calib movie-calib.jsonl -o router/
+  dyncompile inspect routed/            candidates, measured costs, rule, certificate
+  dyncompile run routed/ --text "..."   the answer and the candidate that gave it
+  dyncompile bench routed/ --data movie-test.jsonl
+"""
+
+
+def _cmd_route(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="dyncompile route",
+        description="Compile a routed plan over candidate plans (cheapest first): a cascade that escalates when the "
+        "cheaper model is unsure, or a learned router that picks a model before any runs. Measures each "
+        "candidate's cost on --provider, calibrates the rule on --calib to a certified --budget, and writes "
+        "a self-contained plan folder (candidates inside, hash-checked).",
+        epilog=ROUTE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--candidates", nargs="+", required=True, metavar="PLAN_DIR",
+                   help="plan folders, cheapest first (plain, early-exit, quantized, decoder plans)")
+    p.add_argument("--calib", required=True, help="JSONL: 'text' (+ 'label') per row; decoders: 'prompt' + the check's fields")
+    p.add_argument("-o", "--output", required=True, help="routed plan folder to create")
+    p.add_argument("--budget", type=float, default=1.0, help="points of accuracy (or agreement) to give up (default 1.0)")
+    p.add_argument("--confidence", help="probability the budget holds on new data (default 0.9), or 'none'")
+    p.add_argument("--rule", choices=["confidence", "learned", "check"], default="confidence",
+                   help="decision rule (default: confidence)")
+    p.add_argument("--criterion", choices=["entropy", "maxprob"], default="entropy", help="confidence rule's measure")
+    p.add_argument("--check", help="check rule: name of a registered executable check (e.g. python-doctest)")
+    p.add_argument("--judge", help="check rule on decoders: registered check that says whether an answer is right")
+    p.add_argument("--reference", help="plan folder the budget is measured against (default: the last candidate)")
+    p.add_argument("--metric", choices=["accuracy", "agreement"], help="default: accuracy when every row has a label")
+    p.add_argument("--limit", type=int, help="use only the first N calibration rows")
+    p.add_argument("--cost-rows", type=int, default=40, help="rows to time each candidate on, batch 1 (default 40)")
+    p.add_argument("--provider", default="cpu", help="execution provider to measure costs on (default cpu)")
+    p.add_argument("--force", action="store_true", help="replace the output folder if it is a plan")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    _setup_logging(args.verbose)
+    for flag, value in (("--limit", args.limit), ("--cost-rows", args.cost_rows)):
+        if value is not None and value < 1:
+            raise DataError(f"{flag} must be >= 1, got {value}")
+    import dyncompile
+
+    t0 = time.perf_counter()
+    res = dyncompile.route(args.candidates, args.calib, args.output, budget=args.budget, confidence=args.confidence,
+                           rule=args.rule, criterion=args.criterion, check=args.check, judge=args.judge,
+                           reference=args.reference, metric=args.metric, limit=args.limit, cost_rows=args.cost_rows,
+                           provider=args.provider, force=args.force)
+    print(safe_text(res.summary()))
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _is_routed(path: str) -> bool:
+    from dyncompile.plan import PLAN_FILENAME, is_plan_dir
+
+    if not is_plan_dir(path):
+        return False
+    try:
+        raw = json.loads((Path(path) / PLAN_FILENAME).read_text())
+        return any(isinstance(s, dict) and s.get("kind") in ("cascade", "route") for s in raw.get("steps", []))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _cmd_models(argv: list[str]) -> int:
@@ -327,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": _cmd_inspect,
         "run": _cmd_run,
         "bench": _cmd_bench,
+        "route": _cmd_route,
         "export-genai": _cmd_export_genai,
         "models": _cmd_models,
         "passes": _cmd_passes,

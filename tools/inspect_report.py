@@ -23,13 +23,16 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
     lines.append("outputs: " + ", ".join(f"{o['name']}{o.get('shape')}" for o in plan.outputs))
     if plan.labels:
         lines.append(f"labels:  {plan.labels}")
+    routed = [s for s in plan.steps if s.kind in ("cascade", "route")]
+    if routed:
+        lines += _routed_lines(plan, routed[0])
     lines.append("steps:")
     for i, s in enumerate(plan.steps):
         params = json.dumps(s.params)
         lines.append(f"  {i}: {s.kind} {params if len(params) < 400 else params[:400] + '…'}")
     if plan.policy:
         lines.append("policy:")
-        cert = (plan.policy.get("early_exit") or {}).get("certificate")
+        cert = (plan.policy.get("early_exit") or plan.policy.get("routing") or {}).get("certificate")
         if cert:
             from dyncompile.passes.early_exit.certify import describe_certificate
 
@@ -45,6 +48,36 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
     if plan.provenance.get("passes"):
         lines.append("passes:  " + ", ".join(plan.provenance["passes"]))
     return "\n".join(lines)
+
+
+def _routed_lines(plan, step) -> list[str]:
+    """Candidates (cost, digest), the rule and the certificate of a routed plan; sub-plans are checked."""
+    from dyncompile.plan import load_subplan
+
+    p = step.typed
+    routing = plan.policy.get("routing") or {}
+    lines = [f"{step.kind}: {len(p.candidates)} candidates, cheapest first (the last always answers)"]
+    for c in p.candidates:
+        sub = load_subplan(plan, c)
+        kinds = ",".join(s.kind for s in sub.steps)
+        lines.append(f"  {c.name:<18} {c.cost.ms:9.3f} ms/call ({c.cost.source} on {c.cost.provider}, batch {c.cost.batch})  "
+                     f"steps={kinds}  digest={c.digest[:12]}… (verified)")
+    r = p.rule
+    if r.kind == "confidence":
+        rule = f"confidence: candidate k answers when its {r.criterion} passes thresholds[k] = {r.thresholds}"
+    elif r.kind == "learned":
+        rule = f"learned router {r.router!r} (reads the input first): first k with score_k > {r.thresholds}"
+    else:
+        rule = f"executable check {r.check!r}: candidate k's answer is kept when the check passes"
+    lines.append(f"rule:    {rule}")
+    if routing.get("router_overhead_ms") is not None:
+        lines.append(f"router overhead: {routing['router_overhead_ms']} ms/row (tokenizer + router, batch 1)")
+    cal = routing.get("calibration") or {}
+    if cal:
+        lines.append(f"calibration: reference {routing.get('reference')} ({routing.get('reference_ms')} ms), "
+                     f"answers per candidate on calib {cal.get('candidate_histogram')}, expected speedup vs the "
+                     f"reference {cal.get('expected_speedup')}x")
+    return lines
 
 
 def inspect_path(path: str | Path, as_json: bool = False) -> str:

@@ -76,9 +76,11 @@ __all__ = [
     "certify_scores",
     "exit_losses",
     "fit_exit_policy",
+    "fit_logistic",
     "fixed_sequence_test",
     "hoeffding_ucb",
     "parse_confidence",
+    "stratified_split",
     "threshold_path",
 ]
 
@@ -294,6 +296,9 @@ def _fit_logistic(x: np.ndarray, t: np.ndarray, ridge: float) -> np.ndarray:
     return w
 
 
+fit_logistic = _fit_logistic  # public name (passes/routing fits its router head with it)
+
+
 def fit_exit_policy(exit_probs: np.ndarray, reference_pred: np.ndarray, ridge: float = 1.0) -> ExitPolicy:
     """Per exit (all but the last), a ridge logistic regression of ``1[exit answer == reference answer]``
     on :data:`~dyncompile.runtime.exit_policy.POLICY_FEATURES`; standardisation folded into the weights.
@@ -455,6 +460,9 @@ def _split(n: int, split: float, seed: int, strata: np.ndarray) -> tuple[np.ndar
         b.append(idx[k:])
     test = np.concatenate(b)
     return np.sort(np.concatenate(a)), test[rng.permutation(len(test))]
+
+
+stratified_split = _split  # public name (passes/routing splits its calibration rows with it)
 
 
 def certify_scores(
