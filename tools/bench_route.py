@@ -201,7 +201,7 @@ def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, An
                   "speedup_vs_reference": round(base / oms, 3), "note": "cheapest right candidate; mean of this run's per-row latencies"})
     overhead = None
     if "router-only" in res:
-        r_ms = float(np.median(res["router-only"]["lat_ms"]))
+        r_ms = float(np.median(res["router-only"]["lat_ms"])) if "router-only" in res else float("nan")
         overhead = {"router_ms_median": round(r_ms, 4), "cheapest_ms_median": round(float(np.median(res[names[0]]["lat_ms"])), 3),
                     "percent_of_cheapest": round(100 * r_ms / float(np.median(res[names[0]]["lat_ms"])), 2)}
     report = {"plan": str(plan_dir), "data": str(data), "rows": rows, "machine": machine_info(), "results": table,
@@ -259,11 +259,18 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
         "cascade-minilm-mpnet-ee": dict(candidates=[dirs["minilm"], dirs["mpnet-ee"]], reference=dirs["mpnet"]),
         "route-learned-minilm-mpnet": dict(candidates=[dirs["minilm"], dirs["mpnet"]], rule="learned"),
     }
-    compiled = {}
+    compiled, refused = {}, {}
+    from dyncompile.passes.early_exit.certify import CertificationError
+
     for name, spec in routed_dirs.items():
         t1 = time.time()
-        r = dyncompile.route(spec["candidates"], calib, work / name, budget=budget, rule=spec.get("rule", "confidence"),
-                             reference=spec.get("reference"), outputs=outputs, force=True)
+        try:
+            r = dyncompile.route(spec["candidates"], calib, work / name, budget=budget, rule=spec.get("rule", "confidence"),
+                                 reference=spec.get("reference"), outputs=outputs, force=True)
+        except CertificationError as e:  # reported, not hidden: the table then lacks this plan
+            refused[name] = str(e)
+            logger.warning("%s: %s", name, e)
+            continue
         compiled[name] = {"plan": str(r.plan_dir), "compile_s": round(time.time() - t1, 1), "thresholds": r.fit.thresholds,
                           "certificate": r.fit.certificate, "costs_ms": r.costs, "router_ms": r.router_ms}
         logger.info("%s", r.summary())
@@ -274,7 +281,8 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     runners = [plan_runner(n, m) for n, m in models.items()]
     runners += [_candidate_runner(n, m) for n, m in routed.items()]
     runners.append(_random_runner("random-same-cost", models["minilm"], models["mpnet"], p_cheap))
-    runners.append(_router_runner(routed["route-learned-minilm-mpnet"]))
+    if "route-learned-minilm-mpnet" in routed:
+        runners.append(_router_runner(routed["route-learned-minilm-mpnet"]))
     load_before = load_avg()
     t0 = time.time()
     res = measure(runners, tt, ty, rows)
@@ -299,7 +307,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     table.append({"name": "oracle (MiniLM→MPNet)", "accuracy": round(acc, 2), "latency_ms_median": None,
                   "latency_ms_mean": round(oms, 3), "speedup_vs_reference": round(float(np.mean(res["mpnet"]["lat_ms"])) / oms, 3),
                   "note": "cheapest right model per row; mean of this run's per-row latencies (vs MPNet mean)"})
-    r_ms = float(np.median(res["router-only"]["lat_ms"]))
+    r_ms = float(np.median(res["router-only"]["lat_ms"])) if "router-only" in res else float("nan")
     m_ms = float(np.median(res["minilm"]["lat_ms"]))
     overhead = {"learned_router_ms_median": round(r_ms, 4), "minilm_ms_median": round(m_ms, 3),
                 "percent_of_cheapest": round(100 * r_ms / m_ms, 2),
@@ -326,7 +334,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     report = {
         "subject": "sentiment: MiniLM-L6 → MPNet-base (movie data)", "budget": budget, "rows_batch1": rows,
         "machine": machine_info(), "load_before": load_before, "load_after": load_avg(), "bench_wall_s": round(wall, 1),
-        "compiled": compiled, "results": table, "router_overhead": overhead, "resplit": resplit,
+        "compiled": compiled, "refused": refused, "results": table, "router_overhead": overhead, "resplit": resplit,
     }
     md = [f"# Routing and cascades — sentiment (MiniLM-L6 → MPNet-base), movie-test, batch 1", "",
           f"{rows} test rows, every configuration interleaved per row in one process; load {load_before} → {load_avg()}; "
