@@ -93,10 +93,17 @@ def load_candidates(dirs: Sequence[str | Path], provider: str = "cpu", session_c
     return models
 
 
+def per_row_plan(model) -> bool:
+    """An If-lowered early-exit plan: at batch > 1 it exits only when every row may (one decision per batch)."""
+    return (model.plan.policy.get("early_exit") or {}).get("lowering") == "if"
+
+
 def candidate_probs(model, texts: Sequence[str], batch_size: int = 32, desc: str = "", progress: bool = True) -> np.ndarray:
     """``[N, C]`` probabilities of one candidate on ``texts`` (length-sorted batches)."""
     from tqdm.auto import tqdm
 
+    if per_row_plan(model):  # an If-graph early exit decides one exit per batch: calibrate what batch 1 does
+        batch_size = 1
     order = np.argsort([len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), len(model.plan.labels or [0, 0])), np.float64)
     for s in tqdm(range(0, len(texts), batch_size), desc=desc or "candidate", leave=False, disable=not progress):
