@@ -840,3 +840,14 @@ def test_14_check_registry():
     assert get_check("test-always") is always
     with pytest.raises(PlanError, match="unknown executable check"):
         get_check("no-such-check")
+
+
+def test_14_force_replaces_a_routed_plan_and_nothing_else(routed, tmp_path, capsys):
+    from hostile_plans import routed_plan
+
+    out = tmp_path / "r"
+    routed_plan([routed["small"], routed["big"]], out, routed["calib"])
+    routed_plan([routed["small"], routed["big"]], out, routed["calib"], force=True)  # its candidates/ are its own
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="notes.txt"):
+        routed_plan([routed["small"], routed["big"]], out, routed["calib"], force=True)
