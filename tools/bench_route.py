@@ -244,15 +244,21 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
 
     work.mkdir(parents=True, exist_ok=True)
     kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
+    import gc
+
     dirs = {n: plans / n for n in ("minilm", "minilm-ee", "mpnet", "mpnet-ee")}
-    models = {n: dyncompile.load(d, **kw) for n, d in dirs.items()}
-    labels = models["minilm"].plan.labels
+    labels = dyncompile.load(dirs["minilm"], **kw).plan.labels
     calib = DATA / "movie-calib.jsonl"
     ct, cy = _texts_labels(calib, labels)
     tt, ty = _texts_labels(DATA / "movie-test.jsonl", labels)
     t0 = time.time()
     # per-row outputs as the routed plans run them (If-lowered early exits at batch 1: tools.route.candidate_probs)
-    cal = {n: _cached_probs(models[n], ct, work / f"calib-{n}-v2.npy", f"calib {n}") for n in ("minilm", "mpnet", "mpnet-ee")}
+    # (one model in memory at a time: ORT keeps each session's peak batch-32 arena)
+    cal = {}
+    for n in ("minilm", "mpnet", "mpnet-ee"):
+        path = work / f"calib-{n}-v2.npy"
+        cal[n] = np.load(path) if path.is_file() else _cached_probs(dyncompile.load(dirs[n], **kw), ct, path, f"calib {n}")
+        gc.collect()
     logger.info("calibration outputs in %.0f s", time.time() - t0)
     outputs = {str(dirs[n]): p for n, p in cal.items()}
     for n in ("minilm", "mpnet"):  # plain plans: batch 32 and batch 1 agree (checked below, reported)
@@ -276,12 +282,12 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
             refused[name] = str(e)
             logger.warning("%s: %s", name, e)
             continue
+        gc.collect()
         compiled[name] = {"plan": str(r.plan_dir), "compile_s": round(time.time() - t1, 1), "thresholds": r.fit.thresholds,
                           "certificate": r.fit.certificate, "costs_ms": r.costs, "router_ms": r.router_ms}
         logger.info("%s", r.summary())
-    import gc
-
     gc.collect()
+    models = {n: dyncompile.load(d, **kw) for n, d in dirs.items()}  # fresh sessions: batch-1 arenas only
     routed = {}
     for n, c in compiled.items():
         m = dyncompile.load(c["plan"], **kw)  # every check (sub-plan digests) runs here
