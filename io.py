@@ -245,6 +245,13 @@ def _plan_names(path: Path) -> set[str] | None:
             for rel in [fr.get("path"), *(fr.get("external_data") or [])]:
                 if isinstance(rel, str) and rel:
                     names.add(rel.split("/", 1)[0])
+    steps = raw.get("steps") if isinstance(raw.get("steps"), list) else []
+    for st in steps:  # a routed plan's sub-plan folders (cascade / route steps)
+        cands = st.get("candidates") if isinstance(st, dict) and st.get("kind") in ("cascade", "route") else None
+        for c in cands if isinstance(cands, list) else []:
+            rel = c.get("plan") if isinstance(c, dict) else None
+            if isinstance(rel, str) and rel:
+                names.add(rel.split("/", 1)[0])
     return names
 
 

@@ -106,14 +106,19 @@ class RoutedStep(StepHandler):
             sub = load_subplan(ctx.plan, c, known_step_kinds=kinds)
             self.models.append(CompiledModel(sub, _sub_context(ctx, sub)))
         self.task = p.candidates[0].task
+        self.per_row = [(m.plan.policy.get("early_exit") or {}).get("lowering") == "if" for m in self.models]
         self.check = get_check(self.rule.check) if self.rule.kind == "check" else None
         if self.rule.kind == "confidence" and self.task != "text-classification":
             raise PlanError(f"a confidence cascade needs classifier candidates; these do {self.task!r} (use a check rule)")
 
     # -- classification ---------------------------------------------------------------------------
     def _probs(self, k: int, texts: list[str], rows: np.ndarray) -> np.ndarray:
-        """Candidate ``k``'s probabilities on ``rows`` of the batch ``texts``."""
-        return self.models[k].predict_proba([texts[i] for i in rows], batch_size=max(1, len(rows)))
+        """Candidate ``k``'s probabilities on ``rows`` of the batch ``texts``.
+
+        An If-lowered early-exit candidate decides one exit per batch; it runs row by row so that every row
+        gets the per-row decision its calibration (at batch 1) measured."""
+        bs = 1 if self.per_row[k] else max(1, len(rows))
+        return self.models[k].predict_proba([texts[i] for i in rows], batch_size=bs)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
         texts = state.get("texts")
@@ -225,7 +230,7 @@ class RouteStep(RoutedStep):
 
     def _probs(self, k: int, texts: list[str], rows: np.ndarray) -> np.ndarray:
         feeds, m = self._feeds, self.models[k]
-        if not self.shared[k] or feeds is None:
+        if not self.shared[k] or feeds is None or (self.per_row[k] and len(rows) > 1):
             return super()._probs(k, texts, rows)
         sub = {n: feeds[n][rows] for n in m.input_names if n in feeds}
         if "attention_mask" in sub:  # drop padding none of these rows needs

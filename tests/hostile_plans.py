@@ -118,3 +118,28 @@ def tree_state(root: Path, *, skip: Path | None = None) -> dict[str, str]:
             continue
         out[str(p.relative_to(root))] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
     return out
+
+
+def word_calib(path: Path, n: int = 40, *, labels: bool = True, field: str = "text") -> Path:
+    """A JSONL calibration file of word texts for the tiny word tokenizer (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(n):
+        row = {field: " ".join(f"w{int(i)}" for i in rng.integers(1, 500 if field == "text" else 15, size=int(rng.integers(2, 9))))}
+        if labels:
+            row["label"] = int(rng.integers(0, 2))
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def routed_plan(candidates: list[Path], out: Path, calib: Path, **kwargs) -> Path:
+    """A routed plan over ``candidates`` made by ``dyncompile.route`` (uncertified, given costs: milliseconds)."""
+    import dyncompile
+
+    costs = {Path(c).name: float(i + 1) for i, c in enumerate(candidates)}
+    costs["router"] = 0.01
+    opts = {"confidence": "none", "budget": 100.0, "costs": costs, "progress": False, **kwargs}
+    return dyncompile.route(candidates, calib, out, **opts).plan_dir

@@ -720,3 +720,165 @@ def test_9_export_genai_refuses_bad_plans(built, plan_copy, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "export-genai", gen, "-o", tmp_path / "c")
     assert_clean_error(rc, err, "cache_k_layer1", "pattern")
     assert not any((tmp_path / d).exists() for d in "abc")
+
+# ------------------------------------------------------------------------------------------- 14. routing and cascades
+
+
+@pytest.fixture(scope="module")
+def routed(built, tmp_path_factory):
+    """A cascade over two tiny classifier plans (``small``, ``big``) and its calibration file."""
+    from hostile_plans import routed_plan, word_calib
+
+    root = tmp_path_factory.mktemp("routed")
+    small, big = root / "small", root / "big"
+    shutil.copytree(built["cls"], small)
+    shutil.copytree(built["cls"], big)
+    calib = word_calib(root / "calib.jsonl")
+    return {"root": root, "small": small, "big": big, "calib": calib,
+            "plan": routed_plan([small, big], root / "routed", calib)}
+
+
+@pytest.fixture
+def routed_copy(routed, tmp_path):
+    dst = tmp_path / "routed"
+    shutil.copytree(routed["plan"], dst)  # a real copy: the routed folder's files are hard links of the sources
+    return dst
+
+
+def test_14_routed_plan_runs_and_names_the_candidate(routed, capsys):
+    rc, out, err = run_cli(capsys, "run", routed["plan"], "--text", TEXT)
+    assert rc == 0, err
+    assert "answered by small" in out or "answered by big" in out
+
+
+def test_14_candidates_with_different_label_sets(routed, tmp_path, capsys):
+    other = tmp_path / "other"
+    shutil.copytree(routed["big"], other)
+    raw = read_plan(other)
+    raw["labels"] = ["bad", "good"]
+    write_plan(other, raw)
+    rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], other, "--calib", routed["calib"], "-o",
+                         tmp_path / "r", "-q")
+    assert_clean_error(rc, err, "different label sets")
+    assert not (tmp_path / "r").exists()
+
+
+def test_14_candidates_with_different_tasks(built, routed, tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], built["gen"], "--calib", routed["calib"],
+                         "-o", tmp_path / "r", "-q")
+    assert_clean_error(rc, err, "different tasks")
+
+
+def test_14_a_candidate_that_is_no_plan(routed, tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], tmp_path, "--calib", routed["calib"],
+                         "-o", tmp_path / "r", "-q")
+    assert_clean_error(rc, err, "not a plan")
+
+
+def test_14_a_routed_plan_as_candidate(routed, tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "route", "--candidates", routed["plan"], routed["big"], "--calib", routed["calib"],
+                         "-o", tmp_path / "r", "-q")
+    assert_clean_error(rc, err, "itself a routed plan")
+
+
+def test_14_calib_without_labels_when_labels_are_needed(routed, tmp_path, capsys):
+    from hostile_plans import word_calib
+
+    calib = word_calib(tmp_path / "nolabels.jsonl", labels=False)
+    rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], routed["big"], "--calib", calib,
+                         "--metric", "accuracy", "-o", tmp_path / "r", "-q", "--cost-rows", "1")
+    assert_clean_error(rc, err, "'label'", "--metric agreement")
+    rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], routed["big"], "--calib", calib,
+                         "--rule", "check", "--check", "python-doctest", "-o", tmp_path / "r", "-q", "--cost-rows", "1")
+    assert rc == 2 and "error:" in err and "Traceback" not in err
+
+
+def test_14_calib_without_text(routed, tmp_path, capsys):
+    calib = tmp_path / "c.jsonl"
+    calib.write_text('{"sentence": "w1 w2", "label": 0}\n')
+    rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], routed["big"], "--calib", calib,
+                         "-o", tmp_path / "r", "-q")
+    assert_clean_error(rc, err, "text")
+
+
+def test_14_missing_subplan(routed_copy, capsys):
+    shutil.rmtree(routed_copy / "candidates" / "big")
+    rc, _, err = run_cli(capsys, "run", routed_copy, "--text", TEXT)
+    assert_clean_error(rc, err, "sub-plan", "big", "missing")
+
+
+def test_14_tampered_subplan_file(routed_copy, capsys):
+    model = routed_copy / "candidates" / "small" / "model.onnx"
+    data = bytearray(model.read_bytes())
+    data[-5] ^= 0xFF
+    model.unlink()
+    model.write_bytes(bytes(data))
+    rc, _, err = run_cli(capsys, "run", routed_copy, "--text", TEXT)
+    assert_clean_error(rc, err, "small", "modified")
+
+
+def test_14_tampered_and_rehashed_subplan_is_caught_by_the_digest(routed_copy, capsys):
+    """A publisher who rewrites the sub-plan's own sha256 still changes its digest, which the routed plan records."""
+    sub = routed_copy / "candidates" / "small"
+    model = sub / "model.onnx"
+    data = bytearray(model.read_bytes())
+    data[-5] ^= 0xFF
+    model.unlink()
+    model.write_bytes(bytes(data))
+    rehash(sub, "model")
+    rc, _, err = run_cli(capsys, "run", routed_copy, "--text", TEXT)
+    assert_clean_error(rc, err, "small", "modified after the routed plan was compiled")
+    rc, _, err = run_cli(capsys, "inspect", "--verify", routed_copy)
+    assert_clean_error(rc, err, "modified after the routed plan was compiled")
+
+
+@pytest.mark.parametrize("what, value, needle", [
+    ("plan", "../../etc", "escapes"),
+    ("digest", "00" * 31, "64 lowercase hex"),
+    ("labels", ["a", "b", "c"], "one label set"),
+    ("task", "text-generation", "same task"),
+])
+def test_14_bad_candidate_fields(routed_copy, capsys, what, value, needle):
+    raw = read_plan(routed_copy)
+    raw["steps"][0]["candidates"][1][what] = value
+    write_plan(routed_copy, raw)
+    rc, _, err = run_cli(capsys, "run", routed_copy, "--text", TEXT)
+    assert_clean_error(rc, err, needle)
+
+
+@pytest.mark.parametrize("rule, needle", [
+    ({"kind": "check", "check": "rm -rf"}, "unknown executable check"),
+    ({"kind": "learned", "thresholds": [0.0]}, "needs 'router'"),
+    ({"kind": "confidence", "thresholds": [0.5, 0.5], "criterion": "entropy"}, "one value per candidate"),
+    ({"kind": "confidence", "thresholds": [2.0], "criterion": "maxprob"}, "probability"),
+    ({"kind": "vibes"}, "one of"),
+])
+def test_14_bad_rules(routed_copy, capsys, rule, needle):
+    raw = read_plan(routed_copy)
+    raw["steps"][0]["rule"] = rule
+    write_plan(routed_copy, raw)
+    rc, _, err = run_cli(capsys, "run", routed_copy, "--text", TEXT)
+    assert_clean_error(rc, err, needle)
+
+
+def test_14_check_registry():
+    from dyncompile.runtime.route import get_check, register_check
+
+    @register_check("test-always")
+    def always(record, output):
+        return True
+
+    assert get_check("test-always") is always
+    with pytest.raises(PlanError, match="unknown executable check"):
+        get_check("no-such-check")
+
+
+def test_14_force_replaces_a_routed_plan_and_nothing_else(routed, tmp_path, capsys):
+    from hostile_plans import routed_plan
+
+    out = tmp_path / "r"
+    routed_plan([routed["small"], routed["big"]], out, routed["calib"])
+    routed_plan([routed["small"], routed["big"]], out, routed["calib"], force=True)  # its candidates/ are its own
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="notes.txt"):
+        routed_plan([routed["small"], routed["big"]], out, routed["calib"], force=True)

@@ -8,7 +8,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from hostile_plans import TEXT, classifier_dir, decoder_dir, generate_plan, run_model_plan, staged_plan
+from hostile_plans import (
+    TEXT,
+    classifier_dir,
+    decoder_dir,
+    generate_plan,
+    routed_plan,
+    run_model_plan,
+    staged_plan,
+    word_calib,
+)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -91,8 +100,12 @@ def _write(plan_dir, raw):
 def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     dec = decoder_dir(root / "dec")
+    cls = run_model_plan(classifier_dir(root / "cls"), root / "plan-cls")
+    small = run_model_plan(classifier_dir(root / "cls-small"), root / "small")
+    big = run_model_plan(classifier_dir(root / "cls-big"), root / "big")
     built = {
-        "classifier": run_model_plan(classifier_dir(root / "cls"), root / "plan-cls"),
+        "classifier": cls,
+        "routed": routed_plan([small, big], root / "plan-routed", word_calib(root / "calib.jsonl")),
         "staged": staged_plan(root / "plan-staged"),
         "speculative": generate_plan(dec, root / "plan-spec", speculative=True),
     }
@@ -111,7 +124,7 @@ FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-@pytest.mark.parametrize("kind", ["classifier", "staged", "speculative"])
+@pytest.mark.parametrize("kind", ["classifier", "staged", "speculative", "routed"])
 def test_mutated_plan_loads_or_fails_cleanly(plans, kind):
     plan_dir, pristine = plans[kind]
     outcomes = {"ran": 0, "clean error": 0}
@@ -140,6 +153,8 @@ def test_mutated_plan_loads_or_fails_cleanly(plans, kind):
 def test_fuzz_left_no_files_behind(plans):
     """Loading and running mutated plans wrote nothing into the plan directories."""
     for plan_dir, _ in plans.values():
+        plan = dyncompile.load(plan_dir).plan
+        routed = {"candidates"} if any(s.kind in ("cascade", "route") for s in plan.steps) else set()
         assert sorted(p.name for p in plan_dir.iterdir()) == sorted(
-            {"plan.json"} | {f.path for f in dyncompile.load(plan_dir).plan.files.values()}
+            {"plan.json"} | {f.path for f in plan.files.values()} | routed
         )

@@ -348,6 +348,7 @@ def _cmd_route(argv: list[str]) -> int:
     p.add_argument("--cost-rows", type=int, default=40, help="rows to time each candidate on, batch 1 (default 40)")
     p.add_argument("--provider", default="cpu", help="execution provider to measure costs on (default cpu)")
     p.add_argument("--force", action="store_true", help="replace the output folder if it is a plan")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     _setup_logging(args.verbose)
@@ -360,7 +361,7 @@ def _cmd_route(argv: list[str]) -> int:
     res = dyncompile.route(args.candidates, args.calib, args.output, budget=args.budget, confidence=args.confidence,
                            rule=args.rule, criterion=args.criterion, check=args.check, judge=args.judge,
                            reference=args.reference, metric=args.metric, limit=args.limit, cost_rows=args.cost_rows,
-                           provider=args.provider, force=args.force)
+                           provider=args.provider, force=args.force, progress=not args.quiet)
     print(safe_text(res.summary()))
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0

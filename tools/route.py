@@ -93,13 +93,20 @@ def load_candidates(dirs: Sequence[str | Path], provider: str = "cpu", session_c
     return models
 
 
-def candidate_probs(model, texts: Sequence[str], batch_size: int = 32, desc: str = "") -> np.ndarray:
+def per_row_plan(model) -> bool:
+    """An If-lowered early-exit plan: at batch > 1 it exits only when every row may (one decision per batch)."""
+    return (model.plan.policy.get("early_exit") or {}).get("lowering") == "if"
+
+
+def candidate_probs(model, texts: Sequence[str], batch_size: int = 32, desc: str = "", progress: bool = True) -> np.ndarray:
     """``[N, C]`` probabilities of one candidate on ``texts`` (length-sorted batches)."""
     from tqdm.auto import tqdm
 
+    if per_row_plan(model):  # an If-graph early exit decides one exit per batch: calibrate what batch 1 does
+        batch_size = 1
     order = np.argsort([len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), len(model.plan.labels or [0, 0])), np.float64)
-    for s in tqdm(range(0, len(texts), batch_size), desc=desc or "candidate", leave=False):
+    for s in tqdm(range(0, len(texts), batch_size), desc=desc or "candidate", leave=False, disable=not progress):
         idx = order[s : s + batch_size]
         out[idx] = model.predict_proba([texts[i] for i in idx], batch_size=len(idx))
     return out
@@ -188,6 +195,7 @@ def route(
     seed: int = 0,
     ridge: float = 30.0,
     outputs: dict[str, np.ndarray] | None = None,
+    progress: bool = True,
 ) -> RouteResult:
     """Compile a routed plan over ``candidates`` (plan folders, cheapest first) calibrated on ``calib``.
 
@@ -205,7 +213,7 @@ def route(
     """
     from dyncompile.io import read_jsonl
     from dyncompile.passes.early_exit.certify import parse_confidence
-    from dyncompile.passes.routing import calibrate_cascade, calibrate_check, calibrate_route
+    from dyncompile.passes.routing import calibrate_cascade, calibrate_route
     from dyncompile.passes.routing.router import build_router_onnx
 
     if rule not in RULES:
@@ -274,10 +282,10 @@ def route(
             y = _labels_of(rows, labels, calib, need=metric == "accuracy" or rule == "check")
             if metric == "agreement":
                 y = None
-            probs = [outputs[str(c)] if outputs and str(c) in outputs else candidate_probs(m, texts, desc=n)
+            probs = [outputs[str(c)] if outputs and str(c) in outputs else candidate_probs(m, texts, desc=n, progress=progress)
                      for c, n, m in zip(candidates, names, models)]
             ref_probs = probs[-1] if ref_model is models[-1] else (
-                outputs[str(reference)] if outputs and str(reference) in outputs else candidate_probs(ref_model, texts, desc="reference"))
+                outputs[str(reference)] if outputs and str(reference) in outputs else candidate_probs(ref_model, texts, desc="reference", progress=progress))
         if rule == "confidence":
             fit = calibrate_cascade(probs, ref_probs, y, ms, ref_ms, budget=budget, confidence=conf, criterion=criterion,
                                     seed=seed)
@@ -289,7 +297,7 @@ def route(
             build_router_onnx(fit.router, table, router_path)
         else:
             fit = _calibrate_check(models, names, rows, texts, task, check, judge, y if task == "text-classification" else None,
-                                   ms, ref_ms, budget, conf, seed)
+                                   ms, ref_ms, budget, conf, seed, progress)
         cand_specs = [{"name": n, "plan_dir": Path(c), "cost": {"ms": round(float(x), 4), "provider": provider, "batch": 1,
                                                                  "source": source}}
                       for n, c, x in zip(names, candidates, ms)]
@@ -318,7 +326,7 @@ def _router_fn(router_path: Path, tok_path: Path, tok_spec: dict) -> Callable[[s
     return fn
 
 
-def _calibrate_check(models, names, rows, texts, task, check, judge, y, ms, ref_ms, budget, conf, seed):
+def _calibrate_check(models, names, rows, texts, task, check, judge, y, ms, ref_ms, budget, conf, seed, progress=True):
     from dyncompile.passes.routing import calibrate_check
     from dyncompile.runtime.route import get_check
 
@@ -330,7 +338,7 @@ def _calibrate_check(models, names, rows, texts, task, check, judge, y, ms, ref_
             raise DataError("--rule check on classifiers needs a 'label' on every calibration row to score answers")
         outs = []
         for m in models:
-            p = candidate_probs(m, texts)
+            p = candidate_probs(m, texts, progress=progress)
             outs.append(p)
         labs = models[0].plan.labels
         passes = np.array([[chk({"text": t}, {"label": labs[int(np.argmax(p))],
@@ -347,7 +355,7 @@ def _calibrate_check(models, names, rows, texts, task, check, judge, y, ms, ref_
         passes_l, correct_l = [], []
         for k, m in enumerate(models):
             pk, ck = [], []
-            for r in tqdm(rows, desc=names[k], leave=False):
+            for r in tqdm(rows, desc=names[k], leave=False, disable=not progress):
                 res = m.generate(r["prompt"])
                 out = {"text": res.text, "token_ids": list(res.token_ids)}
                 ck.append(bool(jd(r, out)))

@@ -7,8 +7,8 @@ Layout::
     routed/router.onnx          learned rule only (+ router_tokenizer.json)
 
 Each candidate's :func:`~dyncompile.plan.plan_digest` is recorded in the step, so a sub-plan that is missing,
-changed, or has files added or removed is a load error. Hard links keep a 420 MB MPNet from being copied;
-across file systems the files are copied. The folder is written through :func:`dyncompile.io.atomic_output_dir`
+changed, or has files added or removed is a load error. Hard links keep a 420 MB MPNet from being copied
+(model weights only; plan.json and tokenizers are copied); across file systems everything is copied. The folder is written through :func:`dyncompile.io.atomic_output_dir`
 and loaded back with every check before it is renamed into place.
 """
 
@@ -27,11 +27,17 @@ __all__ = ["copy_subplan", "write_routed_plan"]
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link model weights (``.onnx``, ``.data``: large, and written atomically by dyncompile, so a later
+    compile replaces the file instead of changing it in place); copy everything else (plan.json, tokenizer:
+    small, and edited in place by people — a hard link would carry such an edit into the routed plan)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    if src.suffix in (".onnx", ".data"):
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copy2(src, dst)
 
 
 def copy_subplan(src_dir: Path, dst_dir: Path) -> Plan:

@@ -105,7 +105,7 @@ def build_router_onnx(head: RouterHead, table: np.ndarray, path: str | Path, ops
     ``c = b - mu @ (w / sd)``.
     """
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    import onnx_ir as ir
 
     d = table.shape[1]
     wz = head.weights / head.scale[None, :]  # [K-1, F]
@@ -113,37 +113,31 @@ def build_router_onnx(head: RouterHead, table: np.ndarray, path: str | Path, ops
     a = wz[:, d].astype(np.float32)
     c = (head.bias - wz @ head.mean).astype(np.float32)
     k = len(c)
-    inits = [
-        numpy_helper.from_array(token_table, "token_scores"),
-        numpy_helper.from_array(a, "length_coef"),
-        numpy_helper.from_array(c, "bias"),
-        numpy_helper.from_array(np.array([1], np.int64), "axis1"),
-        numpy_helper.from_array(np.array([-1], np.int64), "axis_last"),
-        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-    ]
-    nodes = [
-        helper.make_node("Gather", ["token_scores", "input_ids"], ["tok"]),  # [B, S, K-1]
-        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
-        helper.make_node("Unsqueeze", ["maskf", "axis_last"], ["mask3"]),
-        helper.make_node("Mul", ["tok", "mask3"], ["tok_m"]),
-        helper.make_node("ReduceSum", ["tok_m", "axis1"], ["tok_sum"], keepdims=0),  # [B, K-1]
-        helper.make_node("ReduceSum", ["maskf", "axis1"], ["length0"], keepdims=1),  # [B, 1]
-        helper.make_node("Max", ["length0", "one"], ["length"]),
-        helper.make_node("Div", ["tok_sum", "length"], ["tok_mean"]),
-        helper.make_node("Log", ["length"], ["log_len"]),
-        helper.make_node("Mul", ["log_len", "length_coef"], ["len_term"]),
-        helper.make_node("Add", ["tok_mean", "len_term"], ["s0"]),
-        helper.make_node("Add", ["s0", "bias"], [ROUTER_OUTPUT]),
-    ]
-    graph = helper.make_graph(
-        nodes, "dyncompile_router",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"])],
-        [helper.make_tensor_value_info(ROUTER_OUTPUT, TensorProto.FLOAT, ["batch", k])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="dyncompile")
-    onnx.checker.check_model(model, full_check=True)
+    ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "seq"]))
+    mask = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "seq"]))
+    tape = ir.tape.Tape()
+
+    def const(name: str, arr: np.ndarray) -> ir.Value:
+        return tape.initializer(ir.tensor(arr, name=name), name=name)
+
+    tok = tape.op("Gather", [const("token_scores", token_table), ids])  # [B, S, K-1]
+    maskf = tape.op("Cast", [mask], attributes={"to": ir.DataType.FLOAT})
+    axis1 = const("axis1", np.array([1], np.int64))
+    tok_m = tape.op("Mul", [tok, tape.op("Unsqueeze", [maskf, const("axis_last", np.array([-1], np.int64))])])
+    tok_sum = tape.op("ReduceSum", [tok_m, axis1], attributes={"keepdims": 0})  # [B, K-1]
+    length0 = tape.op("ReduceSum", [maskf, axis1], attributes={"keepdims": 1})  # [B, 1]
+    length = tape.op("Max", [length0, const("one", np.array(1.0, np.float32))])
+    tok_mean = tape.op("Div", [tok_sum, length])
+    len_term = tape.op("Mul", [tape.op("Log", [length]), const("length_coef", a)])
+    out = tape.op("Add", [tape.op("Add", [tok_mean, len_term]), const("bias", c)])
+    out.name = ROUTER_OUTPUT
+    out.type = ir.TensorType(ir.DataType.FLOAT)
+    out.shape = ir.Shape(["batch", k])
+    graph = ir.Graph([ids, mask], [out], nodes=tape.nodes, initializers=tape.initializers,
+                     opset_imports={"": opset}, name="dyncompile_router")
+    model = ir.Model(graph, ir_version=8, producer_name="dyncompile")
+    proto = ir.serde.serialize_model(model)
+    onnx.checker.check_model(proto, full_check=True)
     path = Path(path)
-    onnx.save(model, str(path))
+    onnx.save(proto, str(path))
     return path
