@@ -34,6 +34,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.errors import PassConfigError
 from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
@@ -287,6 +288,10 @@ class FuseDecoderPass(ir.passes.InPlacePass):
     "into ORT contrib ops; IO unchanged",
 )
 def _make_fuse_decoder(context, max_positions: int = 0) -> FuseDecoderPass:
+    if max_positions < 0:
+        raise PassConfigError(
+            f"fuse-decoder: max_positions must be >= 0 (0: the model's max_position_embeddings), not {max_positions}"
+        )
     if not max_positions:
         max_positions = int((context.model_config or {}).get("max_position_embeddings") or 8192)
     return FuseDecoderPass(max_positions=max_positions)
