@@ -72,27 +72,36 @@ def _session(path: Path, threads: int):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _greedy(dec: KVDecoder, ids: list[int], n: int) -> tuple[list[int], float, float, np.ndarray]:
+def _greedy(dec: KVDecoder, ids: list[int], n: int) -> tuple[list[int], float, list[float], np.ndarray]:
+    """Greedy tokens, prefill seconds, seconds of each decode step, prefill logits of the last position."""
     dec.reset()
     t0 = time.perf_counter()
     logits = dec.forward(ids)
-    t1 = time.perf_counter()
+    prefill = time.perf_counter() - t0
     last = logits[-1].copy()
     out = [int(last.argmax())]
+    steps = []
     for _ in range(n - 1):
+        t = time.perf_counter()
         out.append(int(dec.forward([out[-1]])[-1].argmax()))
-    return out, t1 - t0, time.perf_counter() - t1, last
+        steps.append(time.perf_counter() - t)
+    return out, prefill, steps, last
 
 
-def run_bench(variants: list[tuple[str, Path]], prompts: list[list[int]], *, max_new_tokens: int,
+def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[int]], *, max_new_tokens: int,
               threads: int) -> dict[str, Any]:
-    """Greedy generation of every prompt with every variant (rotating order); per-variant timings and fidelity."""
+    """Greedy generation of every prompt with every variant (rotating order); per-variant timings and fidelity.
+
+    Each variant is (name, path, reference name or None for the first variant). Speed is reported robustly for a
+    shared machine: per prompt, the median decode step and the prefill time are divided by the first variant's on
+    the same prompt (paired), and the medians of those ratios are reported next to the totals.
+    """
     decs = []
-    for name, path in variants:
+    for name, path, _ in variants:
         t0 = time.perf_counter()
         decs.append(KVDecoder(_session(path, threads), _spec(path), role=name))
         logger.info("session %s: %.1f s", name, time.perf_counter() - t0)
-    rec: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+    rec: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     load_start = load_avg()
     try:
         from tqdm import tqdm
@@ -104,11 +113,13 @@ def run_bench(variants: list[tuple[str, Path]], prompts: list[list[int]], *, max
         order = list(range(len(variants)))
         order = order[k % len(order):] + order[: k % len(order)]
         for j in order:
-            toks, tp, td, last = _greedy(decs[j], ids, max_new_tokens)
-            rec[variants[j][0]].append({"tokens": toks, "prefill_s": tp, "decode_s": td, "last_logits": last})
-    ref_name = variants[0][0]
+            toks, tp, steps, last = _greedy(decs[j], ids, max_new_tokens)
+            rec[variants[j][0]].append({"tokens": toks, "prefill_s": tp, "decode_s": sum(steps),
+                                        "step_ms_median": 1000 * statistics.median(steps), "last_logits": last})
+    first = rec[variants[0][0]]
     results = []
-    for name, path in variants:
+    for name, path, ref_name in variants:
+        ref_name = ref_name or variants[0][0]
         rows, ref = rec[name], rec[ref_name]
         prefill = sum(r["prefill_s"] for r in rows)
         decode = sum(r["decode_s"] for r in rows)
@@ -122,17 +133,19 @@ def run_bench(variants: list[tuple[str, Path]], prompts: list[list[int]], *, max
             "prefill_s_total": round(prefill, 3),
             "decode_tok_s": round(n_dec / decode, 3),
             "tok_s_incl_prefill": round(max_new_tokens * len(rows) / (prefill + decode), 3),
-            "decode_ms_per_token_median": round(1000 * statistics.median(r["decode_s"] / (max_new_tokens - 1)
-                                                                        for r in rows), 2),
+            "decode_step_ms_median": round(statistics.median(r["step_ms_median"] for r in rows), 2),
+            "decode_step_ratio_vs_first_median": round(statistics.median(
+                r["step_ms_median"] / f["step_ms_median"] for r, f in zip(rows, first)), 3),
+            "prefill_ratio_vs_first_median": round(statistics.median(
+                r["prefill_s"] / f["prefill_s"] for r, f in zip(rows, first)), 3),
+            "per_prompt": [{"prefill_s": round(r["prefill_s"], 3), "decode_s": round(r["decode_s"], 3),
+                            "step_ms_median": round(r["step_ms_median"], 2)} for r in rows],
+            "fidelity_reference": ref_name,
             "greedy_identical_prompts": f"{sum(same)}/{len(same)}",
             "first_divergence": [d for d in first_div if d is not None],
             "prefill_last_logit_max_abs_diff": float(max(np.abs(r["last_logits"] - q["last_logits"]).max()
                                                          for r, q in zip(rows, ref))),
         })
-    base = results[0]
-    for r in results:
-        r["decode_speedup_vs_first"] = round(r["decode_tok_s"] / base["decode_tok_s"], 3)
-        r["prefill_ratio_vs_first"] = round(r["prefill_s_total"] / base["prefill_s_total"], 3)
     return {"results": results, "load_avg_start": load_start, "load_avg_end": load_avg()}
 
 
@@ -144,17 +157,20 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"{report['prompts']} prompts, greedy, {report['max_new_tokens']} new tokens each (EOS not a stop), "
         f"{report['threads']} intra-op threads, spinning off; {m['cpu']} ({m['cores']} cores), ORT {m['onnxruntime']}, "
         f"{m['date']}; load average at start {report['load_avg_start']}, end {report['load_avg_end']}.",
-        "Fidelity is against the first row (greedy tokens and prefill last-position logits).",
+        "Decode step = median step time of a prompt; the ratios are per prompt against the first row (paired, so "
+        "load drift between prompts cancels), median over prompts: below 1 is faster. Totals (tok/s) include any "
+        "stall of the shared machine. Fidelity: greedy tokens and prefill last-position logits against the row named.",
         "",
-        "| graph | prefill s (all prompts) | decode tok/s | tok/s incl. prefill | decode ms/token (median prompt) | "
-        "decode vs first | prefill vs first | greedy identical | max abs logit diff |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| graph | decode step ms (median) | decode step vs first | prefill vs first | decode tok/s (total) | "
+        "prefill s (total) | tok/s incl. prefill | greedy identical | vs | max abs logit diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         lines.append(
-            f"| {r['name']} | {r['prefill_s_total']} | {r['decode_tok_s']} | {r['tok_s_incl_prefill']} | "
-            f"{r['decode_ms_per_token_median']} | {r['decode_speedup_vs_first']}x | {r['prefill_ratio_vs_first']}x | "
-            f"{r['greedy_identical_prompts']} | {r['prefill_last_logit_max_abs_diff']:.2e} |"
+            f"| {r['name']} | {r['decode_step_ms_median']} | {r['decode_step_ratio_vs_first_median']} | "
+            f"{r['prefill_ratio_vs_first_median']} | {r['decode_tok_s']} | {r['prefill_s_total']} | "
+            f"{r['tok_s_incl_prefill']} | {r['greedy_identical_prompts']} | {r['fidelity_reference']} | "
+            f"{r['prefill_last_logit_max_abs_diff']:.2e} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -180,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Example: --variant unfused=~/.cache/dyncompile/models/smollm2-135m/model.onnx "
         "--variant fused=plans/smollm2-fused/model.onnx --prompts bench-results/speculative-qwen/code.jsonl",
     )
-    ap.add_argument("--variant", action="append", required=True, metavar="NAME=MODEL.onnx",
-                    help="a graph to run (repeat; the first is the fidelity reference)")
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME=MODEL.onnx[@REF]",
+                    help="a graph to run (repeat); fidelity is checked against variant REF (default: the first), "
+                    "e.g. fused-int4=plan/model.onnx@int4")
     ap.add_argument("--prompts", required=True, help="JSONL prompts (python -m dyncompile.tools.prompt_sets)")
     ap.add_argument("--tokenizer", required=True, help="tokenizer.json shared by every variant")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
@@ -195,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     variants = []
     for v in args.variant:
-        name, sep, path = v.partition("=")
+        name, sep, rest = v.partition("=")
+        path, _, ref = rest.partition("@")
         p = Path(path).expanduser()
         if not sep or not name or not p.is_file():
-            raise SystemExit(f"error: --variant {v!r}: expected NAME=PATH to an existing .onnx file")
-        variants.append((name, p))
+            raise SystemExit(f"error: --variant {v!r}: expected NAME=PATH[@REF] with an existing .onnx file")
+        if ref and ref not in [n for n, _, _ in variants]:
+            raise SystemExit(f"error: --variant {v!r}: reference {ref!r} must name an earlier variant")
+        variants.append((name, p, ref or None))
     prompts = read_prompts(args.prompts, limit=args.limit)
     ids = _encode(prompts, Path(args.tokenizer).expanduser(), args.max_prompt_tokens)
     report = {"title": args.title, "prompts": len(ids), "prompt_tokens": [len(i) for i in ids],
