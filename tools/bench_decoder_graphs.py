@@ -88,19 +88,46 @@ def _greedy(dec: KVDecoder, ids: list[int], n: int) -> tuple[list[int], float, l
     return out, prefill, steps, last
 
 
+def _greedy_interleaved(decs: list[KVDecoder], ids: list[int], n: int) -> list[dict[str, Any]]:
+    """:func:`_greedy` for several decoders at once, one decode step of each in turn."""
+    outs, pre, steps, lasts = [], [], [[] for _ in decs], []
+    for dec in decs:
+        dec.reset()
+        t0 = time.perf_counter()
+        last = dec.forward(ids)[-1].copy()
+        pre.append(time.perf_counter() - t0)
+        lasts.append(last)
+        outs.append([int(last.argmax())])
+    for _ in range(n - 1):
+        for k, dec in enumerate(decs):
+            t = time.perf_counter()
+            outs[k].append(int(dec.forward([outs[k][-1]])[-1].argmax()))
+            steps[k].append(time.perf_counter() - t)
+    return [{"tokens": o, "prefill_s": p, "decode_s": sum(st), "step_ms_median": 1000 * statistics.median(st),
+             "last_logits": la} for o, p, st, la in zip(outs, pre, steps, lasts)]
+
+
 def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[int]], *, max_new_tokens: int,
-              threads: int) -> dict[str, Any]:
+              threads: int, one_session: bool = False, step_interleaved: bool = False) -> dict[str, Any]:
     """Greedy generation of every prompt with every variant (rotating order); per-variant timings and fidelity.
 
     Each variant is (name, path, reference name or None for the first variant). Speed is reported robustly for a
     shared machine: per prompt, the median decode step and the prefill time are divided by the first variant's on
-    the same prompt (paired), and the medians of those ratios are reported next to the totals.
+    the same prompt (paired), and the medians of those ratios are reported next to the totals. ``one_session``
+    holds one ORT session at a time (made again for every prompt: for models whose variants do not fit in memory
+    together). ``step_interleaved`` alternates the variants at every decode step (all sessions held): on a
+    machine whose load changes by the second this is the only fair comparison of decode speed.
     """
-    decs = []
-    for name, path, _ in variants:
+    import gc
+
+    def make(j: int) -> KVDecoder:
+        name, path, _ = variants[j]
         t0 = time.perf_counter()
-        decs.append(KVDecoder(_session(path, threads), _spec(path), role=name))
+        dec = KVDecoder(_session(path, threads), _spec(path), role=name)
         logger.info("session %s: %.1f s", name, time.perf_counter() - t0)
+        return dec
+
+    decs = [None] * len(variants) if one_session else [make(j) for j in range(len(variants))]
     rec: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     load_start = load_avg()
     try:
@@ -112,8 +139,16 @@ def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[i
     for k, ids in it:
         order = list(range(len(variants)))
         order = order[k % len(order):] + order[: k % len(order)]
+        if step_interleaved:
+            for j, r in zip(order, _greedy_interleaved([decs[j] for j in order], ids, max_new_tokens)):
+                rec[variants[j][0]].append(r)
+            continue
         for j in order:
-            toks, tp, steps, last = _greedy(decs[j], ids, max_new_tokens)
+            dec = decs[j] or make(j)
+            toks, tp, steps, last = _greedy(dec, ids, max_new_tokens)
+            if one_session:
+                del dec
+                gc.collect()
             rec[variants[j][0]].append({"tokens": toks, "prefill_s": tp, "decode_s": sum(steps),
                                         "step_ms_median": 1000 * statistics.median(steps), "last_logits": last})
     first = rec[variants[0][0]]
@@ -205,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=2048, help="keep the last N prompt tokens")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--one-session", action="store_true",
+                    help="hold one ORT session at a time (re-created per prompt): variants that do not fit in memory together")
+    ap.add_argument("--step-interleaved", action="store_true",
+                    help="alternate the variants at every decode step (fairest on a busy machine; all sessions held)")
     ap.add_argument("--title", default="decoder graphs")
     ap.add_argument("--out", default="bench-results/decoder-graphs")
     ap.add_argument("--stem", required=True, help="file name stem of the JSON / markdown report")
@@ -224,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     ids = _encode(prompts, Path(args.tokenizer).expanduser(), args.max_prompt_tokens)
     report = {"title": args.title, "prompts": len(ids), "prompt_tokens": [len(i) for i in ids],
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "machine": machine_info()}
-    report.update(run_bench(variants, ids, max_new_tokens=args.max_new_tokens, threads=args.threads))
+    if args.one_session and args.step_interleaved:
+        raise SystemExit("error: --one-session and --step-interleaved exclude each other")
+    report["one_session_at_a_time"] = args.one_session
+    report["step_interleaved"] = args.step_interleaved
+    report.update(run_bench(variants, ids, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                            one_session=args.one_session, step_interleaved=args.step_interleaved))
     report["markdown"] = markdown_report(report)
     jp, mp = write_report(report, Path(args.out), args.stem)
     print(report["markdown"])
