@@ -439,6 +439,7 @@ def test_7_bad_policy_values_are_refused(plan_copy, capsys, what):
         ("speculative{draft_length=many}", ["draft_length", "int"]),
         ("speculative{tree=maybe}", ["tree", "true or false"]),
         ("explicit-attention{mask=4d}", ["mask", "input_name"]),
+        ("fuse-decoder{max_positions=long}", ["max_positions", "int"]),
     ],
 )
 def test_7_unknown_or_ill_typed_pass_options(model_copy, tmp_path, capsys, spec, needles):
@@ -665,6 +666,7 @@ def test_8_data_labels_of_the_wrong_type(built, tmp_path, capsys, label):
         (("run", "{cls}", "--data", "{tmp}"), "directory"),
         (("{cls_model}", "-o", "/proc/dyncompile-nope/out", "-q"), "cannot access"),
         (("{cls_model}", "--passes", "quantize-int4{block_size=0}", "-o", "{tmp}/o", "-q"), "block_size"),
+        (("{cls_model}", "--passes", "fuse-decoder{max_positions=-1}", "-o", "{tmp}/o", "-q"), "max_positions"),
         (("{cls_model}", "--passes", "early-exit", "--calib", DATA / "movie-calib.jsonl", "--budget", "nan",
           "-o", "{tmp}/o", "-q"), "budget"),
         (("inspect", "{tokenizer}"), "not a valid ONNX model"),
