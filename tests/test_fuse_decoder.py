@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
+from helpers import ort_session  # tests/ is on pythonpath
 
 import dyncompile
 from dyncompile.models._export import decoder_tolerance
@@ -21,7 +22,6 @@ from dyncompile.passes.fuse_decoder import FuseDecoderPass
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.kv_cache import KVDecoder
-from helpers import ort_session  # tests/ is on pythonpath
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NEW_TOKENS = 16
@@ -123,7 +123,6 @@ def test_options():
 def test_gqa_as_fused_applies_an_arbitrary_tree_mask():
     """The fused op with the pass's settings (causal=0, attention_bias) honours any additive mask over past + new
     tokens, e.g. a draft tree where a node sees its ancestors only, on top of a cache (numpy reference)."""
-    import onnxruntime as ort
 
     b, h, hkv, dh, past, s = 1, 4, 2, 8, 7, 5
     rng = np.random.default_rng(0)
