@@ -38,6 +38,7 @@ __all__ = [
     "CleanupGraphPass",
     "CompileContext",
     "FitExitHeadsPass",
+    "FuseDecoderPass",
     "InsertEarlyExitPass",
     "PipelineResult",
     "QuantizeDynamicInt8Pass",
