@@ -303,3 +303,7 @@ def python_doctest(input_record: dict[str, Any], output: dict[str, Any], *, no_e
         return bool(no_examples_policy)
     completion = output["completion"] if "completion" in output else truncate_completion(output.get("text") or "")[0]
     return check_examples(prompt, entry, completion).passed
+
+
+#: the answers this check reads end at the function: a routed decoder cascade generates with these stop strings
+python_doctest.stop_sequences = STOP_SEQUENCES

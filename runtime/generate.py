@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -200,8 +200,11 @@ def decode_target_only(
     temperature: float,
     rng: np.random.Generator,
     stats: GenerationStats,
+    stop_when: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """Plain autoregressive decoding with the target alone (the reference speculative decoding must match)."""
+    """Plain autoregressive decoding with the target alone (the reference speculative decoding must match).
+
+    ``stop_when(out)`` (optional) ends the generation after the token that makes it true (stop strings)."""
     target.reset()
     eos_set = set(eos)
     budget = max_new_tokens if max_length is None else min(max_new_tokens, max_length - len(prompt_ids))
@@ -218,6 +221,9 @@ def decode_target_only(
         out.append(tok)
         if tok in eos_set:
             stats.stop_reason = "eos"
+            break
+        if stop_when is not None and stop_when(out):
+            stats.stop_reason = "stop_sequence"
             break
         if len(out) >= budget:
             stats.stop_reason = "max_new_tokens" if len(out) >= max_new_tokens else "max_length"
@@ -262,6 +268,7 @@ class GenerateStep(StepHandler):
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, sample: bool, temperature: float,
                      rng: np.random.Generator, speculative: bool = True, **options) -> tuple[list[int], GenerationStats]:
         del speculative  # target-only
+        stop_when = options.pop("stop_when", None)
         io_binding = options.pop("io_binding", None)
         self.target.io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
         options.pop("rollback", None)  # nothing is ever rolled back without drafts
@@ -272,7 +279,7 @@ class GenerateStep(StepHandler):
         t0 = time.perf_counter()
         out = decode_target_only(self.target, prompt_ids, max_new_tokens, eos=self.gen.eos_token_ids,
                                  max_length=self.gen.max_length, sample=sample, temperature=temperature, rng=rng,
-                                 stats=stats)
+                                 stats=stats, stop_when=stop_when)
         stats.seconds = time.perf_counter() - t0
         stats.new_tokens = len(out)
         stats.target_seconds = self.timer.seconds.get("target", 0.0)
@@ -299,6 +306,7 @@ def generate(
     seed: int | None = None,
     chat: bool = False,
     speculative: bool = True,
+    stop: Sequence[str] | None = None,
     **options,
 ) -> GenerationResult:
     """Generate a continuation of ``prompt`` with a compiled decoder plan (see ``CompiledModel.generate``).
@@ -313,6 +321,8 @@ def generate(
         seed: seed of the sampling RNG.
         chat: wrap the prompt in the model's chat template (a user turn + the assistant prefix).
         speculative: ``False`` runs the plan's target alone (the reference), in the same sessions.
+        stop: stop strings: generation ends once the decoded continuation contains one (the text is not cut;
+            a speculative round may run past it by the tokens that round accepted). Needs the plan's tokenizer.
         **options: speculative runtime options, e.g. ``draft_length=4``, ``adaptive=False``, ``max_draft=8``.
     """
     handler = _generation_handler(compiled)
@@ -325,6 +335,13 @@ def generate(
             f"the prompt has {len(ids)} tokens but the model supports {gen.max_length} positions; shorten it"
         )
     rng = np.random.default_rng(seed)
+    if stop:
+        if isinstance(stop, str) or not all(isinstance(x, str) and x for x in stop):
+            raise PromptError("stop must be a list of non-empty strings")
+        if codec is None:
+            raise PromptError("stop strings need the plan's tokenizer; this plan has none")
+        stops = tuple(stop)
+        options["stop_when"] = lambda out: any(x in codec.decode(out) for x in stops)
     out, stats = handler.generate_ids(ids, max_new_tokens, sample=bool(sample), temperature=temperature, rng=rng,
                                       speculative=speculative, **options)
     text = codec.decode(out) if codec is not None else None

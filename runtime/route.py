@@ -179,6 +179,9 @@ class RoutedStep(StepHandler):
             k = int(self.assign([prompt if isinstance(prompt, str) else str(prompt)])[0])
             return k, self.models[k].generate(prompt, **kwargs), []
         checks = []
+        stops = getattr(self.check, "stop_sequences", None)  # e.g. python-doctest: end of the function
+        if stops and "stop" not in kwargs:
+            kwargs["stop"] = list(stops)
         for k, m in enumerate(self.models):
             res = m.generate(prompt, **kwargs)
             if k == len(self.models) - 1:

@@ -371,6 +371,7 @@ class SpeculativeGenerateStep(GenerateStep):
                                                                           "tree")}
             return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
                                         **options)
+        stop_when = options.pop("stop_when", None)
         ctl = self._controller(options)
         tree_ctl = self._tree_controller(ctl, options)
         if options:
@@ -382,7 +383,7 @@ class SpeculativeGenerateStep(GenerateStep):
                                 drafter=self.drafter.name)
         self.timer.reset()
         t_start = time.perf_counter()
-        out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats, tree_ctl)
+        out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats, tree_ctl, stop_when)
         stats.seconds = time.perf_counter() - t_start
         stats.new_tokens = len(out)
         stats.target_seconds = self.timer.seconds.get("target", 0.0)
@@ -391,7 +392,7 @@ class SpeculativeGenerateStep(GenerateStep):
         return out, stats
 
     def _loop(self, prompt_ids, max_new_tokens, sample, temperature, rng, ctl: DraftController,
-              stats: GenerationStats, tree_ctl: TreeController | None = None) -> list[int]:
+              stats: GenerationStats, tree_ctl: TreeController | None = None, stop_when=None) -> list[int]:
         target, drafter = self.target, self.drafter
         eos = set(self.gen.eos_token_ids)
         max_len = self.gen.max_length
@@ -413,6 +414,9 @@ class SpeculativeGenerateStep(GenerateStep):
             return out
         if len(out) >= budget:
             stats.stop_reason = "max_new_tokens" if budget >= max_new_tokens else "max_length"
+            return out
+        if stop_when is not None and stop_when(out):
+            stats.stop_reason = "stop_sequence"
             return out
         drafter.after_prefill(target)
         while True:
@@ -470,6 +474,8 @@ class SpeculativeGenerateStep(GenerateStep):
                 stop = stop or ("max_new_tokens" if budget >= max_new_tokens else "max_length")
             seq.extend(new)
             out.extend(new)
+            if not stop and stop_when is not None and stop_when(out):
+                stop = "stop_sequence"
             if stop:
                 stats.stop_reason = stop
                 return out
