@@ -27,7 +27,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from dyncompile.errors import DyncompileError, PassConfigError
+from dyncompile.errors import DyncompileError, ModelLoadError, PassConfigError
 from dyncompile.io import external_data_dirs, working_directory
 
 logger = logging.getLogger(__name__)
@@ -425,7 +425,18 @@ def check_model(model: ir.Model, *, full_check: bool = True) -> None:
     # working directory: check from the directory they live in.
     dirs = external_data_dirs(model)
     with working_directory(next(iter(dirs)) if len(dirs) == 1 else None):
-        onnx.checker.check_model(proto, full_check=full_check)
+        try:
+            onnx.checker.check_model(proto, full_check=full_check)
+        except onnx.checker.ValidationError as e:
+            if "hard link" not in str(e):
+                raise
+            # not a bug of a pass: the user's weight file is hard-linked (e.g. a routed plan linked it); the
+            # checker refuses such files as a possible "hardlink attack"
+            raise ModelLoadError(
+                f"the ONNX checker refuses the model's external data in {sorted(str(d) for d in dirs)}: a weight "
+                "file has several hard links. Give the model its own copy (e.g. `cp --remove-destination` the "
+                "linked file onto itself via a temporary copy) or compile with DYNCOMPILE_CHECK=none"
+            ) from None
 
 
 def _pass_name(p: ir.passes.PassBase) -> str:

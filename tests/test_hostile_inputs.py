@@ -884,3 +884,23 @@ def test_14_force_replaces_a_routed_plan_and_nothing_else(routed, tmp_path, caps
     (out / "notes.txt").write_text("mine")
     with pytest.raises(OutputExistsError, match="notes.txt"):
         routed_plan([routed["small"], routed["big"]], out, routed["calib"], force=True)
+
+
+# ------------------------------------------------------------------------------------------- 15. hard-linked weights
+
+
+def test_15_hard_linked_external_data_is_one_clear_error(built, tmp_path, capsys):
+    """A model whose weight file has a second hard link (a routed plan links its candidates' weights): the ONNX
+    checker refuses it as a possible "hardlink attack"; the CLI says so in one line and writes nothing."""
+    import onnx
+
+    src = tmp_path / "m"
+    src.mkdir()
+    onnx.save_model(onnx.load(str(built["cls_model"])), str(src / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=256)
+    rc, _, err = run_cli(capsys, str(src / "model.onnx"), "--passes", "verify", "-o", tmp_path / "ok")
+    assert rc == 0, err  # the same model without the second link compiles
+    os.link(src / "model.onnx.data", tmp_path / "second-link.data")
+    rc, _, err = run_cli(capsys, str(src / "model.onnx"), "--passes", "verify", "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "hard links")
+    assert not (tmp_path / "out").exists()
