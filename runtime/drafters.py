@@ -107,6 +107,39 @@ class Drafter:
         """The target verified a tree: ``v`` says what was accepted and carries the target call's outputs."""
 
 
+
+def pick_draft_token(logits: np.ndarray, vocab: np.ndarray | None, sample: bool, temperature: float, rng,
+                     vocab_size: int) -> tuple[int, np.ndarray | None]:
+    """A drafter's next token in target ids, and (sampling) its distribution over the target's vocabulary.
+
+    ``vocab`` maps a reduced draft vocabulary back to target ids (``None``: the drafter's ids are the target's;
+    a larger or smaller head is padded/cut to ``vocab_size``)."""
+    if not sample:
+        j = int(np.argmax(logits))
+        return (int(vocab[j]) if vocab is not None else j), None
+    q = probs_from_logits(logits, temperature)
+    j = sample_from(q, rng)
+    if vocab is not None:
+        full = np.zeros(vocab_size, np.float64)
+        full[vocab] = q
+        return int(vocab[j]), full
+    if q.shape[-1] != vocab_size:
+        full = np.zeros(vocab_size, np.float64)
+        m = min(vocab_size, q.shape[-1])
+        full[:m] = q[:m]
+        return j, full
+    return j, q
+
+
+def top_alternatives(logits: np.ndarray, vocab: np.ndarray | None, k: int, exclude: int, vocab_size: int) -> list[int]:
+    """The drafter's ``k`` next-best tokens (target ids) after ``exclude`` (deterministic: top-k of its logits)."""
+    if k <= 0:
+        return []
+    top = np.argpartition(-logits, min(k + 1, logits.shape[-1] - 1))[: k + 1]
+    top = top[np.argsort(-logits[top], kind="stable")]
+    toks = [int(vocab[j]) if vocab is not None else int(j) for j in top]
+    return [t for t in toks if t != exclude and t < vocab_size][:k]
+
 class ModelDrafter(Drafter):
     """A decoder drafter (external, or split from the target). Its trees: greedy, on a drafter graph with a 4-D
     attention bias input (``explicit-attention``), best-first expansion of its top-k tokens (:meth:`_expand`);
@@ -144,32 +177,6 @@ class ModelDrafter(Drafter):
         if self.share_kv is not None:
             self._adopt(target, self._prompt)
 
-    def _pick(self, logits: np.ndarray, sample: bool, temperature: float, rng, vocab_size: int):
-        if not sample:
-            j = int(np.argmax(logits))
-            return (int(self.vocab[j]) if self.vocab is not None else j), None
-        q = probs_from_logits(logits, temperature)
-        j = sample_from(q, rng)
-        if self.vocab is not None:
-            full = np.zeros(vocab_size, np.float64)
-            full[self.vocab] = q
-            return int(self.vocab[j]), full
-        if q.shape[-1] != vocab_size:  # drafter head larger/smaller than the target's: pad/cut
-            full = np.zeros(vocab_size, np.float64)
-            m = min(vocab_size, q.shape[-1])
-            full[:m] = q[:m]
-            return j, full
-        return j, q
-
-    def _alternatives(self, logits: np.ndarray, k: int, exclude: int, vocab_size: int) -> list[int]:
-        """The drafter's ``k`` next-best tokens after ``exclude`` (deterministic: top-k of its logits)."""
-        if k <= 0:
-            return []
-        top = np.argpartition(-logits, min(k + 1, logits.shape[-1] - 1))[: k + 1]
-        top = top[np.argsort(-logits[top], kind="stable")]
-        toks = [int(self.vocab[j]) if self.vocab is not None else int(j) for j in top]
-        return [t for t in toks if t != exclude and t < vocab_size][:k]
-
     def _chain(self, seq, n, sample, temperature, rng, vocab_size, alt: int = 0):
         """Draft ``n`` tokens; with ``alt`` also the ``alt`` next-best tokens at each step."""
         dec = self.decoder
@@ -184,14 +191,14 @@ class ModelDrafter(Drafter):
         for _ in range(n):
             logits = dec.forward(feed)[-1]
             self._fed.extend(feed)
-            tok, q = self._pick(logits, sample, temperature, rng, vocab_size)
+            tok, q = pick_draft_token(logits, self.vocab, sample, temperature, rng, vocab_size)
             if tok >= vocab_size:  # a drafter with a larger vocabulary proposed a token the target lacks
                 break
             tokens.append(tok)
             if sample:
                 qs.append(q)
             if alt:
-                alts.append(self._alternatives(np.asarray(logits, np.float64), alt, tok, vocab_size))
+                alts.append(top_alternatives(np.asarray(logits, np.float64), self.vocab, alt, tok, vocab_size))
             feed = [tok]
         return tokens, (qs if sample else None), alts
 

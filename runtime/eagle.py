@@ -31,9 +31,8 @@ import numpy as np
 from dyncompile.errors import PlanError
 from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.drafters import Drafter, TreeBudget, Verification
+from dyncompile.runtime.drafters import Drafter, TreeBudget, Verification, pick_draft_token, top_alternatives
 from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
 __all__ = ["EagleDecoder", "EagleDrafter"]
 
@@ -112,28 +111,6 @@ class EagleDrafter(Drafter):
             self._store(rows[:keep])
         self.decoder.truncate(min(self.decoder.length, self.true_len))
 
-    def _pick(self, logits: np.ndarray, sample: bool, temperature: float, rng, vocab_size: int):
-        if not sample:
-            j = int(np.argmax(logits))
-            return (int(self.vocab[j]) if self.vocab is not None else j), None
-        q = probs_from_logits(logits, temperature)
-        j = sample_from(q, rng)
-        full = np.zeros(vocab_size, np.float64)
-        if self.vocab is not None:
-            full[self.vocab] = q
-            return int(self.vocab[j]), full
-        m = min(vocab_size, q.shape[-1])
-        full[:m] = q[:m]
-        return j, full
-
-    def _alternatives(self, logits: np.ndarray, k: int, exclude: int, vocab_size: int) -> list[int]:
-        if k <= 0:
-            return []
-        top = np.argpartition(-logits, min(k + 1, logits.shape[-1] - 1))[: k + 1]
-        top = top[np.argsort(-logits[top], kind="stable")]
-        toks = [int(self.vocab[j]) if self.vocab is not None else int(j) for j in top]
-        return [t for t in toks if t != exclude and t < vocab_size][:k]
-
     def propose_tree(self, seq, budget: TreeBudget, *, sample, temperature, rng, vocab_size) -> DraftTree:
         """Greedy: the drafter's chain plus, at each depth, its next-best tokens as sibling leaves (shallow depths
         first, up to ``max_nodes``); verified by the target in one call. Sampling: the chain."""
@@ -170,7 +147,7 @@ class EagleDrafter(Drafter):
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         alts: list[list[int]] = []
-        tok, q = self._pick(logits[-1], sample, temperature, rng, vocab_size)
+        tok, q = pick_draft_token(logits[-1], self.vocab, sample, temperature, rng, vocab_size)
         h = hid[-1]
         for i in range(n):
             if tok >= vocab_size:
@@ -179,10 +156,10 @@ class EagleDrafter(Drafter):
             if sample:
                 qs.append(q)
             if alt:
-                alts.append(self._alternatives(np.asarray(logits[-1], np.float64), alt, tok, vocab_size))
+                alts.append(top_alternatives(np.asarray(logits[-1], np.float64), self.vocab, alt, tok, vocab_size))
             if i == n - 1:
                 break
             logits, hid = dec.step([tok], h[None])
-            tok, q = self._pick(logits[-1], sample, temperature, rng, vocab_size)
+            tok, q = pick_draft_token(logits[-1], self.vocab, sample, temperature, rng, vocab_size)
             h = hid[-1]
         return tokens, (qs if sample else None), alts
