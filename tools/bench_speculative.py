@@ -280,38 +280,22 @@ def tree_plot(report: dict[str, Any], path: Path) -> None:
 
 def markdown_report(report: dict[str, Any]) -> str:
     def table(rows):
-        trees = any(r.get("mean_tree_nodes") is not None for r in rows)
-        if trees:
-            return table_trees(rows)
-        lines = ["| runner | tokens/s | speedup | decode tokens/s | acceptance | tokens/target call | accepted drafts/round "
-                 "| identical (greedy) | overhead ms/round |", "|---|---|---|---|---|---|---|---|---|"]
+        # (header, key, format); "identical" is the pair identical/of
+        cols = [("runner", "name", "{}"), ("tokens/s", "tokens_per_s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
+                ("decode tokens/s", "decode_tokens_per_s", "{:.2f}")]
+        if any(r.get("mean_tree_nodes") is not None for r in rows):
+            cols += [("drafted nodes/call", "mean_tree_nodes", "{:.1f}"),
+                     ("tokens/verify call", "tokens_per_verify_call", "{:.2f}")]
+        else:
+            cols += [("acceptance", "acceptance_rate", "{:.3f}")]
+        cols += [("tokens/target call", "tokens_per_target_call", "{:.2f}"),
+                 ("accepted drafts/round", "accepted_drafts_per_round", "{:.2f}"), ("identical (greedy)", None, ""),
+                 ("overhead ms/round", "overhead_ms_per_round", "{:.2f}")]
+        lines = ["| " + " | ".join(h for h, _, _ in cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:
-            def f(k, fmt="{}", r=r):
-                v = r.get(k)
-                return "–" if v is None else fmt.format(v)
-            lines.append(
-                f"| {r['name']} | {f('tokens_per_s', '{:.2f}')} | {f('speedup', '{:.2f}x')} | "
-                f"{f('decode_tokens_per_s', '{:.2f}')} | {f('acceptance_rate', '{:.3f}')} | "
-                f"{f('tokens_per_target_call', '{:.2f}')} | {f('accepted_drafts_per_round', '{:.2f}')} | "
-                f"{r['identical']}/{r['of']} | {f('overhead_ms_per_round', '{:.2f}')} |"
-            )
-        return "\n".join(lines)
-
-    def table_trees(rows):
-        lines = ["| runner | tokens/s | speedup | decode tokens/s | drafted nodes/call | tokens/verify call | "
-                 "tokens/target call | accepted drafts/round | identical (greedy) | overhead ms/round |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            def f(k, fmt="{}", r=r):
-                v = r.get(k)
-                return "–" if v is None else fmt.format(v)
-            lines.append(
-                f"| {r['name']} | {f('tokens_per_s', '{:.2f}')} | {f('speedup', '{:.2f}x')} | "
-                f"{f('decode_tokens_per_s', '{:.2f}')} | {f('mean_tree_nodes', '{:.1f}')} | "
-                f"{f('tokens_per_verify_call', '{:.2f}')} | {f('tokens_per_target_call', '{:.2f}')} | "
-                f"{f('accepted_drafts_per_round', '{:.2f}')} | {r['identical']}/{r['of']} | "
-                f"{f('overhead_ms_per_round', '{:.2f}')} |"
-            )
+            cells = [f"{r['identical']}/{r['of']}" if k is None else "–" if r.get(k) is None else fmt.format(r[k])
+                     for _, k, fmt in cols]
+            lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
     m = report.get("machine", {})
