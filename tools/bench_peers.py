@@ -181,7 +181,8 @@ def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[
 def markdown_report(report: dict[str, Any]) -> str:
     m = report.get("machine", {})
     lines = [f"## {report['plan_name']} vs peers: {report['prompts']} prompts ({report['prompts_file']}), greedy, "
-             f"{report['max_new_tokens']} new tokens, {report['threads']} threads", "",
+             f"{report['max_new_tokens']} new tokens, {report['threads']} threads, dyncompile on "
+             f"{report.get('provider', 'cpu')}{' with IOBinding' if report.get('io_binding') else ''}", "",
              f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '')}; load (1/5/15 min) at start "
              f"{report.get('load_start')}, at end {report.get('load_end')}; {report.get('passes', '')}", "",
              "| runner | tok/s (incl. prefill) | prefill s (sum) | decode tok/s | vs dyncompile target | "
@@ -235,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "each peer worker's runners in a pass of their own with only that worker loaded")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--provider", default="cpu",
+                   help="dyncompile's execution provider (cpu, cuda, openvino); a peer's provider is the one its export "
+                   "was built for (onnxruntime-genai: the builder's -e; genai_config.json)")
+    p.add_argument("--io-binding", action="store_true",
+                   help="dyncompile: bind the KV cache with IOBinding (on CUDA it stays in GPU memory between calls)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
     p.add_argument("--report-dir", default="bench-results/peers")
     p.add_argument("--name", help="report file stem (default: PLANNAME-PROMPTSTEM-peers)")
@@ -274,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
 
     env = dict(os.environ)
     dyn_cmd = [sys.executable, "-m", "dyncompile.tools.peer_driver", "--backend", "dyncompile", "--model",
-               str(args.plan), "--threads", str(args.threads)]
+               str(args.plan), "--threads", str(args.threads), "--provider", args.provider]
+    if args.io_binding:
+        dyn_cmd.append("--io-binding")
     specs: dict[str, list[str]] = {"dyncompile": dyn_cmd}
     runners = [Runner("dyncompile target alone", "dyncompile", "greedy", "dyncompile")]
     if speculative:
@@ -342,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"{Path(args.plan).resolve().name}-{Path(args.prompts).stem}-peers"
     report.update({"plan": str(Path(args.plan).resolve()), "plan_name": Path(args.plan).resolve().name,
                    "prompts_file": str(args.prompts), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                   "threads": args.threads, "machine": machine_info(), "load_start": load_start, "load_end": load_avg(),
+                   "threads": args.threads, "provider": args.provider, "io_binding": args.io_binding,
+                   "machine": machine_info(), "load_start": load_start, "load_end": load_avg(),
                    "workers": {k: {**w.info, "command": specs[k][1:]} for k, w in workers.items()},
                    "peer_models": models_, "peer_drafts": drafts})
     report["markdown"] = markdown_report(report)

@@ -76,20 +76,20 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
     runners = [Runner("target alone (ORT)", target)]
     if model.plan.steps[0].kind != "generate":
         if tree or tree_sizes:
-            runners.append(Runner("speculative chain (ORT)", lambda ids, n: spec(ids, n, tree=False)))
-            runners.append(Runner("speculative tree, adaptive (ORT)", lambda ids, n: spec(ids, n, tree=True)))
+            runners.append(Runner("speculative chain (ORT)", lambda ids, n, **o: spec(ids, n, tree=False, **o)))
+            runners.append(Runner("speculative tree, adaptive (ORT)", lambda ids, n, **o: spec(ids, n, tree=True, **o)))
             for size in tree_sizes:
                 runners.append(Runner(f"speculative tree, {size} nodes (ORT)",
-                                      lambda ids, n, size=size: spec(ids, n, tree={"adaptive": False,
-                                                                                   "max_nodes": size})))
+                                      lambda ids, n, size=size, **o: spec(ids, n, tree={"adaptive": False,
+                                                                                        "max_nodes": size}, **o)))
         else:
             runners.append(Runner("speculative (ORT)", spec))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
         return runners
-    if io_binding:  # both sides with the cache bound (on the CUDA EP it then stays in GPU memory)
-        runners.append(Runner("target alone (ORT, IOBinding)", lambda ids, n: target(ids, n, io_binding=True)))
-        runners.append(Runner("speculative (ORT, IOBinding)", lambda ids, n: spec(ids, n, io_binding=True)))
+    if io_binding:  # every runner again with the cache bound (on the CUDA EP it then stays in GPU memory)
+        runners += [Runner(r.name.replace("(ORT)", "(ORT, IOBinding)"),
+                           lambda ids, n, fn=r.fn: fn(ids, n, io_binding=True)) for r in list(runners)]
     if copy_rollback:
         runners.append(Runner("speculative (ORT, copy rollback)", lambda ids, n: spec(ids, n, rollback="copy")))
     return runners

@@ -128,12 +128,15 @@ class Dyncompile:
         import dyncompile
 
         cfg = dict(kv.split("=", 1) for kv in args.session_config)
-        self.model = dyncompile.load(args.model, threads=args.threads, session_config=cfg or None)
+        self.model = dyncompile.load(args.model, provider=args.provider, threads=args.threads,
+                                     session_config=cfg or None)
+        self.io_binding = bool(args.io_binding)
         self.version = dyncompile.__version__ if hasattr(dyncompile, "__version__") else "checkout"
         from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
 
         self.settings = {"threads": args.threads, "session_config": {**DEFAULT_SESSION_CONFIG, **cfg},
-                         "given": cfg or "dyncompile.load defaults"}
+                         "given": cfg or "dyncompile.load defaults", "provider": self.model.provider,
+                         "io_binding": self.io_binding}
 
     def encode(self, text, chat):
         from dyncompile.runtime.generate import prompt_ids_of
@@ -142,7 +145,8 @@ class Dyncompile:
         return {"ids": prompt_ids_of(text, h.codec, h.gen, chat=chat)}
 
     def generate(self, ids, n, mode):
-        r = self.model.generate(ids, max_new_tokens=n, speculative=(mode != "greedy"))
+        kw = {"io_binding": True} if self.io_binding else {}
+        r = self.model.generate(ids, max_new_tokens=n, speculative=(mode != "greedy"), **kw)
         s = r.stats.to_dict()
         keep = {k: s[k] for k in ("acceptance_rate", "tokens_per_target_call", "target_calls", "drafted", "accepted",
                                   "rounds") if k in s}
@@ -161,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--max-draft-tokens", type=int, default=4)
     p.add_argument("--ngram-size", type=int, default=3)
+    p.add_argument("--provider", default="cpu", help="dyncompile: execution provider (cpu, cuda, openvino)")
+    p.add_argument("--io-binding", action="store_true",
+                   help="dyncompile: keep the KV cache in ORT values bound by IOBinding (on CUDA: in GPU memory)")
     p.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
                    help="dyncompile: ORT session config entry (repeatable)")
     args = p.parse_args(argv)
