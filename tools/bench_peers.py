@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram-draft-tokens", type=int, default=8,
                    help="peers' draft tokens per round in n-gram / prompt lookup (default 8)")
     p.add_argument("--ngram-size", type=int, default=3, help="peers' n-gram size (default 3)")
+    p.add_argument("--openvino-precision", default="f32", choices=["f32", "bf16", "f16", "default"],
+                   help="OpenVINO GenAI's CPU inference precision (default f32, the precision of the fp32 reference; "
+                   "the plugin's own default is bf16 on CPUs with bf16 instructions, which is not an fp32 comparison)")
     p.add_argument("--spinning-on", action="store_true",
                    help="also run the plan with ORT intra-op spinning on (ORT's default; dyncompile.load turns it off): "
                    "a second dyncompile worker")
@@ -297,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         human = PEERS[s][1]
         base = [py, str(DRIVER), "--backend", s, "--threads", str(args.threads), "--ngram-size", str(args.ngram_size),
                 "--provider", args.provider]
+        if s == "openvino":
+            base += ["--ov-precision", args.openvino_precision]
         greedy_cmd = base + ["--model", models_[s], "--max-draft-tokens", str(args.ngram_draft_tokens)]
         if not args.no_peer_greedy:
             specs[s] = greedy_cmd

@@ -91,6 +91,10 @@ class OpenVINOGenAI:
         self.ov_genai = ov_genai
         self.version = ov_genai.__version__
         props = {"INFERENCE_NUM_THREADS": args.threads} if args.threads else {}
+        if args.ov_precision != "default":
+            # the CPU plugin computes in bf16 by default where the CPU has bf16 instructions (AVX512_BF16, AMX),
+            # whatever the IR's weight format: an fp32 comparison must ask for f32
+            props["INFERENCE_PRECISION_HINT"] = args.ov_precision
         kw = {}
         if args.draft:
             kw["draft_model"] = ov_genai.draft_model(args.draft, "CPU", **props)
@@ -99,6 +103,7 @@ class OpenVINOGenAI:
         self.pipe = ov_genai.LLMPipeline(args.model, "CPU", **props, **kw)
         self.args = args
         self.settings = {"threads": args.threads, "draft": args.draft, "prompt_lookup": args.prompt_lookup,
+                         "inference_precision": args.ov_precision,
                          "num_assistant_tokens": args.max_draft_tokens, "max_ngram_size": args.ngram_size,
                          "properties": "OpenVINO CPU plugin defaults"}
 
@@ -166,6 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft", help="openvino: draft model folder (speculative decoding)")
     p.add_argument("--prompt-lookup", action="store_true", help="openvino: build the prompt-lookup pipeline")
     p.add_argument("--threads", type=int)
+    p.add_argument("--ov-precision", default="f32", choices=["f32", "bf16", "f16", "default"],
+                   help="openvino: the CPU plugin's INFERENCE_PRECISION_HINT (default f32; 'default' = the plugin's "
+                   "own choice, bf16 on CPUs with bf16 instructions)")
     p.add_argument("--max-draft-tokens", type=int, default=4)
     p.add_argument("--ngram-size", type=int, default=3)
     p.add_argument("--provider", default="cpu", help="dyncompile: execution provider (cpu, cuda, openvino)")
