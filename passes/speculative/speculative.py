@@ -291,6 +291,10 @@ class SpeculativePass(ir.passes.InPlacePass):
         if self.tree and isinstance(self.drafter, ir.Model):
             # an external drafter expands its tree one depth per call: it gets the 4-D attention bias input too
             ExposeAttentionMaskPass()(self.drafter)
+        elif self.tree and self.drafter is None and _keys.EAGLE_MODEL in model.meta:
+            # so does an EAGLE drafter (EAGLE-2 dynamic trees, runtime/eagle.py); its chain steps then get a causal
+            # bias from the runtime instead of the in-graph mask (same numbers)
+            ExposeAttentionMaskPass()(model.meta[_keys.EAGLE_MODEL][0])
         record = self._record(model)
         text = json.dumps(record, sort_keys=True)
         props = model.metadata_props
