@@ -142,6 +142,7 @@ def test_eagle_greedy_token_identical(eagle_plan):
         ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat, speculative=False)
         runs = {f"chain {n}": dict(tree=False, draft_length=n, adaptive=False) for n in (1, 4)}
         runs["tree 8 nodes"] = dict(tree={"adaptive": False, "max_nodes": 8, "max_depth": 4, "branching": 3})
+        runs["tree 16 nodes"] = dict(tree={"adaptive": False, "max_nodes": 16, "max_depth": 6, "branching": 4})
         runs["tree adaptive"] = dict(tree=True)
         for what, opts in runs.items():
             res = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat, **opts)
@@ -327,3 +328,55 @@ def test_eagle2_tree_is_grown_by_draft_confidence(eagle_plan):
                 lp = np.sort(lg - lg.max() - np.log(np.exp(lg - lg.max()).sum()))[::-1]
                 assert scores[i] + lp[len(tree.children[i])] <= worst + 1e-6
     assert expanded_off_chain >= 1
+
+
+def test_a_drafter_without_the_bias_input_keeps_the_old_tree(eagle_plan, monkeypatch):
+    """Plans compiled before EAGLE-2 (a drafter graph without attention_bias) build the chain + sibling-leaf tree
+    and stay token-identical."""
+    from dyncompile.runtime.eagle import EagleDecoder
+
+    m = dyncompile.load(eagle_plan, session_config={"session.intra_op.allow_spinning": "0"})
+    prompt = "Repeat the following text exactly.\n\nThe quick brown fox jumps over the lazy dog."
+    ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=True, speculative=False)
+    monkeypatch.setattr(EagleDecoder, "supports_trees", property(lambda self: False))
+    trees = []
+    drafter = m.handlers[-1].drafter
+    real = type(drafter).propose_tree
+
+    def spy(self, *a, **k):
+        trees.append(real(self, *a, **k))
+        return trees[-1]
+
+    monkeypatch.setattr(type(drafter), "propose_tree", spy)
+    res = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=True,
+                     tree={"adaptive": False, "max_nodes": 8, "max_depth": 4, "branching": 3})
+    assert res.token_ids == ref.token_ids
+    assert trees and max(len(t) for t in trees) > 1
+    for t in trees:  # off the first-child path, every node is a leaf
+        main = {0}
+        node = 0
+        while t.children[node]:
+            node = t.children[node][0]
+            main.add(node)
+        assert all(not t.children[i] for i in range(len(t)) if i not in main)
+
+
+def test_speculative_tree_pass_gives_the_eagle_drafter_the_bias_once(smollm2, tiny_head):
+    from dyncompile.passes import _keys
+    from dyncompile.passes.speculative import ExposeAttentionMaskPass
+    from dyncompile.passes.speculative.speculative import SpeculativePass
+
+    m = ir.load(str(smollm2.onnx_path))
+    EagleDrafterPass(tiny_head)(m)
+    ExposeAttentionMaskPass()(m)
+    drafter = m.meta[_keys.EAGLE_MODEL][0]
+    assert "attention_mask" in {v.name for v in drafter.graph.inputs}
+    chain = SpeculativePass(None, measure=False)
+    assert chain(m).modified is True
+    assert "attention_bias" not in {v.name for v in drafter.graph.inputs}  # chains: the drafter is left as it was
+    p = SpeculativePass(None, measure=False, tree={"max_nodes": 8})
+    assert p(m).modified is True
+    names = {v.name for v in drafter.graph.inputs}
+    assert "attention_bias" in names and "attention_mask" not in names
+    assert json.loads(m.metadata_props[_keys.SPECULATIVE])["drafter"]["decoder"]["attention_bias"] == "attention_bias"
+    assert p(m).modified is False

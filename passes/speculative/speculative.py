@@ -17,7 +17,9 @@ drafter graph travels to the emitter in ``model.meta`` (in memory, never seriali
 With ``tree=true`` (after ``explicit-attention``, which gives the target a 4-D attention mask input) each
 round verifies a draft tree instead of a chain (``tree_nodes``, ``tree_depth``, ``branching``,
 ``tree_adaptive``; :mod:`dyncompile.runtime.draft_tree`), and the verification cost curve is timed up to
-the largest tree.
+the largest tree. A model drafter (external or EAGLE) then gets the same 4-D attention bias input
+(:class:`ExposeAttentionMaskPass` on the drafter graph), so it can grow its tree best-first, one drafter call
+per depth (EAGLE-2).
 
 The draft-cost numbers of the record (the target's verification cost by tokens per call, an external
 drafter's step cost) are timed on this machine (:mod:`.probe`) unless ``measure=False``.
