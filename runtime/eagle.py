@@ -212,7 +212,8 @@ class EagleDrafter(Drafter):
 
         frontier = children(logits[-1], hid[-1], -1, 0.0, 1)
         for d in range(2, budget.max_depth + 1):
-            if len(toks) >= budget.max_nodes:  # no descendant of a frontier node can enter the best max_nodes
+            if len(toks) >= budget.max_nodes:  # a node no better than the max_nodes-th best adds nothing: its
+                # descendants score no higher and sit deeper, so they lose to that node (exact: the same tree)
                 cutoff = score[sorted(range(len(toks)), key=rank)[budget.max_nodes - 1]]
                 frontier = [i for i in frontier if score[i] > cutoff]
             if not frontier:
