@@ -14,8 +14,21 @@ Bookkeeping (``F`` = the target's true features by position, ``T = len(seq) - 1`
   the token before the round and the accepted drafts), and roll the drafter cache back to the positions
   computed from true features — the draft positions were computed from predictions and are recomputed in
   the next catch-up.
-* ``propose_tree`` (greedy): the chain plus the drafter's next-best tokens at each depth as sibling leaves,
-  all verified in one target call (the target needs ``explicit-attention`` + ``speculative{tree=true}``).
+* ``propose_tree`` (greedy) — EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
+  Dynamic Draft Trees"), on a drafter graph with a 4-D attention bias input (``speculative{tree=true}`` gives
+  the drafter one: :meth:`EagleDecoder.step` ``tree=`` / ``visible=``): after the catch-up call, the root's
+  top-k children are scored by their draft log-probability; then, once per depth, the ``k`` best frontier
+  nodes by cumulative score (sum of the drafter's log-probabilities along the path) are fed together in ONE
+  drafter call, each as ``(its token, its parent's predicted feature)`` at position ``T - 1 + depth``
+  attending to the true-feature cache and its own ancestors' rows only; each offers its top-k children
+  (score = parent's + log p); the next frontier is the global top-k of those. Reranking keeps the
+  ``max_nodes`` best nodes of all generated ones (ties: shallower first; a node never outscores its parent,
+  so the set is ancestor-closed), each node's children in score order (the first-child path is the best
+  path). Expansion stops early when no frontier node can still enter that set. The drafter cache is then
+  truncated to the true-feature positions. Drafter graphs without the bias input (plans compiled before)
+  keep the old tree: the chain plus the drafter's next-best tokens at each depth as sibling leaves.
+  Sampling always uses the chain (``propose``). The target verifies the tree in one call (it needs
+  ``explicit-attention`` + ``speculative{tree=true}``).
 
 Greedy output is the target's (the target verifies every draft); sampling returns the drafter's
 distribution over the full vocabulary for exact rejection sampling.
@@ -48,12 +61,28 @@ class EagleDecoder(KVDecoder):
         if hidden_output not in self.extra_names:
             raise PlanError(f"the EAGLE drafter graph has no {hidden_output!r} output named in the plan; recompile")
 
-    def step(self, ids: Sequence[int], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Logits ``[n, draft vocab]`` and predicted features ``[n, hidden]``; the cache grows by ``n``."""
+    def step(self, ids: Sequence[int], features: np.ndarray, tree: DraftTree | None = None, *,
+             visible: np.ndarray | None = None, positions: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Logits ``[n, draft vocab]`` and predicted features ``[n, hidden]``; the cache grows by ``n``.
+
+        Rows attend causally (a chain) by default. With ``tree`` (``n`` nodes, node 0 first), row ``i`` sits at
+        position ``length + depth[i]`` and attends to the valid cache and its ancestors among the ``n`` only;
+        with ``visible`` (bool ``[n, slots + n]``) and ``positions``, row ``i`` attends exactly to the slots where
+        ``visible[i]`` is true (a tree grown one depth per call). Both need :attr:`supports_trees` (the drafter
+        graph's 4-D attention bias input); every new slot stays valid: roll back with :meth:`truncate`."""
         ids_arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         n = ids_arr.shape[1]
+        if (tree is not None or visible is not None) and not self.supports_trees:
+            raise PlanError("the EAGLE drafter graph has no 4-D attention bias input (compiled without "
+                            "speculative{tree=true}); recompile to draft EAGLE-2 trees")
+        if tree is not None and len(tree) != n:
+            raise ValueError(f"a tree of {len(tree)} nodes for {n} tokens")
+        if visible is not None:
+            aux = self._aux(n, None, np.asarray(visible, bool), np.asarray(positions, np.int64))
+        else:
+            aux = self._aux(n, tree)
         feeds = {self.spec.input_ids: ids_arr, self.feature_input: np.asarray(features, np.float32).reshape(1, n, -1),
-                 **self._aux(n)}
+                 **aux}
         for e, a in zip(self.spec.kv, self.past):
             feeds[e.past] = a
         t0 = time.perf_counter()
@@ -112,11 +141,15 @@ class EagleDrafter(Drafter):
         self.decoder.truncate(min(self.decoder.length, self.true_len))
 
     def propose_tree(self, seq, budget: TreeBudget, *, sample, temperature, rng, vocab_size) -> DraftTree:
-        """Greedy: the drafter's chain plus, at each depth, its next-best tokens as sibling leaves (shallow depths
-        first, up to ``max_nodes``); verified by the target in one call. Sampling: the chain."""
+        """Greedy, on a drafter graph with the bias input: the EAGLE-2 tree (:meth:`_expand`, module docstring).
+        Greedy on an older drafter graph: the drafter's chain plus, at each depth, its next-best tokens as sibling
+        leaves (shallow depths first, up to ``max_nodes``). Sampling: the chain of :meth:`propose`. The target
+        verifies the tree in one call."""
         if sample or budget.branching <= 1:
             return super().propose_tree(seq, budget, sample=sample, temperature=temperature, rng=rng,
                                         vocab_size=vocab_size)
+        if self.decoder.supports_trees and budget.max_nodes > budget.max_depth > 0:
+            return self._expand(seq, budget, vocab_size)
         depth = min(budget.max_depth, max(1, budget.max_nodes - (budget.branching - 1)))  # room for depth-1 siblings
         tokens, _, alts = self._chain(seq, depth, False, temperature, rng, vocab_size, alt=budget.branching - 1)
         tree = DraftTree.chain(seq[-1], tokens)
@@ -127,6 +160,88 @@ class EagleDrafter(Drafter):
                     return tree
                 tree.add(d, t)  # a sibling of chain node d + 1: child of node d (0 = the root)
                 room -= 1
+        return tree
+
+    def _catch_up(self, seq) -> tuple[np.ndarray, np.ndarray]:
+        """Feed the positions with true features the drafter cache lacks; its rows' (logits, predicted features)."""
+        dec = self.decoder
+        T = len(seq) - 1  # positions 0..T-1 have true features
+        if self.known < T:
+            raise RuntimeError(f"eagle drafter: features known for {self.known} positions, sequence needs {T}")
+        start = min(dec.length, T - 1)
+        dec.truncate(start)
+        logits, hid = dec.step(seq[start + 1 : T + 1], self._F[start:T])
+        self.true_len = dec.length
+        return logits, hid
+
+    def _expand(self, seq, budget: TreeBudget, vocab_size: int) -> DraftTree:
+        """The EAGLE-2 tree (module docstring): best-first expansion by cumulative draft log-probability, one
+        drafter call per depth on the ``branching`` best frontier nodes, then the ``max_nodes`` best nodes."""
+        dec = self.decoder
+        logits, hid = self._catch_up(seq)
+        committed, committed_slots = dec.length, dec.slots  # == the true-feature positions (T)
+        past_valid = dec._mask[0, :committed_slots].astype(bool)
+        k = max(1, budget.branching)
+        # generated nodes: token, parent (-1 = the root), depth, score, input feature (the parent's prediction)
+        toks: list[int] = []
+        par: list[int] = []
+        dep: list[int] = []
+        score: list[float] = []
+        feat: list[np.ndarray] = []
+        slot: dict[int, int] = {}  # drafter cache slot of an expanded node
+
+        def children(lg: np.ndarray, h: np.ndarray, parent: int, base: float, d: int) -> list[int]:
+            lg = np.asarray(lg, np.float64)
+            m = lg.max()
+            lp = lg - m - np.log(np.exp(lg - m).sum())
+            top = np.argpartition(-lp, min(k, lp.shape[-1] - 1))[:k]
+            made = []
+            for j in top[np.argsort(-lp[top], kind="stable")]:
+                t = int(self.vocab[j]) if self.vocab is not None else int(j)
+                if t < vocab_size:
+                    made.append(len(toks))
+                    toks.append(t)
+                    par.append(parent)
+                    dep.append(d)
+                    score.append(base + float(lp[j]))
+                    feat.append(h)
+            return made
+
+        def rank(i: int) -> tuple[float, int, int]:
+            return (-score[i], dep[i], i)
+
+        frontier = children(logits[-1], hid[-1], -1, 0.0, 1)
+        for d in range(2, budget.max_depth + 1):
+            if len(toks) >= budget.max_nodes:  # a node no better than the max_nodes-th best adds nothing: its
+                # descendants score no higher and sit deeper, so they lose to that node (exact: the same tree)
+                cutoff = score[sorted(range(len(toks)), key=rank)[budget.max_nodes - 1]]
+                frontier = [i for i in frontier if score[i] > cutoff]
+            if not frontier:
+                break
+            exp = sorted(frontier, key=rank)[:k]
+            n = len(exp)
+            visible = np.zeros((n, dec.slots + n), bool)
+            visible[:, :committed_slots] = past_valid
+            for r, i in enumerate(exp):
+                a = par[i]
+                while a >= 0:
+                    visible[r, slot[a]] = True
+                    a = par[a]
+                visible[r, dec.slots + r] = True
+            base_slot = dec.slots
+            lg, hd = dec.step([toks[i] for i in exp], np.stack([feat[i] for i in exp]), visible=visible,
+                              positions=[committed - 1 + dep[i] for i in exp])
+            frontier = []
+            for r, i in enumerate(exp):
+                slot[i] = base_slot + r
+                frontier += children(lg[r], hd[r], i, score[i], d)
+        dec.truncate(committed)  # back to the true-feature positions
+        chosen = sorted(range(len(toks)), key=rank)[: budget.max_nodes]
+        tree = DraftTree.chain(seq[-1], [])
+        index = {-1: 0}
+        for i in sorted(chosen, key=lambda i: (dep[i], *rank(i))):  # parents first; children best first
+            if par[i] in index:  # always (ancestor-closed); kept as a guard
+                index[i] = tree.add(index[par[i]], toks[i])
         return tree
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):

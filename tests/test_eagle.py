@@ -19,6 +19,8 @@ from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative.decoder_spec import DrafterError
 from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass, build_eagle_drafter, load_head
 from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
+from dyncompile.runtime.draft_tree import DraftTree
+from dyncompile.runtime.drafters import TreeBudget
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NEW_TOKENS = 24
@@ -140,6 +142,7 @@ def test_eagle_greedy_token_identical(eagle_plan):
         ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat, speculative=False)
         runs = {f"chain {n}": dict(tree=False, draft_length=n, adaptive=False) for n in (1, 4)}
         runs["tree 8 nodes"] = dict(tree={"adaptive": False, "max_nodes": 8, "max_depth": 4, "branching": 3})
+        runs["tree 16 nodes"] = dict(tree={"adaptive": False, "max_nodes": 16, "max_depth": 6, "branching": 4})
         runs["tree adaptive"] = dict(tree=True)
         for what, opts in runs.items():
             res = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=chat, **opts)
@@ -208,3 +211,172 @@ def test_train_drafter_cli_refuses_bad_input_cleanly(tmp_path, capsys):
     rc = cli_main(["train-drafter", str(tmp_path), "--out", str(tmp_path / "head")])
     err = capsys.readouterr().err
     assert rc != 0 and "hf/config.json" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------ EAGLE-2 dynamic draft trees
+
+
+def _eagle_parts(eagle_plan):
+    m = dyncompile.load(eagle_plan, session_config={"session.intra_op.allow_spinning": "0"})
+    step = m.handlers[-1]
+    return m, step.target, step.drafter
+
+
+def _prompt_ids(m) -> list[int]:
+    code = (STDLIB / "bisect.py").read_text()
+    return m.handlers[-1].codec.encode(code[: code.index("def insort_left")])[-40:]
+
+
+def test_eagle_tree_plan_gives_the_drafter_a_bias_input(eagle_plan):
+    plan = json.loads((eagle_plan / "plan.json").read_text())
+    spec = plan["steps"][0]["drafter"]["decoder"]
+    assert spec["attention_bias"] == "attention_bias" and spec["attention_mask"] is None
+    drafter = onnx.load(str(eagle_plan / "drafter.onnx"), load_external_data=False)
+    assert {"attention_bias", "position_ids", "eagle_features"} <= {i.name for i in drafter.graph.input}
+    assert "attention_mask" not in {i.name for i in drafter.graph.input}
+
+
+def test_drafter_tree_rows_equal_each_branch_run_as_a_chain(eagle_plan):
+    """Golden: one drafter call on a tree (4-D bias, per-node positions) gives every node the logits and predicted
+    feature of that node's root-to-node branch fed as a chain on the same cache."""
+    from dyncompile.plan import DecoderSpec
+    from dyncompile.runtime.eagle import EagleDecoder
+
+    m, tgt, drafter = _eagle_parts(eagle_plan)
+    d = json.loads((eagle_plan / "plan.json").read_text())["steps"][0]["drafter"]
+    dec = EagleDecoder(_session(eagle_plan / "drafter.onnx"), DecoderSpec.from_params(d["decoder"]),
+                       feature_input=d["feature_input"], hidden_output=d["hidden_output"])
+    assert dec.supports_trees
+    ids = _prompt_ids(m)
+    tgt.reset()
+    tgt.forward(ids)
+    F = tgt.last_outputs["features"]
+    P = 24  # the drafter cache holds pairs (ids[t+1], F[t]) for t < P; the tree continues from there
+    tree = DraftTree([ids[P + 1], ids[P + 2], ids[P + 5], ids[P + 3], ids[P + 9], ids[P + 4], ids[P + 7]],
+                     [-1, 0, 0, 1, 1, 2, 3])
+    feats = F[[P, P + 1, P + 3, P + 2, P + 8, P + 6, P + 4]]  # any feature per node (true rows, shuffled)
+    dec.reset()
+    dec.step(ids[1 : P + 1], F[:P])
+    lg, hd = dec.step(tree.tokens, feats, tree=tree)
+    assert dec.length == P + len(tree)
+    for i in range(len(tree)):
+        path = tree.path_to(i)
+        dec.truncate(P)
+        clg, chd = dec.step([tree.tokens[j] for j in path], feats[path])
+        # float32 rounding of a 7-row call vs a 1..3-row one, which scales with the row (logits ~25, the residual
+        # stream |f| ~ 500): measured <= 7e-7 of the row's largest entry; a wrong mask moves rows by >1e-2 of it
+        for what, a, b in (("logits", lg[i], clg[-1]), ("feature", hd[i], chd[-1])):
+            assert np.abs(a - b).max() <= 2e-6 * np.abs(b).max(), (i, what, np.abs(a - b).max())
+        assert int(np.argmax(lg[i])) == int(np.argmax(clg[-1]))
+    # negative control: the same rows fed as a causal chain (each node sees its earlier siblings too) are far off
+    dec.truncate(P)
+    wrong, _ = dec.step(tree.tokens, feats)
+    assert max(np.abs(wrong[i] - lg[i]).max() / np.abs(lg[i]).max() for i in range(2, len(tree))) > 1e-2
+
+
+def _chain_after(drafter, seq, path_tokens):
+    """The drafter's logits after ``seq`` and then ``path_tokens`` drafted as a chain (predicted features fed back)."""
+    dec = drafter.decoder
+    dec.reset()
+    logits, hid = dec.step(seq[1:], drafter._F[: len(seq) - 1])
+    lg, h = logits[-1], hid[-1]
+    for t in path_tokens:
+        lg, hd = dec.step([t], h[None])
+        lg, h = lg[-1], hd[-1]
+    return lg
+
+
+def test_eagle2_tree_is_grown_by_draft_confidence(eagle_plan):
+    """The EAGLE-2 tree has the requested size and depth, expands branches off the main chain (the old builder's
+    siblings were leaves), its first-child path is the drafter's greedy chain, every node's children are the
+    drafter's top tokens after that node's branch (as a chain), and the kept nodes are the best-scored ones."""
+    m, tgt, drafter = _eagle_parts(eagle_plan)
+    ids = _prompt_ids(m)
+    budget = TreeBudget(max_nodes=12, max_depth=4, branching=3)
+    expanded_off_chain = 0
+    for cut in (30, 38):
+        seq = ids[:cut]
+        drafter.reset(seq)
+        tgt.reset()
+        vocab_size = tgt.forward(seq[:-1]).shape[-1]
+        drafter.after_prefill(tgt)
+        tree = drafter.propose_tree(seq, budget, sample=False, temperature=1.0, rng=None, vocab_size=vocab_size)
+        assert len(tree) == budget.max_nodes + 1 and tree.max_depth <= budget.max_depth
+        assert all(len(c) <= budget.branching for c in tree.children)
+        assert drafter.decoder.length == drafter.true_len == len(seq) - 1  # rolled back to true features
+        main, node = [], 0
+        while tree.children[node]:
+            node = tree.children[node][0]
+            main.append(node)
+        expanded_off_chain += sum(1 for i in range(1, len(tree)) if i not in main and tree.children[i])
+        chain, _ = drafter.propose(seq, len(main), sample=False, temperature=1.0, rng=None, vocab_size=vocab_size)
+        assert [tree.tokens[i] for i in main] == chain
+        scores = np.zeros(len(tree))
+        for i in range(len(tree)):
+            lg = np.asarray(_chain_after(drafter, seq, [tree.tokens[j] for j in tree.path_to(i)[1:]]), np.float64)
+            lp = lg - lg.max() - np.log(np.exp(lg - lg.max()).sum())
+            order = drafter.vocab[np.argsort(-lp, kind="stable")]
+            kids = [tree.tokens[c] for c in tree.children[i]]
+            assert kids == [int(t) for t in order[: len(kids)]], f"children of node {i}"
+            for c in tree.children[i]:
+                scores[c] = scores[i] + lp[int(np.flatnonzero(drafter.vocab == tree.tokens[c])[0])]
+        # reranking: no child the drafter offered an expanded-depth node scores above the worst kept node
+        worst = scores[1:].min()
+        for i in range(len(tree)):
+            if tree.children[i] and len(tree.children[i]) < budget.branching and tree.depth[i] < budget.max_depth:
+                lg = np.asarray(_chain_after(drafter, seq, [tree.tokens[j] for j in tree.path_to(i)[1:]]), np.float64)
+                lp = np.sort(lg - lg.max() - np.log(np.exp(lg - lg.max()).sum()))[::-1]
+                assert scores[i] + lp[len(tree.children[i])] <= worst + 1e-6
+    assert expanded_off_chain >= 1
+
+
+def test_a_drafter_without_the_bias_input_keeps_the_old_tree(eagle_plan, monkeypatch):
+    """Plans compiled before EAGLE-2 (a drafter graph without attention_bias) build the chain + sibling-leaf tree
+    and stay token-identical."""
+    from dyncompile.runtime.eagle import EagleDecoder
+
+    m = dyncompile.load(eagle_plan, session_config={"session.intra_op.allow_spinning": "0"})
+    prompt = "Repeat the following text exactly.\n\nThe quick brown fox jumps over the lazy dog."
+    ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=True, speculative=False)
+    monkeypatch.setattr(EagleDecoder, "supports_trees", property(lambda self: False))
+    trees = []
+    drafter = m.handlers[-1].drafter
+    real = type(drafter).propose_tree
+
+    def spy(self, *a, **k):
+        trees.append(real(self, *a, **k))
+        return trees[-1]
+
+    monkeypatch.setattr(type(drafter), "propose_tree", spy)
+    res = m.generate(prompt, max_new_tokens=NEW_TOKENS, chat=True,
+                     tree={"adaptive": False, "max_nodes": 8, "max_depth": 4, "branching": 3})
+    assert res.token_ids == ref.token_ids
+    assert trees and max(len(t) for t in trees) > 1
+    for t in trees:  # off the first-child path, every node is a leaf
+        main = {0}
+        node = 0
+        while t.children[node]:
+            node = t.children[node][0]
+            main.add(node)
+        assert all(not t.children[i] for i in range(len(t)) if i not in main)
+
+
+def test_speculative_tree_pass_gives_the_eagle_drafter_the_bias_once(smollm2, tiny_head):
+    from dyncompile.passes import _keys
+    from dyncompile.passes.speculative import ExposeAttentionMaskPass
+    from dyncompile.passes.speculative.speculative import SpeculativePass
+
+    m = ir.load(str(smollm2.onnx_path))
+    EagleDrafterPass(tiny_head)(m)
+    ExposeAttentionMaskPass()(m)
+    drafter = m.meta[_keys.EAGLE_MODEL][0]
+    assert "attention_mask" in {v.name for v in drafter.graph.inputs}
+    chain = SpeculativePass(None, measure=False)
+    assert chain(m).modified is True
+    assert "attention_bias" not in {v.name for v in drafter.graph.inputs}  # chains: the drafter is left as it was
+    p = SpeculativePass(None, measure=False, tree={"max_nodes": 8})
+    assert p(m).modified is True
+    names = {v.name for v in drafter.graph.inputs}
+    assert "attention_bias" in names and "attention_mask" not in names
+    assert json.loads(m.metadata_props[_keys.SPECULATIVE])["drafter"]["decoder"]["attention_bias"] == "attention_bias"
+    assert p(m).modified is False

@@ -17,7 +17,9 @@ drafter graph travels to the emitter in ``model.meta`` (in memory, never seriali
 With ``tree=true`` (after ``explicit-attention``, which gives the target a 4-D attention mask input) each
 round verifies a draft tree instead of a chain (``tree_nodes``, ``tree_depth``, ``branching``,
 ``tree_adaptive``; :mod:`dyncompile.runtime.draft_tree`), and the verification cost curve is timed up to
-the largest tree.
+the largest tree. A model drafter (external or EAGLE) then gets the same 4-D attention bias input
+(:class:`ExposeAttentionMaskPass` on the drafter graph), so it can grow its tree best-first, one drafter call
+per depth (EAGLE-2).
 
 The draft-cost numbers of the record (the target's verification cost by tokens per call, an external
 drafter's step cost) are timed on this machine (:mod:`.probe`) unless ``measure=False``.
@@ -291,6 +293,10 @@ class SpeculativePass(ir.passes.InPlacePass):
         if self.tree and isinstance(self.drafter, ir.Model):
             # an external drafter expands its tree one depth per call: it gets the 4-D attention bias input too
             ExposeAttentionMaskPass()(self.drafter)
+        elif self.tree and self.drafter is None and _keys.EAGLE_MODEL in model.meta:
+            # so does an EAGLE drafter (EAGLE-2 dynamic trees, runtime/eagle.py); its chain steps then get a causal
+            # bias from the runtime instead of the in-graph mask (same numbers)
+            ExposeAttentionMaskPass()(model.meta[_keys.EAGLE_MODEL][0])
         record = self._record(model)
         text = json.dumps(record, sort_keys=True)
         props = model.metadata_props
