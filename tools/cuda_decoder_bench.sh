@@ -118,10 +118,10 @@ q15)
   $DC "$T15" -o "$W/q15-ext-tree" -q --provider cuda --drafter "$W/d05-int4/model.onnx" \
       --passes "explicit-attention,speculative{tree=true,tree_nodes=16}"
   python3 -m dyncompile.tools.bench_speculative "$W/q15-pl-tree" --prompts bench-results/speculative-qwen/grounded.jsonl \
-      --max-new-tokens 128 --provider cuda --io-binding --tree --tree-sizes 4,16 -q --report-dir "$O" \
+      --max-new-tokens 128 --provider cuda --tree --tree-sizes 16 -q --report-dir "$O" \
       --name qwen15-prompt-lookup-trees-cuda
   python3 -m dyncompile.tools.bench_speculative "$W/q15-ext-tree" --prompts bench-results/speculative-qwen/code.jsonl \
-      --max-new-tokens 128 --provider cuda --io-binding --tree --tree-sizes 16 -q --report-dir "$O" \
+      --max-new-tokens 128 --provider cuda --tree --tree-sizes 16 -q --report-dir "$O" \
       --name qwen15-ext-int4-trees-cuda
   log q15 done
   ;;
