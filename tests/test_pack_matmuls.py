@@ -1,0 +1,92 @@
+"""pack-matmuls: sibling MatMuls with constant weights become one MatMul + Split; outputs unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dyncompile.passes.pack_matmuls import PackMatMulsPass
+
+RNG = np.random.default_rng(0)
+
+
+def _graph(siblings: int = 2, out_is_graph_output: bool = False) -> onnx.ModelProto:
+    """x -> MatMul(W_i) for i < siblings (constant), MatMul(x, w_in) (not constant), each through Relu."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 3, 8])
+    w_in = helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [8, 4])
+    inits, nodes, outs = [], [], []
+    for i in range(siblings):
+        inits.append(numpy_helper.from_array(RNG.standard_normal((8, 3 + 2 * i)).astype(np.float32), f"W{i}"))
+        nodes.append(helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"], name=f"mm{i}"))
+        last = f"y{i}" if out_is_graph_output and i == 0 else f"r{i}"
+        if last != f"y{i}":
+            nodes.append(helper.make_node("Relu", [f"y{i}"], [last]))
+        outs.append(helper.make_tensor_value_info(last, TensorProto.FLOAT, ["b", 3, 3 + 2 * i]))
+    nodes.append(helper.make_node("MatMul", ["x", "w_in"], ["z"], name="dyn"))
+    outs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, ["b", 3, 4]))
+    g = helper.make_graph(nodes, "g", [x, w_in], outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _run(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _feeds():
+    return {"x": RNG.standard_normal((2, 3, 8)).astype(np.float32), "w_in": RNG.standard_normal((8, 4)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("siblings", [2, 3])
+def test_packs_constant_siblings_exactly(siblings):
+    proto = _graph(siblings)
+    model = ir.from_proto(proto)
+    result = PackMatMulsPass()(model)
+    assert result.modified
+    packed = ir.to_proto(result.model)
+    onnx.checker.check_model(packed, full_check=True)
+    ops = [n.op_type for n in packed.graph.node]
+    assert ops.count("MatMul") == 2 and ops.count("Split") == 1  # the packed one + the non-constant one
+    weights = {i.name: i for i in packed.graph.initializer}
+    assert not any(n.startswith("W") for n in weights)  # the sibling weights are gone, packed into one
+    (w,) = [i for n, i in weights.items() if n.endswith(".weight")]
+    assert list(w.dims) == [8, sum(3 + 2 * i for i in range(siblings))]
+    assert [o.name for o in packed.graph.output] == [o.name for o in proto.graph.output]
+    feeds = _feeds()
+    for a, b in zip(_run(proto, feeds), _run(packed, feeds)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    again = PackMatMulsPass()(result.model)
+    assert not again.modified
+
+
+def test_leaves_lone_and_output_matmuls_alone():
+    lone = ir.from_proto(_graph(1))
+    assert not PackMatMulsPass()(lone).modified  # one constant MatMul on x (+ one non-constant): nothing to pack
+    exposed = ir.from_proto(_graph(2, out_is_graph_output=True))
+    assert not PackMatMulsPass()(exposed).modified  # a sibling's output is a graph output
+    assert not PackMatMulsPass(min_group=3)(ir.from_proto(_graph(2))).modified
+    with pytest.raises(ValueError, match="min_group"):
+        PackMatMulsPass(min_group=1)
+
+
+def test_packed_smollm2_decoder_matches_the_fused_one(smollm2_model_path, tmp_path):
+    """Real decoder: fuse-decoder then pack-matmuls packs q/k/v and gate/up in each of the 30 layers (60 Splits), and
+    greedy decoding through the runtime gives the same tokens as the fused graph alone."""
+    import dyncompile
+    from dyncompile.runtime.executor import load
+
+    dyncompile.compile(smollm2_model_path, passes="fuse-decoder", output_dir=tmp_path / "fused")
+    dyncompile.compile(smollm2_model_path, passes="fuse-decoder,pack-matmuls", output_dir=tmp_path / "packed")
+    m = onnx.load(str(tmp_path / "packed" / "model.onnx"), load_external_data=False)
+    splits = [n for n in m.graph.node if n.op_type == "Split"]
+    assert len(splits) == 60
+    a, b = load(tmp_path / "fused"), load(tmp_path / "packed")
+    ids = [1, 504, 3458, 314, 260, 1345, 28, 334, 6578]
+    ra = a.generate(ids, max_new_tokens=12, speculative=False)
+    rb = b.generate(ids, max_new_tokens=12, speculative=False)
+    assert list(ra.token_ids) == list(rb.token_ids)
