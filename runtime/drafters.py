@@ -108,6 +108,23 @@ class Drafter:
 
 
 
+def frontier_visibility(exp, par, slot, past_valid: np.ndarray, slots: int) -> np.ndarray:
+    """Visibility ``[len(exp), slots + len(exp)]`` of a tree frontier fed to a drafter in one call: row ``r`` (node
+    ``exp[r]``) sees the valid committed cache (``past_valid``, one flag per committed slot), the cache slots of its
+    ancestors (``par``: parent index, -1 for the root's children; ``slot``: each drafted node's cache slot) and
+    itself (slot ``slots + r``)."""
+    n = len(exp)
+    visible = np.zeros((n, slots + n), bool)
+    visible[:, : len(past_valid)] = past_valid
+    for r, i in enumerate(exp):
+        a = par[i]
+        while a >= 0:
+            visible[r, slot[a]] = True
+            a = par[a]
+        visible[r, slots + r] = True
+    return visible
+
+
 def pick_draft_token(logits: np.ndarray, vocab: np.ndarray | None, sample: bool, temperature: float, rng,
                      vocab_size: int) -> tuple[int, np.ndarray | None]:
     """A drafter's next token in target ids, and (sampling) its distribution over the target's vocabulary.
@@ -253,14 +270,7 @@ class ModelDrafter(Drafter):
                 break
             exp = sorted(frontier, key=lambda i: -score[i])[:k]
             n = len(exp)
-            visible = np.zeros((n, dec.slots + n), bool)
-            visible[:, :committed_slots] = dec._mask[0, :committed_slots].astype(bool)
-            for r, i in enumerate(exp):
-                a = par[i]
-                while a >= 0:
-                    visible[r, slot[a]] = True
-                    a = par[a]
-                visible[r, dec.slots + r] = True
+            visible = frontier_visibility(exp, par, slot, dec._mask[0, :committed_slots].astype(bool), dec.slots)
             base_slot = dec.slots
             rows = dec.forward_visible([toks[i] for i in exp], [committed - 1 + dep[i] for i in exp], visible)
             frontier = []

@@ -44,7 +44,14 @@ import numpy as np
 from dyncompile.errors import PlanError
 from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.drafters import Drafter, TreeBudget, Verification, pick_draft_token, top_alternatives
+from dyncompile.runtime.drafters import (
+    Drafter,
+    TreeBudget,
+    Verification,
+    frontier_visibility,
+    pick_draft_token,
+    top_alternatives,
+)
 from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
 
 __all__ = ["EagleDecoder", "EagleDrafter"]
@@ -220,14 +227,7 @@ class EagleDrafter(Drafter):
                 break
             exp = sorted(frontier, key=rank)[:k]
             n = len(exp)
-            visible = np.zeros((n, dec.slots + n), bool)
-            visible[:, :committed_slots] = past_valid
-            for r, i in enumerate(exp):
-                a = par[i]
-                while a >= 0:
-                    visible[r, slot[a]] = True
-                    a = par[a]
-                visible[r, dec.slots + r] = True
+            visible = frontier_visibility(exp, par, slot, past_valid, dec.slots)
             base_slot = dec.slots
             lg, hd = dec.step([toks[i] for i in exp], np.stack([feat[i] for i in exp]), visible=visible,
                               positions=[committed - 1 + dep[i] for i in exp])
@@ -252,13 +252,7 @@ class EagleDrafter(Drafter):
 
     def _chain(self, seq, n, sample, temperature, rng, vocab_size, alt: int = 0):
         dec = self.decoder
-        T = len(seq) - 1  # positions 0..T-1 have true features
-        if self.known < T:
-            raise RuntimeError(f"eagle drafter: features known for {self.known} positions, sequence needs {T}")
-        start = min(dec.length, T - 1)
-        dec.truncate(start)
-        logits, hid = dec.step(seq[start + 1 : T + 1], self._F[start:T])
-        self.true_len = dec.length
+        logits, hid = self._catch_up(seq)
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         alts: list[list[int]] = []
