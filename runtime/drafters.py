@@ -125,6 +125,78 @@ def frontier_visibility(exp, par, slot, past_valid: np.ndarray, slots: int) -> n
     return visible
 
 
+def grow_tree(dec, root: int, logits: np.ndarray, budget: TreeBudget, vocab: np.ndarray | None, vocab_size: int,
+              call, hidden: np.ndarray | None = None) -> DraftTree:
+    """A greedy draft tree grown best-first by draft confidence (EAGLE-2), for any drafter whose graph takes a 4-D
+    attention bias (:attr:`KVDecoder.supports_trees`).
+
+    ``dec`` holds the sequence in its cache (its ``length`` / ``slots`` now are the committed positions);
+    ``logits`` (and ``hidden``, an EAGLE drafter's predicted feature) are its last row. The root's top-k children
+    (``k = branching``) are scored by their draft log-probability; then, once per depth, the ``k`` best frontier
+    nodes by cumulative score are fed together in ONE ``call(tokens, extras, positions, visible) -> (logits rows,
+    extra rows | None)`` (``extras``: each node's parent's extra row; ``visible``: :func:`frontier_visibility`, the
+    committed cache and the node's ancestors), each offering its top-k children (score = parent's + log p). The
+    ``max_nodes`` best of all generated nodes form the tree (ties: created first = shallower first, so the set is
+    ancestor-closed: a node never outscores its parent), each node's children in score order (the first-child path
+    is the drafter's greedy chain). Expansion stops once no frontier node can still enter that set (its
+    descendants score no higher and are created later: the same tree). ``dec`` is truncated back afterwards.
+    """
+    committed, committed_slots = dec.length, dec.slots
+    past_valid = dec._mask[0, :committed_slots].astype(bool)
+    k = max(1, budget.branching)
+    # generated nodes: token, parent (-1 = the root), depth, score, extra input (the parent's extra row)
+    toks: list[int] = []
+    par: list[int] = []
+    dep: list[int] = []
+    score: list[float] = []
+    extra: list[np.ndarray | None] = []
+    slot: dict[int, int] = {}  # drafter cache slot of an expanded node
+
+    def children(lg: np.ndarray, h: np.ndarray | None, parent: int, base: float, d: int) -> list[int]:
+        lg = np.asarray(lg, np.float64)
+        m = lg.max()
+        lp = lg - m - np.log(np.exp(lg - m).sum())
+        top = np.argpartition(-lp, min(k, lp.shape[-1] - 1))[:k]
+        made = []
+        for j in top[np.argsort(-lp[top], kind="stable")]:
+            t = int(vocab[j]) if vocab is not None else int(j)
+            if t < vocab_size:
+                made.append(len(toks))
+                toks.append(t)
+                par.append(parent)
+                dep.append(d)
+                score.append(base + float(lp[j]))
+                extra.append(h)
+        return made
+
+    def rank(i: int) -> tuple[float, int]:
+        return (-score[i], i)
+
+    frontier = children(logits, hidden, -1, 0.0, 1)
+    for d in range(2, budget.max_depth + 1):
+        if len(toks) >= budget.max_nodes:
+            cutoff = score[sorted(range(len(toks)), key=rank)[budget.max_nodes - 1]]
+            frontier = [i for i in frontier if score[i] > cutoff]
+        if not frontier:
+            break
+        exp = sorted(frontier, key=rank)[:k]
+        visible = frontier_visibility(exp, par, slot, past_valid, dec.slots)
+        base_slot = dec.slots
+        rows, extra_rows = call([toks[i] for i in exp], [extra[i] for i in exp],
+                                [committed - 1 + dep[i] for i in exp], visible)
+        frontier = []
+        for r, i in enumerate(exp):
+            slot[i] = base_slot + r
+            frontier += children(rows[r], None if extra_rows is None else extra_rows[r], i, score[i], d)
+    dec.truncate(committed)
+    chosen = sorted(range(len(toks)), key=rank)[: budget.max_nodes]
+    tree = DraftTree.chain(root, [])
+    index = {-1: 0}
+    for i in sorted(chosen, key=lambda i: (dep[i], *rank(i))):  # parents first; children best first
+        index[i] = tree.add(index[par[i]], toks[i])
+    return tree
+
+
 def pick_draft_token(logits: np.ndarray, vocab: np.ndarray | None, sample: bool, temperature: float, rng,
                      vocab_size: int) -> tuple[int, np.ndarray | None]:
     """A drafter's next token in target ids, and (sampling) its distribution over the target's vocabulary.
@@ -240,55 +312,8 @@ class ModelDrafter(Drafter):
         feed = list(seq[dec.length :])
         logits = dec.forward(feed)[-1]
         self._fed.extend(feed)
-        committed = dec.length  # the sequence (root included) is in the drafter's cache; tree slots follow
-        committed_slots = dec.slots
-        k = max(1, budget.branching)
-        # candidate nodes: token, parent candidate (-1 = root), depth, score, drafter slot once expanded
-        toks: list[int] = []
-        par: list[int] = []
-        dep: list[int] = []
-        score: list[float] = []
-        slot: dict[int, int] = {}
-
-        def children(lg, parent, base, d):
-            lg = np.asarray(lg, np.float64)
-            m = lg.max()
-            lp = lg - m - np.log(np.exp(lg - m).sum())
-            top = np.argpartition(-lp, min(k, lp.shape[-1] - 1))[:k]
-            for j in top[np.argsort(-lp[top], kind="stable")]:
-                t = int(self.vocab[j]) if self.vocab is not None else int(j)
-                if t < vocab_size:
-                    toks.append(t)
-                    par.append(parent)
-                    dep.append(d)
-                    score.append(base + float(lp[j]))
-
-        children(logits, -1, 0.0, 1)
-        frontier = list(range(len(toks)))
-        for d in range(2, budget.max_depth + 1):
-            if not frontier:
-                break
-            exp = sorted(frontier, key=lambda i: -score[i])[:k]
-            n = len(exp)
-            visible = frontier_visibility(exp, par, slot, dec._mask[0, :committed_slots].astype(bool), dec.slots)
-            base_slot = dec.slots
-            rows = dec.forward_visible([toks[i] for i in exp], [committed - 1 + dep[i] for i in exp], visible)
-            frontier = []
-            for r, i in enumerate(exp):
-                slot[i] = base_slot + r
-                start = len(toks)
-                children(rows[r], i, score[i], d)
-                frontier += range(start, len(toks))
-        dec.truncate(committed)
-        chosen = sorted(range(len(toks)), key=lambda i: (-score[i], i))[: budget.max_nodes]
-        chosen_set = set(chosen)
-        chosen = [i for i in chosen if par[i] < 0 or par[i] in chosen_set]  # ties could orphan a node
-        tree = DraftTree.chain(seq[-1], [])
-        index = {-1: 0}
-        for i in sorted(chosen, key=lambda i: (dep[i], -score[i], i)):
-            if par[i] in index:
-                index[i] = tree.add(index[par[i]], toks[i])
-        return tree
+        return grow_tree(dec, seq[-1], logits, budget, self.vocab, vocab_size,
+                         lambda toks, _, positions, visible: (dec.forward_visible(toks, positions, visible), None))
 
     def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size):
         if (not sample and self.decoder.supports_trees and budget.branching > 1 and budget.max_nodes > budget.max_depth

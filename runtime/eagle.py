@@ -48,7 +48,7 @@ from dyncompile.runtime.drafters import (
     Drafter,
     TreeBudget,
     Verification,
-    frontier_visibility,
+    grow_tree,
     pick_draft_token,
     top_alternatives,
 )
@@ -186,63 +186,11 @@ class EagleDrafter(Drafter):
         drafter call per depth on the ``branching`` best frontier nodes, then the ``max_nodes`` best nodes."""
         dec = self.decoder
         logits, hid = self._catch_up(seq)
-        committed, committed_slots = dec.length, dec.slots  # == the true-feature positions (T)
-        past_valid = dec._mask[0, :committed_slots].astype(bool)
-        k = max(1, budget.branching)
-        # generated nodes: token, parent (-1 = the root), depth, score, input feature (the parent's prediction)
-        toks: list[int] = []
-        par: list[int] = []
-        dep: list[int] = []
-        score: list[float] = []
-        feat: list[np.ndarray] = []
-        slot: dict[int, int] = {}  # drafter cache slot of an expanded node
 
-        def children(lg: np.ndarray, h: np.ndarray, parent: int, base: float, d: int) -> list[int]:
-            lg = np.asarray(lg, np.float64)
-            m = lg.max()
-            lp = lg - m - np.log(np.exp(lg - m).sum())
-            top = np.argpartition(-lp, min(k, lp.shape[-1] - 1))[:k]
-            made = []
-            for j in top[np.argsort(-lp[top], kind="stable")]:
-                t = int(self.vocab[j]) if self.vocab is not None else int(j)
-                if t < vocab_size:
-                    made.append(len(toks))
-                    toks.append(t)
-                    par.append(parent)
-                    dep.append(d)
-                    score.append(base + float(lp[j]))
-                    feat.append(h)
-            return made
+        def call(toks, feats, positions, visible):
+            return dec.step(toks, np.stack(feats), visible=visible, positions=positions)
 
-        def rank(i: int) -> tuple[float, int, int]:
-            return (-score[i], dep[i], i)
-
-        frontier = children(logits[-1], hid[-1], -1, 0.0, 1)
-        for d in range(2, budget.max_depth + 1):
-            if len(toks) >= budget.max_nodes:  # a node no better than the max_nodes-th best adds nothing: its
-                # descendants score no higher and sit deeper, so they lose to that node (exact: the same tree)
-                cutoff = score[sorted(range(len(toks)), key=rank)[budget.max_nodes - 1]]
-                frontier = [i for i in frontier if score[i] > cutoff]
-            if not frontier:
-                break
-            exp = sorted(frontier, key=rank)[:k]
-            n = len(exp)
-            visible = frontier_visibility(exp, par, slot, past_valid, dec.slots)
-            base_slot = dec.slots
-            lg, hd = dec.step([toks[i] for i in exp], np.stack([feat[i] for i in exp]), visible=visible,
-                              positions=[committed - 1 + dep[i] for i in exp])
-            frontier = []
-            for r, i in enumerate(exp):
-                slot[i] = base_slot + r
-                frontier += children(lg[r], hd[r], i, score[i], d)
-        dec.truncate(committed)  # back to the true-feature positions
-        chosen = sorted(range(len(toks)), key=rank)[: budget.max_nodes]
-        tree = DraftTree.chain(seq[-1], [])
-        index = {-1: 0}
-        for i in sorted(chosen, key=lambda i: (dep[i], *rank(i))):  # parents first; children best first
-            if par[i] in index:  # always (ancestor-closed); kept as a guard
-                index[i] = tree.add(index[par[i]], toks[i])
-        return tree
+        return grow_tree(dec, seq[-1], logits[-1], budget, self.vocab, vocab_size, call, hidden=hid[-1])
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
         if n <= 0:
