@@ -7,7 +7,6 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
 
@@ -16,20 +15,25 @@ RNG = np.random.default_rng(0)
 
 def _graph(siblings: int = 2, out_is_graph_output: bool = False) -> onnx.ModelProto:
     """x -> MatMul(W_i) for i < siblings (constant), MatMul(x, w_in) (not constant), each through Relu."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 3, 8])
-    w_in = helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [8, 4])
-    inits, nodes, outs = [], [], []
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["b", 3, 8]))
+    w_in = ir.val("w_in", ir.DataType.FLOAT, ir.Shape([8, 4]))
+    tape = ir.tape.Tape()
+    inits, outs = [], []
     for i in range(siblings):
-        inits.append(numpy_helper.from_array(RNG.standard_normal((8, 3 + 2 * i)).astype(np.float32), f"W{i}"))
-        nodes.append(helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"], name=f"mm{i}"))
-        last = f"y{i}" if out_is_graph_output and i == 0 else f"r{i}"
-        if last != f"y{i}":
-            nodes.append(helper.make_node("Relu", [f"y{i}"], [last]))
-        outs.append(helper.make_tensor_value_info(last, TensorProto.FLOAT, ["b", 3, 3 + 2 * i]))
-    nodes.append(helper.make_node("MatMul", ["x", "w_in"], ["z"], name="dyn"))
-    outs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, ["b", 3, 4]))
-    g = helper.make_graph(nodes, "g", [x, w_in], outs, inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+        w = ir.val(f"W{i}", const_value=ir.tensor(RNG.standard_normal((8, 3 + 2 * i)).astype(np.float32), name=f"W{i}"))
+        inits.append(w)
+        y = tape.op("MatMul", [x, w], name=f"mm{i}")
+        y.name = f"y{i}"
+        out = y if out_is_graph_output and i == 0 else tape.op("Relu", [y])
+        if out is not y:
+            out.name = f"r{i}"
+        out.dtype, out.shape = ir.DataType.FLOAT, ir.Shape(["b", 3, 3 + 2 * i])
+        outs.append(out)
+    z = tape.op("MatMul", [x, w_in], name="dyn")
+    z.name, z.dtype, z.shape = "z", ir.DataType.FLOAT, ir.Shape(["b", 3, 4])
+    outs.append(z)
+    g = ir.Graph([x, w_in], outs, nodes=tape.nodes, initializers=inits, opset_imports={"": 18}, name="g")
+    return ir.to_proto(ir.Model(g, ir_version=10))
 
 
 def _run(model: onnx.ModelProto, feeds) -> list[np.ndarray]:

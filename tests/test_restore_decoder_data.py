@@ -3,7 +3,6 @@ the models it cannot receive), byte for byte, and refused when a weight lands in
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 
@@ -13,15 +12,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 
-def _sha(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def test_restore_rebuilds_the_recipe_weights_byte_for_byte(smollm2, tmp_path):
+    from dyncompile.io import sha256_file as _sha
     from dyncompile.models._core import model_home
     from dyncompile.models._decoders import SMOLLM2, assemble_gguf
     from dyncompile.tools.restore_decoder_data import make_map, restore

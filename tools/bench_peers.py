@@ -240,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--provider", default="cpu",
-                   help="dyncompile's execution provider (cpu, cuda, openvino); a peer's provider is the one its export "
-                   "was built for (onnxruntime-genai: the builder's -e; genai_config.json)")
+                   help="execution provider of dyncompile's runners (cpu, cuda, openvino) and of onnxruntime-genai's "
+                   "(other than cpu it replaces the providers of the export's genai_config.json); OpenVINO GenAI runs "
+                   "on its CPU device")
     p.add_argument("--io-binding", action="store_true",
                    help="dyncompile: bind the KV cache with IOBinding (on CUDA it stays in GPU memory between calls)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")

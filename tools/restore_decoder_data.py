@@ -9,7 +9,7 @@ there and its graph would not be the one the plans were compiled from).
 
   python -m dyncompile.tools.restore_decoder_data --make-map MODEL_DIR... -o map.json         # where both exist
   python -m dyncompile.tools.restore_decoder_data --restore MODEL_DIR --gguf FILE --map map.json \
-      --sha256 HEX [--save-hf DIR]                                                             # where only GGUF is
+      [--save-hf DIR]                                      # where only the GGUF is (the map holds the sha256)
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def make_map(model_dirs: list[str]) -> dict:
     import numpy as np
     import onnx
     from safetensors import safe_open
+
+    from dyncompile.io import sha256_file
 
     out = {}
     for d in map(Path, model_dirs):
@@ -44,12 +46,12 @@ def make_map(model_dirs: list[str]) -> dict:
                 continue
             info = {e.key: e.value for e in t.external_data}
             off, ln = int(info.get("offset", 0)), int(info["length"])
-            h = hashlib.sha1(data[off:off + ln].tobytes()).hexdigest()
+            h = hashlib.sha1(data[off:off + ln]).hexdigest()
             if h not in idx:
                 raise SystemExit(f"{d}: initializer {t.name} equals no HF parameter (transposed or not)")
             rows.append([t.name, off, ln, *idx[h]])
         out[d.name] = {"rows": rows, "size": int(data.size),
-                       "sha256": hashlib.sha256(open(d / "model.onnx.data", "rb").read()).hexdigest()}
+                       "sha256": sha256_file(d / "model.onnx.data")}
     return out
 
 
@@ -72,7 +74,7 @@ def restore(model_dir: str, gguf: str, map_file: str, save_hf: str | None) -> st
         buf[off:off + ln] = b
     tmp = d / f".model.onnx.data.tmp-{os.getpid()}"
     buf.tofile(tmp)
-    digest = hashlib.sha256(buf.tobytes()).hexdigest()
+    digest = hashlib.sha256(memoryview(buf)).hexdigest()  # no second copy of a multi-GB buffer
     if digest != entry["sha256"]:
         tmp.unlink()
         raise SystemExit(f"{d}: restored weights differ from the recipe's build (sha256 {digest} != {entry['sha256']})")
