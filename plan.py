@@ -304,6 +304,10 @@ class DecoderSpec:
     kv_dtype: Literal["float32", "float16", "float", "FLOAT", "FLOAT16", "bfloat16"] = "float32"
     #: a 4-D additive float mask input ``[batch, 1, new, past + new]`` (``explicit-attention``): draft trees
     attention_bias: str | None = None
+    #: how the runtime holds the KV cache: ``concat`` (the graph returns ``past + new`` as a new tensor each
+    #: call) or ``shared`` (every past input feeds only ``GroupQueryAttention``, which writes the new tokens into
+    #: the past buffer in place: one preallocated buffer per tensor is bound as both past and present)
+    kv_buffer: Literal["concat", "shared"] = "concat"
 
     def _check(self, where: str) -> None:
         if not self.kv:
@@ -326,6 +330,7 @@ class DecoderSpec:
             "kv": [{"past": e.past, "present": e.present, "axis": e.axis, "shape": list(e.shape)} for e in self.kv],
             "kv_dtype": self.kv_dtype,
             **({"attention_bias": self.attention_bias} if self.attention_bias else {}),
+            **({"kv_buffer": self.kv_buffer} if self.kv_buffer != "concat" else {}),
         }
 
 

@@ -36,7 +36,6 @@ distribution over the full vocabulary for exact rejection sampling.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,19 +87,8 @@ class EagleDecoder(KVDecoder):
             aux = self._aux(n, None, np.asarray(visible, bool), np.asarray(positions, np.int64))
         else:
             aux = self._aux(n, tree)
-        feeds = {self.spec.input_ids: ids_arr, self.feature_input: np.asarray(features, np.float32).reshape(1, n, -1),
-                 **aux}
-        for e, a in zip(self.spec.kv, self.past):
-            feeds[e.past] = a
-        t0 = time.perf_counter()
-        outs = self.session.run(self.output_names, feeds)
-        self.timer.add(self.role, time.perf_counter() - t0)
-        nk = len(self.spec.kv)
-        self.past = outs[1 : 1 + nk]
-        extra = dict(zip(self.extra_names, outs[1 + nk :]))
-        self.length += n
-        self.slots += n
-        return outs[0][0], extra[self.hidden_output][0]
+        self._run(ids_arr, aux, {self.feature_input: np.asarray(features, np.float32).reshape(1, n, -1)})
+        return self.last_outputs[self.output_names[0]], self.last_outputs[self.hidden_output]
 
 
 class EagleDrafter(Drafter):

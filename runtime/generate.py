@@ -272,6 +272,7 @@ class GenerateStep(StepHandler):
         io_binding = options.pop("io_binding", None)
         self.target.io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
         options.pop("rollback", None)  # nothing is ever rolled back without drafts
+        self.target.set_kv_buffer(options.pop("kv_buffer", None))
         if options:
             raise PromptError(f"unknown generation options for a target-only plan: {sorted(options)}")
         stats = GenerationStats(prompt_tokens=len(prompt_ids), mode="sample" if sample else "greedy")

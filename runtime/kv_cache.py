@@ -9,6 +9,7 @@ ORT calls per model role. The ``generate`` and ``speculative_generate`` steps sh
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,8 @@ from dyncompile.plan import DecoderSpec, KVEntry
 from dyncompile.runtime.draft_tree import DraftTree
 
 __all__ = ["BIAS_NEG", "KVDecoder", "SessionTimer"]
+
+logger = logging.getLogger(__name__)
 
 #: the additive attention bias of a masked position (the float32 minimum, as Hugging Face's masks use)
 BIAS_NEG = float(np.finfo(np.float32).min)
@@ -66,10 +69,19 @@ class KVDecoder:
     of numpy arrays passed to ``run``; both give the same numbers (``tools/bench_speculative.py --io-binding``
     measures which is faster). On the CUDA EP the bound past/present tensors live in GPU memory (only the
     logits come back to the host), so the cache is not copied across PCIe on every step.
+
+    KV buffer (``spec.kv_buffer``, overridden by ``kv_buffer=``): ``"concat"`` keeps whatever tensors the graph
+    returns (``past + new``, a fresh copy of the whole cache per call). ``"shared"`` (a ``fuse-decoder`` graph
+    whose past inputs feed only ``GroupQueryAttention`` and whose mask is the ``attention_bias`` input) holds one
+    preallocated buffer per KV tensor, bound by ``IOBinding`` as both the past input and the present output:
+    GQA writes the new tokens in place after ``slots`` and attends over the bias's ``slots + n`` columns, so no
+    step copies the cache. Rolling back the newest tokens then only moves ``slots`` back (the next call
+    overwrites them); a verified tree's kept path is moved down in the buffer (a few rows). The buffer doubles
+    when full (one copy). CPU EP only (on other EPs the plan's ``shared`` falls back to ``concat``).
     """
 
     def __init__(self, session, spec: DecoderSpec, *, role: str = "target", timer: SessionTimer | None = None,
-                 io_binding: bool = False, rollback: str = "mask") -> None:
+                 io_binding: bool = False, rollback: str = "mask", kv_buffer: str | None = None) -> None:
         self.session = session
         self.spec = spec
         self.role = role
@@ -110,6 +122,25 @@ class KVDecoder:
         self.length = 0  # tokens of the sequence held in the cache
         self.slots = 0  # physical positions of the past tensors (>= length when some are masked)
         self.compactions = 0
+        self._bufs: list[np.ndarray] = []  # kv_buffer="shared": the preallocated buffers (capacity self._cap)
+        self._cap = 0
+        self.shared = False
+        self.set_kv_buffer(kv_buffer)
+
+    def set_kv_buffer(self, mode: str | None = None) -> None:
+        """Hold the cache as ``mode`` (``"shared"`` / ``"concat"``; ``None``: the plan's); empties the cache."""
+        mode = self.spec.kv_buffer if mode is None else mode
+        if mode not in ("shared", "concat"):
+            raise PlanError(f"kv_buffer must be 'shared' or 'concat', not {mode!r}")
+        shared = mode == "shared"
+        if shared and (self.spec.kv_buffer != "shared" or self.kv_device != "cpu" or not self.pos_name
+                       or not self.bias_name):
+            logger.info("the %s decoder holds its KV cache by concatenation: a shared buffer needs a plan that "
+                        "says kv_buffer=shared (explicit-attention,fuse-decoder) and the CPU EP", self.role)
+            shared = False
+        self.shared = shared
+        if not shared:
+            self._bufs, self._cap = [], 0
         self.reset()
 
     # --- cache -----------------------------------------------------------------------------------
@@ -119,11 +150,37 @@ class KVDecoder:
         return np.zeros([1, *dims], self.dtype)
 
     def reset(self) -> None:
+        self.length = self.slots = 0
+        self._mask[:] = 1
+        if self.shared:  # the buffers are kept (the next call overwrites them from slot 0)
+            self._reserve(256)
+            return
         self.past = [self._empty(e) for e in self.spec.kv]
         if self.io_binding:
             self.past = [self._ortvalue(a) for a in self.past]
-        self.length = self.slots = 0
-        self._mask[:] = 1
+
+    def _seq(self, e: KVEntry, index) -> tuple:
+        """An index selecting ``index`` along ``e``'s sequence axis."""
+        idx: list[Any] = [slice(None)] * (len(e.shape) + 2)
+        idx[e.axis] = index
+        return tuple(idx)
+
+    def _reserve(self, total: int) -> None:
+        """Shared buffers of at least ``total`` slots (doubling; the ``slots`` in use are copied over)."""
+        if total <= self._cap:
+            return
+        cap = max(256, 2 * total) if self._cap else max(256, total)
+        bufs = []
+        for i, e in enumerate(self.spec.kv):
+            dims = list(e.shape)
+            dims.insert(e.axis - 1, cap)
+            b = np.zeros([1, *dims], self.dtype)
+            if self._bufs and self.slots:
+                b[self._seq(e, slice(0, self.slots))] = self._bufs[i][self._seq(e, slice(0, self.slots))]
+            bufs.append(b)
+        self._bufs, self._cap = bufs, cap
+        # CPU OrtValues over the numpy buffers (no copy): ORT reads and writes them in place
+        self.past = [self._ortvalue(b) for b in bufs]
 
     def _ortvalue(self, a: np.ndarray):
         import onnxruntime as ort
@@ -131,6 +188,9 @@ class KVDecoder:
         return ort.OrtValue.ortvalue_from_numpy(a, self.kv_device, 0)
 
     def _arrays(self) -> list[np.ndarray]:
+        """The past tensors as arrays over the ``slots`` in use (views of the buffers when shared)."""
+        if self.shared:
+            return [b[self._seq(e, slice(0, self.slots))] for b, e in zip(self._bufs, self.spec.kv)]
         return [v.numpy() for v in self.past] if self.io_binding else list(self.past)
 
     def _set_arrays(self, arrays: list[np.ndarray]) -> None:
@@ -138,6 +198,11 @@ class KVDecoder:
 
     def _keep(self, keep) -> None:
         """Keep the physical slots ``keep`` (a slice or an index array) of every past tensor (one copy)."""
+        if self.shared:  # move them to the front of each buffer, in place
+            for b, e in zip(self._bufs, self.spec.kv):
+                rows = b[self._seq(e, keep)]
+                b[self._seq(e, slice(0, rows.shape[e.axis]))] = rows
+            return
         out = []
         for a, e in zip(self._arrays(), self.spec.kv):
             idx = [slice(None)] * a.ndim
@@ -149,6 +214,14 @@ class KVDecoder:
         """Keep the first ``length`` tokens of the sequence in the cache (no-op when it holds no more)."""
         drop = self.length - length
         if drop <= 0:
+            return
+        if self.shared:  # forget the newest valid slots; the tail is overwritten by the next call
+            valid = np.flatnonzero(self._mask[0, : self.slots])
+            self._mask[0, valid[-drop:]] = 0
+            self.length = length
+            self._trim()
+            if self.slots - self.length > max(32, self.slots // 4):
+                self.compact()
             return
         if self.rollback == "copy" and self.slots == self.length:
             self._keep(slice(0, length))
@@ -162,6 +235,13 @@ class KVDecoder:
         if self.rollback == "copy" or garbage > max(32, self.slots // 4):
             self.compact()
 
+    def _trim(self) -> None:
+        """Drop the masked slots at the end of a shared buffer (no copy)."""
+        valid = np.flatnonzero(self._mask[0, : self.slots])
+        end = int(valid[-1]) + 1 if len(valid) else 0
+        self._mask[0, end : self.slots] = 1
+        self.slots = end
+
     def compact(self) -> None:
         """Drop masked slots from the past tensors (one copy)."""
         if self.slots == self.length:
@@ -174,8 +254,24 @@ class KVDecoder:
         self.compactions += 1
 
     def adopt(self, other: KVDecoder, indices: Sequence[int]) -> None:
-        """Use ``other``'s past tensors ``indices`` (aligned with this decoder's kv entries) and its slot mask."""
-        self.past = [other.past[j] for j in indices]
+        """Use ``other``'s past tensors ``indices`` (aligned with this decoder's kv entries) and its slot mask.
+
+        Concat caches share the tensors (neither side writes them); a shared buffer is copied (``other`` writes
+        its buffers in place, and so would this decoder)."""
+        if self.shared or other.shared:
+            arrays = other._arrays()
+            src = [arrays[j] for j in indices]
+            if self.shared:
+                self.slots = 0
+                self._reserve(other.slots + 1)
+                for b, e, a in zip(self._bufs, self.spec.kv, src):
+                    b[self._seq(e, slice(0, other.slots))] = a
+            else:
+                self.past = [np.array(a) for a in src]
+                if self.io_binding:
+                    self.past = [self._ortvalue(a) for a in self.past]
+        else:
+            self.past = [other.past[j] for j in indices]
         self.length, self.slots = other.length, other.slots
         self._grow(self.slots + 1)
         self._mask[0, : self.slots] = other._mask[0, : self.slots]
@@ -232,6 +328,12 @@ class KVDecoder:
         if self.rollback == "copy" and not self.mask_name and not self.bias_name:
             raise PlanError(f"the {self.role} model cannot drop tree nodes: it has no attention mask input")
         base = self.slots - n
+        if self.shared:  # move the kept nodes down to base..base+len(keep) (a few rows per tensor)
+            for b, e in zip(self._bufs, self.spec.kv):
+                b[self._seq(e, slice(base, base + len(keep)))] = b[self._seq(e, np.asarray(keep) + base)]
+            self.slots = base + len(keep)
+            self.length -= n - len(keep)
+            return
         drop = np.setdiff1d(np.arange(n), np.asarray(keep, dtype=np.int64)) + base
         self._mask[0, drop] = 0
         self.length -= n - len(keep)
@@ -266,39 +368,56 @@ class KVDecoder:
                     f"the {self.role} model has no 4-D attention bias input, so it cannot verify a draft tree; "
                     "compile with --passes explicit-attention,speculative{tree=true}"
                 )
-        if self.io_binding:
+        self._run(ids_arr, self._aux(n, tree, *(_visible or (None, None))))
+        return self.last_outputs[self.output_names[0]]
+
+    def _run(self, ids_arr: np.ndarray, aux: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None) -> None:
+        """One session call on ``ids_arr`` ``[1, n]`` plus ``aux`` / ``extra`` feeds on top of the cache; fills
+        :attr:`last_outputs` (batch dim dropped) and grows the cache by ``n``."""
+        n = ids_arr.shape[1]
+        feeds = {self.spec.input_ids: ids_arr, **aux, **(extra or {})}
+        nk = len(self.spec.kv)
+        if self.shared or self.io_binding:
+            if self.shared:
+                self._reserve(self.slots + n)
             io = self.session.io_binding()
-            io.bind_cpu_input(self.spec.input_ids, ids_arr)
-            for k, v in self._aux(n, tree, *(_visible or (None, None))).items():
+            for k, v in feeds.items():
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
             for e, v in zip(self.spec.kv, self.past):
                 io.bind_ortvalue_input(e.past, v)
             io.bind_output(self.output_names[0], "cpu")
-            for e in self.spec.kv:
-                io.bind_output(e.present, self.kv_device)
+            for e, v in zip(self.spec.kv, self.past):
+                if self.shared:  # GQA writes the new rows into the past buffer itself
+                    io.bind_ortvalue_output(e.present, v)
+                else:
+                    io.bind_output(e.present, self.kv_device)
             for name in self.extra_names:
                 io.bind_output(name, "cpu")
             t0 = time.perf_counter()
-            self.session.run_with_iobinding(io)
+            try:
+                self.session.run_with_iobinding(io)
+            except Exception as e:  # noqa: BLE001 - ORT raises its own types; only a shared buffer is explained here
+                if not self.shared:
+                    raise
+                raise PlanError(
+                    f"the {self.role} model does not write its KV cache in place as its plan says "
+                    f"(kv_buffer=shared): {str(e).splitlines()[0][:200]}; recompile with "
+                    "--passes explicit-attention,fuse-decoder (or run with kv_buffer='concat')"
+                ) from None
             self.timer.add(self.role, time.perf_counter() - t0)
             outs = io.get_outputs()
-            logits = outs[0].numpy()[0]
-            nk = len(self.spec.kv)
-            self.past = list(outs[1 : 1 + nk])
-            extra = {k: v.numpy()[0] for k, v in zip(self.extra_names, outs[1 + nk :])}
-            self.last_outputs = {self.output_names[0]: logits, **extra}
+            if not self.shared:
+                self.past = list(outs[1 : 1 + nk])
+            arrays = [outs[0].numpy(), *(v.numpy() for v in outs[1 + nk :])]
         else:
-            feeds = {self.spec.input_ids: ids_arr, **self._aux(n, tree, *(_visible or (None, None)))}
             for e, a in zip(self.spec.kv, self.past):
                 feeds[e.past] = a
             t0 = time.perf_counter()
             outs = self.session.run(self.output_names, feeds)
             self.timer.add(self.role, time.perf_counter() - t0)
-            logits = outs[0][0]
-            nk = len(self.spec.kv)
             self.past = outs[1 : 1 + nk]
-            self.last_outputs = {self.output_names[0]: logits,
-                                 **{k: v[0] for k, v in zip(self.extra_names, outs[1 + nk :])}}
+            arrays = [outs[0], *outs[1 + nk :]]
+        self.last_outputs = {k: a[0] for k, a in zip([self.output_names[0], *self.extra_names], arrays)}
         self.length += n
         self.slots += n
-        return logits
+

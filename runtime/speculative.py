@@ -361,23 +361,25 @@ class SpeculativeGenerateStep(GenerateStep):
         rollback = options.pop("rollback", None) or self.params.rollback
         if rollback not in ("mask", "copy"):
             raise PromptError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
+        kv_buffer = options.pop("kv_buffer", None)
         for d in decoders:
             d.io_binding = io_binding
-            d.rollback = rollback if d.mask_name and d.pos_name else "copy"
+            d.rollback = rollback if (d.mask_name or d.bias_name) and d.pos_name else "copy"
+            d.set_kv_buffer(kv_buffer)
         if not speculative:
             if options:
                 options = {k: v for k, v in options.items() if k not in ("draft_length", "max_draft", "min_draft",
                                                                           "adaptive", "adapt_to_timing", "rollback",
                                                                           "tree")}
             return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
-                                        **options)
+                                        kv_buffer=kv_buffer, **options)
         stop_when = options.pop("stop_when", None)
         ctl = self._controller(options)
         tree_ctl = self._tree_controller(ctl, options)
         if options:
             raise PromptError(
                 f"unknown generation options {sorted(options)}; known: draft_length, min_draft, max_draft, adaptive, "
-                "adapt_to_timing, io_binding, rollback, tree"
+                "adapt_to_timing, io_binding, kv_buffer, rollback, tree"
             )
         stats = GenerationStats(prompt_tokens=len(prompt_ids), mode="sample" if sample else "greedy",
                                 drafter=self.drafter.name)

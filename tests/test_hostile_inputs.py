@@ -320,6 +320,7 @@ SPEC_MUTATIONS = {
     "tree a list": lambda r: r["steps"][0]["draft"].update(tree=[16, 8]),
     "tree branching a string": lambda r: r["steps"][0]["draft"].update(tree={"branching": "3"}),
     "attention bias not a string": lambda r: r["steps"][0]["target"].update(attention_bias=7),
+    "kv buffer unknown": lambda r: r["steps"][0]["target"].update(kv_buffer="mmap"),
 }
 
 

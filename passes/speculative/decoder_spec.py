@@ -111,6 +111,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         kv.append({"past": name, "present": present, "axis": axis, "shape": [int(d) for d in dims]})
         dtype = v.dtype
     vocab = _static(logits.shape[-1]) if logits.shape is not None else None
+    shared = _kv_shared(g, [inputs[e["past"]] for e in kv])
     return {
         "model": file_key,
         "input_ids": "input_ids",
@@ -121,7 +122,35 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         "kv_dtype": "float16" if dtype == ir.DataType.FLOAT16 else "float32",
         "vocab_size": vocab,
         **({"attention_bias": "attention_bias"} if "attention_bias" in inputs else {}),
+        **({"kv_buffer": "shared"} if shared else {}),
     }
+
+
+def _kv_shared(graph: ir.Graph, pasts: list[ir.Value]) -> bool:
+    """Whether the runtime may bind one preallocated buffer as both past and present of every KV tensor.
+
+    True when each past input is read only by ``GroupQueryAttention`` (as its past key / value, which GQA
+    writes in place when past and present share memory; nothing else, e.g. a ``Shape`` that sizes the mask,
+    sees the buffer's capacity) and every such GQA takes the graph's ``attention_bias`` input as its mask
+    (the logical ``past + new`` length then comes from the bias the runtime feeds, and masked slots stay
+    masked) and returns its present key / value as graph outputs.
+    """
+    outputs = set(graph.outputs)
+    bias = next((v for v in graph.inputs if v.name == "attention_bias"), None)
+    if bias is None or not pasts:
+        return False
+    for v in pasts:
+        uses = list(v.uses())
+        if not uses:
+            return False
+        for node, idx in uses:
+            if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft" or idx not in (3, 4):
+                return False
+            if len(node.inputs) < 11 or node.inputs[10] is not bias:
+                return False
+            if node.outputs[idx - 2] not in outputs:
+                return False
+    return True
 
 
 def is_kv_decoder(model: ir.Model) -> bool:
