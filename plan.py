@@ -308,6 +308,9 @@ class DecoderSpec:
     #: call) or ``shared`` (every past input feeds only ``GroupQueryAttention``, which writes the new tokens into
     #: the past buffer in place: one preallocated buffer per tensor is bound as both past and present)
     kv_buffer: Literal["concat", "shared"] = "concat"
+    #: an int64 ``[1]`` input (``trim-logits``; an initializer holding 0 = every row when not fed) limiting the
+    #: logits to the last ``k`` new tokens: prompts need the last row only
+    logits_to_keep: str | None = None
 
     def _check(self, where: str) -> None:
         if not self.kv:
@@ -331,6 +334,7 @@ class DecoderSpec:
             "kv_dtype": self.kv_dtype,
             **({"attention_bias": self.attention_bias} if self.attention_bias else {}),
             **({"kv_buffer": self.kv_buffer} if self.kv_buffer != "concat" else {}),
+            **({"logits_to_keep": self.logits_to_keep} if self.logits_to_keep else {}),
         }
 
 

@@ -32,6 +32,7 @@ from dyncompile.passes.pack_matmuls import PackMatMulsPass
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
 from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
 from dyncompile.passes.step_saver import pipeline as _step_saver  # noqa: F401  (diffusion plans)
+from dyncompile.passes.trim_logits import TrimLogitsPass
 from dyncompile.passes.verify_model import VerifyModelPass
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "QuantizeDynamicInt8Pass",
     "SpeculativePass",
     "SplitDrafterPass",
+    "TrimLogitsPass",
     "QuantizeWeightsInt4Pass",
     "VerifyModelPass",
     "WireGivenExitHeadsPass",

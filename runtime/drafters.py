@@ -278,7 +278,7 @@ class ModelDrafter(Drafter):
         qs: list[np.ndarray] = []
         alts: list[list[int]] = []
         for _ in range(n):
-            logits = dec.forward(feed)[-1]
+            logits = dec.forward(feed, last=1)[-1]
             self._fed.extend(feed)
             tok, q = pick_draft_token(logits, self.vocab, sample, temperature, rng, vocab_size)
             if tok >= vocab_size:  # a drafter with a larger vocabulary proposed a token the target lacks
@@ -310,7 +310,7 @@ class ModelDrafter(Drafter):
             dec.truncate(keep)
             self._fed = self._fed[:keep]
         feed = list(seq[dec.length :])
-        logits = dec.forward(feed)[-1]
+        logits = dec.forward(feed, last=1)[-1]
         self._fed.extend(feed)
         return grow_tree(dec, seq[-1], logits, budget, self.vocab, vocab_size,
                          lambda toks, _, positions, visible: (dec.forward_visible(toks, positions, visible), None))

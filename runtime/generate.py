@@ -210,7 +210,7 @@ def decode_target_only(
     budget = max_new_tokens if max_length is None else min(max_new_tokens, max_length - len(prompt_ids))
     out: list[int] = []
     t0 = time.perf_counter()
-    logits = target.forward(prompt_ids)[-1]
+    logits = target.forward(prompt_ids, last=1)[-1]
     stats.prefill_seconds = time.perf_counter() - t0
     stats.target_calls += 1
     while True:

@@ -106,6 +106,12 @@ class KVDecoder:
                 f"the {role} model of the plan lacks the attention bias input {spec.attention_bias!r} named in the plan; "
                 "the plan and its ONNX files disagree — recompile"
             )
+        self.keep_name = spec.logits_to_keep
+        if self.keep_name and self.keep_name not in names:
+            raise PlanError(
+                f"the {role} model of the plan lacks the input {self.keep_name!r} named in the plan; "
+                "the plan and its ONNX files disagree — recompile"
+            )
         self.output_names = [spec.logits, *(e.present for e in spec.kv)]
         #: further outputs of the graph (e.g. ``features`` for an EAGLE drafter), fetched on every call
         self.extra_names = [o for o in (x.name for x in session.get_outputs()) if o not in self.output_names]
@@ -349,8 +355,12 @@ class KVDecoder:
             raise PlanError(f"the {self.role} model has no 4-D attention bias input")
         return self.forward(ids, _visible=(np.asarray(visible, bool), np.asarray(positions, np.int64)))
 
-    def forward(self, ids: Sequence[int] | np.ndarray, tree: DraftTree | None = None, *, _visible=None) -> np.ndarray:
+    def forward(self, ids: Sequence[int] | np.ndarray, tree: DraftTree | None = None, *, last: int | None = None,
+                _visible=None) -> np.ndarray:
         """Logits ``[len(ids), vocab]`` of the new tokens; the cache grows by ``len(ids)``.
+
+        ``last=k``: the logits of the last ``k`` tokens only (``[k, vocab]``; a ``trim-logits`` graph then runs
+        its LM head on those rows alone, e.g. ``k=1`` for a prompt).
 
         With ``tree`` (its tokens are ``ids``), node ``i`` is fed at position ``length + depth[i]`` and attends
         to the valid past and its ancestors only (needs :attr:`supports_trees`); then :meth:`keep_path`.
@@ -368,14 +378,24 @@ class KVDecoder:
                     f"the {self.role} model has no 4-D attention bias input, so it cannot verify a draft tree; "
                     "compile with --passes explicit-attention,speculative{tree=true}"
                 )
-        self._run(ids_arr, self._aux(n, tree, *(_visible or (None, None))))
-        return self.last_outputs[self.output_names[0]]
+        aux = self._aux(n, tree, *(_visible or (None, None)))
+        if last is not None and not 1 <= last <= n:
+            raise ValueError(f"last={last} for {n} new tokens")
+        if self.keep_name:
+            aux[self.keep_name] = np.array([n if last is None else last], np.int64)
+        self._run(ids_arr, aux)
+        logits = self.last_outputs[self.output_names[0]]
+        if last is not None and logits.shape[0] != last:  # a graph without trim-logits: every row came back
+            logits = self.last_outputs[self.output_names[0]] = logits[-last:]
+        return logits
 
     def _run(self, ids_arr: np.ndarray, aux: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None) -> None:
         """One session call on ``ids_arr`` ``[1, n]`` plus ``aux`` / ``extra`` feeds on top of the cache; fills
         :attr:`last_outputs` (batch dim dropped) and grows the cache by ``n``."""
         n = ids_arr.shape[1]
         feeds = {self.spec.input_ids: ids_arr, **aux, **(extra or {})}
+        if self.keep_name and self.keep_name not in feeds:
+            feeds[self.keep_name] = np.zeros(1, np.int64)  # every row
         nk = len(self.spec.kv)
         if self.shared or self.io_binding:
             if self.shared:

@@ -404,7 +404,7 @@ class SpeculativeGenerateStep(GenerateStep):
         target.reset()
         drafter.reset(prompt_ids)
         t0 = time.perf_counter()
-        logits = target.forward(prompt_ids)[-1]
+        logits = target.forward(prompt_ids, last=1)[-1]
         stats.prefill_seconds = time.perf_counter() - t0
         stats.target_calls = 1
         vocab_size = int(logits.shape[-1])

@@ -79,6 +79,10 @@ def _decoder_block(spec, *, filename: str, hidden_size: int, num_heads: int | No
             raise DataError(f"decoder {spec.model!r}: KV {e.past!r} has sequence axis {e.axis} and head shape "
                             f"{list(e.shape)}; onnxruntime-genai needs [batch, kv_heads, seq, head_dim] (axis 2)")
     kv_heads, head = int(kv[0].shape[0]), int(kv[0].shape[1])
+    for name, made_by in ((spec.logits_to_keep, "trim-logits"), (spec.attention_bias, "explicit-attention")):
+        if name:
+            raise DataError(f"decoder {spec.model!r} has the input {name!r} ({made_by}), which onnxruntime-genai "
+                            f"does not feed; export a plan compiled without {made_by}")
     inputs = {"input_ids": spec.input_ids}
     if spec.attention_mask:
         inputs["attention_mask"] = spec.attention_mask

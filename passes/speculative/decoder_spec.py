@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DrafterError", "check_same_tokenizer", "decoder_spec", "generation_config", "is_kv_decoder"]
 
-_KNOWN_INPUTS = ("input_ids", "attention_mask", "position_ids", "attention_bias")
+_KNOWN_INPUTS = ("input_ids", "attention_mask", "position_ids", "attention_bias", "logits_to_keep")
 
 
 class DrafterError(PassConfigError, ir.passes.PreconditionError):
@@ -123,6 +123,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         "vocab_size": vocab,
         **({"attention_bias": "attention_bias"} if "attention_bias" in inputs else {}),
         **({"kv_buffer": "shared"} if shared else {}),
+        **({"logits_to_keep": "logits_to_keep"} if "logits_to_keep" in inputs else {}),
     }
 
 

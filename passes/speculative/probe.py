@@ -60,6 +60,8 @@ def prefill_feeds(spec: dict[str, Any], ids: Sequence[int], past=None, past_len:
     (the present tensors of an earlier call holding ``past_len`` tokens) or on an empty cache."""
     n = len(ids)
     feeds = {spec["input_ids"]: np.asarray([ids], np.int64)}
+    if spec.get("logits_to_keep"):  # trim-logits: every row
+        feeds[spec["logits_to_keep"]] = np.zeros(1, np.int64)
     if spec.get("attention_mask"):
         feeds[spec["attention_mask"]] = np.ones((1, past_len + n), np.int64)
     if spec.get("attention_bias"):  # causal over past + new (explicit-attention)
