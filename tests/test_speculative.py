@@ -584,3 +584,19 @@ def test_draft_controller_stops_drafting_when_verification_is_too_expensive():
     cheap = DraftController(initial=4, min_len=0, max_len=8, draft_cost=0.13, alpha0=0.77,
                             verify_cost={1: 1.0, 2: 1.09, 4: 1.36, 9: 1.51})
     assert all(cheap.next_length(8) >= 4 for _ in range(10))
+
+
+def test_cost_probe_past_the_in_memory_limit_is_a_clean_error(tiny, tmp_path, capsys, monkeypatch):
+    """A pass that rewrites the weights (pack-matmuls) leaves them in memory; past protobuf's 2 GB an in-memory
+    session cannot be made, and the speculative pass's cost probe says so instead of an EncodeError traceback
+    (the limit is lowered here so a tiny decoder reaches it)."""
+    import dyncompile.passes.speculative.probe as probe
+
+    monkeypatch.setattr(probe, "PROTO_LIMIT", 1000)
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "pack-matmuls,speculative", "--drafter",
+                         "prompt-lookup", "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "measure=false")
+    assert not (tmp_path / "o").exists()
+    ok = compile_model(tiny["target"], "pack-matmuls,speculative{measure=false}", tmp_path / "ok",
+                       drafter="prompt-lookup")
+    assert (ok.plan_dir / "plan.json").is_file()

@@ -112,3 +112,12 @@ def test_runtime_feeds_it_and_output_is_token_identical(smollm2, trimmed_plan):
     while len(out) < len(alone.token_ids):
         out.append(int(ref.forward(out[-1:])[-1].argmax()))
     assert alone.token_ids == out and len(out) == 20
+
+
+def test_export_genai_refuses_inputs_it_would_not_feed(trimmed_plan, tmp_path):
+    from dyncompile.errors import DataError
+    from dyncompile.tools.export_genai import export_genai
+
+    with pytest.raises(DataError, match="logits_to_keep.*trim-logits"):
+        export_genai(trimmed_plan, tmp_path / "genai")
+    assert not (tmp_path / "genai").exists()  # nothing half-written

@@ -168,6 +168,9 @@ def genai_config(plan, *, max_draft_tokens: int | None = None, adaptive_k: int |
             spec["ngram_size"] = n
             notes.append(NOT_CARRIED["lookup-fallback"].format(max_ngram=d.max_ngram, min_ngram=d.min_ngram, k=k))
         else:
+            if d.kind == "eagle":
+                raise DataError("this plan's drafter is an EAGLE head (it reads the target's features each step); "
+                                "onnxruntime-genai's draft model is a standalone decoder: not exportable")
             if d.share_kv is not None:
                 raise DataError("this plan's drafter shares the target's KV cache (a split drafter); onnxruntime-genai's "
                                 "draft model must be a standalone decoder with its own cache: not exportable")

@@ -112,7 +112,7 @@ class GreedyCompleter:
         budget = max_new_tokens if self.max_length is None else min(max_new_tokens, self.max_length - len(ids))
         target.reset()
         t0 = time.perf_counter()
-        logits = target.forward(ids)[-1]
+        logits = target.forward(ids, last=1)[-1]
         t_prefill = time.perf_counter() - t0
         out: list[int] = []
         stop = ""
@@ -253,7 +253,7 @@ def cmd_costmodel(args) -> int:
                 t = c.handler.target
                 t.reset()
                 t0 = time.perf_counter()
-                logits = t.forward(ids)[-1]
+                logits = t.forward(ids, last=1)[-1]
                 t1 = time.perf_counter()
                 tok = int(np.argmax(logits))
                 for _ in range(args.decode_tokens):

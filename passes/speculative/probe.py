@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.errors import PassConfigError
 from dyncompile.io import external_data_dirs
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 
@@ -41,6 +42,10 @@ EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
 _PACKED_WEIGHT_DTYPES = (ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT4, ir.DataType.INT4)
 
 
+#: in-memory weight bytes above which a model cannot be serialized for an in-memory session (protobuf's 2 GB limit)
+PROTO_LIMIT = 1_900_000_000
+
+
 def session_for(model: ir.Model):
     """An ORT CPU session on ``model`` as it is in memory; weights stored as external data are read from
     the folder they were loaded from."""
@@ -51,6 +56,15 @@ def session_for(model: ir.Model):
     dirs = external_data_dirs(model)
     if dirs:
         so.add_session_config_entry(EXTERNAL_DIR_KEY, min(dirs))
+    in_memory = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                    if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
+    if in_memory > PROTO_LIMIT:
+        raise PassConfigError(
+            f"the model holds {in_memory / 1e9:.1f} GB of weights in memory (rewritten by an earlier pass such as "
+            "pack-matmuls), more than an in-memory ONNX Runtime session can take (protobuf's 2 GB limit), so the "
+            "speculative pass cannot measure its costs; compile with speculative{measure=false} (the plan's "
+            "default costs) or without that pass"
+        )
     data = ir.to_proto(model).SerializeToString()
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
