@@ -16,8 +16,10 @@ from helpers import ort_session  # tests/ is on pythonpath
 import dyncompile
 from dyncompile.errors import PlanError
 from dyncompile.models._export import decoder_tolerance
-from dyncompile.passes.compiler import compile_model
+from dyncompile.passes.fuse_decoder import FuseDecoderPass
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
+from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
+from dyncompile.passes.speculative.probe import session_for
 from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.draft_tree import DraftTree
 from dyncompile.runtime.kv_cache import KVDecoder
@@ -29,11 +31,9 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def shared_plan(smollm2, tmp_path_factory):
-    """explicit-attention + fuse-decoder + prompt-lookup trees: the configuration that gets the shared buffer."""
-    root = tmp_path_factory.mktemp("kvbuf")
-    return compile_model(smollm2.onnx_path, "explicit-attention,fuse-decoder,speculative{tree=true,tree_nodes=8}",
-                         root / "plan", drafter="prompt-lookup", progress=False).plan_dir
+def shared_plan(smollm2_fast_plan):
+    """explicit-attention + fuse-decoder (+ trim-logits, prompt-lookup trees): the recipe that gets the shared buffer."""
+    return smollm2_fast_plan
 
 
 def _decoder(path: Path, **kw) -> KVDecoder:
@@ -43,18 +43,20 @@ def _decoder(path: Path, **kw) -> KVDecoder:
 
 
 @pytest.fixture(scope="module")
-def bias_plan(smollm2, tmp_path_factory):
-    """explicit-attention alone: a 4-D bias input, but the graph still concatenates its cache."""
-    root = tmp_path_factory.mktemp("kvbias")
-    return compile_model(smollm2.onnx_path, "explicit-attention", root / "plan", progress=False).plan_dir
+def bias_model(smollm2) -> ir.Model:
+    """explicit-attention alone, in memory: a 4-D bias input, but the graph still concatenates its cache."""
+    model = ir.load(str(smollm2.onnx_path))
+    assert ExposeAttentionMaskPass()(model).modified
+    return model
 
 
-def test_only_fused_graphs_with_an_explicit_bias_get_the_shared_buffer(smollm2, shared_plan, bias_plan, tmp_path):
+def test_only_fused_graphs_with_an_explicit_bias_get_the_shared_buffer(smollm2, shared_plan, bias_model):
     step = json.loads((shared_plan / "plan.json").read_text())["steps"][0]
     assert step["target"]["kv_buffer"] == "shared"
-    fused_only = compile_model(smollm2.onnx_path, "fuse-decoder", tmp_path / "f", progress=False).plan_dir
-    for d in (fused_only, bias_plan):  # the mask is sized from the past tensors / the graph concatenates
-        spec = decoder_spec(ir.load(str(d / "model.onnx")), "m")
+    fused_only = ir.load(str(smollm2.onnx_path))
+    assert FuseDecoderPass()(fused_only).modified
+    for model in (fused_only, bias_model):  # the mask is sized from the past tensors / the graph concatenates
+        spec = decoder_spec(model, "m")
         assert "kv_buffer" not in spec
         spec.pop("vocab_size")
         assert DecoderSpec.from_params(spec).kv_buffer == "concat"
@@ -139,7 +141,7 @@ def test_greedy_and_speculative_are_token_identical_to_the_unfused_original(smol
         assert res.stats.target_calls < NEW_TOKENS
 
 
-def test_fallbacks_and_bad_modes(smollm2, bias_plan):
+def test_fallbacks_and_bad_modes(smollm2, bias_model):
     plain = _decoder(smollm2.onnx_path)  # the unfused export: its plan says concat
     plain.set_kv_buffer("shared")
     assert not plain.shared  # refused (logged), still works
@@ -147,9 +149,10 @@ def test_fallbacks_and_bad_modes(smollm2, bias_plan):
     with pytest.raises(PlanError, match="kv_buffer"):
         plain.set_kv_buffer("mmap")
     # a plan that claims a shared buffer for a graph that concatenates: one clear error, not an ORT crash
-    liar = _decoder(bias_plan / "model.onnx")
-    spec = DecoderSpec.from_params({**liar.spec.to_params(), "kv_buffer": "shared"})
-    dec = KVDecoder(liar.session, spec)
+    spec = decoder_spec(bias_model, "m")
+    spec.pop("vocab_size")
+    spec = DecoderSpec.from_params({**spec, "kv_buffer": "shared"})
+    dec = KVDecoder(session_for(bias_model), spec)
     assert dec.shared
     with pytest.raises(PlanError, match="does not write its KV cache in place"):
         dec.forward([1, 2, 3])

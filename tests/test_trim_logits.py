@@ -14,7 +14,6 @@ from helpers import ort_session  # tests/ is on pythonpath
 import dyncompile
 from dyncompile.models.synthetic_decoder import tiny_decoder
 from dyncompile.passes._infra import check_model
-from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 from dyncompile.passes.trim_logits import LOGITS_TO_KEEP, TrimLogitsPass, lm_head
 from dyncompile.plan import DecoderSpec
@@ -81,10 +80,8 @@ def test_graphs_without_an_lm_head_are_left_alone(tiny_encoder_path):
 
 
 @pytest.fixture(scope="module")
-def trimmed_plan(smollm2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("trim")
-    return compile_model(smollm2.onnx_path, "explicit-attention,fuse-decoder,trim-logits,speculative", root / "plan",
-                         drafter="prompt-lookup", progress=False).plan_dir
+def trimmed_plan(smollm2_fast_plan):
+    return smollm2_fast_plan  # explicit-attention,fuse-decoder,trim-logits,speculative{tree=true} (prompt lookup)
 
 
 def test_runtime_feeds_it_and_output_is_token_identical(smollm2, trimmed_plan):
