@@ -11,7 +11,8 @@ weight). This pass does the same to any graph:
   output are left alone.
 * Rewrite: ``Y_i = MatMul(X, W_i)`` -> ``P = MatMul(X, concat_i(W_i, axis=1))``, ``Y_1..Y_n = Split(P, axis=-1,
   split=[N_1..N_n])``; every former consumer of ``Y_i`` reads the split output instead; the old weights go when no
-  longer used.
+  longer used. When every ``Y_i`` feeds exactly one ``Add`` of a constant ``[N_i]`` bias (Qwen's q/k/v), the
+  biases are packed too: ``Split(Add(P, concat_i(b_i)))`` replaces the Adds' outputs (one Add instead of n).
 * Invariants: graph inputs/outputs unchanged; each output column is the same dot product as before (the packed
   GEMM reduces over K in the same order per column), so outputs match within float round-off (tested ≤ 1e-5 in
   ORT with ``ORT_DISABLE_ALL``); weight bytes unchanged in total. Idempotent: a packed activation has one MatMul
@@ -75,6 +76,24 @@ class PackMatMulsPass(ir.passes.InPlacePass):
             groups.append(nodes)
         return groups
 
+    @staticmethod
+    def _biases(nodes: list[ir.Node], outputs: set) -> list[ir.Node] | None:
+        """The ``Add(y_i, b_i)`` after each MatMul (``b_i`` a constant ``[N_i]`` vector, ``y_i`` read by nothing
+        else), or ``None`` when any MatMul lacks one (then the biases stay where they are)."""
+        adds = []
+        for n in nodes:
+            uses = list(n.outputs[0].uses())
+            if len(uses) != 1 or uses[0][0].op_type != "Add" or uses[0][0].domain not in ("", "ai.onnx"):
+                return None
+            add = uses[0][0]
+            b = add.inputs[1 - uses[0][1]]
+            w = n.inputs[1].const_value
+            if (b is None or b.const_value is None or not b.is_initializer() or b.const_value.dtype != w.dtype
+                    or list(b.const_value.shape) != [w.shape[1]] or add.outputs[0] in outputs):
+                return None
+            adds.append(add)
+        return adds
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         groups = self._groups(model)
         if not groups:
@@ -95,10 +114,21 @@ class PackMatMulsPass(ir.passes.InPlacePass):
             graph.register_initializer(sizes)
             packed = ir.node("MatMul", [x, w], name=f"{stem}/MatMul")
             packed.outputs[0].name = f"{stem}.out"
-            split = ir.node("Split", [packed.outputs[0], sizes], attributes={"axis": -1}, num_outputs=len(nodes),
-                            name=f"{stem}/Split")
-            graph.insert_before(nodes[0], [packed, split])
-            for old, new in zip(nodes, split.outputs):
+            new_nodes = [packed]
+            adds = self._biases(nodes, set(graph.outputs))
+            if adds:  # one Add of the concatenated biases on the packed output, before the Split
+                bias = np.concatenate([a.inputs[1 - list(n.outputs[0].uses())[0][1]].const_value.numpy()
+                                       for n, a in zip(nodes, adds)])
+                b = ir.Value(name=f"{stem}.bias", const_value=ir.tensor(bias, name=f"{stem}.bias"))
+                graph.register_initializer(b)
+                new_nodes.append(ir.node("Add", [packed.outputs[0], b], name=f"{stem}/Add"))
+                new_nodes[-1].outputs[0].name = f"{stem}.biased"
+            split = ir.node("Split", [new_nodes[-1].outputs[0], sizes], attributes={"axis": -1},
+                            num_outputs=len(nodes), name=f"{stem}/Split")
+            new_nodes.append(split)
+            graph.insert_before(nodes[0], new_nodes)
+            replaced = adds or nodes
+            for old, new in zip(replaced, split.outputs):
                 out = old.outputs[0]
                 name = out.name  # keep the value names the rest of the graph (and readers) know
                 out.name = None
@@ -107,7 +137,7 @@ class PackMatMulsPass(ir.passes.InPlacePass):
                     new.shape = out.shape
                 new.type = out.type
                 ir.convenience.replace_all_uses_with(out, new)
-            graph.remove(nodes, safe=True)
+            graph.remove([*(adds or []), *nodes], safe=True)
         import onnx_ir.passes.common as common_passes
 
         common_passes.RemoveUnusedNodesPass()(model)  # the replaced weights

@@ -94,3 +94,46 @@ def test_packed_smollm2_decoder_matches_the_fused_one(smollm2_model_path, tmp_pa
     ra = a.generate(ids, max_new_tokens=12, speculative=False)
     rb = b.generate(ids, max_new_tokens=12, speculative=False)
     assert list(ra.token_ids) == list(rb.token_ids)
+
+
+def _biased_graph(all_biased: bool = True) -> onnx.ModelProto:
+    """x -> MatMul(W_i) + b_i (q/k/v with biases, as Qwen's attention), each through Relu; with ``all_biased=False``
+    the last sibling has no bias."""
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["b", 3, 8]))
+    tape = ir.tape.Tape()
+    inits, outs = [], []
+    for i in range(3):
+        n = 3 + 2 * i
+        w = ir.val(f"W{i}", const_value=ir.tensor(RNG.standard_normal((8, n)).astype(np.float32), name=f"W{i}"))
+        inits.append(w)
+        y = tape.op("MatMul", [x, w], name=f"mm{i}")
+        if all_biased or i < 2:
+            b = ir.val(f"B{i}", const_value=ir.tensor(RNG.standard_normal(n).astype(np.float32), name=f"B{i}"))
+            inits.append(b)
+            y = tape.op("Add", [b, y] if i == 1 else [y, b], name=f"add{i}")  # either operand order
+        out = tape.op("Relu", [y])
+        out.name, out.dtype, out.shape = f"r{i}", ir.DataType.FLOAT, ir.Shape(["b", 3, n])
+        outs.append(out)
+    g = ir.Graph([x], outs, nodes=tape.nodes, initializers=inits, opset_imports={"": 18}, name="g")
+    return ir.to_proto(ir.Model(g, ir_version=10))
+
+
+@pytest.mark.parametrize("all_biased", [True, False])
+def test_packs_the_biases_with_their_matmuls(all_biased):
+    proto = _biased_graph(all_biased)
+    result = PackMatMulsPass()(ir.from_proto(proto))
+    assert result.modified
+    packed = ir.to_proto(result.model)
+    onnx.checker.check_model(packed, full_check=True)
+    ops = [n.op_type for n in packed.graph.node]
+    assert ops.count("MatMul") == 1 and ops.count("Split") == 1
+    if all_biased:  # one Add of the concatenated biases, between the packed MatMul and the Split
+        assert ops.count("Add") == 1 and ops.index("MatMul") < ops.index("Add") < ops.index("Split")
+        names = {i.name for i in packed.graph.initializer}
+        assert not any(n.startswith("B") for n in names)
+    else:  # one sibling has no bias: the biases stay on the split outputs
+        assert ops.count("Add") == 2 and ops.index("Split") < ops.index("Add")
+    feeds = {"x": RNG.standard_normal((2, 3, 8)).astype(np.float32)}
+    for a, b in zip(_run(proto, feeds), _run(packed, feeds)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    assert not PackMatMulsPass()(result.model).modified
