@@ -308,8 +308,8 @@ class DecoderSpec:
     #: call) or ``shared`` (every past input feeds only ``GroupQueryAttention``, which writes the new tokens into
     #: the past buffer in place: one preallocated buffer per tensor is bound as both past and present)
     kv_buffer: Literal["concat", "shared"] = "concat"
-    #: an int64 ``[1]`` input (``trim-logits``; an initializer holding 0 = every row when not fed) limiting the
-    #: logits to the last ``k`` new tokens: prompts need the last row only
+    #: an int64 ``[1]`` input (``trim-logits``; 0 = every row) limiting the logits to the last ``k`` new tokens:
+    #: prompts need the last row only
     logits_to_keep: str | None = None
 
     def _check(self, where: str) -> None:

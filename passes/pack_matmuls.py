@@ -77,9 +77,9 @@ class PackMatMulsPass(ir.passes.InPlacePass):
         return groups
 
     @staticmethod
-    def _biases(nodes: list[ir.Node], outputs: set) -> list[ir.Node] | None:
-        """The ``Add(y_i, b_i)`` after each MatMul (``b_i`` a constant ``[N_i]`` vector, ``y_i`` read by nothing
-        else), or ``None`` when any MatMul lacks one (then the biases stay where they are)."""
+    def _biases(nodes: list[ir.Node], outputs: set) -> list[tuple[ir.Node, ir.Value]] | None:
+        """The ``(Add(y_i, b_i), b_i)`` after each MatMul (``b_i`` a constant ``[N_i]`` vector, ``y_i`` read by
+        nothing else), or ``None`` when any MatMul lacks one (then the biases stay where they are)."""
         adds = []
         for n in nodes:
             uses = list(n.outputs[0].uses())
@@ -91,7 +91,7 @@ class PackMatMulsPass(ir.passes.InPlacePass):
             if (b is None or b.const_value is None or not b.is_initializer() or b.const_value.dtype != w.dtype
                     or list(b.const_value.shape) != [w.shape[1]] or add.outputs[0] in outputs):
                 return None
-            adds.append(add)
+            adds.append((add, b))
         return adds
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -117,8 +117,7 @@ class PackMatMulsPass(ir.passes.InPlacePass):
             new_nodes = [packed]
             adds = self._biases(nodes, set(graph.outputs))
             if adds:  # one Add of the concatenated biases on the packed output, before the Split
-                bias = np.concatenate([a.inputs[1 - list(n.outputs[0].uses())[0][1]].const_value.numpy()
-                                       for n, a in zip(nodes, adds)])
+                bias = np.concatenate([b.const_value.numpy() for _, b in adds])
                 b = ir.Value(name=f"{stem}.bias", const_value=ir.tensor(bias, name=f"{stem}.bias"))
                 graph.register_initializer(b)
                 new_nodes.append(ir.node("Add", [packed.outputs[0], b], name=f"{stem}/Add"))
@@ -127,7 +126,7 @@ class PackMatMulsPass(ir.passes.InPlacePass):
                             num_outputs=len(nodes), name=f"{stem}/Split")
             new_nodes.append(split)
             graph.insert_before(nodes[0], new_nodes)
-            replaced = adds or nodes
+            replaced = [a for a, _ in adds] if adds else nodes
             for old, new in zip(replaced, split.outputs):
                 out = old.outputs[0]
                 name = out.name  # keep the value names the rest of the graph (and readers) know
@@ -137,7 +136,7 @@ class PackMatMulsPass(ir.passes.InPlacePass):
                     new.shape = out.shape
                 new.type = out.type
                 ir.convenience.replace_all_uses_with(out, new)
-            graph.remove([*(adds or []), *nodes], safe=True)
+            graph.remove([*replaced, *nodes] if adds else nodes, safe=True)
         import onnx_ir.passes.common as common_passes
 
         common_passes.RemoveUnusedNodesPass()(model)  # the replaced weights

@@ -119,9 +119,7 @@ class KVDecoder:
         #: every output of the last ``forward`` (batch dim dropped): logits, presents, extras
         self.last_outputs: dict[str, np.ndarray] = {}
         self.dtype = _NP_DTYPES.get(spec.kv_dtype, np.float32)
-        if rollback not in ("mask", "copy"):
-            raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
-        self.rollback = rollback if (self.mask_name or self.bias_name) and self.pos_name else "copy"
+        self.set_rollback(rollback)
         self._mask = np.ones((1, 1024), np.int64)  # validity of each physical cache slot, then ones
         self._arange = np.arange(1024, dtype=np.int64)[None]
         self.past: list[Any] = []
@@ -132,6 +130,13 @@ class KVDecoder:
         self._cap = 0
         self.shared = False
         self.set_kv_buffer(kv_buffer)
+
+    def set_rollback(self, rollback: str) -> None:
+        """Roll back by ``"mask"`` or ``"copy"`` (see the class docstring); ``"copy"`` for a graph without a mask or
+        bias input and position ids, which cannot express holes."""
+        if rollback not in ("mask", "copy"):
+            raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
+        self.rollback = rollback if (self.mask_name or self.bias_name) and self.pos_name else "copy"
 
     def set_kv_buffer(self, mode: str | None = None) -> None:
         """Hold the cache as ``mode`` (``"shared"`` / ``"concat"``; ``None``: the plan's); empties the cache."""
@@ -150,9 +155,10 @@ class KVDecoder:
         self.reset()
 
     # --- cache -----------------------------------------------------------------------------------
-    def _empty(self, e: KVEntry) -> np.ndarray:
+    def _empty(self, e: KVEntry, slots: int = 0) -> np.ndarray:
+        """A zero past tensor of ``e`` with ``slots`` positions along its sequence axis."""
         dims = list(e.shape)
-        dims.insert(e.axis - 1, 0)
+        dims.insert(e.axis - 1, slots)
         return np.zeros([1, *dims], self.dtype)
 
     def reset(self) -> None:
@@ -178,9 +184,7 @@ class KVDecoder:
         cap = max(256, 2 * total) if self._cap else max(256, total)
         bufs = []
         for i, e in enumerate(self.spec.kv):
-            dims = list(e.shape)
-            dims.insert(e.axis - 1, cap)
-            b = np.zeros([1, *dims], self.dtype)
+            b = self._empty(e, cap)
             if self._bufs and self.slots:
                 b[self._seq(e, slice(0, self.slots))] = self._bufs[i][self._seq(e, slice(0, self.slots))]
             bufs.append(b)
@@ -209,27 +213,14 @@ class KVDecoder:
                 rows = b[self._seq(e, keep)]
                 b[self._seq(e, slice(0, rows.shape[e.axis]))] = rows
             return
-        out = []
-        for a, e in zip(self._arrays(), self.spec.kv):
-            idx = [slice(None)] * a.ndim
-            idx[e.axis] = keep
-            out.append(np.ascontiguousarray(a[tuple(idx)]))
-        self._set_arrays(out)
+        self._set_arrays([np.ascontiguousarray(a[self._seq(e, keep)]) for a, e in zip(self._arrays(), self.spec.kv)])
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens of the sequence in the cache (no-op when it holds no more)."""
         drop = self.length - length
         if drop <= 0:
             return
-        if self.shared:  # forget the newest valid slots; the tail is overwritten by the next call
-            valid = np.flatnonzero(self._mask[0, : self.slots])
-            self._mask[0, valid[-drop:]] = 0
-            self.length = length
-            self._trim()
-            if self.slots - self.length > max(32, self.slots // 4):
-                self.compact()
-            return
-        if self.rollback == "copy" and self.slots == self.length:
+        if self.rollback == "copy" and self.slots == self.length and not self.shared:
             self._keep(slice(0, length))
             self.slots = self.length = length
             return
@@ -237,8 +228,14 @@ class KVDecoder:
         valid = np.flatnonzero(self._mask[0, : self.slots])
         self._mask[0, valid[-drop:]] = 0
         self.length = length
-        garbage = self.slots - self.length
-        if self.rollback == "copy" or garbage > max(32, self.slots // 4):
+        if self.shared:  # the masked tail is overwritten by the next call
+            self._trim()
+        self._compact_if_due()
+
+    def _compact_if_due(self) -> None:
+        """Compact once masked slots exceed a quarter of the cache (at once for ``rollback="copy"``, which a shared
+        buffer does not need: its rollback is a move of the end)."""
+        if (self.rollback == "copy" and not self.shared) or self.slots - self.length > max(32, self.slots // 4):
             self.compact()
 
     def _trim(self) -> None:
@@ -343,9 +340,7 @@ class KVDecoder:
         drop = np.setdiff1d(np.arange(n), np.asarray(keep, dtype=np.int64)) + base
         self._mask[0, drop] = 0
         self.length -= n - len(keep)
-        garbage = self.slots - self.length
-        if self.rollback == "copy" or garbage > max(32, self.slots // 4):
-            self.compact()
+        self._compact_if_due()
 
     def forward_visible(self, ids: Sequence[int], positions: Sequence[int], visible: np.ndarray) -> np.ndarray:
         """Logits of ``ids`` at ``positions``, token ``i`` attending to the slots where ``visible[i]`` (bool

@@ -364,7 +364,7 @@ class SpeculativeGenerateStep(GenerateStep):
         kv_buffer = options.pop("kv_buffer", None)
         for d in decoders:
             d.io_binding = io_binding
-            d.rollback = rollback if (d.mask_name or d.bias_name) and d.pos_name else "copy"
+            d.set_rollback(rollback)
             d.set_kv_buffer(kv_buffer)
         if not speculative:
             if options:
