@@ -412,15 +412,43 @@ class PipelineResult:
         return None
 
 
+#: in-memory weight bytes above which a model cannot be serialized as one protobuf message (the 2 GB limit)
+PROTO_LIMIT = 1_900_000_000
+
+
+def in_memory_weight_bytes(model: ir.Model) -> int:
+    """Bytes of the initializers held in memory (rewritten by a pass), not those still in an external file."""
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values()
+               if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
+
+
+def _weights_as_inputs(proto, min_bytes: int = 1 << 20) -> None:
+    """Turn the large in-memory initializers of ``proto`` into graph inputs of the same type and shape, so a
+    model past protobuf's limit can still be checked (node rules, types and shapes; not the weight values)."""
+    import onnx
+
+    keep = []
+    for t in proto.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= min_bytes:
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            keep.append(t)
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
+
+
 def check_model(model: ir.Model, *, full_check: bool = True) -> None:
     """Run the ONNX checker on ``model`` without touching it.
 
     (onnx-ir's ``CheckerPass`` reorders initializers as a side effect; serialising once and checking the
-    proto leaves the IR exactly as it was.)
+    proto leaves the IR exactly as it was.) Past protobuf's 2 GB limit (e.g. ``pack-matmuls`` on a 1.5B
+    decoder) the large in-memory weights are checked as typed graph inputs.
     """
     import onnx
 
     proto = ir.to_proto(model)
+    if in_memory_weight_bytes(model) > PROTO_LIMIT:
+        _weights_as_inputs(proto)
     # Weights kept as external data (models loaded from disk) are found by the checker relative to the
     # working directory: check from the directory they live in.
     dirs = external_data_dirs(model)

@@ -22,7 +22,9 @@ round-off (GQA sums in another order; measured on SmolLM2 below 2e-4 absolute); 
 A graph holding ``GroupQueryAttention`` already is left alone (a second run reports ``modified=False``).
 Sketch: onnxscript pre-optimisation, its RMS / skip-RMS / rotary / SDPA recognisers, then
 ``_FuseGQA``: ``SDPA(rope(q), expand(concat(past_k, rope(k))), expand(concat(past_v, v)), mask)`` ->
-``GQA(rope'(q), rope'(k), v, past_k, past_v, seqlens_k, total_len, attention_bias=mask)``;
+``GQA(rope'(q), rope'(k), v, past_k, past_v, seqlens_k, total_len, attention_bias=mask)``, with one
+``seqlens_k`` / ``total_len`` for all layers (from the mask's length and ``input_ids``' batch; ``pack-matmuls``
+later folds a packed q/k/v and both rotaries into GQA itself);
 plain RMS norms the skip rule did not absorb go back to standard ops (the checker knows no
 ``SimplifiedLayerNormalization`` in the default domain); leftover recogniser functions are inlined.
 """
@@ -88,7 +90,7 @@ def _rotary_source(cos4: ir.Value, model: ir.Model) -> tuple[np.ndarray, ir.Valu
     return inv, pos
 
 
-def _gqa_rule(max_positions: int):
+def _gqa_rule(max_positions: int, input_ids: ir.Value):
     from onnxscript.rewriter import pattern
 
     class _FuseGQA(pattern.RewriteRuleClassBase):
@@ -158,7 +160,7 @@ def _gqa_rule(max_positions: int):
             k_rot = op.RotaryEmbedding(k_bsd, pos, cos, sin, num_heads=self._hkv, interleaved=0, _domain=_MS)
             total = op.Shape(mask, start=3, end=4)  # past slots + new tokens, [1]
             total32 = op.Cast(total, to=ir.DataType.INT32)
-            batch = op.Shape(q_bsd, start=0, end=1)
+            batch = op.Shape(input_ids, start=0, end=1)  # one seqlens_k for every layer (not per layer's q)
             one = op.Constant(value=ir.tensor(np.array([1], np.int32)))
             seqlens_k = op.Expand(op.Sub(total32, one), batch)  # [batch] int32: last key slot index
             total_len = op.Squeeze(total32)
@@ -251,6 +253,10 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
         from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
+        from dyncompile.passes.speculative.decoder_spec import decoder_spec
+
+        ids_name = decoder_spec(model, "model")["input_ids"]
+        input_ids = next(v for v in model.graph.inputs if v.name == ids_name)
         names_in = [v.name for v in model.graph.inputs]
         names_out = [v.name for v in model.graph.outputs]
         _core._pre_optimize(model)
@@ -262,7 +268,7 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         common_passes.CommonSubexpressionEliminationPass()(model)
         counts["sdpa"] = fuse_sdpa(model, apply_shape_inference=True)
         common_passes.RemoveUnusedNodesPass()(model)  # Shape nodes left on the repeated keys block the match
-        counts["gqa"] = _gqa_rule(self.max_positions).apply_to_model(model)
+        counts["gqa"] = _gqa_rule(self.max_positions, input_ids).apply_to_model(model)
         counts["rms_unfused"] = _unfuse_rms_rule().apply_to_model(model)
         optimize(model)  # inlines recogniser functions left unconsumed, folds constants, drops dead nodes
         common_passes.CommonSubexpressionEliminationPass()(model)  # one seqlens_k / total length for all layers

@@ -13,6 +13,12 @@ weight). This pass does the same to any graph:
   split=[N_1..N_n])``; every former consumer of ``Y_i`` reads the split output instead; the old weights go when no
   longer used. When every ``Y_i`` feeds exactly one ``Add`` of a constant ``[N_i]`` bias (Qwen's q/k/v), the
   biases are packed too: ``Split(Add(P, concat_i(b_i)))`` replaces the Adds' outputs (one Add instead of n).
+* Attention: when a packed q/k/v Split feeds ``GroupQueryAttention`` (from ``fuse-decoder``) through one
+  ``RotaryEmbedding`` on q and one on k (same ``position_ids`` and cos/sin caches, full-head, not interleaved),
+  GQA takes the packed tensor whole and applies the rotary itself: ``GQA(P, -, -, past_k, past_v, seqlens_k,
+  total, cos, sin, position_ids, bias, do_rotary=1)``, as onnxruntime-genai's builder emits it. The Split and
+  both RotaryEmbeddings go (per layer: three kernels and two copies of q/k). GQA's ``position_ids`` input keeps
+  arbitrary positions working (a draft tree's siblings share one).
 * Invariants: graph inputs/outputs unchanged; each output column is the same dot product as before (the packed
   GEMM reduces over K in the same order per column), so outputs match within float round-off (tested ≤ 1e-5 in
   ORT with ``ORT_DISABLE_ALL``); weight bytes unchanged in total. Idempotent: a packed activation has one MatMul
@@ -35,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PackMatMulsPass"]
 
+_MS = "com.microsoft"
+
 
 def _const_weight(v: ir.Value | None) -> ir.TensorProtocol | None:
     if v is None or v.const_value is None or not v.is_initializer():
@@ -43,6 +51,50 @@ def _const_weight(v: ir.Value | None) -> ir.TensorProtocol | None:
     if len(shape) != 2 or v.const_value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
         return None
     return v.const_value
+
+
+def _packed_gqa_rule():
+    """``GQA(rope(q), rope(k), v, ...)`` over ``q, k, v = Split(P)`` -> ``GQA(P, ..., do_rotary=1)``."""
+    from onnxscript.rewriter import pattern
+
+    class _PackedGQA(pattern.RewriteRuleClassBase):
+        def __init__(self) -> None:
+            super().__init__("PackedGQA", remove_nodes=True)
+
+        def pattern(self, op, packed, sizes, pos, cos, sin, past_k, past_v, seqlens_k, total, bias):
+            q, k, v = op.Split(packed, sizes, axis=-1, _outputs=3)
+            q_rot = op.RotaryEmbedding(q, pos, cos, sin, _domain=_MS, _allow_other_attributes=True,
+                                       _outputs=["q_rot"])
+            k_rot = op.RotaryEmbedding(k, pos, cos, sin, _domain=_MS, _allow_other_attributes=True,
+                                       _outputs=["k_rot"])
+            return op.GroupQueryAttention(q_rot, k_rot, v, past_k, past_v, seqlens_k, total, None, None, None, bias,
+                                          _domain=_MS, _allow_other_attributes=True, _outputs=["out", "pk", "pv"])
+
+        def check(self, context, sizes, q_rot, k_rot, out, **_):
+            r = pattern.MatchResult()
+            gqa = out.producer()
+            a = gqa.attributes
+            h, hkv = a.get_int("num_heads", 0), a.get_int("kv_num_heads", 0)
+            if a.get_int("do_rotary", 0) or len(gqa.inputs) != 11 or len(gqa.outputs) != 3:
+                return r.fail("GroupQueryAttention already rotates, or has other optional inputs", out)
+            for rope, heads in ((q_rot, h), (k_rot, hkv)):
+                ra = rope.producer().attributes
+                if (ra.get_int("interleaved", 0) or ra.get_int("rotary_embedding_dim", 0)
+                        or ra.get_int("num_heads", 0) != heads or "scale" in ra):
+                    return r.fail("rotary is interleaved, partial or scaled", rope)
+            widths = sizes.const_value.numpy().tolist() if sizes.const_value is not None else None
+            if not h or not widths or len(widths) != 3 or widths[1] != widths[2] or widths[0] * hkv != widths[1] * h:
+                return r.fail("the Split is not q/k/v for these head counts", sizes)
+            self._attrs = {k: v for k, v in a.items()}
+            return r
+
+        def rewrite(self, op, packed, pos, cos, sin, past_k, past_v, seqlens_k, total, bias, **_):
+            attrs = {k: v.value for k, v in self._attrs.items()}
+            attrs["do_rotary"] = 1
+            return op.GroupQueryAttention(packed, None, None, past_k, past_v, seqlens_k, total, cos, sin, pos, bias,
+                                          _domain=_MS, _outputs=3, **attrs)
+
+    return _PackedGQA.rule()
 
 
 class PackMatMulsPass(ir.passes.InPlacePass):
@@ -139,8 +191,10 @@ class PackMatMulsPass(ir.passes.InPlacePass):
             graph.remove([*replaced, *nodes] if adds else nodes, safe=True)
         import onnx_ir.passes.common as common_passes
 
-        common_passes.RemoveUnusedNodesPass()(model)  # the replaced weights
-        logger.info("pack-matmuls: %d groups packed (%s MatMuls)", len(groups), sum(len(g) for g in groups))
+        gqa = _packed_gqa_rule().apply_to_model(model) if any(n.op_type == "GroupQueryAttention" for n in graph) else 0
+        common_passes.RemoveUnusedNodesPass()(model)  # the replaced weights (and rotary caches, if any went)
+        logger.info("pack-matmuls: %d groups packed (%s MatMuls); %d attention layers take packed q/k/v", len(groups),
+                    sum(len(g) for g in groups), gqa)
         return ir.passes.PassResult(model, modified=True)
 
 

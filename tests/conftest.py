@@ -53,12 +53,13 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_fast_plan(smollm2, tmp_path_factory) -> Path:
-    """SmolLM2 compiled as the fast decoder recipe (fused attention over a shared KV buffer, logits of the last
-    rows only) with prompt-lookup draft trees: one compile shared by the kv-buffer and trim-logits tests."""
+    """SmolLM2 compiled as the fast decoder recipe (fused attention over a shared KV buffer, packed projections with
+    q/k/v going into GQA whole, logits of the last rows only) with prompt-lookup draft trees: one compile shared by
+    the kv-buffer and trim-logits tests."""
     from dyncompile.passes.compiler import compile_model
 
     root = tmp_path_factory.mktemp("smol_fast")
-    return compile_model(smollm2.onnx_path, "explicit-attention,fuse-decoder,trim-logits,speculative{tree=true,tree_nodes=8}",
+    return compile_model(smollm2.onnx_path, "explicit-attention,fuse-decoder,pack-matmuls,trim-logits,speculative{tree=true,tree_nodes=8}",
                          root / "plan", drafter="prompt-lookup", progress=False).plan_dir
 
 

@@ -32,7 +32,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def shared_plan(smollm2_fast_plan):
-    """explicit-attention + fuse-decoder (+ trim-logits, prompt-lookup trees): the recipe that gets the shared buffer."""
+    """explicit-attention + fuse-decoder (+ pack-matmuls, trim-logits, prompt-lookup trees): the recipe that gets the shared buffer."""
     return smollm2_fast_plan
 
 

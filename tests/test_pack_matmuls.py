@@ -79,8 +79,9 @@ def test_leaves_lone_and_output_matmuls_alone():
 
 
 def test_packed_smollm2_decoder_matches_the_fused_one(smollm2_model_path, tmp_path):
-    """Real decoder: fuse-decoder then pack-matmuls packs q/k/v and gate/up in each of the 30 layers (60 Splits), and
-    greedy decoding through the runtime gives the same tokens as the fused graph alone."""
+    """Real decoder: fuse-decoder then pack-matmuls packs q/k/v and gate/up in each of the 30 layers (q/k/v then
+    go into GQA whole: 30 Splits left, gate/up), and greedy decoding through the runtime gives the same tokens as the
+    fused graph alone."""
     import dyncompile
     from dyncompile.runtime.executor import load
 
@@ -88,7 +89,8 @@ def test_packed_smollm2_decoder_matches_the_fused_one(smollm2_model_path, tmp_pa
     dyncompile.compile(smollm2_model_path, passes="fuse-decoder,pack-matmuls", output_dir=tmp_path / "packed")
     m = onnx.load(str(tmp_path / "packed" / "model.onnx"), load_external_data=False)
     splits = [n for n in m.graph.node if n.op_type == "Split"]
-    assert len(splits) == 60
+    assert len(splits) == 30
+    assert sum(n.op_type == "GroupQueryAttention" for n in m.graph.node) == 30
     a, b = load(tmp_path / "fused"), load(tmp_path / "packed")
     ids = [1, 504, 3458, 314, 260, 1345, 28, 334, 6578]
     ra = a.generate(ids, max_new_tokens=12, speculative=False)
@@ -137,3 +139,82 @@ def test_packs_the_biases_with_their_matmuls(all_biased):
     for a, b in zip(_run(proto, feeds), _run(packed, feeds)):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
     assert not PackMatMulsPass()(result.model).modified
+
+
+@pytest.fixture(scope="module")
+def fused_smollm2(smollm2_model_path, tmp_path_factory):
+    """SmolLM2 through explicit-attention + fuse-decoder (GQA fed by RotaryEmbedding(q), RotaryEmbedding(k), v)."""
+    from dyncompile.passes.compiler import compile_model
+
+    out = tmp_path_factory.mktemp("fused_smol") / "plan"
+    compile_model(smollm2_model_path, "explicit-attention,fuse-decoder", out, progress=False)
+    return onnx.load(str(out / "model.onnx"))  # weights in memory
+
+
+def _decoder_feeds(proto: onnx.ModelProto, ids, positions, bias, past=None):
+    kv = [i for i in proto.graph.input if i.name.startswith("past_key_values.")]
+    feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": np.asarray([positions], np.int64),
+             "attention_bias": bias}
+    for i in kv:
+        dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        feeds[i.name] = past[i.name] if past else np.zeros((1, dims[1], 0, dims[3]), np.float32)
+    return feeds
+
+
+def test_packed_qkv_goes_into_group_query_attention_whole(fused_smollm2):
+    """After fuse-decoder, the packed q/k/v Split and both RotaryEmbeddings of each layer fold into GQA
+    (``do_rotary=1`` with the position_ids input); outputs equal the unpacked graph's through a prompt and then a
+    draft-tree call (siblings share a position, a masked hole in the past)."""
+    neg = np.finfo(np.float32).min
+    original = fused_smollm2
+    model = ir.from_proto(original)  # copies: the fixture's proto stays as it is
+    assert PackMatMulsPass()(model).modified
+    packed = ir.to_proto(model)
+    onnx.checker.check_model(packed, full_check=True)
+    ops = [n.op_type for n in packed.graph.node]
+    gqa = [n for n in packed.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 30 and "RotaryEmbedding" not in ops
+    assert ops.count("Split") == 30  # gate/up only: every attention Split went into its GQA
+    for n in gqa:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs["do_rotary"] == 1 and n.input[1] == n.input[2] == "" and n.input[9] == "position_ids"
+        assert n.input[0].startswith("pack_matmuls.")  # the packed projection itself
+    assert [i.name for i in packed.graph.input] == [i.name for i in original.graph.input]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sessions = [ort.InferenceSession(p.SerializeToString(), so, providers=["CPUExecutionProvider"])
+                for p in (original, packed)]
+    names = [o.name for o in original.graph.output]
+    prompt = [1, 504, 3458, 314, 260, 1345]
+    p = len(prompt)
+    bias = np.full((1, 1, p, p), neg, np.float32)
+    bias[0, 0][np.tril_indices(p)] = 0.0
+    first = [s.run(None, _decoder_feeds(original, prompt, range(p), bias)) for s in sessions]
+    for a, b in zip(*first):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)
+    past = {n.replace("present", "past_key_values"): v for n, v in zip(names[1:], first[0][1:])}
+    tree = [28, 334, 6578, 42]  # root, two children of the root (one position), a grandchild of the second
+    parents = [-1, 0, 0, 2]
+    depth = [0, 1, 1, 2]
+    tb = np.full((1, 1, 4, p + 4), neg, np.float32)
+    tb[0, 0, :, :p] = 0.0
+    tb[0, 0, :, 2] = neg  # a rolled-back hole in the past
+    for i in range(4):
+        j = i
+        while j >= 0:
+            tb[0, 0, i, p + j] = 0.0
+            j = parents[j]
+    second = [s.run(None, _decoder_feeds(original, tree, [p + d for d in depth], tb, past)) for s in sessions]
+    for a, b in zip(*second):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)
+    assert np.abs(second[0][0][0, 1] - second[0][0][0, 2]).max() > 1e-2  # the siblings' rows really differ
+    assert not PackMatMulsPass()(model).modified
+
+
+def test_unpacked_qkv_keeps_its_rotary(fused_smollm2):
+    """q/k/v not packed (min_group above 3 leaves attention's three projections alone): GQA keeps its inputs."""
+    model = ir.from_proto(fused_smollm2)
+    PackMatMulsPass(min_group=4)(model)
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("RotaryEmbedding") == 60
+    assert all(n.attributes.get_int("do_rotary", 0) == 0 for n in model.graph if n.op_type == "GroupQueryAttention")

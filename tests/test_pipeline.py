@@ -115,6 +115,33 @@ def test_checker_after_each_pass_catches_a_broken_pass():
         run_pipeline([BreakGraphPass()], tiny_mlp(), check="each")
 
 
+def _big_weight_model(bad: bool = False) -> ir.Model:
+    """y = MatMul(x, W) with a 2 MB in-memory W (with ``bad``, x is int64: a type error the checker must see)."""
+    w = ir.val("W", const_value=ir.tensor(np.ones((512, 1024), np.float32), name="W"))
+    x = ir.val("x", ir.DataType.INT64 if bad else ir.DataType.FLOAT, ir.Shape([2, 512]))
+    node = ir.node("MatMul", [x, w], name="mm")
+    node.outputs[0].name, node.outputs[0].dtype, node.outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape([2, 1024])
+    g = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 18}, name="g")
+    return ir.Model(g, ir_version=10)
+
+
+def test_checker_past_the_protobuf_limit_checks_weights_as_inputs(monkeypatch):
+    """A model whose rewritten in-memory weights pass protobuf's 2 GB (lowered here to 1 MB) is still checked:
+    its large weights become typed inputs in the checked copy (a type error is still caught), and the IR keeps its
+    initializers."""
+    import dyncompile.passes._infra as infra
+
+    monkeypatch.setattr(infra, "PROTO_LIMIT", 1 << 20)
+    seen = []
+    real = infra._weights_as_inputs
+    monkeypatch.setattr(infra, "_weights_as_inputs", lambda proto: (seen.append(1), real(proto)))
+    good = _big_weight_model()
+    infra.check_model(good)
+    assert seen and list(good.graph.initializers) == ["W"] and [v.name for v in good.graph.inputs] == ["x"]
+    with pytest.raises(Exception, match="MatMul|type"):
+        infra.check_model(_big_weight_model(bad=True))
+
+
 def test_dump_ir_writes_one_file_per_pass(tmp_path):
     run_pipeline(build_passes("verify,cleanup"), tiny_mlp(), dump_dir=tmp_path)
     names = sorted(p.name for p in tmp_path.iterdir())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -586,17 +587,38 @@ def test_draft_controller_stops_drafting_when_verification_is_too_expensive():
     assert all(cheap.next_length(8) >= 4 for _ in range(10))
 
 
-def test_cost_probe_past_the_in_memory_limit_is_a_clean_error(tiny, tmp_path, capsys, monkeypatch):
+def test_cost_probe_past_the_in_memory_limit_goes_through_a_temporary_file(tiny, tmp_path, capsys, monkeypatch):
     """A pass that rewrites the weights (pack-matmuls) leaves them in memory; past protobuf's 2 GB an in-memory
-    session cannot be made, and the speculative pass's cost probe says so instead of an EncodeError traceback
-    (the limit is lowered here so a tiny decoder reaches it)."""
+    session cannot be made, so the speculative pass's cost probe opens the model through a temporary external-data
+    file (the limit is lowered here so a tiny decoder reaches it) and still measures, and the pipeline's ONNX
+    checker checks it with its large weights as typed inputs; when that file cannot be
+    written, one clean error names the way out (speculative{measure=false}) and nothing is left behind."""
+    import json
+    import tempfile
+
+    import dyncompile.passes._infra as infra
     import dyncompile.passes.speculative.probe as probe
 
-    monkeypatch.setattr(probe, "PROTO_LIMIT", 1000)
+    monkeypatch.setattr(infra, "PROTO_LIMIT", 1000)  # the pipeline's checker takes the big-model path too
+    seen = []
+    real_save = probe.ir.save
+
+    def save(model, path, **kw):
+        seen.append(str(path))
+        return real_save(model, path, **kw)
+
+    monkeypatch.setattr(probe.ir, "save", save)
+    ok = compile_model(tiny["target"], "pack-matmuls,speculative", tmp_path / "ok", drafter="prompt-lookup")
+    step = json.loads((ok.plan_dir / "plan.json").read_text())["steps"][-1]
+    assert set(step["draft"]["verify_cost"]) >= {"1", "9"}  # timed (measure=false leaves no verify costs)
+    assert seen and all(not Path(p).exists() for p in seen)  # the temporary model went once the session was made
+
+    def full(model, path, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(probe.ir, "save", full)
     rc, _, err = run_cli(capsys, tiny["target"], "--passes", "pack-matmuls,speculative", "--drafter",
                          "prompt-lookup", "-o", tmp_path / "o")
     assert_clean_error(rc, err, "measure=false")
+    assert "No space left" in err and tempfile.gettempdir() in err
     assert not (tmp_path / "o").exists()
-    ok = compile_model(tiny["target"], "pack-matmuls,speculative{measure=false}", tmp_path / "ok",
-                       drafter="prompt-lookup")
-    assert (ok.plan_dir / "plan.json").is_file()

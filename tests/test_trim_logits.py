@@ -81,7 +81,7 @@ def test_graphs_without_an_lm_head_are_left_alone(tiny_encoder_path):
 
 @pytest.fixture(scope="module")
 def trimmed_plan(smollm2_fast_plan):
-    return smollm2_fast_plan  # explicit-attention,fuse-decoder,trim-logits,speculative{tree=true} (prompt lookup)
+    return smollm2_fast_plan  # explicit-attention,fuse-decoder,pack-matmuls,trim-logits,speculative{tree=true} (PL)
 
 
 def test_runtime_feeds_it_and_output_is_token_identical(smollm2, trimmed_plan):

@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
 from dyncompile.io import external_data_dirs
+from dyncompile.passes import _infra
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 
 logger = logging.getLogger(__name__)
@@ -42,29 +43,36 @@ EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
 _PACKED_WEIGHT_DTYPES = (ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT4, ir.DataType.INT4)
 
 
-#: in-memory weight bytes above which a model cannot be serialized for an in-memory session (protobuf's 2 GB limit)
-PROTO_LIMIT = 1_900_000_000
-
-
 def session_for(model: ir.Model):
     """An ORT CPU session on ``model`` as it is in memory; weights stored as external data are read from
-    the folder they were loaded from."""
+    the folder they were loaded from. A model holding more rewritten weights than one protobuf message can carry
+    (past 2 GB, e.g. ``pack-matmuls`` on a 1.5B decoder) is written to a temporary folder (external data) and
+    opened from there; the folder goes once the session holds the weights."""
+    import tempfile
+
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    in_memory = _infra.in_memory_weight_bytes(model)
+    if in_memory > _infra.PROTO_LIMIT:
+        logger.info("cost probe: %.1f GB of rewritten weights in memory: opening the model through a temporary "
+                    "external-data file", in_memory / 1e9)
+        with tempfile.TemporaryDirectory(prefix="dyncompile-probe-", ignore_cleanup_errors=True) as tmp:
+            path = f"{tmp}/probe.onnx"
+            try:
+                ir.save(model, path, external_data="probe.onnx.data")
+            except OSError as e:
+                raise PassConfigError(
+                    f"the model holds {in_memory / 1e9:.1f} GB of weights in memory (rewritten by an earlier pass "
+                    "such as pack-matmuls), past protobuf's 2 GB limit, and writing them to a temporary folder for "
+                    f"the speculative pass's cost probe failed ({e.strerror or e}); free space under "
+                    f"{tempfile.gettempdir()} (or set TMPDIR), or compile with speculative{{measure=false}}"
+                ) from None
+            return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     dirs = external_data_dirs(model)
     if dirs:
         so.add_session_config_entry(EXTERNAL_DIR_KEY, min(dirs))
-    in_memory = sum(v.const_value.nbytes for v in model.graph.initializers.values()
-                    if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
-    if in_memory > PROTO_LIMIT:
-        raise PassConfigError(
-            f"the model holds {in_memory / 1e9:.1f} GB of weights in memory (rewritten by an earlier pass such as "
-            "pack-matmuls), more than an in-memory ONNX Runtime session can take (protobuf's 2 GB limit), so the "
-            "speculative pass cannot measure its costs; compile with speculative{measure=false} (the plan's "
-            "default costs) or without that pass"
-        )
     data = ir.to_proto(model).SerializeToString()
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
