@@ -430,7 +430,11 @@ def _weights_as_inputs(proto, min_bytes: int = 1 << 20) -> None:
     keep = []
     for t in proto.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= min_bytes:
-            proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            vi = proto.graph.input.add()
+            vi.name = t.name
+            vi.type.tensor_type.elem_type = t.data_type
+            for d in t.dims:
+                vi.type.tensor_type.shape.dim.add().dim_value = d
         else:
             keep.append(t)
     del proto.graph.initializer[:]

@@ -122,16 +122,25 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
     assert_clean_error(rc, err, "/nonexistent/python", "--peer-python")
     env_path = os.pathsep.join(p for p in [str(Path(dyncompile.__file__).parent.parent), os.environ.get("PYTHONPATH")] if p)
     r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
-                        str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q",
+                        str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q", "--repeat", "2",
                         "--report-dir", str(tmp_path / "rep"), "--name", "t"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((tmp_path / "rep" / "t.json").read_text())
     names = [x["name"] for x in rep["results"]]
     assert names[0] == "dyncompile target alone" and "dyncompile speculative, spinning on" in names
-    for row in rep["results"]:  # greedy speculative and the spinning setting change no token
-        assert row["identical"] == row["of"] == len(PROMPTS), row
-        assert row["new_tokens"] == 12 * len(PROMPTS)
+    for row in rep["results"]:  # greedy speculative and the spinning setting change no token; two passes each
+        assert row["identical"] == row["of"] == 2 * len(PROMPTS), row
+        assert row["new_tokens"] == 12 * 2 * len(PROMPTS)
+        assert len(row["decode_tokens_per_s_per_pass"]) == 2 and all(v > 0 for v in row["decode_tokens_per_s_per_pass"])
+    assert "decode tok/s of each pass" in (tmp_path / "rep" / "t.md").read_text()
+    # --sequential-peers loads every peer once before dyncompile's pass: a peer that cannot load fails at once
+    r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
+                        str(prompts), "--peers", "ortgenai", "--peer-model", f"ortgenai={tmp_path}", "--peer-python",
+                        "ortgenai=/bin/false", "--sequential-peers", "-q", "--report-dir", str(tmp_path / "rep2")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
+    assert r.returncode != 0 and "peer worker ortgenai failed to load" in r.stderr
+    assert "starting dyncompile" not in r.stderr and not (tmp_path / "rep2").exists()
     assert rep["workers"]["dyncompile"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0"}
     assert rep["workers"]["dyncompile-spin-on"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "1"}
 

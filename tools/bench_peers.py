@@ -149,11 +149,18 @@ def run_peers(workers: dict[str, Worker], runners: list[Runner], encoded: list[l
     return summarize(runners, runs, encoded, eos=eos, loads={"all": loads})
 
 
+def _decode_rate(rr: list[dict]) -> float:
+    new = sum(len(x["ids"]) for x in rr)
+    return (new - len(rr)) / max(sum(x["total_s"] - x["prefill_s"] for x in rr), 1e-9)
+
+
 def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[list[int]], *, eos: set[int],
-              loads: dict[str, list[float]]) -> dict[str, Any]:
-    """Per-runner tokens/s, prefill, decode tokens/s and token identity with the first runner (the reference)."""
+              loads: dict[str, list[float]], passes: int = 1) -> dict[str, Any]:
+    """Per-runner tokens/s, prefill, decode tokens/s and token identity with the first runner (the reference);
+    with ``passes`` > 1 (``encoded`` is the prompt list that many times over) also each pass's decode tokens/s."""
     ref = runs[runners[0].name]
     rows = []
+    n = len(encoded) // passes
     for r in runners:
         rr = runs[r.name]
         new = sum(len(x["ids"]) for x in rr)
@@ -161,9 +168,11 @@ def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[
         pre = sum(x["prefill_s"] for x in rr)
         ident = [_strip_eos(x["ids"], eos) == _strip_eos(b["ids"], eos) for x, b in zip(rr, ref)]
         row = {"name": r.name, "kind": r.kind, "mode": r.mode, "new_tokens": new, "seconds": round(total, 3),
-               "tokens_per_s": round(new / total, 3), "prefill_seconds": round(pre, 3),
-               "decode_tokens_per_s": round((new - len(rr)) / max(total - pre, 1e-9), 3),
+               "tokens_per_s": round(new / total, 3), "prefill_seconds": round(pre / passes, 3),
+               "decode_tokens_per_s": round(_decode_rate(rr), 3),
                "identical": sum(ident), "of": len(rr), "per_prompt_identical": ident}
+        if passes > 1:
+            row["decode_tokens_per_s_per_pass"] = [round(_decode_rate(rr[k * n:(k + 1) * n]), 3) for k in range(passes)]
         accs = [x["stats"].get("acceptance_rate") for x in rr if x.get("stats", {}).get("acceptance_rate") is not None]
         if accs:
             row["acceptance_rate_mean"] = round(sum(accs) / len(accs), 4)
@@ -175,7 +184,8 @@ def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[
     per_prompt = [{"prompt_tokens": len(encoded[i]), **{r.name: {"new_tokens": len(runs[r.name][i]["ids"]),
                    "total_s": round(runs[r.name][i]["total_s"], 4), "prefill_s": round(runs[r.name][i]["prefill_s"], 4)}
                    for r in runners}} for i in range(len(encoded))]
-    return {"reference": base["name"], "results": rows, "per_prompt": per_prompt, "load_1min_per_prompt": loads}
+    return {"reference": base["name"], "results": rows, "per_prompt": per_prompt, "load_1min_per_prompt": loads,
+            "repeat": passes}
 
 
 def markdown_report(report: dict[str, Any]) -> str:
@@ -185,6 +195,9 @@ def markdown_report(report: dict[str, Any]) -> str:
              f"{report.get('provider', 'cpu')}{' with IOBinding' if report.get('io_binding') else ''}", "",
              f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '')}; load (1/5/15 min) at start "
              f"{report.get('load_start')}, at end {report.get('load_end')}; {report.get('passes', '')}", "",
+             *([f"{report['repeat']} passes over the prompts (rotating order throughout); prefill is the sum of "
+                f"one pass's prompts (mean over passes), rates are over all passes", ""] if report.get("repeat", 1) > 1
+               else []),
              "| runner | tok/s (incl. prefill) | prefill s (sum) | decode tok/s | vs dyncompile target | "
              "identical to fp32 greedy reference | acceptance (mean) |", "|---|---|---|---|---|---|---|"]
     for r in report["results"]:
@@ -192,6 +205,10 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['prefill_seconds']:.2f} | {r['decode_tokens_per_s']:.2f} "
                      f"| {r['speedup_vs_dyncompile_target']:.2f}x | {r['identical']}/{r['of']} | "
                      f"{'–' if acc is None else f'{acc:.3f}'} |")
+    if report.get("repeat", 1) > 1:
+        lines += ["", "decode tok/s of each pass:", ""]
+        lines += [f"- {r['name']}: {' / '.join(f'{v:.2f}' for v in r['decode_tokens_per_s_per_pass'])}"
+                  for r in report["results"]]
     lines += ["", "workers (versions, settings, load seconds):", ""]
     for name, info in report["workers"].items():
         lines.append(f"- {name}: {info.get('backend')} {info.get('version')}, load {info.get('load_s')} s, "
@@ -239,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "each peer worker's runners in a pass of their own with only that worker loaded")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the prompts N times over (rotating runner order throughout; this machine's speed drifts "
+                   "by ±10 %% over minutes, so N ≥ 2 with each pass's decode rate reported shows the spread)")
     p.add_argument("--provider", default="cpu",
                    help="execution provider of dyncompile's runners (cpu, cuda, openvino) and of onnxruntime-genai's "
                    "(other than cpu it replaces the providers of the export's genai_config.json); OpenVINO GenAI runs "
@@ -259,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     from dyncompile.tools._bench_common import load_avg, machine_info
     from dyncompile.tools.prompt_sets import read_prompts
 
-    if args.max_new_tokens < 1 or args.threads < 1:
-        raise DataError("--max-new-tokens and --threads must be >= 1")
+    if args.max_new_tokens < 1 or args.threads < 1 or args.repeat < 1:
+        raise DataError("--max-new-tokens, --threads and --repeat must be >= 1")
     peers = [] if args.peers.strip() == "none" else [s.strip() for s in args.peers.split(",") if s.strip()]
     bad = [s for s in peers if s not in PEERS]
     if bad:
@@ -334,11 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {}
     loads: dict[str, list[float]] = {}
     try:
+        if len(groups) > 1:  # fail now, not after dyncompile's pass, when a peer cannot load its model (one at a time)
+            for key in dict.fromkeys(r.worker for g in groups[1:] for r in g):
+                Worker(key, specs[key], env=env).close()
         for key in {r.worker for r in groups[0]} | {"dyncompile"}:
             workers[key] = Worker(key, specs[key], env=env)
         enc = workers["dyncompile"]
-        encoded = [enc.request(encode=p["prompt"], chat=p["chat"])["ids"] for p in prompts]
-        budgets = [int(p.get("max_new_tokens") or args.max_new_tokens) for p in prompts]
+        encoded = [enc.request(encode=p["prompt"], chat=p["chat"])["ids"] for p in prompts] * args.repeat
+        budgets = [int(p.get("max_new_tokens") or args.max_new_tokens) for p in prompts] * args.repeat
         for gi, group in enumerate(groups):
             keys = {r.worker for r in group}
             for key in keys - set(workers):
@@ -349,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(groups) > 1:  # sequential passes: free this pass's memory before the next one
                 for key in {r.worker for r in group} | ({"dyncompile"} if gi == 0 else set()):
                     workers[key].close()
-        report = summarize(runners, runs, encoded, eos=eos, loads=loads)
+        report = summarize(runners, runs, encoded, eos=eos, loads=loads, passes=args.repeat)
         report["passes"] = "sequential (dyncompile, then each peer alone)" if len(groups) > 1 else "one interleaved pass"
     finally:
         for w in workers.values():
