@@ -67,7 +67,11 @@ def _session(path: Path, threads: int):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
-    for k, v in BENCH_SESSION_CONFIG.items():
+    from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
+
+    # what dyncompile.load gives (intra-op spinning off): with several sessions stepped in turn, idle sessions'
+    # spinning threads would otherwise take the cores (measured: 2-3 interleaved sessions doubled a step's time)
+    for k, v in {**DEFAULT_SESSION_CONFIG, **BENCH_SESSION_CONFIG}.items():
         so.add_session_config_entry(k, v)
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
