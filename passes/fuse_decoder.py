@@ -225,23 +225,28 @@ class FuseDecoderPass(ir.passes.InPlacePass):
     @staticmethod
     def applies_to(model: ir.Model) -> str | None:
         """None when the pass can try to fuse ``model``, else why it leaves it alone."""
+        return FuseDecoderPass._inspect(model)[0]
+
+    @staticmethod
+    def _inspect(model: ir.Model) -> tuple[str | None, dict | None]:
+        """(why the pass leaves ``model`` alone or None, ``model``'s decoder spec when it is a KV decoder)."""
         from dyncompile.passes.speculative.decoder_spec import decoder_spec
 
         ops = {n.op_type for n in model.graph}
         if "GroupQueryAttention" in ops:
-            return "already fused (GroupQueryAttention present)"
+            return "already fused (GroupQueryAttention present)", None
         try:
             spec = decoder_spec(model, "model")
         except Exception as e:  # noqa: BLE001 - not a KV decoder
-            return f"not a KV-cache decoder ({str(e)[:80]})"
+            return f"not a KV-cache decoder ({str(e)[:80]})", None
         if spec["position_ids"] is None:
-            return "no position_ids input (rotary positions cannot be fed to the fused ops)"
+            return "no position_ids input (rotary positions cannot be fed to the fused ops)", spec
         if "Softmax" not in ops or "Cos" not in ops:
-            return "no unfused rotary attention (Softmax, Cos) to fuse"
-        return None
+            return "no unfused rotary attention (Softmax, Cos) to fuse", spec
+        return None, spec
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        why = self.applies_to(model)
+        why, spec = self._inspect(model)
         if why is not None:
             logger.info("fuse-decoder: nothing to do: %s", why)
             return ir.passes.PassResult(model, modified=False)
@@ -253,10 +258,7 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
         from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
-        from dyncompile.passes.speculative.decoder_spec import decoder_spec
-
-        ids_name = decoder_spec(model, "model")["input_ids"]
-        input_ids = next(v for v in model.graph.inputs if v.name == ids_name)
+        input_ids = next(v for v in model.graph.inputs if v.name == spec["input_ids"])
         names_in = [v.name for v in model.graph.inputs]
         names_out = [v.name for v in model.graph.outputs]
         _core._pre_optimize(model)

@@ -85,14 +85,12 @@ def _packed_gqa_rule():
             widths = sizes.const_value.numpy().tolist() if sizes.const_value is not None else None
             if not h or not widths or len(widths) != 3 or widths[1] != widths[2] or widths[0] * hkv != widths[1] * h:
                 return r.fail("the Split is not q/k/v for these head counts", sizes)
-            self._attrs = {k: v for k, v in a.items()}
+            self._attrs = {k: v.value for k, v in a.items()}
             return r
 
         def rewrite(self, op, packed, pos, cos, sin, past_k, past_v, seqlens_k, total, bias, **_):
-            attrs = {k: v.value for k, v in self._attrs.items()}
-            attrs["do_rotary"] = 1
             return op.GroupQueryAttention(packed, None, None, past_k, past_v, seqlens_k, total, cos, sin, pos, bias,
-                                          _domain=_MS, _outputs=3, **attrs)
+                                          _domain=_MS, _outputs=3, **{**self._attrs, "do_rotary": 1})
 
     return _PackedGQA.rule()
 
