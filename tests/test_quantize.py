@@ -22,10 +22,13 @@ def _ops(m: ir.Model) -> set[str]:
 ROWS = 400
 
 
-def _weight_step_error(model: ir.Model, qmax: int, *, block: int | None = None, per_channel: bool = True):
+def _weight_step_error(model: ir.Model, qmax: int, *, block: int | None = None, per_channel: bool = True,
+                       asymmetric: bool = False):
     """``(e, n)``: the RMS error of rounding each MatMul weight to a symmetric ``±qmax`` grid, relative to the
     weight's RMS (one scale per column, per matrix, or per ``block`` rows of a column), and the number ``n``
-    of such MatMuls. This is the quantization step's size on this model's weights, measured in numpy."""
+    of such MatMuls. This is the quantization step's size on this model's weights, measured in numpy.
+    ``asymmetric``: ``2 qmax + 1`` levels spanning each block's ``[min(lo, 0), max(hi, 0)]`` with an integer
+    zero point instead (int4: 16 levels, as MatMulNBits with zero points)."""
     errs = []
     for node in model.graph:
         w = node.inputs[1] if node.op_type == "MatMul" else None
@@ -34,8 +37,15 @@ def _weight_step_error(model: ir.Model, qmax: int, *, block: int | None = None, 
         a = w.const_value.numpy().astype(np.float64)
         g = a.reshape(a.shape[0] // block, block, a.shape[1]) if block else a
         axis = 1 if block else (0 if per_channel else None)
-        scale = np.abs(g).max(axis=axis, keepdims=True) / qmax
-        q = np.clip(np.rint(g / scale), -qmax, qmax) * scale
+        if asymmetric:
+            lo = np.minimum(g.min(axis=axis, keepdims=True), 0)
+            hi = np.maximum(g.max(axis=axis, keepdims=True), 0)
+            scale = (hi - lo) / (2 * qmax + 1)
+            zp = np.rint(-lo / scale)
+            q = (np.clip(np.rint(g / scale) + zp, 0, 2 * qmax + 1) - zp) * scale
+        else:
+            scale = np.abs(g).max(axis=axis, keepdims=True) / qmax
+            q = np.clip(np.rint(g / scale), -qmax, qmax) * scale
         errs.append(((q - g) ** 2).mean() / (g**2).mean())
     return float(np.sqrt(np.mean(errs))), len(errs)
 
@@ -79,13 +89,29 @@ def test_int4_structure_idempotence_and_numerics():
     feeds = random_token_feeds(batch=ROWS)
     ref = ort_session(tiny_encoder_classifier()).run(None, feeds)[0]
     m = tiny_encoder_classifier()
-    res = run_pipeline([QuantizeWeightsInt4Pass(block_size=32)], m, check="none")
+    res = run_pipeline([QuantizeWeightsInt4Pass(block_size=32, symmetric=True)], m, check="none")
     assert res.modified and "MatMulNBits" in _ops(m)
     assert QuantizeWeightsInt4Pass()(m).modified is False
     assert all(n.attributes["accuracy_level"].as_int() == 4 for n in m.graph if n.op_type == "MatMulNBits")
     got = ort_session(m).run(None, feeds)[0]
     # symmetric 4-bit weights, one scale per 32 rows of a column; accuracy_level 4 quantizes activations
     rel_step, matmuls = _weight_step_error(tiny_encoder_classifier(), 7, block=32)
+    _check_quantized(got, ref, rel_step, matmuls, activations=True)
+
+
+def test_int4_default_is_asymmetric_blocks_of_128():
+    """The default format (block 128 with zero points, NNCF's int4 format): structure and numerics against the
+    asymmetric grid's step."""
+    feeds = random_token_feeds(batch=ROWS)
+    ref = ort_session(tiny_encoder_classifier()).run(None, feeds)[0]
+    m = tiny_encoder_classifier()
+    assert run_pipeline([QuantizeWeightsInt4Pass()], m, check="none").modified
+    nbits = [n for n in m.graph if n.op_type == "MatMulNBits"]
+    assert nbits and all(n.attributes["block_size"].as_int() == 128 for n in nbits)
+    # input 3 = zero points (a symmetric quantization has none)
+    assert all(len(n.inputs) > 3 and n.inputs[3] is not None and n.inputs[3].const_value is not None for n in nbits)
+    got = ort_session(m).run(None, feeds)[0]
+    rel_step, matmuls = _weight_step_error(tiny_encoder_classifier(), 7, block=128, asymmetric=True)
     _check_quantized(got, ref, rel_step, matmuls, activations=True)
 
 

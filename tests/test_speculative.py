@@ -91,6 +91,20 @@ def test_plan_steps_and_files(plans):
     assert split["policy"]["split_drafter"]["layers"] == 1
 
 
+def test_longest_draft_by_drafter_kind_with_verification_timed_that_far(plans, tiny, tmp_path):
+    """Prompt lookup drafts up to 16 tokens by default (free drafts), model drafters up to 8; the plan's verification
+    costs are timed up to the longest chain + its bonus token, not extrapolated past 9."""
+    draft = {k: json.loads((plans[k] / "plan.json").read_text())["steps"][0]["draft"]
+             for k in ("external", "prompt-lookup", "split")}
+    assert draft["prompt-lookup"]["max"] == 16 and {"9", "16", "17"} <= set(draft["prompt-lookup"]["verify_cost"])
+    for k in ("external", "split"):
+        assert draft[k]["max"] == 8 and sorted(draft[k]["verify_cost"], key=int) == ["1", "2", "4", "9"]
+    # an explicit max_draft wins over the default
+    short = compile_model(tiny["target"], "speculative{max_draft=6}", tmp_path / "pl6", drafter="prompt-lookup").plan_dir
+    d6 = json.loads((short / "plan.json").read_text())["steps"][0]["draft"]
+    assert d6["max"] == 6 and sorted(d6["verify_cost"], key=int) == ["1", "2", "4", "9"]
+
+
 def test_split_drafter_shares_target_weights(plans):
     d = plans["split"]
     drafter = ir.load(str(d / "drafter.onnx"))
@@ -470,7 +484,7 @@ def test_speculative_pass_is_idempotent_and_leaves_the_graph(tiny, monkeypatch):
 
     timed = []
     real = spec_pass.target_verify_costs
-    monkeypatch.setattr(spec_pass, "target_verify_costs", lambda m, s: timed.append(m) or real(m, s))
+    monkeypatch.setattr(spec_pass, "target_verify_costs", lambda m, s, *a: timed.append(m) or real(m, s, *a))
     model = ir.load(str(tiny["target"]))
 
     def body(m):
@@ -622,3 +636,24 @@ def test_cost_probe_past_the_in_memory_limit_goes_through_a_temporary_file(tiny,
     assert_clean_error(rc, err, "measure=false")
     assert "No space left" in err and tempfile.gettempdir() in err
     assert not (tmp_path / "o").exists()
+
+
+def test_bench_max_drafts_runs_the_step_with_each_longest_draft(plans, tmp_path):
+    """``dyncompile bench --max-drafts 1,16``: one extra runner per longest draft, token-identical to the target,
+    and the max-1 runner never drafts more than one token per round (the option reaches the draft policy)."""
+    from dyncompile.tools import bench_speculative
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{i % 5}" for i in range(k, k + 40))}) + "\n"
+                               for k in range(3)))
+    rc = bench_speculative.main([str(plans["prompt-lookup"]), "--prompts", str(prompts), "--max-new-tokens", "24",
+                                 "--max-drafts", "1,16", "--report-dir", str(tmp_path), "--name", "md", "-q"])
+    assert rc == 0
+    (report,) = tmp_path.glob("md*.json")
+    rows = {r["name"]: r for r in json.loads(report.read_text())["results"]}
+    assert {"speculative, max draft 1 (ORT)", "speculative, max draft 16 (ORT)"} <= set(rows)
+    assert all(r["identical"] == r["of"] == 3 for r in rows.values())
+    # drafted tokens per round: capped at 1, while the plan's own policy drafts more on these prompts
+    assert rows["speculative, max draft 1 (ORT)"]["mean_tree_nodes"] <= 1.0 < rows["speculative (ORT)"]["mean_tree_nodes"]
+    with pytest.raises(DyncompileError, match="max-drafts"):
+        bench_speculative.main([str(plans["prompt-lookup"]), "--prompts", str(prompts), "--max-drafts", "0"])

@@ -199,7 +199,7 @@ def markdown_report(report: dict[str, Any]) -> str:
                 f"one pass's prompts (mean over passes), rates are over all passes", ""] if report.get("repeat", 1) > 1
                else []),
              "| runner | tok/s (incl. prefill) | prefill s (sum) | decode tok/s | vs dyncompile target | "
-             "identical to fp32 greedy reference | acceptance (mean) |", "|---|---|---|---|---|---|---|"]
+             "identical to dyncompile target greedy (reference) | acceptance (mean) |", "|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         acc = r.get("acceptance_rate_mean")
         lines.append(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['prefill_seconds']:.2f} | {r['decode_tokens_per_s']:.2f} "

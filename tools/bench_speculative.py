@@ -55,13 +55,16 @@ class Runner:
 
 
 def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False,
-                 label: str | None = None, tree: bool = False, tree_sizes: tuple[int, ...] = ()) -> list[Runner]:
+                 label: str | None = None, tree: bool = False, tree_sizes: tuple[int, ...] = (),
+                 max_drafts: tuple[int, ...] = ()) -> list[Runner]:
     """Runners of one plan: its target alone, its speculative step (+ IOBinding / copy-rollback variants).
 
     ``label`` names the runners after another plan (``--also``: the prompt ids come from the benchmarked plan's
     tokenizer, so the plans must share a vocabulary). ``tree`` (a plan compiled with ``speculative{tree=true}``):
     the speculative step with chains and with adaptive draft trees; ``tree_sizes``: also fixed trees of that
-    many drafted nodes each.
+    many drafted nodes each. ``max_drafts``: also the (chain) speculative step with each of these longest drafts
+    (the ``max_draft`` generation option; the adaptive policy still picks each round's length): for tuning the
+    plan's ``speculative{max_draft=…}`` on a calibration prompt set.
     """
     def target(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, speculative=False, **opts)
@@ -84,6 +87,10 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
                                                                                         "max_nodes": size}, **o)))
         else:
             runners.append(Runner("speculative (ORT)", spec))
+        initial = int(model.handlers[-1].draft_policy.initial)
+        for m in max_drafts:  # a first draft longer than the cap would lift it (the policy's max >= initial)
+            runners.append(Runner(f"speculative, max draft {m} (ORT)",
+                                  lambda ids, n, m=m, **o: spec(ids, n, max_draft=m, draft_length=min(initial, m), **o)))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
         return runners
@@ -378,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                    "adaptive draft trees (same process, interleaved) and write a PNG of tokens/call vs tree size")
     p.add_argument("--tree-sizes", default="", metavar="N,N,...",
                    help="with --tree: also fixed draft trees of these many drafted nodes (e.g. 4,8,16,32)")
+    p.add_argument("--max-drafts", default="", metavar="N,N,...",
+                   help="also the speculative step with each of these longest drafts (e.g. 8,16,24,32; tune on "
+                   "`prompt_sets --split calib` prompts, then compile with speculative{max_draft=N})")
     p.add_argument("--torch", metavar="HF_DIR", help="also run transformers generate on this PyTorch model")
     p.add_argument("--torch-assistant", metavar="HF_DIR", help="with --torch: assistant_model for transformers")
     p.add_argument("--report-dir", default="bench-results", help="where JSON + markdown go (default: %(default)s)")
@@ -400,13 +410,19 @@ def main(argv: list[str] | None = None) -> int:
         raise DataError(f"--tree-sizes must be comma-separated integers, got {args.tree_sizes!r}") from None
     if any(x < 1 for x in sizes):
         raise DataError(f"--tree-sizes must be >= 1, got {args.tree_sizes!r}")
+    try:
+        max_drafts = tuple(int(x) for x in args.max_drafts.split(",") if x.strip())
+    except ValueError:
+        raise DataError(f"--max-drafts must be comma-separated integers, got {args.max_drafts!r}") from None
+    if any(x < 1 for x in max_drafts):
+        raise DataError(f"--max-drafts must be >= 1, got {args.max_drafts!r}")
     draft = (model.plan.steps[0].params.get("draft") or {})
     if (args.tree or sizes) and not draft.get("tree"):
         raise DataError(f"{args.plan} was not compiled for draft trees: compile with "
                         "--passes explicit-attention,speculative{tree=true} to use --tree")
     load_before = os.getloadavg()
     runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback, tree=args.tree,
-                           tree_sizes=sizes)
+                           tree_sizes=sizes, max_drafts=max_drafts)
     for other in args.also:
         extra = dyncompile.load(other, provider=args.provider, threads=args.threads, session_config=BENCH_SESSION_CONFIG)
         runners += plan_runners(extra, label=Path(other).resolve().name)

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def _protocol_stream():
@@ -102,6 +103,8 @@ class OpenVINOGenAI:
             kw["prompt_lookup"] = True
         self.pipe = ov_genai.LLMPipeline(args.model, "CPU", **props, **kw)
         self.args = args
+        self.props = props
+        self._scorer = None
         self.settings = {"threads": args.threads, "draft": args.draft, "prompt_lookup": args.prompt_lookup,
                          "inference_precision": args.ov_precision,
                          "num_assistant_tokens": args.max_draft_tokens, "max_ngram_size": args.ngram_size,
@@ -127,6 +130,28 @@ class OpenVINOGenAI:
         ttft = pm.get_ttft().mean / 1e3
         return {"ids": [int(x) for x in res.tokens[0]], "prefill_s": ttft, "total_s": t,
                 "stats": {"generate_duration_s": pm.get_generate_duration().mean / 1e3}}
+
+
+    def score(self, ids):
+        """Teacher-forced next-token NLL and top-1 of every position but the last (``tools/decoder_quality``): the
+        IR's own logits in one call (the pipeline does not expose them), a fresh state each time."""
+        import numpy as np
+        import openvino as ov
+
+        if self._scorer is None:
+            core = ov.Core()
+            self._scorer = core.compile_model(core.read_model(str(Path(self.args.model) / "openvino_model.xml")), "CPU",
+                                              self.props)
+        req = self._scorer.create_infer_request()
+        n = len(ids)
+        feeds = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
+                 "position_ids": np.arange(n, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
+        names = {p.get_any_name() for p in self._scorer.inputs}
+        res = req.infer({k: v for k, v in feeds.items() if k in names})
+        logits = next(v for k, v in res.items() if "logits" in k.get_names()).astype(np.float64)[0, :-1]
+        m = logits.max(-1, keepdims=True)
+        lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        return {"nll": (-lp[np.arange(n - 1), ids[1:]]).tolist(), "top1": lp.argmax(-1).tolist()}
 
 
 class Dyncompile:
@@ -198,6 +223,10 @@ def main(argv=None) -> int:
         try:
             if "encode" in req:
                 rep = backend.encode(req["encode"], bool(req.get("chat")))
+            elif "score" in req:
+                if not hasattr(backend, "score"):
+                    raise ValueError(f"backend {args.backend} cannot score (only openvino)")
+                rep = backend.score([int(t) for t in req["score"]])
             else:
                 rep = backend.generate([int(t) for t in req["ids"]], int(req["max_new_tokens"]), req.get("mode", "greedy"))
         except Exception as e:  # noqa: BLE001

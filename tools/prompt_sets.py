@@ -8,6 +8,10 @@
   edited or mined (chat template on): the case prompt lookup is made for;
 * ``all.jsonl`` — both.
 
+``--split calib`` writes ``calib-code.jsonl`` / ``calib-grounded.jsonl`` instead, the same kinds of prompt from
+other standard-library files (:data:`CALIB_CODE_FILES`, :data:`CALIB_DOC_FILES`, disjoint from the report files):
+tune a draft policy there, report on the default split.
+
 :func:`read_prompts` reads such a file (``prompt`` or ``text``; optional ``chat``, ``kind``, ``id``,
 ``max_new_tokens``) for ``dyncompile bench PLAN --prompts FILE``.
 """
@@ -33,6 +37,11 @@ CODE_FILES = ("bisect.py", "heapq.py", "textwrap.py", "shlex.py", "fnmatch.py", 
               "csv.py", "calendar.py", "statistics.py", "difflib.py", "ipaddress.py")
 GROUNDED_DOC_FILES = ("json/__init__.py", "argparse.py", "textwrap.py", "string.py", "heapq.py", "csv.py",
                       "shlex.py", "difflib.py", "calendar.py", "fractions.py")
+#: the calibration split's files (``--split calib``): none is a report-split file
+CALIB_CODE_FILES = ("shutil.py", "pickle.py", "locale.py", "trace.py", "mimetypes.py", "plistlib.py", "codecs.py",
+                    "hmac.py", "optparse.py", "smtplib.py", "cmd.py", "uuid.py")
+CALIB_DOC_FILES = ("tempfile.py", "optparse.py", "configparser.py", "smtplib.py", "ast.py", "inspect.py", "copy.py",
+                   "timeit.py", "uuid.py", "cmd.py")
 
 
 def _functions(src: str) -> list[tuple[int, int, str]]:
@@ -65,9 +74,9 @@ def _function_source(src: str, start: int, max_lines: int = 40) -> str | None:
     return "\n".join(line[indent:] for line in text.split("\n"))
 
 
-def _code_prompts(n: int, context_chars: int = 1500) -> list[dict[str, Any]]:
+def _code_prompts(n: int, context_chars: int = 1500, files=CODE_FILES) -> list[dict[str, Any]]:
     rows = []
-    for fname in CODE_FILES:
+    for fname in files:
         path = STDLIB / fname
         if not path.is_file():
             continue
@@ -93,11 +102,11 @@ def _typos(text: str, rng: np.random.Generator, every: int = 9) -> str:
     return " ".join(words)
 
 
-def _grounded_prompts(n: int) -> list[dict[str, Any]]:
+def _grounded_prompts(n: int, doc_files=GROUNDED_DOC_FILES, code_files=CODE_FILES) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     rows = []
     docs = []
-    for fname in GROUNDED_DOC_FILES:
+    for fname in doc_files:
         path = STDLIB / fname
         if not path.is_file():
             continue
@@ -106,7 +115,7 @@ def _grounded_prompts(n: int) -> list[dict[str, Any]]:
         if m and len(m.group(1).strip()) > 300:
             docs.append((fname, m.group(1).strip()[:700]))
     funcs = []
-    for fname in CODE_FILES[::-1]:
+    for fname in code_files[::-1]:
         path = STDLIB / fname
         if path.is_file():
             src = path.read_text(encoding="utf-8")
@@ -135,12 +144,19 @@ def _grounded_prompts(n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def build_prompt_sets(out_dir: str | Path, n_code: int = 8, n_grounded: int = 8) -> dict[str, Path]:
-    """Write ``code.jsonl`` and ``grounded.jsonl`` (and ``all.jsonl``) into ``out_dir``."""
+def build_prompt_sets(out_dir: str | Path, n_code: int = 8, n_grounded: int = 8, split: str = "report") -> dict[str, Path]:
+    """Write ``code.jsonl`` and ``grounded.jsonl`` (and ``all.jsonl``) into ``out_dir``; ``split="calib"``:
+    ``calib-code.jsonl`` / ``calib-grounded.jsonl`` from the calibration files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sets = {"code": _code_prompts(n_code), "grounded": _grounded_prompts(n_grounded)}
-    sets["all"] = sets["code"] + sets["grounded"]
+    if split == "calib":
+        sets = {"calib-code": _code_prompts(n_code, files=CALIB_CODE_FILES),
+                "calib-grounded": _grounded_prompts(n_grounded, CALIB_DOC_FILES, CALIB_CODE_FILES)}
+    elif split == "report":
+        sets = {"code": _code_prompts(n_code), "grounded": _grounded_prompts(n_grounded)}
+        sets["all"] = sets["code"] + sets["grounded"]
+    else:
+        raise DataError(f"split must be 'report' or 'calib', got {split!r}")
     paths = {}
     for name, rows in sets.items():
         p = out / f"{name}.jsonl"
@@ -180,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--code", type=int, default=8)
     p.add_argument("--grounded", type=int, default=8)
+    p.add_argument("--split", choices=("report", "calib"), default="report",
+                   help="report: the benchmark sets; calib: the same kinds from other files, for tuning")
     args = p.parse_args(argv)
-    for name, path in build_prompt_sets(args.out, args.code, args.grounded).items():
+    for name, path in build_prompt_sets(args.out, args.code, args.grounded, args.split).items():
         print(f"{name}: {path}")
     return 0
 
