@@ -362,6 +362,19 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    """``"4,8,16"`` -> ``(4, 8, 16)``; a clean error naming ``flag`` otherwise."""
+    from dyncompile.errors import DataError
+
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise DataError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if any(x < 1 for x in vals):
+        raise DataError(f"{flag} must be >= 1, got {text!r}")
+    return vals
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dyncompile bench",
@@ -404,18 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     if model.plan.task != "text-generation":
         raise DataError(f"{args.plan} is a {model.plan.task!r} plan; --prompts is for text-generation plans (use --data)")
     prompts = read_prompts(args.prompts, args.limit)
-    try:
-        sizes = tuple(int(x) for x in args.tree_sizes.split(",") if x.strip())
-    except ValueError:
-        raise DataError(f"--tree-sizes must be comma-separated integers, got {args.tree_sizes!r}") from None
-    if any(x < 1 for x in sizes):
-        raise DataError(f"--tree-sizes must be >= 1, got {args.tree_sizes!r}")
-    try:
-        max_drafts = tuple(int(x) for x in args.max_drafts.split(",") if x.strip())
-    except ValueError:
-        raise DataError(f"--max-drafts must be comma-separated integers, got {args.max_drafts!r}") from None
-    if any(x < 1 for x in max_drafts):
-        raise DataError(f"--max-drafts must be >= 1, got {args.max_drafts!r}")
+    sizes = _positive_ints(args.tree_sizes, "--tree-sizes")
+    max_drafts = _positive_ints(args.max_drafts, "--max-drafts")
     draft = (model.plan.steps[0].params.get("draft") or {})
     if (args.tree or sizes) and not draft.get("tree"):
         raise DataError(f"{args.plan} was not compiled for draft trees: compile with "
