@@ -332,8 +332,10 @@ class SpeculativeGenerateStep(GenerateStep):
         opt = options.pop("tree", None)
         if opt is None and tp is None or opt is False:
             return None
-        d = dataclasses.asdict(tp) if tp is not None else {"max_nodes": 16, "max_depth": ctl.max_len, "branching": 3,
-                                                             "adaptive": True}
+        # a plan compiled without a tree policy: 16 nodes, at most 8 deep (the pass's default tree depth; a chain
+        # policy's longest draft can be 16 for prompt lookup, and 16 nodes 16 deep would be a chain)
+        d = dataclasses.asdict(tp) if tp is not None else {"max_nodes": 16, "max_depth": min(ctl.max_len, 8),
+                                                             "branching": 3, "adaptive": True}
         if isinstance(opt, dict):
             unknown = set(opt) - set(d)
             if unknown:
