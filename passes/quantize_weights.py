@@ -323,7 +323,9 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
                  lm_head_bits: int = 8) -> None:
         super().__init__()
         if int(lm_head_bits) not in (0, 4, 8):
-            raise ValueError(f"lm_head_bits must be 0 (float), 4 or 8, got {lm_head_bits}")
+            from dyncompile.errors import PassConfigError
+
+            raise PassConfigError(f"quantize-int4 lm_head_bits must be 0 (float), 4 or 8, got {lm_head_bits}")
         self.block_size = int(block_size)
         self.symmetric = bool(symmetric)
         self.accuracy_level = accuracy_level
@@ -405,7 +407,5 @@ def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy
         raise PassConfigError(f"quantize-int4 block_size must be a power of two >= 16 (e.g. 32), got {block_size}")
     if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
         raise PassConfigError(f"quantize-int4 accuracy_level must be 0..4 or none, got {accuracy_level}")
-    if lm_head_bits not in (0, 4, 8):
-        raise PassConfigError(f"quantize-int4 lm_head_bits must be 0 (float), 4 or 8, got {lm_head_bits}")
     return QuantizeWeightsInt4Pass(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
                                    lm_head_bits=lm_head_bits)

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from dyncompile.plan import TreePolicy
 from dyncompile.runtime.cost_model import (
     DEFAULT_VERIFY_SLOPE,
     best_draft_length,
@@ -332,10 +333,12 @@ class SpeculativeGenerateStep(GenerateStep):
         opt = options.pop("tree", None)
         if opt is None and tp is None or opt is False:
             return None
-        # a plan compiled without a tree policy: 16 nodes, at most 8 deep (the pass's default tree depth; a chain
-        # policy's longest draft can be 16 for prompt lookup, and 16 nodes 16 deep would be a chain)
-        d = dataclasses.asdict(tp) if tp is not None else {"max_nodes": 16, "max_depth": min(ctl.max_len, 8),
-                                                             "branching": 3, "adaptive": True}
+        if tp is not None:
+            d = dataclasses.asdict(tp)
+        else:  # a plan compiled without a tree policy: the schema's defaults, no deeper than the chain policy's
+            # longest draft (a prompt-lookup chain drafts up to 16: 16 nodes 16 deep would be a chain)
+            d = dataclasses.asdict(TreePolicy())
+            d["max_depth"] = min(ctl.max_len, d["max_depth"])
         if isinstance(opt, dict):
             unknown = set(opt) - set(d)
             if unknown:

@@ -153,12 +153,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + f"\n\nplans:\n{plans}\n"
 
 
-def _pair(s: str) -> tuple[str, str]:
-    if "=" not in s:
-        raise DataError(f"expected NAME=PLAN_DIR, got {s!r}")
-    k, v = s.split("=", 1)
-    if not Path(v).is_dir():
-        raise DataError(f"plan folder {v} does not exist")
+def _pair(s: str, *, graph: bool = False) -> tuple[str, str]:
+    """``NAME=PLAN_DIR`` (or ``NAME=MODEL.onnx`` with ``graph``) whose path exists."""
+    k, sep, v = s.partition("=")
+    if not sep or not v:
+        raise DataError(f"expected NAME={'MODEL.onnx' if graph else 'PLAN_DIR'}, got {s!r}")
+    if not (Path(v).is_file() if graph else Path(v).is_dir()):
+        raise DataError(f"{'model file' if graph else 'plan folder'} {v} does not exist")
     return k, v
 
 
@@ -192,20 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         raise DataError("give at least one --plan NAME=PLAN_DIR or --graph NAME=MODEL.onnx to score")
     ref_name, ref_dir = _pair(args.reference)
     plan_dirs = dict(_pair(s) for s in args.plan)
-    graphs = {}
-    for g in args.graph:
-        k, _, v = g.partition("=")
-        if not v or not Path(v).is_file():
-            raise DataError(f"--graph {g!r}: expected NAME=MODEL.onnx of an existing file")
-        graphs[k] = v
-    reference = dyncompile.load(ref_dir, threads=args.threads)
+    graphs = dict(_pair(g, graph=True) for g in args.graph)
+    ref_dec, codec = _decoder(dyncompile.load(ref_dir, threads=args.threads))
     decs = {k: _decoder(dyncompile.load(v, threads=args.threads))[0] for k, v in plan_dirs.items()}
     if graphs:
         from dyncompile.runtime.kv_cache import KVDecoder
         from dyncompile.tools.bench_decoder_graphs import _session, _spec
 
         decs.update({k: KVDecoder(_session(Path(v), args.threads), _spec(Path(v)), role=k) for k, v in graphs.items()})
-    windows = heldout_windows(_decoder(reference)[1], args.windows, args.window_tokens)
+    windows = heldout_windows(codec, args.windows, args.window_tokens)
     workers = []
     try:
         if args.peer:
@@ -222,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 workers.append(w)
                 plan_dirs[f"{name}-peer"] = folder
                 decs[f"{name}-peer"] = (lambda ids, w=w: (lambda r: (r["nll"], r["top1"]))(w.request(score=ids)))
-        report = score_decoders(_decoder(reference)[0], decs, windows)
+        report = score_decoders(ref_dec, decs, windows)
     finally:
         for w in workers:
             w.close()

@@ -435,7 +435,8 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         tokenizer_check=check,
         measure=measure,
         allow_inexact_target=allow_inexact_target,
-        tree={"max_nodes": tree_nodes, "max_depth": tree_depth or max(max_draft or DEFAULT_MAX_DRAFT["model"], draft_length),
+        tree={"max_nodes": tree_nodes, "max_depth": tree_depth or max(DEFAULT_MAX_DRAFT["model"] if max_draft is None else max_draft,
+                                                               draft_length),
               "branching": branching,
               "adaptive": tree_adaptive} if tree else None,
     )
