@@ -308,12 +308,21 @@ class SpeculativeGenerateStep(GenerateStep):
     def _controller(self, options: dict[str, Any]) -> DraftController:
         """The plan's draft policy, overridden by ``draft_length``/``min_draft``/``max_draft``/``adaptive``."""
         dp = dataclasses.asdict(self.draft_policy)
+        given = set()
         for opt, key in (("draft_length", "initial"), ("min_draft", "min"), ("max_draft", "max"),
                          ("adaptive", "adaptive"), ("adapt_to_timing", "timing")):
             if opt in options:
                 dp[key] = options.pop(opt)
-        initial = int(dp["initial"])
-        max_len = max(int(dp["max"]), initial)
+                given.add(opt)
+        initial, max_len = int(dp["initial"]), int(dp["max"])
+        if initial > max_len:
+            if {"draft_length", "max_draft"} <= given:
+                raise PromptError(f"draft_length={initial} is longer than max_draft={max_len}: the first draft length "
+                                  "must be at most the longest")
+            if "max_draft" in given:  # the caller's cap holds: the plan's first length is cut down to it
+                initial = max_len
+            else:  # a caller's (or the plan's) first length above the longest lifts the longest
+                max_len = initial
         return DraftController(
             initial=initial,
             min_len=int(dp["min"]),

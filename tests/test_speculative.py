@@ -134,6 +134,25 @@ def test_greedy_token_identical_to_target(loaded, kind):
         assert same.token_ids == ref.token_ids and same.stats.drafter is None
 
 
+def test_max_draft_below_the_plans_first_length_caps_it(loaded):
+    """A caller's ``max_draft`` under the plan's first draft length is a cap, not lifted back to that length; a
+    ``draft_length`` above an explicit ``max_draft`` is refused."""
+    from dyncompile.runtime.generate import PromptError
+
+    m = loaded["prompt-lookup"]
+    policy = m.handlers[0].draft_policy
+    assert policy.initial > 2  # else this test would not test the cap
+    prompt = PROMPTS[0]
+    ref = m.generate(prompt, max_new_tokens=40, speculative=False)
+    capped = m.generate(prompt, max_new_tokens=40, max_draft=2)
+    assert capped.token_ids == ref.token_ids
+    assert capped.stats.drafted > 0 and max(capped.stats.draft_lengths) <= 2
+    free = m.generate(prompt, max_new_tokens=40)
+    assert max(free.stats.draft_lengths) > 2  # the plan's own policy drafts longer on this prompt
+    with pytest.raises(PromptError, match="draft_length=5 is longer than max_draft=2"):
+        m.generate(prompt, max_new_tokens=8, max_draft=2, draft_length=5)
+
+
 @pytest.mark.parametrize("kind", ["external", "split"])
 def test_rollback_by_mask_copy_and_iobinding_agree(loaded, kind):
     """Masked rollback (default), copy rollback and IOBinding give the target's tokens; long runs compact."""

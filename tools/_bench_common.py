@@ -34,6 +34,7 @@ __all__ = [
     "load_avg",
     "machine_info",
     "markdown_table",
+    "paired_ratio",
     "plan_runner",
     "reference_runner",
     "write_report",
@@ -71,6 +72,21 @@ def reference_runner(name: str, onnx_path, compiled, **info) -> Runner:
         return ref.predict_proba(texts, batch_size=len(texts)), None
 
     return Runner(name, fn, info)
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float], *, n: int = 4000, seed: int = 0) -> dict[str, float]:
+    """The geometric mean of ``a[i] / b[i]`` (rates of two runners on the same prompt ``i``) with a 95 %
+    percentile-bootstrap interval over prompts: ``{"ratio", "lo", "hi", "n"}``.
+
+    Pairing by prompt removes the prompts' own spread (long prompts are slow for everyone); the interval says
+    whether the machine's drift over the run leaves the ranking open (it contains 1) or not."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.ndim != 1 or a.shape != b.shape or not len(a) or not (np.all(a > 0) and np.all(b > 0)):
+        raise ValueError(f"paired_ratio needs two equal-length lists of positive rates, got {len(a)} and {len(b)}")
+    x = np.log(a) - np.log(b)
+    boots = x[np.random.default_rng(seed).integers(0, len(x), size=(n, len(x)))].mean(1)
+    return {"ratio": round(float(np.exp(x.mean())), 4), "lo": round(float(np.exp(np.quantile(boots, 0.025))), 4),
+            "hi": round(float(np.exp(np.quantile(boots, 0.975))), 4), "n": len(x)}
 
 
 def machine_info() -> dict[str, Any]:

@@ -149,6 +149,33 @@ def run_peers(workers: dict[str, Worker], runners: list[Runner], encoded: list[l
     return summarize(runners, runs, encoded, eos=eos, loads={"all": loads})
 
 
+#: which peer modes a dyncompile runner is compared with, prompt by prompt (exact greedy vs exact greedy, exact
+#: speculative vs the peers' exact speculative modes)
+COMPARABLE = {"greedy": ("greedy",), "spec": ("ngram", "draft")}
+
+
+def _rates(x: dict) -> tuple[float, float]:
+    """One generation's tokens/s including prefill and its decode tokens/s."""
+    new = len(x["ids"])
+    return new / x["total_s"], max(new - 1, 1) / max(x["total_s"] - x["prefill_s"], 1e-9)
+
+
+def paired_comparisons(runners: list[Runner], runs: dict[str, list[dict]]) -> list[dict[str, Any]]:
+    """Each dyncompile runner against each peer runner of a comparable mode: the geometric mean over prompts
+    (every pass's prompt counts once) of the per-prompt rate ratios, with 95 % bootstrap intervals."""
+    from dyncompile.tools._bench_common import paired_ratio
+
+    out = []
+    for d in (r for r in runners if r.kind == "dyncompile"):
+        for p in (r for r in runners if r.kind == "peer" and r.mode in COMPARABLE.get(d.mode, ())):
+            a = [_rates(x) for x in runs[d.name]]
+            b = [_rates(x) for x in runs[p.name]]
+            out.append({"dyncompile": d.name, "peer": p.name,
+                        "tokens_per_s": paired_ratio([x[0] for x in a], [x[0] for x in b]),
+                        "decode_tokens_per_s": paired_ratio([x[1] for x in a], [x[1] for x in b])})
+    return out
+
+
 def _decode_rate(rr: list[dict]) -> float:
     new = sum(len(x["ids"]) for x in rr)
     return (new - len(rr)) / max(sum(x["total_s"] - x["prefill_s"] for x in rr), 1e-9)
@@ -170,6 +197,8 @@ def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[
         row = {"name": r.name, "kind": r.kind, "mode": r.mode, "new_tokens": new, "seconds": round(total, 3),
                "tokens_per_s": round(new / total, 3), "prefill_seconds": round(pre / passes, 3),
                "decode_tokens_per_s": round(_decode_rate(rr), 3),
+               # what the runner would reach if decoding took no time at all (prefill is its floor)
+               "ceiling_tokens_per_s": round(new / max(pre, 1e-9), 3),
                "identical": sum(ident), "of": len(rr), "per_prompt_identical": ident}
         if passes > 1:
             row["decode_tokens_per_s_per_pass"] = [round(_decode_rate(rr[k * n:(k + 1) * n]), 3) for k in range(passes)]
@@ -185,7 +214,7 @@ def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[
                    "total_s": round(runs[r.name][i]["total_s"], 4), "prefill_s": round(runs[r.name][i]["prefill_s"], 4)}
                    for r in runners}} for i in range(len(encoded))]
     return {"reference": base["name"], "results": rows, "per_prompt": per_prompt, "load_1min_per_prompt": loads,
-            "repeat": passes}
+            "repeat": passes, "paired": paired_comparisons(runners, runs)}
 
 
 def markdown_report(report: dict[str, Any]) -> str:
@@ -209,6 +238,17 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines += ["", "decode tok/s of each pass:", ""]
         lines += [f"- {r['name']}: {' / '.join(f'{v:.2f}' for v in r['decode_tokens_per_s_per_pass'])}"
                   for r in report["results"]]
+    if report.get("paired"):
+        lines += ["", "paired by prompt (geometric mean over prompts of dyncompile's rate / the peer's, 95 % bootstrap "
+                  "interval over prompts; an interval containing 1.00x leaves the ranking open):", "",
+                  "| dyncompile | peer | tok/s ratio (95 % CI) | decode tok/s ratio (95 % CI) | prompts |",
+                  "|---|---|---|---|---|"]
+        for c in report["paired"]:
+            t, d = c["tokens_per_s"], c["decode_tokens_per_s"]
+            lines.append(f"| {c['dyncompile']} | {c['peer']} | {t['ratio']:.3f}x ({t['lo']:.3f}–{t['hi']:.3f}) | "
+                         f"{d['ratio']:.3f}x ({d['lo']:.3f}–{d['hi']:.3f}) | {t['n']} |")
+    lines += ["", "ceiling tok/s with decoding free (new tokens / prefill seconds: no decoder speed-up can pass it): "
+              + ", ".join(f"{r['name']} {r['ceiling_tokens_per_s']:.2f}" for r in report["results"] if "ceiling_tokens_per_s" in r)]
     lines += ["", "workers (versions, settings, load seconds):", ""]
     for name, info in report["workers"].items():
         lines.append(f"- {name}: {info.get('backend')} {info.get('version')}, load {info.get('load_s')} s, "

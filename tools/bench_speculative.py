@@ -87,10 +87,9 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
                                                                                         "max_nodes": size}, **o)))
         else:
             runners.append(Runner("speculative (ORT)", spec))
-        initial = int(model.handlers[-1].draft_policy.initial)
-        for m in max_drafts:  # a first draft longer than the cap would lift it (the policy's max >= initial)
+        for m in max_drafts:  # the runtime cuts the plan's first draft length down to the cap
             runners.append(Runner(f"speculative, max draft {m} (ORT)",
-                                  lambda ids, n, m=m, **o: spec(ids, n, max_draft=m, draft_length=min(initial, m), **o)))
+                                  lambda ids, n, m=m, **o: spec(ids, n, max_draft=m, **o)))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
         return runners

@@ -1,0 +1,59 @@
+"""The peers bench's paired statistics: per-prompt rate ratios with bootstrap intervals, which runner pairs are
+compared, and the prefill ceiling."""
+
+import numpy as np
+import pytest
+
+from dyncompile.tools._bench_common import paired_ratio
+from dyncompile.tools.bench_peers import Runner, markdown_report, paired_comparisons, summarize
+
+
+def test_paired_ratio_recovers_a_known_ratio_and_its_uncertainty():
+    rng = np.random.default_rng(1)
+    b = rng.uniform(5, 50, 40)  # prompts of very different speeds: pairing must remove that spread
+    exact = paired_ratio(2 * b, b)
+    assert exact["ratio"] == pytest.approx(2.0) and exact["lo"] == pytest.approx(2.0) and exact["hi"] == pytest.approx(2.0)
+    # a 10 % lead under 3 % per-prompt noise: the interval holds 1.10 and excludes 1
+    lead = paired_ratio(1.10 * b * np.exp(rng.normal(0, 0.03, 40)), b)
+    assert 1.07 < lead["ratio"] < 1.13 and lead["lo"] > 1.0 and lead["lo"] < 1.10 < lead["hi"]
+    # negative control: no effect, same noise -> the interval contains 1
+    none = paired_ratio(b * np.exp(rng.normal(0, 0.03, 40)), b)
+    assert none["lo"] < 1.0 < none["hi"] and none["n"] == 40
+    # unpaired (a shuffled) the prompts' spread swamps the same 10 % lead: the interval is far wider
+    wide = paired_ratio(rng.permutation(1.10 * b), b)
+    assert (wide["hi"] - wide["lo"]) > 5 * (lead["hi"] - lead["lo"])
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 0.0], [1.0, 1.0])
+
+
+def _run(new, total, prefill):
+    return {"ids": list(range(new)), "total_s": total, "prefill_s": prefill, "stats": {}}
+
+
+def test_comparisons_pair_modes_and_report_ceiling():
+    runners = [Runner("dyn greedy", "d", "greedy", "dyncompile"), Runner("dyn spec", "d", "spec", "dyncompile"),
+               Runner("peer greedy", "p", "greedy", "peer"), Runner("peer ngram", "p", "ngram", "peer"),
+               Runner("peer draft", "q", "draft", "peer")]
+    # prompt i: every runner makes 11 tokens; dyncompile's greedy decodes exactly 1.25x the peer's greedy
+    runs = {
+        "dyn greedy": [_run(11, 1.0 + 8.0 / (i + 1), 1.0) for i in range(4)],
+        "peer greedy": [_run(11, 1.0 + 10.0 / (i + 1), 1.0) for i in range(4)],
+        "dyn spec": [_run(11, 3.0, 2.0) for _ in range(4)],
+        "peer ngram": [_run(11, 3.0, 2.0) for _ in range(4)],
+        "peer draft": [_run(11, 5.0, 2.5) for _ in range(4)],
+    }
+    pairs = paired_comparisons(runners, runs)
+    assert [(c["dyncompile"], c["peer"]) for c in pairs] == [("dyn greedy", "peer greedy"), ("dyn spec", "peer ngram"),
+                                                             ("dyn spec", "peer draft")]
+    g = pairs[0]["decode_tokens_per_s"]
+    assert g["ratio"] == pytest.approx(1.25) and g["lo"] == pytest.approx(1.25) and g["n"] == 4
+    assert pairs[1]["decode_tokens_per_s"]["ratio"] == pytest.approx(1.0)
+    assert pairs[2]["tokens_per_s"]["ratio"] == pytest.approx(5.0 / 3.0, abs=1e-3)
+    rep = summarize(runners, runs, [[1, 2, 3]] * 4, eos=set(), loads={})
+    rows = {r["name"]: r for r in rep["results"]}
+    # no decoder speed-up passes new tokens / prefill: 44 tokens over 4 x 2.5 s of prefill
+    assert rows["peer draft"]["ceiling_tokens_per_s"] == pytest.approx(44 / 10.0)
+    assert rows["peer draft"]["tokens_per_s"] < rows["peer draft"]["ceiling_tokens_per_s"]
+    rep.update(plan_name="p", prompts=4, prompts_file="f", max_new_tokens=11, threads=2, workers={})
+    md = markdown_report(rep)
+    assert "1.250x (1.250–1.250)" in md and "ceiling tok/s" in md
