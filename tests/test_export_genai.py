@@ -123,6 +123,7 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
     env_path = os.pathsep.join(p for p in [str(Path(dyncompile.__file__).parent.parent), os.environ.get("PYTHONPATH")] if p)
     r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
                         str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q", "--repeat", "2",
+                        "--session-variant", "spin, stop:session.intra_op.allow_spinning=1,session.force_spinning_stop=1",
                         "--report-dir", str(tmp_path / "rep"), "--name", "t"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -143,6 +144,12 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
     assert "starting dyncompile" not in r.stderr and not (tmp_path / "rep2").exists()
     assert rep["workers"]["dyncompile"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0"}
     assert rep["workers"]["dyncompile-spin-on"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "1"}
+    assert {"dyncompile target alone, spin, stop", "dyncompile speculative, spin, stop"} <= set(names)
+    assert rep["workers"]["dyncompile-variant-1"]["settings"]["session_config"] == {
+        "session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+    rc, _, err = run_cli(capsys, "bench", plans["external"], "--prompts", prompts, "--peers", "none",
+                         "--session-variant", "no-entries")
+    assert_clean_error(rc, err, "--session-variant 'no-entries'", "LABEL:KEY=VALUE")
 
 
 @pytest.mark.skipif(not PEER_PY.exists(), reason="needs onnxruntime-genai's environment ($DYNCOMPILE_PEER_VENVS/ortgenai)")

@@ -119,6 +119,16 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
+def _session_variant(text: str) -> tuple[str, list[str]]:
+    """``LABEL:KEY=VALUE[,KEY=VALUE]`` -> (label, ["KEY=VALUE", ...])."""
+    label, sep, rest = text.partition(":")
+    entries = [e.strip() for e in rest.split(",") if e.strip()]
+    if not sep or not label.strip() or not entries or any("=" not in e or e.startswith("=") for e in entries):
+        raise DataError(f"--session-variant {text!r}: expected LABEL:KEY=VALUE[,KEY=VALUE], e.g. "
+                        "'spin:session.intra_op.allow_spinning=1,session.force_spinning_stop=1'")
+    return label.strip(), entries
+
+
 def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
@@ -290,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spinning-on", action="store_true",
                    help="also run the plan with ORT intra-op spinning on (ORT's default; dyncompile.load turns it off): "
                    "a second dyncompile worker")
+    p.add_argument("--session-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                   help="also run the plan with these ORT session config entries over dyncompile.load's defaults, in a "
+                   "dyncompile worker of its own labelled LABEL (repeatable), e.g. 'spin, stop after run:"
+                   "session.intra_op.allow_spinning=1,session.force_spinning_stop=1'")
     p.add_argument("--no-speculative", action="store_true", help="skip dyncompile's speculative step")
     p.add_argument("--sequential-peers", action="store_true",
                    help="when the models do not fit in memory together: dyncompile's runners first (interleaved), then "
@@ -351,11 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     runners = [Runner("dyncompile target alone", "dyncompile", "greedy", "dyncompile")]
     if speculative:
         runners.append(Runner(f"dyncompile speculative ({_drafter_name(step)})", "dyncompile", "spec", "dyncompile"))
-    if args.spinning_on:
-        specs["dyncompile-spin-on"] = dyn_cmd + ["--session-config", SPIN_ON]
-        runners.append(Runner("dyncompile target alone, spinning on", "dyncompile-spin-on", "greedy", "dyncompile"))
+    variants = [("spinning on", [SPIN_ON])] if args.spinning_on else []
+    variants += [_session_variant(v) for v in args.session_variant]
+    for i, (label, entries) in enumerate(variants):
+        key = "dyncompile-spin-on" if args.spinning_on and i == 0 else f"dyncompile-variant-{i}"
+        specs[key] = dyn_cmd + [a for e in entries for a in ("--session-config", e)]
+        runners.append(Runner(f"dyncompile target alone, {label}", key, "greedy", "dyncompile"))
         if speculative:
-            runners.append(Runner("dyncompile speculative, spinning on", "dyncompile-spin-on", "spec", "dyncompile"))
+            runners.append(Runner(f"dyncompile speculative, {label}", key, "spec", "dyncompile"))
     for s in peers:
         py = _peer_python(s, pythons)
         human = PEERS[s][1]
