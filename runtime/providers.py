@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_SESSION_CONFIG",
+    "SPINNING_SESSION_CONFIG",
     "PROVIDERS",
     "ProviderInfo",
     "installed_ort_flavours",
@@ -34,6 +35,13 @@ __all__ = [
 #: tokens/s of ORT's default (spinning on). Pass ``session_config={"session.intra_op.allow_spinning": "1"}`` on a
 #: dedicated machine to turn it back on.
 DEFAULT_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "0"}
+
+#: ``dyncompile.load(..., spinning=True)`` / ``dyncompile run --spinning``: intra-op threads spin while a ``Run`` is
+#: in progress and stop when it returns (idle sessions take no core). Measured on Qwen2.5-Coder-0.5B fp32 (issue
+#: #15, ninth session; bench-results/peers/q05-spin-*): decode 1.06x (target alone) and 1.04x (prompt lookup) the
+#: rate of spinning off on a machine with spare cores, 0.84x / 0.89x under two competing busy processes. Hence
+#: opt-in: for a machine (or a cgroup quota) that the process has to itself.
+SPINNING_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
 
 
 @dataclasses.dataclass(frozen=True)

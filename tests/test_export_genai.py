@@ -175,3 +175,22 @@ def test_load_default_session_config_is_spinning_off(plans):
     assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     m = dyncompile.load(plans["plain"], session_config={"session.intra_op.allow_spinning": "1"})
     assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
+def test_load_spinning_spins_only_inside_a_run(plans, capsys):
+    """``spinning=True`` / ``run --spinning``: threads spin during a call and stop after it; an explicit
+    session_config entry still wins; a non-bool is refused; greedy tokens do not change."""
+    m = dyncompile.load(plans["plain"], spinning=True)
+    so = m.ctx.session_options()
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert so.get_session_config_entry("session.force_spinning_stop") == "1"
+    ref = dyncompile.load(plans["plain"]).generate(PROMPTS[0], max_new_tokens=12)
+    assert m.generate(PROMPTS[0], max_new_tokens=12).token_ids == ref.token_ids
+    m = dyncompile.load(plans["plain"], spinning=True, session_config={"session.intra_op.allow_spinning": "0"})
+    assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    with pytest.raises(DataError, match="spinning must be True or False"):
+        dyncompile.load(plans["plain"], spinning="yes")
+    text = " ".join(f"w{t}" for t in PROMPTS[0])
+    want = dyncompile.load(plans["plain"]).generate(text, max_new_tokens=12).text
+    rc, out, _ = run_cli(capsys, "run", plans["plain"], "--prompt", text, "--max-new-tokens", "12", "--spinning")
+    assert rc == 0 and out.startswith(want + "\n--\n"), out
