@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_SESSION_CONFIG",
-    "SPINNING_SESSION_CONFIG",
+    "NO_SPINNING_SESSION_CONFIG",
     "PROVIDERS",
     "ProviderInfo",
     "installed_ort_flavours",
@@ -28,20 +28,19 @@ __all__ = [
     "resolve_provider",
 ]
 
-#: ORT session config entries every session of ``dyncompile.load`` gets unless the caller overrides them.
-#: Intra-op spinning is off: measured on the 2-core machine while shared (load 9-13, issue #15,
-#: bench-results/peers/smollm2-spinning-all.md), SmolLM2 with spinning off ran 1.88x (target alone) and 1.76x
-#: (prompt-lookup speculative: two sessions in one process, whose threads would spin against each other) the
-#: tokens/s of ORT's default (spinning on). Pass ``session_config={"session.intra_op.allow_spinning": "1"}`` on a
-#: dedicated machine to turn it back on.
-DEFAULT_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "0"}
+#: ORT session config entries every session of ``dyncompile.load`` gets unless the caller overrides them:
+#: intra-op threads spin while a ``Run`` is in progress and stop when it returns (``force_spinning_stop``), so the
+#: idle sessions of a plan (target and drafter alternate in one process) take no core. Measured on the 2-core
+#: machine (issue #15, ninth session, Qwen2.5-Coder-0.5B fp32, paired by prompt against spinning off in the same
+#: run; bench-results/peers/q05-spin-*): decode 1.06x / 1.11x (target alone, grounded / code prompts) and 1.04x /
+#: 1.06x (prompt lookup). Under two competing busy processes it was 0.84x / 0.89x: ``dyncompile.load(...,
+#: spinning=False)`` (:data:`NO_SPINNING_SESSION_CONFIG`) for a machine whose cores are oversubscribed. The sixth
+#: session's default was spinning off: ORT's plain spinning (without the stop) measured 1.88x slower on SmolLM2 at
+#: load 9-13 (bench-results/peers/smollm2-spinning-all.md), idle sessions spinning against the running one.
+DEFAULT_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
 
-#: ``dyncompile.load(..., spinning=True)`` / ``dyncompile run --spinning``: intra-op threads spin while a ``Run`` is
-#: in progress and stop when it returns (idle sessions take no core). Measured on Qwen2.5-Coder-0.5B fp32 (issue
-#: #15, ninth session; bench-results/peers/q05-spin-*): decode 1.06x (target alone) and 1.04x (prompt lookup) the
-#: rate of spinning off on a machine with spare cores, 0.84x / 0.89x under two competing busy processes. Hence
-#: opt-in: for a machine (or a cgroup quota) that the process has to itself.
-SPINNING_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+#: ``dyncompile.load(..., spinning=False)`` / ``dyncompile run --no-spinning``: threads wait without spinning
+NO_SPINNING_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "0"}
 
 
 @dataclasses.dataclass(frozen=True)

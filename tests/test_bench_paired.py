@@ -49,6 +49,7 @@ def test_comparisons_pair_modes_and_report_ceiling():
     assert g["ratio"] == pytest.approx(1.25) and g["lo"] == pytest.approx(1.25) and g["n"] == 4
     assert pairs[1]["decode_tokens_per_s"]["ratio"] == pytest.approx(1.0)
     assert pairs[2]["tokens_per_s"]["ratio"] == pytest.approx(5.0 / 3.0, abs=1e-3)
+    assert pairs[2]["prefill_seconds"]["ratio"] == pytest.approx(2.0 / 2.5, abs=1e-3)  # time: below 1 is faster
     rep = summarize(runners, runs, [[1, 2, 3]] * 4, eos=set(), loads={})
     rows = {r["name"]: r for r in rep["results"]}
     # no decoder speed-up passes new tokens / prefill: 44 tokens over 4 x 2.5 s of prefill

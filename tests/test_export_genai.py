@@ -123,7 +123,7 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
     env_path = os.pathsep.join(p for p in [str(Path(dyncompile.__file__).parent.parent), os.environ.get("PYTHONPATH")] if p)
     r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
                         str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q", "--repeat", "2",
-                        "--session-variant", "spin, stop:session.intra_op.allow_spinning=1,session.force_spinning_stop=1",
+                        "--session-variant", "no spin:session.intra_op.allow_spinning=0",
                         "--report-dir", str(tmp_path / "rep"), "--name", "t"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -142,11 +142,13 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
     assert r.returncode != 0 and "peer worker ortgenai failed to load" in r.stderr
     assert "starting dyncompile" not in r.stderr and not (tmp_path / "rep2").exists()
-    assert rep["workers"]["dyncompile"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0"}
-    assert rep["workers"]["dyncompile-spin-on"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "1"}
-    assert {"dyncompile target alone, spin, stop", "dyncompile speculative, spin, stop"} <= set(names)
-    assert rep["workers"]["dyncompile-variant-1"]["settings"]["session_config"] == {
+    assert rep["workers"]["dyncompile"]["settings"]["session_config"] == {
         "session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+    assert rep["workers"]["dyncompile-spin-on"]["settings"]["session_config"] == {
+        "session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "0"}
+    assert {"dyncompile target alone, no spin", "dyncompile speculative, no spin"} <= set(names)
+    assert rep["workers"]["dyncompile-variant-1"]["settings"]["session_config"] == {
+        "session.intra_op.allow_spinning": "0", "session.force_spinning_stop": "1"}
     rc, _, err = run_cli(capsys, "bench", plans["external"], "--prompts", prompts, "--peers", "none",
                          "--session-variant", "no-entries")
     assert_clean_error(rc, err, "--session-variant 'no-entries'", "LABEL:KEY=VALUE")
@@ -170,27 +172,21 @@ def test_onnxruntime_genai_generates_the_plan_tokens(plans, kind, tmp_path):
             assert rep["stats"].get("rounds", 0) > 0, rep
 
 
-def test_load_default_session_config_is_spinning_off(plans):
-    m = dyncompile.load(plans["plain"])
-    assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    m = dyncompile.load(plans["plain"], session_config={"session.intra_op.allow_spinning": "1"})
-    assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"
-
-
-def test_load_spinning_spins_only_inside_a_run(plans, capsys):
-    """``spinning=True`` / ``run --spinning``: threads spin during a call and stop after it; an explicit
-    session_config entry still wins; a non-bool is refused; greedy tokens do not change."""
-    m = dyncompile.load(plans["plain"], spinning=True)
-    so = m.ctx.session_options()
+def test_load_default_session_config_spins_only_inside_a_run(plans, capsys):
+    """The default: threads spin during a call and stop after it; ``spinning=False`` / ``run --no-spinning`` turn
+    spinning off; an explicit session_config entry wins; a non-bool is refused; greedy tokens do not change."""
+    so = dyncompile.load(plans["plain"]).ctx.session_options()
     assert so.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert so.get_session_config_entry("session.force_spinning_stop") == "1"
+    off = dyncompile.load(plans["plain"], spinning=False)
+    assert off.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     ref = dyncompile.load(plans["plain"]).generate(PROMPTS[0], max_new_tokens=12)
-    assert m.generate(PROMPTS[0], max_new_tokens=12).token_ids == ref.token_ids
-    m = dyncompile.load(plans["plain"], spinning=True, session_config={"session.intra_op.allow_spinning": "0"})
+    assert off.generate(PROMPTS[0], max_new_tokens=12).token_ids == ref.token_ids
+    m = dyncompile.load(plans["plain"], session_config={"session.intra_op.allow_spinning": "0"})
     assert m.ctx.session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     with pytest.raises(DataError, match="spinning must be True or False"):
         dyncompile.load(plans["plain"], spinning="yes")
     text = " ".join(f"w{t}" for t in PROMPTS[0])
     want = dyncompile.load(plans["plain"]).generate(text, max_new_tokens=12).text
-    rc, out, _ = run_cli(capsys, "run", plans["plain"], "--prompt", text, "--max-new-tokens", "12", "--spinning")
+    rc, out, _ = run_cli(capsys, "run", plans["plain"], "--prompt", text, "--max-new-tokens", "12", "--no-spinning")
     assert rc == 0 and out.startswith(want + "\n--\n"), out

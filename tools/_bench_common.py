@@ -3,9 +3,9 @@
 Runners that map texts to probabilities, the interleaved measurement (:func:`bench_runners`: batch-1
 latency with rotating order, batched throughput, quality from the very same runs), machine facts, the
 markdown table and the report writer. Sessions run with the settings ``dyncompile.load`` gives by default
-(``BENCH_SESSION_CONFIG`` is empty: what a user gets is what is measured); since issue #15 that default is intra-op
-spinning off (``runtime.providers.DEFAULT_SESSION_CONFIG``): with several sessions in one process on a 2-core
-machine, idle sessions' spinning threads would otherwise slow the one that runs.
+(``BENCH_SESSION_CONFIG`` is empty: what a user gets is what is measured): ``runtime.providers.DEFAULT_SESSION_CONFIG``,
+intra-op threads that spin while a call runs and stop when it returns, so with several sessions in one process idle
+sessions' threads do not slow the one that runs.
 """
 
 from __future__ import annotations

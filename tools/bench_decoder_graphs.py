@@ -3,7 +3,7 @@
 ``python -m dyncompile.tools.bench_decoder_graphs --variant unfused=MODEL.onnx --variant fused=PLAN/model.onnx
 --variant builder=DIR/model.onnx --prompts code.jsonl`` drives every graph through the runtime's
 :class:`~dyncompile.runtime.kv_cache.KVDecoder` (the object the ``generate`` plan step uses; numpy past tensors,
-the bench session config: intra-op spinning off, ``--threads``), one prompt at a time, rotating which graph
+``dyncompile.load``'s session config: threads spin only while a call runs, ``--threads``), one prompt at a time, rotating which graph
 goes first, and reports per graph: prefill seconds (all prompts), decode tokens/s (tokens after the first / decode
 seconds), tokens/s including prefill, the median per-prompt decode ms/token, and its fidelity against the first
 variant: greedy tokens identical (per prompt; first divergence) and the max |logit| difference of the prefill's
@@ -69,8 +69,9 @@ def _session(path: Path, threads: int):
     so.log_severity_level = 3
     from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
 
-    # what dyncompile.load gives (intra-op spinning off): with several sessions stepped in turn, idle sessions'
-    # spinning threads would otherwise take the cores (measured: 2-3 interleaved sessions doubled a step's time)
+    # what dyncompile.load gives (spinning stopped when a call returns): with several sessions stepped in turn, idle
+    # sessions' spinning threads would otherwise take the cores (measured: 2-3 interleaved sessions doubled a step's
+    # time with ORT's plain spinning)
     for k, v in {**DEFAULT_SESSION_CONFIG, **BENCH_SESSION_CONFIG}.items():
         so.add_session_config_entry(k, v)
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
@@ -194,7 +195,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"# {report['title']}",
         "",
         f"{report['prompts']} prompts, greedy, {report['max_new_tokens']} new tokens each (EOS not a stop), "
-        f"{report['threads']} intra-op threads, spinning off; {m['cpu']} ({m['cores']} cores), ORT {m['onnxruntime']}, "
+        f"{report['threads']} intra-op threads, dyncompile.load's session settings; {m['cpu']} ({m['cores']} cores), ORT {m['onnxruntime']}, "
         f"{m['date']}; load average at start {report['load_avg_start']}, end {report['load_avg_end']}.",
         "Decode step = median step time of a prompt; the ratios are per prompt against the first row (paired, so "
         "load drift between prompts cancels), median over prompts: below 1 is faster. Totals (tok/s) include any "

@@ -4,7 +4,8 @@
 openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every prompt, greedy, through:
 
 * dyncompile's target alone and its speculative step, loaded the way ``dyncompile.load`` loads them by default
-  (intra-op spinning off; ``--spinning-on`` adds the same plan with ORT's own default, spinning on);
+  (intra-op threads spin while a call runs; ``--spinning-on`` adds the same plan with ORT's own default, spinning that
+  goes on after the call, and ``--session-variant`` any other session settings);
 * each peer's greedy decoding on its own export of the same model (``--peer-model``), and its speculative modes
   when asked: a draft model (``--peer-draft``: an onnxruntime-genai folder whose genai_config.json has a
   ``model.draft`` section, or an OpenVINO draft IR folder) and n-gram / prompt-lookup decoding (``--peer-ngram``).
@@ -44,7 +45,8 @@ PEERS = {
     "ortgenai": ("ortgenai", "onnxruntime-genai", "draft model / n-gram"),
     "openvino": ("ovgenai", "OpenVINO GenAI", "draft model / prompt lookup"),
 }
-SPIN_ON = "session.intra_op.allow_spinning=1"
+#: ORT's own default: spinning on, and the threads keep spinning for a while after a call returns
+SPIN_ON = ["session.intra_op.allow_spinning=1", "session.force_spinning_stop=0"]
 
 
 class Worker:
@@ -182,7 +184,10 @@ def paired_comparisons(runners: list[Runner], runs: dict[str, list[dict]]) -> li
             b = [_rates(x) for x in runs[p.name]]
             out.append({"dyncompile": d.name, "peer": p.name,
                         "tokens_per_s": paired_ratio([x[0] for x in a], [x[0] for x in b]),
-                        "decode_tokens_per_s": paired_ratio([x[1] for x in a], [x[1] for x in b])})
+                        "decode_tokens_per_s": paired_ratio([x[1] for x in a], [x[1] for x in b]),
+                        # time, not rate: below 1 is faster
+                        "prefill_seconds": paired_ratio([max(x["prefill_s"], 1e-9) for x in runs[d.name]],
+                                                        [max(x["prefill_s"], 1e-9) for x in runs[p.name]])})
     return out
 
 
@@ -251,12 +256,12 @@ def markdown_report(report: dict[str, Any]) -> str:
     if report.get("paired"):
         lines += ["", "paired by prompt (geometric mean over prompts of dyncompile's rate / the peer's, 95 % bootstrap "
                   "interval over prompts; an interval containing 1.00x leaves the ranking open):", "",
-                  "| dyncompile | peer | tok/s ratio (95 % CI) | decode tok/s ratio (95 % CI) | prompts |",
-                  "|---|---|---|---|---|"]
+                  "| dyncompile | peer | tok/s ratio (95 % CI) | decode tok/s ratio (95 % CI) | "
+                  "prefill time ratio (95 % CI; < 1: faster) | prompts |", "|---|---|---|---|---|---|"]
         for c in report["paired"]:
-            t, d = c["tokens_per_s"], c["decode_tokens_per_s"]
-            lines.append(f"| {c['dyncompile']} | {c['peer']} | {t['ratio']:.3f}x ({t['lo']:.3f}–{t['hi']:.3f}) | "
-                         f"{d['ratio']:.3f}x ({d['lo']:.3f}–{d['hi']:.3f}) | {t['n']} |")
+            cells = " | ".join(f"{v['ratio']:.3f}x ({v['lo']:.3f}–{v['hi']:.3f})" for v in
+                               (c["tokens_per_s"], c["decode_tokens_per_s"], c["prefill_seconds"]))
+            lines.append(f"| {c['dyncompile']} | {c['peer']} | {cells} | {c['tokens_per_s']['n']} |")
     lines += ["", "ceiling tok/s with decoding free (new tokens / prefill seconds: no decoder speed-up can pass it): "
               + ", ".join(f"{r['name']} {r['ceiling_tokens_per_s']:.2f}" for r in report["results"] if "ceiling_tokens_per_s" in r)]
     lines += ["", "workers (versions, settings, load seconds):", ""]
@@ -298,12 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OpenVINO GenAI's CPU inference precision (default f32, the precision of the fp32 reference; "
                    "the plugin's own default is bf16 on CPUs with bf16 instructions, which is not an fp32 comparison)")
     p.add_argument("--spinning-on", action="store_true",
-                   help="also run the plan with ORT intra-op spinning on (ORT's default; dyncompile.load turns it off): "
-                   "a second dyncompile worker")
+                   help="also run the plan with ORT's own default, threads that go on spinning after each call "
+                   "(dyncompile.load stops them when the call returns): a second dyncompile worker")
     p.add_argument("--session-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                    help="also run the plan with these ORT session config entries over dyncompile.load's defaults, in a "
-                   "dyncompile worker of its own labelled LABEL (repeatable), e.g. 'spin, stop after run:"
-                   "session.intra_op.allow_spinning=1,session.force_spinning_stop=1'")
+                   "dyncompile worker of its own labelled LABEL (repeatable), e.g. 'no spinning:"
+                   "session.intra_op.allow_spinning=0' (what dyncompile.load(spinning=False) gives)")
     p.add_argument("--no-speculative", action="store_true", help="skip dyncompile's speculative step")
     p.add_argument("--sequential-peers", action="store_true",
                    help="when the models do not fit in memory together: dyncompile's runners first (interleaved), then "
@@ -365,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = [Runner("dyncompile target alone", "dyncompile", "greedy", "dyncompile")]
     if speculative:
         runners.append(Runner(f"dyncompile speculative ({_drafter_name(step)})", "dyncompile", "spec", "dyncompile"))
-    variants = [("spinning on", [SPIN_ON])] if args.spinning_on else []
+    variants = [("spinning on", SPIN_ON)] if args.spinning_on else []
     variants += [_session_variant(v) for v in args.session_variant]
     for i, (label, entries) in enumerate(variants):
         key = "dyncompile-spin-on" if args.spinning_on and i == 0 else f"dyncompile-variant-{i}"

@@ -105,7 +105,7 @@ def torch_runners(hf_dir: str, *, plan, threads: int | None, assistant_dir: str 
     import os
 
     # OpenMP threads that spin while waiting make PyTorch 5-20x slower on a shared 2-core machine (measured:
-    # SmolLM2 decode 720 ms/token vs 43 ms/token); ORT's sessions run with spinning off too.
+    # SmolLM2 decode 720 ms/token vs 43 ms/token); ORT's sessions stop spinning when a call returns.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     from transformers import AutoModelForCausalLM

@@ -208,9 +208,10 @@ def _cmd_run(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--provider", default="cpu", help="cpu | openvino | cuda | directml (default: cpu)")
     p.add_argument("--fallback", help="provider to use, with a warning, if --provider is not available")
-    p.add_argument("--spinning", action="store_true",
-                   help="let ORT's intra-op threads spin while a call runs (~5 %% faster decoding on a machine the "
-                   "process has to itself, 10-15 %% slower when other busy processes share the cores)")
+    p.add_argument("--no-spinning", action="store_true",
+                   help="ORT's intra-op threads wait without spinning between work items: for a machine whose cores "
+                   "other busy processes share (spinning, the default, decodes ~5-10 %% faster on cores the process "
+                   "has to itself and 10-15 %% slower on oversubscribed ones)")
     p.add_argument("--compare", action="store_true", help="also run the original model and compare probabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     g = p.add_argument_group("text generation (decoder plans)")
@@ -234,7 +235,7 @@ def _cmd_run(argv: list[str]) -> int:
             raise DataError(f"{flag} must be >= 1, got {value}")
     import dyncompile
 
-    model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, spinning=args.spinning)
+    model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, spinning=not args.no_spinning)
     if model.plan.task == "text-to-image":
         from dyncompile.tools.diffusion_cli import run_text_to_image
 
