@@ -29,6 +29,7 @@ __all__ = [
     "DATA",
     "Runner",
     "bench_runners",
+    "bootstrap_diff",
     "interleaved_batch1",
     "compile_early_exit",
     "load_avg",
@@ -74,19 +75,29 @@ def reference_runner(name: str, onnx_path, compiled, **info) -> Runner:
     return Runner(name, fn, info)
 
 
+def bootstrap_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None, n: int = 4000, seed: int = 0):
+    """Paired bootstrap of mean(a - b) over prompts (optionally over the rows in mask); (mean, lo, hi)."""
+    rng = np.random.default_rng(seed)
+    d = (a.astype(np.float64) - b.astype(np.float64))
+    if mask is not None:
+        d = d[mask]
+    idx = rng.integers(0, len(d), size=(n, len(d)))
+    boots = d[idx].mean(1)
+    return float(d.mean()), float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
+
+
 def paired_ratio(a: Sequence[float], b: Sequence[float], *, n: int = 4000, seed: int = 0) -> dict[str, float]:
     """The geometric mean of ``a[i] / b[i]`` (rates of two runners on the same prompt ``i``) with a 95 %
-    percentile-bootstrap interval over prompts: ``{"ratio", "lo", "hi", "n"}``.
+    percentile-bootstrap interval over prompts: ``{"ratio", "lo", "hi", "n"}`` (:func:`bootstrap_diff` of the logs).
 
     Pairing by prompt removes the prompts' own spread (long prompts are slow for everyone); the interval says
     whether the machine's drift over the run leaves the ranking open (it contains 1) or not."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.ndim != 1 or a.shape != b.shape or not len(a) or not (np.all(a > 0) and np.all(b > 0)):
         raise ValueError(f"paired_ratio needs two equal-length lists of positive rates, got {len(a)} and {len(b)}")
-    x = np.log(a) - np.log(b)
-    boots = x[np.random.default_rng(seed).integers(0, len(x), size=(n, len(x)))].mean(1)
-    return {"ratio": round(float(np.exp(x.mean())), 4), "lo": round(float(np.exp(np.quantile(boots, 0.025))), 4),
-            "hi": round(float(np.exp(np.quantile(boots, 0.975))), 4), "n": len(x)}
+    mean, lo, hi = bootstrap_diff(np.log(a), np.log(b), n=n, seed=seed)
+    return {"ratio": round(float(np.exp(mean)), 4), "lo": round(float(np.exp(lo)), 4),
+            "hi": round(float(np.exp(hi)), 4), "n": len(a)}
 
 
 def machine_info() -> dict[str, Any]:

@@ -33,6 +33,7 @@ from dyncompile.io import shared_dir, write_json_atomic
 from dyncompile.passes.step_saver import calibrate as cal
 from dyncompile.passes.step_saver.metrics import frechet, texture
 from dyncompile.runtime.denoise import StopRule
+from dyncompile.tools._bench_common import bootstrap_diff
 
 logger = logging.getLogger(__name__)
 
@@ -87,17 +88,6 @@ def read_idx_images(path: Path) -> np.ndarray:
         data = f.read()
     n, h, w = (int.from_bytes(data[i : i + 4], "big") for i in (4, 8, 12))
     return np.frombuffer(data, np.uint8, offset=16).reshape(n, h, w)
-
-
-def bootstrap_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None, n: int = 4000, seed: int = 0):
-    """Paired bootstrap of mean(a - b) over prompts (optionally over the rows in mask); (mean, lo, hi)."""
-    rng = np.random.default_rng(seed)
-    d = (a.astype(np.float64) - b.astype(np.float64))
-    if mask is not None:
-        d = d[mask]
-    idx = rng.integers(0, len(d), size=(n, len(d)))
-    boots = d[idx].mean(1)
-    return float(d.mean()), float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
 
 
 def main(argv=None) -> int:

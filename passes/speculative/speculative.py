@@ -422,6 +422,8 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
             check = check_same_tokenizer(target_dir, drafter_dir, target_config=context.model_config or None)
         drafter = _load_drafter(source, context.model_path)
         decoder_spec(drafter, "drafter", what="drafter", where=source)  # fail before loading the target
+    # a tree is no deeper than a model drafter's longest chain (prompt lookup's 16-token chains would make it a chain)
+    chain_max = DEFAULT_MAX_DRAFT["model"] if max_draft is None else max_draft
     return SpeculativePass(
         drafter,
         drafter_source=source,
@@ -435,8 +437,6 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         tokenizer_check=check,
         measure=measure,
         allow_inexact_target=allow_inexact_target,
-        tree={"max_nodes": tree_nodes, "max_depth": tree_depth or max(DEFAULT_MAX_DRAFT["model"] if max_draft is None else max_draft,
-                                                               draft_length),
-              "branching": branching,
+        tree={"max_nodes": tree_nodes, "max_depth": tree_depth or max(chain_max, draft_length), "branching": branching,
               "adaptive": tree_adaptive} if tree else None,
     )
