@@ -58,3 +58,27 @@ def test_comparisons_pair_modes_and_report_ceiling():
     rep.update(plan_name="p", prompts=4, prompts_file="f", max_new_tokens=11, threads=2, workers={})
     md = markdown_report(rep)
     assert "1.250x (1.250–1.250)" in md and "ceiling tok/s" in md
+
+
+def test_a_variant_is_paired_with_the_main_plan_of_its_mode():
+    """A second dyncompile worker (a plan or session variant) gets the main plan's runner of the same mode as a
+    partner, besides the peers; the main plan's runners are not paired with the variant twice."""
+    runners = [Runner("dyn greedy", "dyncompile", "greedy", "dyncompile"),
+               Runner("dyn spec", "dyncompile", "spec", "dyncompile"),
+               Runner("conv greedy", "dyncompile-plan-0", "greedy", "dyncompile"),
+               Runner("conv spec", "dyncompile-plan-0", "spec", "dyncompile"),
+               Runner("peer greedy", "p", "greedy", "peer")]
+    runs = {
+        "dyn greedy": [_run(11, 1.0 + 10.0 / (i + 1), 1.0) for i in range(4)],
+        "conv greedy": [_run(11, 1.0 + 9.0 / (i + 1), 1.0) for i in range(4)],  # decodes 10/9 as fast
+        "dyn spec": [_run(11, 3.0, 2.0) for _ in range(4)],
+        "conv spec": [_run(11, 3.0, 2.0) for _ in range(4)],
+        "peer greedy": [_run(11, 1.0 + 10.0 / (i + 1), 1.0) for i in range(4)],
+    }
+    pairs = paired_comparisons(runners, runs)
+    assert [(c["dyncompile"], c["peer"]) for c in pairs] == [
+        ("dyn greedy", "peer greedy"), ("conv greedy", "dyn greedy"), ("conv greedy", "peer greedy"),
+        ("conv spec", "dyn spec")]
+    assert pairs[1]["decode_tokens_per_s"]["ratio"] == pytest.approx(10.0 / 9.0, abs=1e-3)
+    assert pairs[3]["decode_tokens_per_s"]["ratio"] == pytest.approx(1.0)
+

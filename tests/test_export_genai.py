@@ -124,6 +124,7 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
                         str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q", "--repeat", "2",
                         "--session-variant", "no spin:session.intra_op.allow_spinning=0",
+                        "--plan-variant", f"pl:{plans['prompt-lookup']}",
                         "--report-dir", str(tmp_path / "rep"), "--name", "t"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -147,11 +148,21 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
     assert rep["workers"]["dyncompile-spin-on"]["settings"]["session_config"] == {
         "session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "0"}
     assert {"dyncompile target alone, no spin", "dyncompile speculative, no spin"} <= set(names)
+    # the plan variant (the same target with a prompt-lookup drafter) runs in its own worker, paired with the main
+    assert {"dyncompile target alone, pl", "dyncompile speculative (prompt-lookup), pl"} <= set(names)
+    assert rep["workers"]["dyncompile-plan-0"]["command"][rep["workers"]["dyncompile-plan-0"]["command"].index(
+        "--model") + 1] == str(plans["prompt-lookup"])
+    main_spec = next(n for n in names if n.startswith("dyncompile speculative (") and "," not in n)
+    assert ("dyncompile speculative (prompt-lookup), pl", main_spec) in {(c["dyncompile"], c["peer"])
+                                                                        for c in rep["paired"]}
     assert rep["workers"]["dyncompile-variant-1"]["settings"]["session_config"] == {
         "session.intra_op.allow_spinning": "0", "session.force_spinning_stop": "1"}
     rc, _, err = run_cli(capsys, "bench", plans["external"], "--prompts", prompts, "--peers", "none",
                          "--session-variant", "no-entries")
     assert_clean_error(rc, err, "--session-variant 'no-entries'", "LABEL:KEY=VALUE")
+    rc, _, err = run_cli(capsys, "bench", plans["external"], "--prompts", prompts, "--peers", "none",
+                         "--plan-variant", f"x:{tmp_path}")
+    assert_clean_error(rc, err, f"--plan-variant 'x:{tmp_path}'", "no plan.json")
 
 
 @pytest.mark.skipif(not PEER_PY.exists(), reason="needs onnxruntime-genai's environment ($DYNCOMPILE_PEER_VENVS/ortgenai)")

@@ -112,8 +112,25 @@ def _greedy_interleaved(decs: list[KVDecoder], ids: list[int], n: int) -> list[d
              "last_logits": la} for o, p, st, la in zip(outs, pre, steps, lasts)]
 
 
+def _verify_calls(decs: list[KVDecoder], tokens: list[int], sizes: list[int], repeats: int = 3) -> list[dict[int, float]]:
+    """Seconds of one call on ``s`` new tokens (the first ``s`` generated tokens, as a verification of ``s - 1``
+    drafts is) on top of each decoder's cache, for each ``s`` in ``sizes``: the variants in turn, size by size,
+    ``repeats`` times (median); each call is rolled back, so every variant sees the same cache."""
+    out: list[dict[int, list[float]]] = [{s_: [] for s_ in sizes} for _ in decs]
+    for _ in range(repeats):
+        for s_ in sizes:
+            for k, dec in enumerate(decs):
+                keep = dec.length
+                t = time.perf_counter()
+                dec.forward(tokens[:s_])
+                out[k][s_].append(time.perf_counter() - t)
+                dec.truncate(keep)
+    return [{s_: statistics.median(v) for s_, v in o.items()} for o in out]
+
+
 def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[int]], *, max_new_tokens: int,
-              threads: int, one_session: bool = False, step_interleaved: bool = False) -> dict[str, Any]:
+              threads: int, one_session: bool = False, step_interleaved: bool = False,
+              verify_sizes: list[int] | None = None) -> dict[str, Any]:
     """Greedy generation of every prompt with every variant (rotating order); per-variant timings and fidelity.
 
     Each variant is (name, path, reference name or None for the first variant). Speed is reported robustly for a
@@ -121,7 +138,10 @@ def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[i
     the same prompt (paired), and the medians of those ratios are reported next to the totals. ``one_session``
     holds one ORT session at a time (made again for every prompt: for models whose variants do not fit in memory
     together). ``step_interleaved`` alternates the variants at every decode step (all sessions held): on a
-    machine whose load changes by the second this is the only fair comparison of decode speed.
+    machine whose load changes by the second this is the only fair comparison of decode speed. ``verify_sizes``
+    (with ``step_interleaved``) also times, after each prompt's generation, one call on ``s`` tokens for each size
+    (what verifying ``s - 1`` drafts costs), the variants in turn; reported per size as milliseconds, as the cost
+    relative to the same variant's one-token call, and paired against the first variant.
     """
     import gc
 
@@ -145,7 +165,12 @@ def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[i
         order = list(range(len(variants)))
         order = order[k % len(order):] + order[: k % len(order)]
         if step_interleaved:
-            for j, r in zip(order, _greedy_interleaved([decs[j] for j in order], ids, max_new_tokens)):
+            runs = _greedy_interleaved([decs[j] for j in order], ids, max_new_tokens)
+            if verify_sizes:
+                calls = _verify_calls([decs[j] for j in order], runs[0]["tokens"], sorted({1, *verify_sizes}))
+                for r, c in zip(runs, calls):
+                    r["verify_s"] = c
+            for j, r in zip(order, runs):
                 rec[variants[j][0]].append(r)
             continue
         for j in order:
@@ -186,6 +211,14 @@ def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[i
             "prefill_last_logit_max_abs_diff": float(max(np.abs(r["last_logits"] - q["last_logits"]).max()
                                                          for r, q in zip(rows, ref))),
         })
+        if rows and "verify_s" in rows[0]:
+            sizes = sorted(rows[0]["verify_s"])
+            results[-1]["verify_calls"] = {str(s_): {
+                "ms_median": round(1000 * statistics.median(r["verify_s"][s_] for r in rows), 2),
+                "cost_vs_one_token_median": round(statistics.median(r["verify_s"][s_] / r["verify_s"][1] for r in rows), 3),
+                "ratio_vs_first_median": round(statistics.median(r["verify_s"][s_] / f["verify_s"][s_]
+                                                                 for r, f in zip(rows, first)), 3),
+            } for s_ in sizes}
     return {"results": results, "load_avg_start": load_start, "load_avg_end": load_avg()}
 
 
@@ -212,6 +245,17 @@ def markdown_report(report: dict[str, Any]) -> str:
             f"{r['tok_s_incl_prefill']} | {r['greedy_identical_prompts']} | {r['fidelity_reference']} | "
             f"{r['prefill_last_logit_max_abs_diff']:.2e} |"
         )
+    if any("verify_calls" in r for r in report["results"]):
+        sizes = list(report["results"][0]["verify_calls"])
+        lines += ["", "One call on s new tokens (a verification of s - 1 drafts), after each prompt, the graphs in turn "
+                  "(median over prompts of each prompt's median of 3): ms / cost relative to the same graph's one-token "
+                  "call / time relative to the first row (paired per prompt; below 1 is faster):", "",
+                  "| graph | " + " | ".join(f"s = {x}" for x in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        for r in report["results"]:
+            v = r.get("verify_calls") or {}
+            lines.append(f"| {r['name']} | " + " | ".join(
+                f"{v[x]['ms_median']} / {v[x]['cost_vs_one_token_median']}x / {v[x]['ratio_vs_first_median']}x"
+                if x in v else "–" for x in sizes) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -249,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="hold one ORT session at a time (re-created per prompt): variants that do not fit in memory together")
     ap.add_argument("--step-interleaved", action="store_true",
                     help="alternate the variants at every decode step (fairest on a busy machine; all sessions held)")
+    ap.add_argument("--verify-sizes", default="", metavar="S,S,...",
+                    help="with --step-interleaved: also time one call on S new tokens per size after each prompt (the "
+                    "cost of verifying S - 1 drafts), e.g. 2,5,9,17")
     ap.add_argument("--title", default="decoder graphs")
     ap.add_argument("--out", default="bench-results/decoder-graphs")
     ap.add_argument("--stem", required=True, help="file name stem of the JSON / markdown report")
@@ -270,10 +317,17 @@ def main(argv: list[str] | None = None) -> int:
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "machine": machine_info()}
     if args.one_session and args.step_interleaved:
         raise SystemExit("error: --one-session and --step-interleaved exclude each other")
+    try:
+        sizes = [int(x) for x in args.verify_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --verify-sizes {args.verify_sizes!r}: expected integers, e.g. 2,5,9,17") from None
+    if sizes and (not args.step_interleaved or min(sizes) < 1 or max(sizes) > args.max_new_tokens):
+        raise SystemExit("error: --verify-sizes needs --step-interleaved and sizes from 1 to --max-new-tokens")
     report["one_session_at_a_time"] = args.one_session
     report["step_interleaved"] = args.step_interleaved
     report.update(run_bench(variants, ids, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                            one_session=args.one_session, step_interleaved=args.step_interleaved))
+                            one_session=args.one_session, step_interleaved=args.step_interleaved,
+                            verify_sizes=sizes))
     report["markdown"] = markdown_report(report)
     jp, mp = write_report(report, Path(args.out), args.stem)
     print(report["markdown"])

@@ -5,7 +5,8 @@ openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every pr
 
 * dyncompile's target alone and its speculative step, loaded the way ``dyncompile.load`` loads them by default
   (intra-op threads spin while a call runs; ``--spinning-on`` adds the same plan with ORT's own default, spinning that
-  goes on after the call, and ``--session-variant`` any other session settings);
+  goes on after the call, ``--session-variant`` any other session settings, and ``--plan-variant`` another plan of
+  the same model, e.g. compiled with other passes, each in a worker of its own and paired with the main plan);
 * each peer's greedy decoding on its own export of the same model (``--peer-model``), and its speculative modes
   when asked: a draft model (``--peer-draft``: an onnxruntime-genai folder whose genai_config.json has a
   ``model.draft`` section, or an OpenVINO draft IR folder) and n-gram / prompt-lookup decoding (``--peer-ngram``).
@@ -131,6 +132,21 @@ def _session_variant(text: str) -> tuple[str, list[str]]:
     return label.strip(), entries
 
 
+def _plan_variant(text: str) -> tuple[str, Path]:
+    """``LABEL:PLAN_DIR`` -> (label, plan folder), checked to be a text-generation plan."""
+    from dyncompile.plan import load_plan
+
+    label, sep, folder = text.partition(":")
+    if not sep or not label.strip() or not folder.strip():
+        raise DataError(f"--plan-variant {text!r}: expected LABEL:PLAN_DIR, e.g. 'conv:q05-pl-conv/'")
+    path = Path(folder.strip())
+    if not (path / "plan.json").is_file():
+        raise DataError(f"--plan-variant {text!r}: {path} has no plan.json; compile it with dyncompile first")
+    if load_plan(path, verify_hashes=False).task != "text-generation":
+        raise DataError(f"--plan-variant {text!r}: {path} is not a text-generation plan")
+    return label.strip(), path
+
+
 def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
@@ -173,13 +189,18 @@ def _rates(x: dict) -> tuple[float, float]:
 
 
 def paired_comparisons(runners: list[Runner], runs: dict[str, list[dict]]) -> list[dict[str, Any]]:
-    """Each dyncompile runner against each peer runner of a comparable mode: the geometric mean over prompts
-    (every pass's prompt counts once) of the per-prompt rate ratios, with 95 % bootstrap intervals."""
+    """Each dyncompile runner against each peer runner of a comparable mode (and each variant's runner against the
+    main plan's of its mode): the geometric mean over prompts (every pass's prompt counts once) of the per-prompt
+    rate ratios, with 95 % bootstrap intervals."""
     from dyncompile.tools._bench_common import paired_ratio
 
     out = []
     for d in (r for r in runners if r.kind == "dyncompile"):
-        for p in (r for r in runners if r.kind == "peer" and r.mode in COMPARABLE.get(d.mode, ())):
+        # the peers of a comparable mode; for another worker of dyncompile's (a session or plan variant), also the
+        # main plan's runner of the same mode, so a variant's gain is paired in the same run
+        main = [r for r in runners if r.kind == "dyncompile" and r.worker == "dyncompile" and r.mode == d.mode
+                and d.worker != "dyncompile"]
+        for p in main + [r for r in runners if r.kind == "peer" and r.mode in COMPARABLE.get(d.mode, ())]:
             a = [_rates(x) for x in runs[d.name]]
             b = [_rates(x) for x in runs[p.name]]
             out.append({"dyncompile": d.name, "peer": p.name,
@@ -309,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the plan with these ORT session config entries over dyncompile.load's defaults, in a "
                    "dyncompile worker of its own labelled LABEL (repeatable), e.g. 'no spinning:"
                    "session.intra_op.allow_spinning=0' (what dyncompile.load(spinning=False) gives)")
+    p.add_argument("--plan-variant", action="append", default=[], metavar="LABEL:PLAN_DIR",
+                   help="also run another plan of the same model (e.g. compiled with other passes) in a dyncompile "
+                   "worker of its own labelled LABEL (repeatable); its runners are paired with the main plan's too")
     p.add_argument("--no-speculative", action="store_true", help="skip dyncompile's speculative step")
     p.add_argument("--sequential-peers", action="store_true",
                    help="when the models do not fit in memory together: dyncompile's runners first (interleaved), then "
@@ -378,6 +402,14 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(Runner(f"dyncompile target alone, {label}", key, "greedy", "dyncompile"))
         if speculative:
             runners.append(Runner(f"dyncompile speculative, {label}", key, "spec", "dyncompile"))
+    for i, (label, folder) in enumerate(_plan_variant(v) for v in args.plan_variant):
+        key = f"dyncompile-plan-{i}"
+        specs[key] = [*dyn_cmd[:dyn_cmd.index("--model") + 1], str(folder), *dyn_cmd[dyn_cmd.index("--model") + 2:]]
+        vstep = load_plan(folder, verify_hashes=False).steps[0]
+        runners.append(Runner(f"dyncompile target alone, {label}", key, "greedy", "dyncompile"))
+        if vstep.kind != "generate" and not args.no_speculative:
+            runners.append(Runner(f"dyncompile speculative ({_drafter_name(vstep)}), {label}", key, "spec",
+                                  "dyncompile"))
     for s in peers:
         py = _peer_python(s, pythons)
         human = PEERS[s][1]

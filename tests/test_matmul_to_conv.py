@@ -1,0 +1,127 @@
+"""matmul-to-conv: constant-weight MatMuls on [batch, seq, K] become 1x1 Convs over [batch, K, 1, seq]; outputs
+unchanged within round-off, in ORT with no optimization and with the NCHWc kernels that make it worth doing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+import dyncompile
+from dyncompile.passes.matmul_to_conv import MatMulToConvPass
+
+RNG = np.random.default_rng(0)
+
+
+def _graph(chain: bool = True) -> onnx.ModelProto:
+    """x [b, s, 8] -> MatMul(W1 [8, 16]) -> Relu -> MatMul(W2 [16, 5]) -> y (lowered); also
+    MatMul(x, Wshared) twice (a shared weight), MatMul(x, w_in) (not constant), MatMul(x2d, W3) (rank 2): left."""
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["b", "s", 8]))
+    x2 = ir.val("x2", ir.DataType.FLOAT, ir.Shape(["r", 8]))
+    w_in = ir.val("w_in", ir.DataType.FLOAT, ir.Shape([8, 4]))
+
+    def const(name, shape):
+        return ir.val(name, const_value=ir.tensor(RNG.standard_normal(shape).astype(np.float32), name=name))
+
+    w1, w2, ws, w3 = const("W1", (8, 16)), const("W2", (16, 5)), const("Wshared", (8, 3)), const("W3", (8, 6))
+    tape = ir.tape.Tape()
+
+    def out(v, name, shape):
+        v.name, v.dtype, v.shape = name, ir.DataType.FLOAT, ir.Shape(shape)
+        return v
+
+    h = out(tape.op("MatMul", [x, w1], name="mm1"), "h", ["b", "s", 16])
+    r = out(tape.op("Relu", [h]), "r", ["b", "s", 16])
+    y = out(tape.op("MatMul", [r, w2], name="mm2"), "y", ["b", "s", 5])
+    s1 = out(tape.op("MatMul", [x, ws], name="shared1"), "s1", ["b", "s", 3])
+    s2 = out(tape.op("Relu", [out(tape.op("MatMul", [x, ws], name="shared2"), "s2", ["b", "s", 3])]), "s2r",
+             ["b", "s", 3])
+    z = out(tape.op("MatMul", [x, w_in], name="dyn"), "z", ["b", "s", 4])
+    q = out(tape.op("MatMul", [x2, w3], name="rank2"), "q", ["r", 6])
+    outs, inits = [s1, s2, z, q], [ws, w3]
+    if chain:
+        outs, inits = [y, *outs], [w1, w2, *inits]
+    else:
+        tape = ir.tape.Tape()  # the same MatMuls without the lowerable chain
+        s1 = out(tape.op("MatMul", [x, ws], name="shared1"), "s1", ["b", "s", 3])
+        s2 = out(tape.op("Relu", [out(tape.op("MatMul", [x, ws], name="shared2"), "s2", ["b", "s", 3])]), "s2r",
+                 ["b", "s", 3])
+        z = out(tape.op("MatMul", [x, w_in], name="dyn"), "z", ["b", "s", 4])
+        q = out(tape.op("MatMul", [x2, w3], name="rank2"), "q", ["r", 6])
+        outs = [s1, s2, z, q]
+    g = ir.Graph([x, x2, w_in], outs, nodes=tape.nodes, initializers=inits,
+                 opset_imports={"": 18}, name="g")
+    return ir.to_proto(ir.Model(g, ir_version=10))
+
+
+def _run(model: onnx.ModelProto, feeds, level) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_lowers_constant_rank3_matmuls_exactly():
+    proto = _graph()
+    result = MatMulToConvPass()(ir.from_proto(proto))
+    assert result.modified
+    lowered = ir.to_proto(result.model)
+    onnx.checker.check_model(lowered, full_check=True)
+    convs = [n for n in lowered.graph.node if n.op_type == "Conv"]
+    assert len(convs) == 2  # mm1 and mm2; the shared, non-constant and rank-2 MatMuls stay
+    assert sorted(n.name for n in lowered.graph.node if n.op_type == "MatMul") == ["dyn", "rank2", "shared1",
+                                                                                    "shared2"]
+    weights = {i.name: list(i.dims) for i in lowered.graph.initializer}
+    assert weights["W1"] == [16, 8, 1, 1] and weights["W2"] == [5, 16, 1, 1]  # transposed in place, same names
+    assert weights["Wshared"] == [8, 3] and weights["W3"] == [8, 6]
+    w1 = onnx.numpy_helper.to_array(next(i for i in proto.graph.initializer if i.name == "W1"))
+    w1t = onnx.numpy_helper.to_array(next(i for i in lowered.graph.initializer if i.name == "W1"))
+    np.testing.assert_array_equal(w1t[:, :, 0, 0], w1.T)
+    assert [o.name for o in lowered.graph.output] == [o.name for o in proto.graph.output]
+    for b, s in ((1, 1), (1, 9), (2, 300)):  # a decode step, a verification, a prompt (two sequences)
+        feeds = {"x": RNG.standard_normal((b, s, 8)).astype(np.float32),
+                 "x2": RNG.standard_normal((3, 8)).astype(np.float32),
+                 "w_in": RNG.standard_normal((8, 4)).astype(np.float32)}
+        want = _run(proto, feeds, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+            for a, got in zip(want, _run(lowered, feeds, level)):
+                assert got.shape == a.shape
+                np.testing.assert_allclose(got, a, rtol=0, atol=1e-5)
+    again = MatMulToConvPass()(result.model)
+    assert again.modified is False
+
+
+def test_graphs_without_a_lowerable_matmul_are_left_alone():
+    proto = _graph(chain=False)  # only the shared, non-constant and rank-2 MatMuls
+    g = ir.from_proto(proto)
+    before = ir.to_onnx_text(g)
+    assert MatMulToConvPass()(g).modified is False
+    assert ir.to_onnx_text(g) == before
+    assert repr(MatMulToConvPass()) == "MatMulToConvPass()"
+
+
+def test_real_decoder_lowered_is_token_identical(smollm2, tmp_path):
+    """SmolLM2: every layer projection and the LM head become Convs; greedy text equals the unlowered plan's, and
+    prompt lookup on the lowered plan equals its own target alone."""
+    from dyncompile.passes.compiler import compile_model
+
+    recipe = "explicit-attention,fuse-decoder,pack-matmuls,trim-logits"
+    base = compile_model(smollm2.onnx_path, recipe, tmp_path / "base").plan_dir
+    conv = compile_model(smollm2.onnx_path, recipe + ",matmul-to-conv,speculative", tmp_path / "conv",
+                         drafter="prompt-lookup").plan_dir
+    model = onnx.load(str(conv / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    # per layer: packed q/k/v, o, packed gate/up, down; the LM head reads the embedding tied to the token Gather
+    assert ops.count("Conv") == 30 * 4 and ops.count("MatMul") == 1
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    cfg = {"session.intra_op.allow_spinning": "0"}
+    a = dyncompile.load(base, session_config=cfg).generate(prompt, max_new_tokens=24)
+    m = dyncompile.load(conv, session_config=cfg)
+    b = m.generate(prompt, max_new_tokens=24, speculative=False)
+    c = m.generate(prompt, max_new_tokens=24)
+    assert a.token_ids == b.token_ids == c.token_ids and len(a.token_ids) == 24
+    assert c.stats.target_calls < len(c.token_ids)  # prompt lookup did accept drafts
+    step = json.loads((conv / "plan.json").read_text())["steps"][0]
+    assert step["target"]["kv_buffer"] == "shared"
