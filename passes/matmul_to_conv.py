@@ -4,14 +4,16 @@ with its blocked (NCHWc) pointwise-convolution kernels instead of its SGEMM.
 Why: at batch 1 a decoder step multiplies a few rows (1 token; ``k + 1`` when verifying ``k`` drafts) by every
 weight, and is bound by streaming the weights from memory. ONNX Runtime's fp32 SGEMM (MLAS) does not overlap
 that stream with the arithmetic of a few rows: on the 2-core AVX-512 machine of the README, Qwen2.5-Coder-0.5B
-took 1.31x its one-token time to verify 9 tokens, OpenVINO 1.18x. The CPU EP's NCHWc transformer (x86 with
-AVX2/AVX-512, graph optimization level ``all``) runs a 1x1 Conv with a different kernel over a blocked copy of the
-weight that does overlap them: the same step measured 0.86-0.90x the MatMul graph's time at 1-9 new tokens and
-0.99x on a 300-token prompt (README, "matmul-to-conv").
+took ~83 ms to verify 9 tokens where OpenVINO took ~75, at the same ~52 ms for one token. The CPU EP's NCHWc
+transformer (x86 with AVX2/AVX-512, graph optimization level ``all``) runs a 1x1 Conv with another kernel, over a
+blocked copy of the weight, that does overlap them: paired against the MatMul graph the decode step took 0.92x,
+calls on 2 / 5 / 9 tokens 0.90x / 0.93x / 0.87x, on 17 tokens 1.02x, and prefill ~1.05x on ~500-token prompts
+(the extra transposes and reorders of wide activations). README, Peers, tenth session.
 
 * Scope: the main graph's standard-domain ``MatMul`` nodes whose first input is an activation of known rank 3,
-  ``[batch, seq, K]`` (exports carry the shapes; run shape inference first on a graph without them), and whose second is a constant 2-D float32 initializer ``[K, N]`` read by that node alone (a shared
-  weight, such as an LM head tied to the embedding, would be stored twice: left alone). ``MatMulNBits`` (int4)
+  ``[batch, seq, K]`` (exports carry the shapes; run shape inference first on a graph without them), and whose
+  second is a constant 2-D float32 initializer ``[K, N]`` read by that node alone (a shared weight, such as an LM
+  head tied to the embedding, would be stored twice: left alone). ``MatMulNBits`` (int4)
   and MatMuls in subgraphs are left alone; a graph without such a MatMul is not modified.
 * Rewrite: ``Y = MatMul(X, W)`` -> ``Y = Transpose(Squeeze(Conv(Unsqueeze(Transpose(X, [0, 2, 1]), [2]),
   W^T[N, K, 1, 1]), [2]), [0, 2, 1])``: the sequence becomes the Conv's width (``[batch, K, 1, seq]``), which is
