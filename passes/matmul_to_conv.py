@@ -7,8 +7,8 @@ that stream with the arithmetic of a few rows: on the 2-core AVX-512 machine of 
 took ~83 ms to verify 9 tokens where OpenVINO took ~75, at the same ~52 ms for one token. The CPU EP's NCHWc
 transformer (x86 with AVX2/AVX-512, graph optimization level ``all``) runs a 1x1 Conv with another kernel, over a
 blocked copy of the weight, that does overlap them: paired against the MatMul graph the decode step took 0.92x,
-calls on 2 / 5 / 9 tokens 0.90x / 0.93x / 0.87x, on 17 tokens 1.02x, and prefill ~1.05x on ~500-token prompts
-(the extra transposes and reorders of wide activations). README, Peers, tenth session.
+calls on 2 / 5 / 9 tokens 0.90x / 0.93x / 0.87x, on 17 tokens 1.02x, and prefill ~1.05x on ~500-token prompts.
+README, Peers, tenth session.
 
 * Scope: the main graph's standard-domain ``MatMul`` nodes whose first input is an activation of known rank 3,
   ``[batch, seq, K]`` (exports carry the shapes; run shape inference first on a graph without them), and whose
