@@ -77,8 +77,8 @@ class MatMulToConvPass(ir.passes.InPlacePass):
             y = node.outputs[0]
             stem = f"{node.name or w.name}/as_conv"
             weight = np.ascontiguousarray(w.const_value.numpy().T)[:, :, None, None]  # [N, K, 1, 1]
-            name = w.name  # the transposed weight takes over the old one's name
-            wt = ir.Value(name=f"{name}.as_conv", const_value=ir.tensor(weight, name=f"{name}.as_conv"))
+            name = w.name  # the transposed weight takes over the old one's name once the old one is gone
+            wt = ir.Value(const_value=ir.tensor(weight, name=name))
             t = ir.node("Transpose", [x], attributes={"perm": [0, 2, 1]}, name=f"{stem}/Transpose")
             u = ir.node("Unsqueeze", [t.outputs[0], axes], name=f"{stem}/Unsqueeze")
             c = ir.node("Conv", [u.outputs[0], wt], name=f"{stem}/Conv")
@@ -98,7 +98,6 @@ class MatMulToConvPass(ir.passes.InPlacePass):
             graph.remove(node, safe=True)
             del graph.initializers[name]  # read by this node alone (checked), so unused now
             wt.name = name
-            wt.const_value.name = name
             graph.register_initializer(wt)
         logger.info("matmul-to-conv: %d MatMuls run as 1x1 Convs", len(nodes))
         return ir.passes.PassResult(model, modified=True)

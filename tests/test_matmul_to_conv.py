@@ -33,25 +33,17 @@ def _graph(chain: bool = True) -> onnx.ModelProto:
         v.name, v.dtype, v.shape = name, ir.DataType.FLOAT, ir.Shape(shape)
         return v
 
-    h = out(tape.op("MatMul", [x, w1], name="mm1"), "h", ["b", "s", 16])
-    r = out(tape.op("Relu", [h]), "r", ["b", "s", 16])
-    y = out(tape.op("MatMul", [r, w2], name="mm2"), "y", ["b", "s", 5])
+    outs, inits = [], [ws, w3]
+    if chain:  # the lowerable MatMuls
+        h = out(tape.op("MatMul", [x, w1], name="mm1"), "h", ["b", "s", 16])
+        r = out(tape.op("Relu", [h]), "r", ["b", "s", 16])
+        outs, inits = [out(tape.op("MatMul", [r, w2], name="mm2"), "y", ["b", "s", 5])], [w1, w2, *inits]
     s1 = out(tape.op("MatMul", [x, ws], name="shared1"), "s1", ["b", "s", 3])
     s2 = out(tape.op("Relu", [out(tape.op("MatMul", [x, ws], name="shared2"), "s2", ["b", "s", 3])]), "s2r",
              ["b", "s", 3])
     z = out(tape.op("MatMul", [x, w_in], name="dyn"), "z", ["b", "s", 4])
     q = out(tape.op("MatMul", [x2, w3], name="rank2"), "q", ["r", 6])
-    outs, inits = [s1, s2, z, q], [ws, w3]
-    if chain:
-        outs, inits = [y, *outs], [w1, w2, *inits]
-    else:
-        tape = ir.tape.Tape()  # the same MatMuls without the lowerable chain
-        s1 = out(tape.op("MatMul", [x, ws], name="shared1"), "s1", ["b", "s", 3])
-        s2 = out(tape.op("Relu", [out(tape.op("MatMul", [x, ws], name="shared2"), "s2", ["b", "s", 3])]), "s2r",
-                 ["b", "s", 3])
-        z = out(tape.op("MatMul", [x, w_in], name="dyn"), "z", ["b", "s", 4])
-        q = out(tape.op("MatMul", [x2, w3], name="rank2"), "q", ["r", 6])
-        outs = [s1, s2, z, q]
+    outs += [s1, s2, z, q]
     g = ir.Graph([x, x2, w_in], outs, nodes=tape.nodes, initializers=inits,
                  opset_imports={"": 18}, name="g")
     return ir.to_proto(ir.Model(g, ir_version=10))

@@ -112,7 +112,12 @@ def _greedy_interleaved(decs: list[KVDecoder], ids: list[int], n: int) -> list[d
              "last_logits": la} for o, p, st, la in zip(outs, pre, steps, lasts)]
 
 
-def _verify_calls(decs: list[KVDecoder], tokens: list[int], sizes: list[int], repeats: int = 3) -> list[dict[int, float]]:
+#: calls per size and graph in ``--verify-sizes`` (their median is kept)
+VERIFY_REPEATS = 3
+
+
+def _verify_calls(decs: list[KVDecoder], tokens: list[int], sizes: list[int],
+                  repeats: int = VERIFY_REPEATS) -> list[dict[int, float]]:
     """Seconds of one call on ``s`` new tokens (the first ``s`` generated tokens, as a verification of ``s - 1``
     drafts is) on top of each decoder's cache, for each ``s`` in ``sizes``: the variants in turn, size by size,
     ``repeats`` times (median); each call is rolled back, so every variant sees the same cache."""
@@ -248,7 +253,7 @@ def markdown_report(report: dict[str, Any]) -> str:
     if any("verify_calls" in r for r in report["results"]):
         sizes = list(report["results"][0]["verify_calls"])
         lines += ["", "One call on s new tokens (a verification of s - 1 drafts), after each prompt, the graphs in turn "
-                  "(median over prompts of each prompt's median of 3): ms / cost relative to the same graph's one-token "
+                  f"(median over prompts of each prompt's median of {VERIFY_REPEATS}): ms / cost relative to the same graph's one-token "
                   "call / time relative to the first row (paired per prompt; below 1 is faster):", "",
                   "| graph | " + " | ".join(f"s = {x}" for x in sizes) + " |", "|---|" + "---|" * len(sizes)]
         for r in report["results"]:

@@ -132,19 +132,26 @@ def _session_variant(text: str) -> tuple[str, list[str]]:
     return label.strip(), entries
 
 
-def _plan_variant(text: str) -> tuple[str, Path]:
-    """``LABEL:PLAN_DIR`` -> (label, plan folder), checked to be a text-generation plan."""
+def _text_generation_plan(path, what: str = ""):
+    """The plan in ``path`` (hashes not checked: the worker's ``dyncompile.load`` checks them), which must be a
+    text-generation plan; ``what`` prefixes the error (which argument named it)."""
     from dyncompile.plan import load_plan
 
+    plan = load_plan(path, verify_hashes=False)
+    if plan.task != "text-generation":
+        raise DataError(f"{what}{path} is a {plan.task!r} plan; --peers is for text-generation plans")
+    return plan
+
+
+def _plan_variant(text: str):
+    """``LABEL:PLAN_DIR`` -> (label, plan folder, its plan), checked to be a text-generation plan."""
     label, sep, folder = text.partition(":")
     if not sep or not label.strip() or not folder.strip():
         raise DataError(f"--plan-variant {text!r}: expected LABEL:PLAN_DIR, e.g. 'conv:q05-pl-conv/'")
     path = Path(folder.strip())
     if not (path / "plan.json").is_file():
         raise DataError(f"--plan-variant {text!r}: {path} has no plan.json; compile it with dyncompile first")
-    if load_plan(path, verify_hashes=False).task != "text-generation":
-        raise DataError(f"--plan-variant {text!r}: {path} is not a text-generation plan")
-    return label.strip(), path
+    return label.strip(), path, _text_generation_plan(path, f"--plan-variant {text!r}: ")
 
 
 def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
@@ -358,7 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dyncompile.io import write_json_atomic
-    from dyncompile.plan import load_plan
     from dyncompile.tools._bench_common import load_avg, machine_info
     from dyncompile.tools.prompt_sets import read_prompts
 
@@ -376,9 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in (models_[s], drafts.get(s)):
             if d and not Path(d).is_dir():
                 raise DataError(f"peer {s!r}: folder {d} does not exist")
-    plan = load_plan(args.plan, verify_hashes=False)
-    if plan.task != "text-generation":
-        raise DataError(f"{args.plan} is a {plan.task!r} plan; --peers is for text-generation plans")
+    plan = _text_generation_plan(args.plan)
     step = plan.steps[0]
     eos = set((step.params.get("generation") or {}).get("eos_token_ids") or [])
     speculative = step.kind != "generate" and not args.no_speculative
@@ -386,10 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     load_start = load_avg()
 
     env = dict(os.environ)
-    dyn_cmd = [sys.executable, "-m", "dyncompile.tools.peer_driver", "--backend", "dyncompile", "--model",
-               str(args.plan), "--threads", str(args.threads), "--provider", args.provider]
-    if args.io_binding:
-        dyn_cmd.append("--io-binding")
+
+    def dyncompile_worker(plan_dir) -> list[str]:
+        return [sys.executable, "-m", "dyncompile.tools.peer_driver", "--backend", "dyncompile", "--model",
+                str(plan_dir), "--threads", str(args.threads), "--provider", args.provider,
+                *(["--io-binding"] if args.io_binding else [])]
+
+    dyn_cmd = dyncompile_worker(args.plan)
     specs: dict[str, list[str]] = {"dyncompile": dyn_cmd}
     runners = [Runner("dyncompile target alone", "dyncompile", "greedy", "dyncompile")]
     if speculative:
@@ -402,10 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(Runner(f"dyncompile target alone, {label}", key, "greedy", "dyncompile"))
         if speculative:
             runners.append(Runner(f"dyncompile speculative, {label}", key, "spec", "dyncompile"))
-    for i, (label, folder) in enumerate(_plan_variant(v) for v in args.plan_variant):
+    for i, (label, folder, vplan) in enumerate(_plan_variant(v) for v in args.plan_variant):
         key = f"dyncompile-plan-{i}"
-        specs[key] = [*dyn_cmd[:dyn_cmd.index("--model") + 1], str(folder), *dyn_cmd[dyn_cmd.index("--model") + 2:]]
-        vstep = load_plan(folder, verify_hashes=False).steps[0]
+        specs[key] = dyncompile_worker(folder)
+        vstep = vplan.steps[0]
         runners.append(Runner(f"dyncompile target alone, {label}", key, "greedy", "dyncompile"))
         if vstep.kind != "generate" and not args.no_speculative:
             runners.append(Runner(f"dyncompile speculative ({_drafter_name(vstep)}), {label}", key, "spec",
