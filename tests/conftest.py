@@ -9,7 +9,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 import pytest
-from helpers import DATA  # tests/ is on pythonpath
+from helpers import DATA, module_tmp  # noqa: F401 (module_tmp is a fixture); tests/ is on pythonpath
+
+pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(autouse=True)

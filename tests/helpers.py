@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+import pytest
 
 from dyncompile.io import shared_dir
 
 SHARED = shared_dir()
 DATA = SHARED / "data" / "sentiment"
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request):
+    """``mktemp(name)`` for module-scoped fixtures; the folders go when the module's last test is done.
+
+    pytest keeps every ``tmp_path_factory`` folder until the session ends, and this suite builds a dozen real-model
+    plans of 0.5-0.9 GB each: kept together they reached 6.5 GB and filled CI's disk. A module with a failed test
+    keeps its folders, for the post-mortem."""
+    made: list[Path] = []
+    failed_before = request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed_before:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def ort_session(path_or_model, *, disable_all: bool = True):

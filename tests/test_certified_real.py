@@ -14,17 +14,17 @@ CALIB_ROWS = 400  # certifies only a loose budget; the benchmark certifies 1.0 o
 
 
 @pytest.fixture(scope="module")
-def calib_files(tmp_path_factory):
+def calib_files(module_tmp):
     lines = (DATA / "movie-calib.jsonl").read_text().splitlines()[:CALIB_ROWS]
-    d = tmp_path_factory.mktemp("calib")
+    d = module_tmp("calib")
     (d / "labels.jsonl").write_text("\n".join(lines) + "\n")
     (d / "text.jsonl").write_text("".join(json.dumps({"text": json.loads(x)["text"]}) + "\n" for x in lines))
     return d
 
 
 @pytest.fixture(scope="module")
-def learned_plan(minilm, calib_files, tmp_path_factory):
-    out = tmp_path_factory.mktemp("learned") / "p"
+def learned_plan(minilm, calib_files, module_tmp):
+    out = module_tmp("learned") / "p"
     return dyncompile.compile(minilm.onnx_path, "early-exit", out, calib=str(calib_files / "labels.jsonl"), budget=6.0,
                               confidence=0.9, criterion="learned", lowering="if", progress=False)
 

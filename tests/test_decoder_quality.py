@@ -14,10 +14,10 @@ RECIPE = "explicit-attention,fuse-decoder,pack-matmuls,trim-logits"
 
 
 @pytest.fixture(scope="module")
-def plans(smollm2, tmp_path_factory):
+def plans(smollm2, module_tmp):
     from dyncompile.passes.compiler import compile_model
 
-    root = tmp_path_factory.mktemp("dq")
+    root = module_tmp("dq")
     fp32 = compile_model(smollm2.onnx_path, RECIPE, root / "fp32", progress=False).plan_dir
     int4 = compile_model(smollm2.onnx_path, f"{RECIPE},quantize-int4{{lm_head_bits=4}}", root / "int4",
                          progress=False).plan_dir

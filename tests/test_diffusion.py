@@ -31,8 +31,8 @@ def pipeline_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def plan_dir(pipeline_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fd") / "plan"
+def plan_dir(pipeline_dir, module_tmp) -> Path:
+    out = module_tmp("fd") / "plan"
     dyncompile.compile(pipeline_dir, "verify,cleanup", out, progress=False)
     return out
 

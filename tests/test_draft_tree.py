@@ -241,8 +241,8 @@ def test_explicit_attention_needs_position_ids():
 
 
 @pytest.fixture(scope="module")
-def tree_tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trees")
+def tree_tiny(module_tmp):
+    root = module_tmp("trees")
     target = write_decoder_dir(root / "target", tiny_decoder(num_layers=3, vocab=VOCAB, seed=0), eos=EOS_UNUSED)
     write_word_tokenizer(root / "target", VOCAB)
     draft = write_decoder_dir(root / "draft", tiny_decoder(num_layers=1, vocab=VOCAB, seed=1), eos=EOS_UNUSED)
@@ -372,8 +372,8 @@ def test_drafter_sees_every_target_output(tree_models, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def sampling_tree_plans(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree_sampling")
+def sampling_tree_plans(module_tmp):
+    root = module_tmp("tree_sampling")
     t = write_decoder_dir(root / "t", tiny_decoder(num_layers=2, vocab=8, seed=0, logit_scale=1.5), eos=EOS_UNUSED)
     d = write_decoder_dir(root / "d", tiny_decoder(num_layers=1, vocab=8, seed=1, logit_scale=1.5), eos=EOS_UNUSED)
     spec = "explicit-attention,speculative{tree=true,tree_nodes=6,tree_depth=2,tree_adaptive=false,measure=false}"

@@ -17,8 +17,8 @@ SESSION = {"session.intra_op.allow_spinning": "0"}
 
 
 @pytest.fixture(scope="module")
-def smol_pl_tree(smollm2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("smol_trees")
+def smol_pl_tree(smollm2, module_tmp):
+    root = module_tmp("smol_trees")
     return compile_model(smollm2.onnx_path, TREE, root / "pl", drafter="prompt-lookup", progress=False).plan_dir
 
 

@@ -16,8 +16,8 @@ ROWS = 300
 
 
 @pytest.fixture(scope="module")
-def staged_plan(minilm, tmp_path_factory):
-    d = tmp_path_factory.mktemp("drift")
+def staged_plan(minilm, module_tmp):
+    d = module_tmp("drift")
     calib = d / "calib.jsonl"
     calib.write_text("\n".join((DATA / "movie-calib.jsonl").read_text().splitlines()[:CALIB_ROWS]) + "\n")
     # uncertified thresholds: on 600 rows a certified plan exits almost only at two layers, a histogram too coarse

@@ -43,8 +43,8 @@ def _feeds(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def exposed(smollm2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle_features")
+def exposed(smollm2, module_tmp):
+    root = module_tmp("eagle_features")
     m = ir.load(str(smollm2.onnx_path))
     nodes_before = len(list(m.graph))
     outs_before = [v.name for v in m.graph.outputs]
@@ -85,20 +85,20 @@ def test_expose_features_golden_in_ort(exposed, smollm2):
 
 
 @pytest.fixture(scope="module")
-def tiny_head(smollm2, tmp_path_factory):
+def tiny_head(smollm2, module_tmp):
     """A head trained on CPU for a few steps (token identity does not depend on its quality)."""
     pytest.importorskip("torch")
     from dyncompile.tools.train_drafter import train_drafter
 
-    out = tmp_path_factory.mktemp("eagle_head")
+    out = module_tmp("eagle_head")
     train_drafter(smollm2.onnx_path.parent, out, steps=3, batch=2, seq_len=48, max_tokens=6000, draft_vocab=1024,
                   progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def eagle_plan(smollm2, tiny_head, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle_plan")
+def eagle_plan(smollm2, tiny_head, module_tmp):
+    root = module_tmp("eagle_plan")
     res = compile_model(smollm2.onnx_path,
                         f"eagle-drafter{{head={tiny_head}}},explicit-attention,speculative{{tree=true,measure=false}}",
                         root / "plan", progress=False)

@@ -18,9 +18,9 @@ BUDGET = 2.0
 
 
 @pytest.fixture(scope="module")
-def small_calib(tmp_path_factory):
+def small_calib(module_tmp):
     lines = (DATA / "movie-calib.jsonl").read_text().splitlines()[:CALIB_ROWS]
-    p = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    p = module_tmp("calib") / "calib.jsonl"
     p.write_text("\n".join(lines) + "\n")
     return p
 
@@ -37,8 +37,8 @@ def _compile(minilm, out, calib, **opts):
 
 
 @pytest.fixture(scope="module")
-def never_plans(minilm, small_calib, tmp_path_factory):
-    d = tmp_path_factory.mktemp("never")
+def never_plans(minilm, small_calib, module_tmp):
+    d = module_tmp("never")
     return {
         low: _compile(minilm, d / low, small_calib, never_exit=True, lowering=low, exits="2,4")
         for low in ("if", "staged")
@@ -81,8 +81,8 @@ def test_if_graph_structure_on_real_model(never_plans):
 
 
 @pytest.fixture(scope="module")
-def fitted(minilm, small_calib, tmp_path_factory):
-    d = tmp_path_factory.mktemp("fit")
+def fitted(minilm, small_calib, module_tmp):
+    d = module_tmp("fit")
     return {low: _compile(minilm, d / low, small_calib, budget=BUDGET, lowering=low) for low in ("if", "staged")}
 
 

@@ -29,8 +29,8 @@ PEER_PY = Path(os.environ.get("DYNCOMPILE_PEER_VENVS", "/nonexistent")) / "ortge
 
 
 @pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    root = tmp_path_factory.mktemp("genai")
+def plans(module_tmp):
+    root = module_tmp("genai")
     target = write_decoder_dir(root / "target", tiny_decoder(num_layers=3, vocab=VOCAB, seed=0), eos=EOS)
     write_word_tokenizer(root / "target", VOCAB)
     draft = write_decoder_dir(root / "draft", tiny_decoder(num_layers=1, vocab=VOCAB, seed=1), eos=EOS)

@@ -30,9 +30,9 @@ PROMPT = _CODE[: _CODE.index("def bisect_right")] + "def bisect_right(a, x, lo=0
 
 
 @pytest.fixture(scope="module")
-def fused_plan(smollm2, tmp_path_factory):
+def fused_plan(smollm2, module_tmp):
     """fuse-decoder then the speculative pass (prompt lookup): one compile gives the fused graph and a chain plan."""
-    root = tmp_path_factory.mktemp("fuse")
+    root = module_tmp("fuse")
     return compile_model(smollm2.onnx_path, "fuse-decoder,speculative", root / "plan", drafter="prompt-lookup",
                          progress=False).plan_dir
 

@@ -14,8 +14,8 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 
 
 @pytest.fixture(scope="module")
-def pl_model(smollm2, tmp_path_factory):
-    plan = compile_model(smollm2.onnx_path, "speculative", tmp_path_factory.mktemp("stop") / "pl",
+def pl_model(smollm2, module_tmp):
+    plan = compile_model(smollm2.onnx_path, "speculative", module_tmp("stop") / "pl",
                          drafter="prompt-lookup", progress=False)
     return dyncompile.load(plan.plan_dir, session_config={"session.intra_op.allow_spinning": "0"})
 

@@ -42,9 +42,9 @@ def sha(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(module_tmp):
     """Pristine plans, built once: classifier (run_model, with provenance), staged, generate, speculative."""
-    root = tmp_path_factory.mktemp("hostile")
+    root = module_tmp("hostile")
     cls_model = classifier_dir(root / "cls")
     dec_model = decoder_dir(root / "dec")
     return {
@@ -730,11 +730,11 @@ def test_9_export_genai_refuses_bad_plans(built, plan_copy, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def routed(built, tmp_path_factory):
+def routed(built, module_tmp):
     """A cascade over two tiny classifier plans (``small``, ``big``) and its calibration file."""
     from hostile_plans import routed_plan, word_calib
 
-    root = tmp_path_factory.mktemp("routed")
+    root = module_tmp("routed")
     small, big = root / "small", root / "big"
     shutil.copytree(built["cls"], small)
     shutil.copytree(built["cls"], big)

@@ -142,11 +142,11 @@ def test_packs_the_biases_with_their_matmuls(all_biased):
 
 
 @pytest.fixture(scope="module")
-def fused_smollm2(smollm2_model_path, tmp_path_factory):
+def fused_smollm2(smollm2_model_path, module_tmp):
     """SmolLM2 through explicit-attention + fuse-decoder (GQA fed by RotaryEmbedding(q), RotaryEmbedding(k), v)."""
     from dyncompile.passes.compiler import compile_model
 
-    out = tmp_path_factory.mktemp("fused_smol") / "plan"
+    out = module_tmp("fused_smol") / "plan"
     compile_model(smollm2_model_path, "explicit-attention,fuse-decoder", out, progress=False)
     return onnx.load(str(out / "model.onnx"))  # weights in memory
 

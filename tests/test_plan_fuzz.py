@@ -97,8 +97,8 @@ def _write(plan_dir, raw):
 
 
 @pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz")
+def plans(module_tmp):
+    root = module_tmp("fuzz")
     dec = decoder_dir(root / "dec")
     cls = run_model_plan(classifier_dir(root / "cls"), root / "plan-cls")
     small = run_model_plan(classifier_dir(root / "cls-small"), root / "small")

@@ -67,8 +67,8 @@ def test_check_rule_bound_and_refusal():
 
 
 @pytest.fixture(scope="module")
-def decoders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dec")
+def decoders(module_tmp):
+    root = module_tmp("dec")
     a = generate_plan(decoder_dir(root / "a"), root / "small")
     b = generate_plan(decoder_dir(root / "b"), root / "big")
     return root, a, b

@@ -20,8 +20,8 @@ COSTS = {"minilm": 5.0, "mpnet": 40.0}  # given (timing is not a test's business
 
 
 @pytest.fixture(scope="module")
-def pair(minilm, mpnet, tmp_path_factory):
-    root = tmp_path_factory.mktemp("route")
+def pair(minilm, mpnet, module_tmp):
+    root = module_tmp("route")
     plans = {}
     for name, art in (("minilm", minilm), ("mpnet", mpnet)):
         plans[name] = dyncompile.compile(art.onnx_path, "cleanup", root / name, progress=False).plan_dir

@@ -32,9 +32,9 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 9, 10, 11, 7, 7, 8], [3]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(module_tmp):
     """Tiny target (3 layers) + external drafter (1 layer) dirs, each with a word tokenizer and model config."""
-    root = tmp_path_factory.mktemp("spec")
+    root = module_tmp("spec")
     target = write_decoder_dir(root / "target", tiny_decoder(num_layers=3, vocab=VOCAB, seed=0), eos=EOS_UNUSED)
     write_word_tokenizer(root / "target", VOCAB)
     draft = write_decoder_dir(root / "draft", tiny_decoder(num_layers=1, vocab=VOCAB, seed=1), eos=EOS_UNUSED)
@@ -260,9 +260,9 @@ def chi_square_p(observed: np.ndarray, expected_probs: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def sampling_plans(tmp_path_factory, provider):
+def sampling_plans(module_tmp, provider):
     """Vocabulary 8 with spread-out distributions; a drafter that disagrees with the target."""
-    root = tmp_path_factory.mktemp("sampling")
+    root = module_tmp("sampling")
     t = write_decoder_dir(root / "t", tiny_decoder(num_layers=2, vocab=8, seed=0, logit_scale=1.5), eos=EOS_UNUSED)
     d = write_decoder_dir(root / "d", tiny_decoder(num_layers=1, vocab=8, seed=1, logit_scale=1.5), eos=EOS_UNUSED)
     ext = compile_model(t, "speculative{draft_length=2,adaptive=false}", root / "ext", drafter=str(d)).plan_dir

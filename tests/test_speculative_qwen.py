@@ -28,9 +28,9 @@ def _build(name):
 
 
 @pytest.fixture(scope="module")
-def qwen_plan(tmp_path_factory):
+def qwen_plan(module_tmp):
     target, draft = _build(TARGET), _build(DRAFT)
-    out = tmp_path_factory.mktemp("qwen") / "spec"
+    out = module_tmp("qwen") / "spec"
     res = compile_model(target.onnx_path, "speculative", out, drafter=str(draft.onnx_path), progress=False)
     return res.plan_dir
 

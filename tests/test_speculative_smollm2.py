@@ -29,8 +29,8 @@ def _prompts() -> list[tuple[str, bool]]:
 
 
 @pytest.fixture(scope="module")
-def smol_plans(smollm2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("smol_spec")
+def smol_plans(smollm2, module_tmp):
+    root = module_tmp("smol_spec")
     calib = root / "calib.py"
     calib.write_text("\n\n".join((STDLIB / f).read_text() for f in ("heapq.py", "string.py")))
     split = compile_model(smollm2.onnx_path, "split-drafter{min_speedup=0,max_tokens=1024},speculative",

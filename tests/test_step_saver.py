@@ -27,8 +27,8 @@ def pipeline_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def calib_file(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("calib") / "train-8.jsonl"
+def calib_file(module_tmp) -> Path:
+    p = module_tmp("calib") / "train-8.jsonl"
     with gzip.open(ASSET / "prompts" / "train-captions.jsonl.gz", "rt") as f:
         rows = [json.loads(next(f)) for _ in range(8)]
     p.write_text("".join(json.dumps({"prompt": r["prompt"], "seed": i}) + "\n" for i, r in enumerate(rows)))
@@ -36,8 +36,8 @@ def calib_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ss_plan_dir(pipeline_dir, calib_file, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ss") / "plan"
+def ss_plan_dir(pipeline_dir, calib_file, module_tmp) -> Path:
+    out = module_tmp("ss") / "plan"
     dyncompile.compile(pipeline_dir, f"verify,cleanup,step-saver{{{OPTS}}}", out, calib=str(calib_file), progress=False)
     return out
 
