@@ -6,9 +6,9 @@ weight, and is bound by streaming the weights from memory. ONNX Runtime's fp32 S
 that stream with the arithmetic of a few rows: on the 2-core AVX-512 machine of the README, Qwen2.5-Coder-0.5B
 took ~83 ms to verify 9 tokens where OpenVINO took ~75, at the same ~52 ms for one token. The CPU EP's NCHWc
 transformer (x86 with AVX2/AVX-512, graph optimization level ``all``) runs a 1x1 Conv with another kernel, over a
-blocked copy of the weight, that does overlap them: paired against the MatMul graph the decode step took 0.92x,
-calls on 2 / 5 / 9 tokens 0.90x / 0.93x / 0.87x, on 17 tokens 1.02x, and prefill ~1.05x on ~500-token prompts.
-README, Peers, tenth session.
+blocked copy of the weight, that does overlap them: paired against the MatMul graph the decode step took
+0.89x, calls on 2 / 5 / 9 tokens 0.93x / 0.95x / 0.86x, on 17 tokens 0.99x, and prefill 1.03-1.06x on ~500-token
+prompts (the cost of ORT's NCHWc reorders). README, Peers, tenth and eleventh sessions.
 
 * Scope: the main graph's standard-domain ``MatMul`` nodes whose first input is an activation of known rank 3,
   ``[batch, seq, K]`` (exports carry the shapes; run shape inference first on a graph without them), and whose
