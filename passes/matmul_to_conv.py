@@ -20,8 +20,8 @@ prompts (the cost of ORT's NCHWc reorders). README, Peers, tenth and eleventh se
   over ``[batch, K, 1, seq]``, so the sequence is the Conv's width, which is what the pointwise kernel walks along
   (as the height it was 1.09x slower on a 300-token prompt). Written with these 4-D NHWC <-> NCHW Transposes, ONNX
   Runtime folds both into its NCHWc reorders (``ReorderInput`` / ``ReorderOutput`` with ``channels_last=1``), so no
-  Transpose runs at all; with rank-3 Transposes around an Unsqueeze it ran every one of them (3.5 % of a
-  500-token prefill, and as much again in reorders). The weight is stored transposed in place of the old one (the
+  Transpose of the lowering itself runs; with rank-3 Transposes around an Unsqueeze it ran every one of them
+  (1-3.5 % of a 500-token prefill). The weight is stored transposed in place of the old one (the
   same bytes); ``Y`` keeps its name, type and shape.
 * Invariants: graph inputs and outputs unchanged; each output element is the same dot product reduced in another
   order, so outputs match within float round-off (tested <= 1e-5 in ORT with ``ORT_DISABLE_ALL`` and with every
