@@ -170,9 +170,10 @@ def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[i
         order = list(range(len(variants)))
         order = order[k % len(order):] + order[: k % len(order)]
         if step_interleaved:
-            runs = _greedy_interleaved([decs[j] for j in order], ids, max_new_tokens)
+            turn = [decs[j] for j in order]
+            runs = _greedy_interleaved(turn, ids, max_new_tokens)
             if verify_sizes:
-                calls = _verify_calls([decs[j] for j in order], runs[0]["tokens"], sorted({1, *verify_sizes}))
+                calls = _verify_calls(turn, runs[0]["tokens"], sorted({1, *verify_sizes}))
                 for r, c in zip(runs, calls):
                     r["verify_s"] = c
             for j, r in zip(order, runs):

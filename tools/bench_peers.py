@@ -385,7 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     plan = _text_generation_plan(args.plan)
     step = plan.steps[0]
     eos = set((step.params.get("generation") or {}).get("eos_token_ids") or [])
-    speculative = step.kind != "generate" and not args.no_speculative
     prompts = read_prompts(args.prompts, args.limit)
     load_start = load_avg()
 
@@ -398,25 +397,29 @@ def main(argv: list[str] | None = None) -> int:
 
     dyn_cmd = dyncompile_worker(args.plan)
     specs: dict[str, list[str]] = {"dyncompile": dyn_cmd}
-    runners = [Runner("dyncompile target alone", "dyncompile", "greedy", "dyncompile")]
-    if speculative:
-        runners.append(Runner(f"dyncompile speculative ({_drafter_name(step)})", "dyncompile", "spec", "dyncompile"))
+    runners: list[Runner] = []
+
+    def add_dyncompile(key: str, cmd: list[str], spec: str | None, label: str = "") -> None:
+        """A dyncompile worker and its runners: the target alone, and the speculative step named ``spec`` (None:
+        the plan has none, or --no-speculative)."""
+        specs[key] = cmd
+        runners.append(Runner(f"dyncompile target alone{label}", key, "greedy", "dyncompile"))
+        if spec is not None:
+            runners.append(Runner(f"dyncompile speculative{spec}{label}", key, "spec", "dyncompile"))
+
+    def spec_name(st) -> str | None:  # the speculative runner's name for a plan's step
+        return f" ({_drafter_name(st)})" if st.kind != "generate" and not args.no_speculative else None
+
+    main_spec = spec_name(step)
+    add_dyncompile("dyncompile", dyn_cmd, main_spec)
     variants = [("spinning on", SPIN_ON)] if args.spinning_on else []
     variants += [_session_variant(v) for v in args.session_variant]
     for i, (label, entries) in enumerate(variants):
         key = "dyncompile-spin-on" if args.spinning_on and i == 0 else f"dyncompile-variant-{i}"
-        specs[key] = dyn_cmd + [a for e in entries for a in ("--session-config", e)]
-        runners.append(Runner(f"dyncompile target alone, {label}", key, "greedy", "dyncompile"))
-        if speculative:
-            runners.append(Runner(f"dyncompile speculative, {label}", key, "spec", "dyncompile"))
+        add_dyncompile(key, dyn_cmd + [a for e in entries for a in ("--session-config", e)],
+                       None if main_spec is None else "", f", {label}")  # same plan: its drafter not named again
     for i, (label, folder, vplan) in enumerate(_plan_variant(v) for v in args.plan_variant):
-        key = f"dyncompile-plan-{i}"
-        specs[key] = dyncompile_worker(folder)
-        vstep = vplan.steps[0]
-        runners.append(Runner(f"dyncompile target alone, {label}", key, "greedy", "dyncompile"))
-        if vstep.kind != "generate" and not args.no_speculative:
-            runners.append(Runner(f"dyncompile speculative ({_drafter_name(vstep)}), {label}", key, "spec",
-                                  "dyncompile"))
+        add_dyncompile(f"dyncompile-plan-{i}", dyncompile_worker(folder), spec_name(vplan.steps[0]), f", {label}")
     for s in peers:
         py = _peer_python(s, pythons)
         human = PEERS[s][1]
