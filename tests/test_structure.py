@@ -15,7 +15,7 @@ FORBIDDEN = {
     "runtime": ("dyncompile.passes", "dyncompile.tools", "dyncompile.models"),
     "passes": ("dyncompile.tools", "dyncompile.runtime.executor", "dyncompile.runtime.steps", "dyncompile.models"),
     "models": ("dyncompile.runtime", "dyncompile.tools", "dyncompile.passes"),
-    "plan.py": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models"),
+    "plan": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models"),
     "io.py": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models", "dyncompile.plan"),
     "errors.py": ("dyncompile.",),
 }

@@ -1,0 +1,267 @@
+"""Schemas of decoder plans: ``generate``, ``speculative_generate`` and ``policy.speculative``.
+
+A decoder step names its KV-cache decoder graph (:class:`DecoderSpec`), the stop tokens and chat template
+(:class:`GenerationConfig`) and, for speculative decoding, the drafter (:class:`DrafterParams`) and the
+draft-length and draft-tree policies (:class:`DraftPolicy`, :class:`TreePolicy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+from dyncompile.errors import PlanError
+from dyncompile.plan._typed import _field, from_json
+
+__all__ = [
+    "MAX_DIM",
+    "MAX_POSITIONS",
+    "POLICIES",
+    "STEPS",
+    "DecoderSpec",
+    "DraftPolicy",
+    "DrafterParams",
+    "GenerateParams",
+    "GenerationConfig",
+    "KVEntry",
+    "SpeculativeParams",
+    "SpeculativePolicy",
+    "TreePolicy",
+]
+
+MAX_DIM = 1 << 16  # a KV head dimension
+MAX_POSITIONS = 1 << 24  # max_length of a decoder
+
+
+@dataclasses.dataclass
+class KVEntry:
+    """One (past, present) KV pair of a decoder; ``shape``: the fixed dims after batch, seq axis left out."""
+
+    past: str
+    present: str
+    axis: int = _field(2, lo=1, hi=3)
+    shape: tuple[int, ...] = _field((), lo=1, hi=MAX_DIM)
+
+    def _check(self, where: str) -> None:
+        if math.prod(self.shape) > MAX_DIM * 64:
+            raise PlanError(f"{where}.shape {list(self.shape)} is too large for a KV head")
+
+
+@dataclasses.dataclass
+class DecoderSpec:
+    """How to drive one KV-cache decoder graph (see :mod:`dyncompile.runtime.generate` for the JSON form)."""
+
+    model: str
+    input_ids: str = "input_ids"
+    attention_mask: str | None = "attention_mask"
+    position_ids: str | None = "position_ids"
+    logits: str = "logits"
+    kv: list[KVEntry] = dataclasses.field(default_factory=list)
+    kv_dtype: Literal["float32", "float16", "float", "FLOAT", "FLOAT16", "bfloat16"] = "float32"
+    #: a 4-D additive float mask input ``[batch, 1, new, past + new]`` (``explicit-attention``): draft trees
+    attention_bias: str | None = None
+    #: how the runtime holds the KV cache: ``concat`` (the graph returns ``past + new`` as a new tensor each
+    #: call) or ``shared`` (every past input feeds only ``GroupQueryAttention``, which writes the new tokens into
+    #: the past buffer in place: one preallocated buffer per tensor is bound as both past and present)
+    kv_buffer: Literal["concat", "shared"] = "concat"
+    #: an int64 ``[1]`` input (``trim-logits``; 0 = every row) limiting the logits to the last ``k`` new tokens:
+    #: prompts need the last row only
+    logits_to_keep: str | None = None
+
+    def _check(self, where: str) -> None:
+        if not self.kv:
+            raise PlanError(f"{where}.kv must list the decoder's (past, present) pairs; got none")
+
+    @classmethod
+    def from_params(cls, d: Any, what: str = "decoder") -> DecoderSpec:
+        """Validated spec from a plan step's JSON (absent mask / position names mean the graph has none)."""
+        if isinstance(d, dict):
+            d = {"attention_mask": None, "position_ids": None, **d}
+        return from_json(cls, d, f"plan step: {what}")
+
+    def to_params(self) -> dict[str, Any]:
+        """The step JSON of this spec (what :meth:`from_params` reads back)."""
+        return {
+            "model": self.model,
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+            "logits": self.logits,
+            "kv": [{"past": e.past, "present": e.present, "axis": e.axis, "shape": list(e.shape)} for e in self.kv],
+            "kv_dtype": self.kv_dtype,
+            **({"attention_bias": self.attention_bias} if self.attention_bias else {}),
+            **({"kv_buffer": self.kv_buffer} if self.kv_buffer != "concat" else {}),
+            **({"logits_to_keep": self.logits_to_keep} if self.logits_to_keep else {}),
+        }
+
+
+@dataclasses.dataclass
+class GenerationConfig:
+    """Stop tokens, BOS, the number of positions the decoder supports and its chat template."""
+
+    eos_token_ids: tuple[int, ...] = _field((), lo=0, hi=2**31 - 1)
+    bos_token_id: int | None = _field(None, lo=0, hi=2**31 - 1)
+    max_length: int | None = _field(None, lo=2, hi=MAX_POSITIONS)
+    chat_template: str | None = None
+
+    @classmethod
+    def from_params(cls, d: Any) -> GenerationConfig:
+        """Validated config from a plan step's JSON (a single eos id, null and absent are accepted)."""
+        d = d or {}
+        if isinstance(d, dict) and isinstance(d.get("eos_token_ids"), int) and not isinstance(d["eos_token_ids"], bool):
+            d = {**d, "eos_token_ids": [d["eos_token_ids"]]}
+        if isinstance(d, dict) and d.get("eos_token_ids") is None and "eos_token_ids" in d:
+            d = {k: v for k, v in d.items() if k != "eos_token_ids"}
+        return from_json(cls, d, "plan step: generation")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterParams:
+    """The drafter of a ``speculative_generate`` step.
+
+    A model (``decoder``), prompt lookup, or an EAGLE head (``decoder`` fed the target's ``features`` output;
+    see :mod:`dyncompile.runtime.eagle`).
+    """
+
+    kind: Literal["model", "prompt-lookup", "eagle"]
+    name: str = "external"
+    decoder: DecoderSpec | None = None
+    share_kv: list[int] | None = _field(None, lo=0, hi=100_000)
+    vocab: str | None = None
+    max_ngram: int = _field(3, lo=1, hi=64)
+    min_ngram: int = _field(1, lo=1, hi=64)
+    #: eagle: the target's features output, the drafter's features input and predicted-feature output
+    features: str | None = None
+    feature_input: str | None = None
+    hidden_output: str | None = None
+
+    def _check(self, where: str) -> None:
+        if self.kind == "eagle":
+            if self.decoder is None:
+                raise PlanError(f"{where}: an eagle drafter needs its 'decoder' spec")
+            missing = [k for k in ("features", "feature_input", "hidden_output") if not getattr(self, k)]
+            if missing:
+                raise PlanError(f"{where}: an eagle drafter needs {', '.join(missing)} (tensor names)")
+            if self.share_kv is not None:
+                raise PlanError(f"{where}.share_kv: an eagle drafter keeps its own one-layer cache (give null)")
+        elif self.kind == "model":
+            if self.decoder is None:
+                raise PlanError(f"{where}: a model drafter needs its 'decoder' spec")
+            if self.share_kv is not None and len(self.share_kv) != len(self.decoder.kv):
+                raise PlanError(f"{where}.share_kv must list one target kv index per drafter kv entry")
+        elif self.min_ngram > self.max_ngram:
+            raise PlanError(f"{where}: min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePolicy:
+    """Draft trees of a ``speculative_generate`` step: several candidates verified in one target call.
+
+    ``max_nodes``: drafted nodes per tree (the root excluded); ``max_depth``: longest root-to-leaf path;
+    ``branching``: candidates per node a drafter may offer (prompt-lookup matches, a model's top-k);
+    ``adaptive``: size the tree from the measured verification cost curve and what branches bought.
+    """
+
+    max_nodes: int = _field(16, lo=1, hi=256)
+    max_depth: int = _field(8, lo=1, hi=256)
+    branching: int = _field(3, lo=1, hi=64)
+    adaptive: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftPolicy:
+    """Draft lengths and the cost model of a ``speculative_generate`` step."""
+
+    initial: int = _field(4, lo=0, hi=256)
+    min: int = _field(1, lo=0, hi=256)
+    max: int = _field(8, lo=0, hi=256)
+    adaptive: bool = True
+    alpha0: float = _field(0.6, lo=0.0, hi=1.0)
+    verify_slope: float = _field(0.1, lo=0.0, hi=1e6)
+    draft_cost: float | None = _field(None, lo=0.0, hi=1e6)
+    draft_cost_source: str | None = None
+    verify_cost: dict[str, float] | None = _field(None, lo=0.0, hi=1e6)
+    timing: bool = False
+    tree: TreePolicy | None = None
+
+    def _check(self, where: str) -> None:
+        if self.min > self.max:
+            raise PlanError(f"{where}: min {self.min} > max {self.max}")
+        for k in self.verify_cost or {}:
+            if not k.isdigit() or not 1 <= int(k) <= 4096:
+                raise PlanError(f"{where}.verify_cost: key {k!r} must be a token count 1..4096")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateParams:
+    """``generate``: the target decoder alone."""
+
+    target: DecoderSpec
+    generation: GenerationConfig = _field(factory=GenerationConfig)
+    io_binding: bool = False
+    rollback: Literal["mask", "copy"] = "mask"
+
+    def file_keys(self) -> list[tuple[str, str]]:
+        """The plan files this step names, as ``(field, file key)`` pairs."""
+        return [("target.model", self.target.model)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeParams(GenerateParams):
+    """``speculative_generate``: a drafter proposes, the target verifies."""
+
+    drafter: DrafterParams = _field(factory=lambda: DrafterParams("prompt-lookup"))
+    draft: DraftPolicy = _field(factory=DraftPolicy)
+
+    def file_keys(self) -> list[tuple[str, str]]:
+        """The plan files this step names (the target's, then the drafter's), as ``(field, file key)`` pairs."""
+        keys = super().file_keys()
+        if self.drafter.decoder is not None:
+            keys.append(("drafter.decoder.model", self.drafter.decoder.model))
+        if self.drafter.vocab is not None:
+            keys.append(("drafter.vocab", self.drafter.vocab))
+        return keys
+
+
+def _generate_from_json(cls: type) -> Any:
+    """The step builder of a decoder step: fills absent mask / position names and accepts a single eos id."""
+
+    def build(d: Any, where: str) -> Any:
+        if isinstance(d, dict):
+            d = dict(d)
+            if isinstance(d.get("target"), dict):
+                d["target"] = {"attention_mask": None, "position_ids": None, **d["target"]}
+            dr = d.get("drafter")
+            if isinstance(dr, dict) and isinstance(dr.get("decoder"), dict):
+                d["drafter"] = {**dr, "decoder": {"attention_mask": None, "position_ids": None, **dr["decoder"]}}
+            gen = d.get("generation")
+            if isinstance(gen, dict) and isinstance(gen.get("eos_token_ids"), int) and not isinstance(
+                gen["eos_token_ids"], bool
+            ):
+                d["generation"] = {**gen, "eos_token_ids": [gen["eos_token_ids"]]}
+            if gen is None and "generation" in d:
+                del d["generation"]
+        return from_json(cls, d, where)
+
+    return build
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativePolicy:
+    """``policy.speculative``: which drafter and its draft policy (informational)."""
+
+    _extra = True
+
+    drafter: str = ""
+    draft: DraftPolicy = _field(factory=DraftPolicy)
+
+
+STEPS: dict[str, Any] = {
+    "generate": _generate_from_json(GenerateParams),
+    "speculative_generate": _generate_from_json(SpeculativeParams),
+}
+"""This module's step kinds -> ``build(params_json, where)`` (merged into :data:`dyncompile.plan.STEP_SCHEMAS`)."""
+
+POLICIES: dict[str, type] = {"speculative": SpeculativePolicy}
+"""This module's policy names -> schema (merged into :data:`dyncompile.plan.POLICY_SCHEMAS`)."""
