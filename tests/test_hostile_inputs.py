@@ -907,3 +907,106 @@ def test_15_hard_linked_external_data_is_one_clear_error(built, tmp_path, capsys
     rc, _, err = run_cli(capsys, str(src / "model.onnx"), "--passes", "verify", "-o", tmp_path / "out")
     assert_clean_error(rc, err, "hard links")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------- diffusion steps
+
+
+def _diffusion_plan(directory):
+    """A text-to-image plan whose files are stand-in bytes: loading checks the plan, it opens no ONNX file."""
+    from dyncompile.plan import Plan, Step, file_ref, save_plan
+
+    directory.mkdir(parents=True)
+    for rel in ("te.onnx", "unet.onnx", "vae.onnx", "tokenizer.json"):
+        (directory / rel).write_bytes(rel.encode())
+    files = {key: file_ref(directory, rel, key) for key, rel in
+             (("text_encoder", "te.onnx"), ("unet", "unet.onnx"), ("vae_decoder", "vae.onnx"), ("tokenizer", "tokenizer.json"))}
+    steps = [
+        Step("diffusion_encode", {"text_encoder": "text_encoder", "output": "last_hidden_state", "null_prompt": ""}),
+        Step("predict_steps", {"weights": [0.5, -0.25], "bias": 3.0, "mean": [0.0, 0.1], "scale": [1.0, 2.0],
+                               "grid": [5, 10, 20, 40], "offset": 0.25, "features": "mean_pool"}),
+        Step("diffusion_denoise", {
+            "unet": "unet", "input_names": ["sample", "timestep", "encoder_hidden_states"],
+            "scheduler": {"_class_name": "DDIMScheduler"}, "guidance_scale": 3.0, "num_inference_steps": 20,
+            "sample_shape": [1, 32, 32], "output_crop": [2, 30, 2, 30], "eta": 0.0, "noise": "numpy",
+            "default_policy": "online", "stop_rule": {"kind": "x0_change", "threshold": 0.01, "max_steps": 40, "min_steps": 4},
+            "vae_decoder": {"file": "vae_decoder", "scaling_factor": 0.18215},
+        }),
+    ]
+    tokenizer = {"file": "tokenizer", "max_length": 77, "padding": "max_length"}
+    save_plan(Plan(task="text-to-image", files=files, steps=steps, tokenizer=tokenizer), directory)
+    return directory
+
+
+def _enc(r):
+    return r["steps"][0]
+
+
+def _pred(r):
+    return r["steps"][1]
+
+
+def _den(r):
+    return r["steps"][2]
+
+
+# each check of a diffusion step, made by its schema at load (what the runtime handlers may rely on)
+DIFFUSION_MUTATIONS = {
+    "encode: text_encoder names no file": (lambda r: _enc(r).update(text_encoder="nope"), "text_encoder names file 'nope'"),
+    "encode: null_prompt not a string": (lambda r: _enc(r).update(null_prompt=3), "null_prompt must be a string"),
+    "encode: output not a string": (lambda r: _enc(r).update(output=["x"]), "output must be a string"),
+    "encode: the plan has no tokenizer": (lambda r: r.update(tokenizer=None), "(diffusion_encode) tokenizes text, but the plan has no tokenizer"),
+    "predict: weights not numbers": (lambda r: _pred(r).update(weights=["a", 1]), "weights[0] must be a finite number"),
+    "predict: weights NaN": (lambda r: _pred(r).update(weights=[float("nan"), 1.0]), "weights[0]: nan is not a finite number"),
+    "predict: mean of the wrong length": (lambda r: _pred(r).update(mean=[0.0]), "mean has 1 values"),
+    "predict: scale of the wrong length": (lambda r: _pred(r).update(scale=[1.0, 1.0, 1.0]), "scale 3"),
+    "predict: bias missing": (lambda r: _pred(r).pop("bias"), "missing required field 'bias'"),
+    "predict: offset missing": (lambda r: _pred(r).pop("offset"), "missing required field 'offset'"),
+    "predict: offset out of range": (lambda r: _pred(r).update(offset=11.0), "offset must be in [-10.0, 10.0]"),
+    "predict: grid empty": (lambda r: _pred(r).update(grid=[]), "grid must be an increasing list"),
+    "predict: grid not increasing": (lambda r: _pred(r).update(grid=[10, 5]), "grid must be an increasing list"),
+    "predict: grid of floats": (lambda r: _pred(r).update(grid=[5.5, 10]), "grid[0] must be an integer"),
+    "predict: grid above the step bound": (lambda r: _pred(r).update(grid=[5, 1001]), "grid[1] must be in [1, 1000]"),
+    "predict: unknown features": (lambda r: _pred(r).update(features="cls"), "features must be one of 'mean_pool'"),
+    "denoise: unet names no file": (lambda r: _den(r).update(unet="nope"), "unet names file 'nope'"),
+    "denoise: sample_shape of rank 2": (lambda r: _den(r).update(sample_shape=[32, 32]), "sample_shape must be [C, H, W]"),
+    "denoise: sample_shape not positive": (lambda r: _den(r).update(sample_shape=[1, 0, 32]), "sample_shape[1] must be in [1, 1000000]"),
+    "denoise: output_crop outside the sample": (lambda r: _den(r).update(output_crop=[0, 40, 0, 32]), "output_crop must be"),
+    "denoise: output_crop negative": (lambda r: _den(r).update(output_crop=[-1, 30, 2, 30]), "output_crop[0] must be in [0, 1000000]"),
+    "denoise: eta not zero": (lambda r: _den(r).update(eta=0.5), "only deterministic DDIM (eta 0)"),
+    "denoise: unknown noise source": (lambda r: _den(r).update(noise="jax"), "noise must be one of 'numpy', 'torch'"),
+    "denoise: unknown default_policy": (lambda r: _den(r).update(default_policy="vibes"), "default_policy must be one of"),
+    "denoise: online without a stop rule": (lambda r: _den(r).update(stop_rule=None), "default_policy 'online' needs a stop_rule"),
+    "denoise: stop rule of another kind": (lambda r: _den(r)["stop_rule"].update(kind="eps_change"), "stop_rule.kind must be one of 'x0_change'"),
+    "denoise: stop rule max_steps below 2": (lambda r: _den(r)["stop_rule"].update(max_steps=1), "max_steps must be in [2, 1000]"),
+    "denoise: stop rule threshold above 1": (lambda r: _den(r)["stop_rule"].update(threshold=1.5), "threshold must be in [0.0, 1.0]"),
+    "denoise: stop rule min_steps above max_steps": (lambda r: _den(r)["stop_rule"].update(min_steps=41), "min_steps 41 exceeds max_steps 40"),
+    "denoise: stop rule not an object": (lambda r: _den(r).update(stop_rule="x0_change"), "stop_rule must be an object"),
+    "denoise: vae_decoder names no file": (lambda r: _den(r)["vae_decoder"].update(file="nope"), "vae_decoder.file names file 'nope'"),
+    "denoise: vae scaling_factor zero": (lambda r: _den(r)["vae_decoder"].update(scaling_factor=0.0), "scaling_factor must be in"),
+    "denoise: vae_decoder not an object": (lambda r: _den(r).update(vae_decoder="vae_decoder"), "vae_decoder must be an object"),
+    "denoise: input_names of two": (lambda r: _den(r).update(input_names=["sample", "timestep"]), "input_names must name"),
+    "denoise: input_names not strings": (lambda r: _den(r).update(input_names=["sample", 1, "c"]), "input_names[1] must be a string"),
+    "denoise: guidance_scale below 1": (lambda r: _den(r).update(guidance_scale=0.5), "guidance_scale must be in [1.0, 100.0]"),
+    "denoise: num_inference_steps above the bound": (lambda r: _den(r).update(num_inference_steps=1001), "num_inference_steps must be in [1, 1000]"),
+    "denoise: num_inference_steps a float": (lambda r: _den(r).update(num_inference_steps=20.0), "num_inference_steps must be an integer"),
+}
+
+
+def test_the_diffusion_stand_in_plan_loads(tmp_path):
+    from dyncompile.plan import DiffusionDenoiseParams, PredictStepsParams, load_plan
+
+    plan = load_plan(_diffusion_plan(tmp_path / "plan"))
+    assert [type(s.typed) for s in plan.steps[1:]] == [PredictStepsParams, DiffusionDenoiseParams]
+    assert plan.steps[2].typed.stop_rule.min_steps == 4 and plan.steps[2].typed.vae_decoder.file == "vae_decoder"
+
+
+@pytest.mark.parametrize("what", list(DIFFUSION_MUTATIONS))
+def test_diffusion_plan_mistakes_are_clean_errors(tmp_path, what):
+    from dyncompile.plan import load_plan
+
+    mutate, needle = DIFFUSION_MUTATIONS[what]
+    plan = _mutate(_diffusion_plan(tmp_path / "plan"), mutate)
+    with pytest.raises(PlanError) as e:
+        load_plan(plan)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
