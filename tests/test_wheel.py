@@ -46,7 +46,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, src], env, tmp_path)
     (wheel,) = dist.glob("dyncompile-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "dyncompile/passes/analysis/family.py" in names and "dyncompile/plan.py" in names
+    assert "dyncompile/passes/analysis/family.py" in names and "dyncompile/plan/__init__.py" in names
     assert not [
         n for n in names if n.startswith(("dyncompile/tests/", "tests/", "dyncompile/bench-results/"))
     ]
