@@ -206,3 +206,12 @@ def test_readme_commands_run_on_tiny_models(workspace, monkeypatch, capsys):
             pending_failed.append(f"{cmd}  ({detail})")
     if pending_failed:
         pytest.xfail("README commands waiting for the CLI shape they document: " + "; ".join(pending_failed))
+
+
+def test_readme_links_resolve():
+    """Every relative link of the README points at a file or folder of the repository."""
+    links = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
+    relative = [link.split("#", 1)[0] for link in links if not re.match(r"[a-z]+:", link)]
+    assert relative, "no relative links found"
+    broken = [link for link in relative if link and not (ROOT / link).exists()]
+    assert not broken, f"README links to missing files: {broken}"
