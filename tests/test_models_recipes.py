@@ -21,7 +21,7 @@ from dyncompile.models._core import CONFIG_NAME, ONNX_NAME, TOKENIZER_NAME, Reci
 
 MOVIE_TEST = DATA / "movie-test.jsonl"
 MOVIE_CALIB = DATA / "movie-calib.jsonl"
-README = Path(__file__).resolve().parent.parent / "README.md"
+RECORDED = Path(__file__).resolve().parent.parent / "bench-results" / "models.json"
 
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -219,7 +219,7 @@ def test_minilm_accuracy(minilm):
 
     acc = classifier_accuracy(minilm, MOVIE_TEST, batch_size=64)
     assert acc.total == 1500
-    _assert_near_readme(acc, "MiniLM-L6")
+    _assert_near_recorded(acc, "minilm-l6-sentiment")
 
 
 # ----------------------------------------------------------------------------------------------- SmolLM2
@@ -279,19 +279,20 @@ def test_mpnet_build_and_accuracy():
     assert cfg["export"]["max_abs_diff_vs_torch"] <= 1e-4
     assert art.hf_dir == art.dir / "hf"
     acc = classifier_accuracy(art, MOVIE_TEST, batch_size=64)
-    _assert_near_readme(acc, "MPNet-base")
+    _assert_near_recorded(acc, "mpnet-base-sentiment")
 
 
-def _assert_near_readme(acc, model_label: str) -> None:
-    """The accuracy the README reports for this model on movie-test, within a 3-sigma binomial margin for
-    the number of rows (ORT versions and CPUs may flip a few near-tie rows; a broken export or tokenizer
-    moves it far more). Two-sided: a README figure that no longer matches the model fails too."""
-    m = re.search(re.escape(model_label) + r" \(original ([\d.]+) %", README.read_text())
-    assert m, f"README has no '{model_label} (original NN.NN %' figure"
-    p = float(m.group(1)) / 100
+def _assert_near_recorded(acc, model_name: str) -> None:
+    """The accuracy the benchmark studies record for this model on movie-test (bench-results/models.json),
+    within a 3-sigma binomial margin for the number of rows (ORT versions and CPUs may flip a few near-tie
+    rows; a broken export or tokenizer moves it far more). Two-sided: a recorded figure that no longer matches
+    the model fails too."""
+    recorded = json.loads(RECORDED.read_text())["movie_test_accuracy_percent"]
+    assert model_name in recorded, f"{RECORDED.name} records no movie-test accuracy for {model_name!r}"
+    p = float(recorded[model_name]) / 100
     margin = 3 * math.sqrt(p * (1 - p) / acc.total)
     assert abs(acc.accuracy - p) <= margin, (
-        f"{acc.percent:.2f} % vs README {100 * p:.2f} % +- {100 * margin:.2f}"
+        f"{acc.percent:.2f} % vs recorded {100 * p:.2f} % +- {100 * margin:.2f}"
     )
 
 
