@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir
 from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
-from dyncompile.tools.bench_decoder_graphs import _session
+from dyncompile.tools.studies.decoder_graphs import _session
 
 
 def test_bench_sessions_use_the_load_defaults(tmp_path):
@@ -24,7 +24,7 @@ def test_verify_call_costs_are_paired_against_the_first_graph(tmp_path):
     import onnx_ir.passes.common  # noqa: F401
 
     from dyncompile.passes.matmul_to_conv import MatMulToConvPass
-    from dyncompile.tools.bench_decoder_graphs import markdown_report, run_bench
+    from dyncompile.tools.studies.decoder_graphs import markdown_report, run_bench
 
     model = tiny_decoder(num_layers=2, vocab=16, seed=0)
     a = write_decoder_dir(tmp_path / "a", model, eos=15)

@@ -1,11 +1,11 @@
-"""The re-split honesty bench's bookkeeping (tools/bench_early_exit_resplit) on synthetic exits."""
+"""The re-split honesty bench's bookkeeping (tools/studies/early_exit_resplit) on synthetic exits."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dyncompile.tools import bench_early_exit_resplit as rs
+from dyncompile.tools.studies import early_exit_resplit as rs
 
 
 def _probs(n=600, n_exits=3, seed=0):

@@ -274,18 +274,18 @@ def _cmd_bench(argv: list[str]) -> int:
     refuse_diffusion_bench(argv)
     plan_arg = next((a for a in argv if not a.startswith("-")), None)
     if plan_arg is not None and _is_routed(plan_arg):
-        from dyncompile.tools.bench_route import main as bench_route
+        from dyncompile.tools.bench.routed import main as bench_route
 
         return bench_route(argv)
     if any(a == "--peers" or a.startswith("--peers=") for a in argv):  # generation plans against peer runtimes
-        from dyncompile.tools.bench_peers import main as bench_peers
+        from dyncompile.tools.bench.peers import main as bench_peers
 
         return bench_peers(argv)
     if any(a == "--prompts" or a.startswith("--prompts=") for a in argv):  # generation plans
-        from dyncompile.tools.bench_speculative import main as bench_generation
+        from dyncompile.tools.bench.generate import main as bench_generation
 
         return bench_generation(argv)
-    from dyncompile.tools.bench import main as bench_main
+    from dyncompile.tools.bench.classify import main as bench_main
 
     return bench_main(argv)
 

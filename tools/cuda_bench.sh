@@ -18,5 +18,5 @@ cd - >/dev/null
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/dyncompile
 export PYTHONPATH=/tmp/site:/tmp/pkg DYNCOMPILE_HOME=/root/dc PYTHONUNBUFFERED=1
 python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
-python3 -m dyncompile.tools.bench_early_exit --models minilm-l6-sentiment --provider cuda \
+python3 -m dyncompile.tools.studies.early_exit --models minilm-l6-sentiment --provider cuda \
     --data-dir "$P/data" --out "${OUT:-/tmp/out}/ee-cuda" "$@"

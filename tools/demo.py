@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from dyncompile import models
     from dyncompile.errors import DyncompileError
     from dyncompile.io import read_jsonl, texts_and_labels
-    from dyncompile.tools._bench_common import (
+    from dyncompile.tools.bench.common import (
         BENCH_SESSION_CONFIG,
         bench_runners,
         machine_info,

@@ -47,6 +47,6 @@ def refuse_diffusion_bench(argv: list[str]) -> None:
                 return
             if task == "text-to-image":
                 raise DataError(
-                    f"{a} is a text-to-image plan; benchmark it with `python -m dyncompile.tools.bench_stepsaver {a} "
-                    "--runs RUNS.npz` (step counts) or `python -m dyncompile.tools.bench_diffusion_plans` (plans side by side)"
+                    f"{a} is a text-to-image plan; benchmark it with `python -m dyncompile.tools.studies.stepsaver {a} "
+                    "--runs RUNS.npz` (step counts) or `python -m dyncompile.tools.studies.diffusion_plans` (plans side by side)"
                 )

@@ -10,8 +10,8 @@ transformers ``generate``; with ``prompt_lookup_num_tokens`` for prompt-lookup p
 with ``--torch-assistant HF_DIR``, or ``assistant_early_exit=k`` for split-drafter plans).
 
 Prompt files are JSONL with ``prompt`` (or ``text``) and optional ``chat`` (bool), ``kind``, ``id``,
-``max_new_tokens``; :mod:`dyncompile.tools.prompt_sets` writes them from real text available offline
-(``python -m dyncompile.tools.prompt_sets --out DIR``; ``python -m dyncompile.tools.bench_speculative prompts``
+``max_new_tokens``; :mod:`dyncompile.tools.bench.prompt_sets` writes them from real text available offline
+(``python -m dyncompile.tools.bench.prompt_sets --out DIR``; ``python -m dyncompile.tools.bench.generate prompts``
 still works).
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from dyncompile.runtime.generate import prompt_ids_of
-from dyncompile.tools._bench_common import BENCH_SESSION_CONFIG, machine_info
-from dyncompile.tools.prompt_sets import read_prompts
+from dyncompile.tools.bench.common import BENCH_SESSION_CONFIG, machine_info
+from dyncompile.tools.bench.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -461,7 +461,7 @@ if __name__ == "__main__":
     if argv and argv[0] == "curve":
         sys.exit(verify_curve_main(argv[1:]))
     if argv and argv[0] == "prompts":  # the prompt-set writer's old home
-        from dyncompile.tools.prompt_sets import main as prompts_main
+        from dyncompile.tools.bench.prompt_sets import main as prompts_main
 
         sys.exit(prompts_main(argv[1:]))
     sys.exit(main(argv))

@@ -20,8 +20,8 @@ budget. Methods: ``entropy`` (today's calibration, **uncertified**) and any regi
 ``register_calibrator(name, fn)``; ``certified`` and ``learned-certified`` are registered by
 :func:`register_certified` when ``dyncompile.passes.early_exit.certify`` provides ``certified_calibration``).
 
-    python -m dyncompile.tools.bench_early_exit_resplit --models minilm-l6-sentiment --splits 200
-    python -m dyncompile.tools.bench_early_exit_resplit --models mpnet-base-sentiment --splits 200 --heads fixed
+    python -m dyncompile.tools.studies.early_exit_resplit --models minilm-l6-sentiment --splits 200
+    python -m dyncompile.tools.studies.early_exit_resplit --models mpnet-base-sentiment --splits 200 --heads fixed
 
 Writes ``resplit.json``, ``resplit.md`` and ``resplit.png`` under ``--out``.
 """
@@ -340,7 +340,7 @@ def merge_reports(paths: Sequence[str | Path], out: Path, notes: Sequence[str] =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_early_exit_resplit", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.early_exit_resplit", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["minilm-l6-sentiment"])
     p.add_argument("--splits", type=int, default=200)
     p.add_argument("--budget", type=float, default=1.0)

@@ -1,7 +1,7 @@
 """dyncompile against the runtimes a user would otherwise pick: onnxruntime-genai and OpenVINO GenAI.
 
 ``dyncompile bench PLAN --prompts FILE --peers ortgenai,openvino --peer-model ortgenai=DIR --peer-model
-openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every prompt, greedy, through:
+openvino=DIR`` (or ``python -m dyncompile.tools.bench.peers ...``) runs every prompt, greedy, through:
 
 * dyncompile's target alone and its speculative step, loaded the way ``dyncompile.load`` loads them by default
   (intra-op threads spin while a call runs; ``--spinning-on`` adds the same plan with ORT's own default, spinning that
@@ -11,7 +11,7 @@ openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every pr
   when asked: a draft model (``--peer-draft``: an onnxruntime-genai folder whose genai_config.json has a
   ``model.draft`` section, or an OpenVINO draft IR folder) and n-gram / prompt-lookup decoding (``--peer-ngram``).
 
-Every runner is a worker process (:mod:`dyncompile.tools.peer_driver`): the peers run with their own Python
+Every runner is a worker process (:mod:`dyncompile.tools.bench.peer_worker`): the peers run with their own Python
 (``--peer-python NAME=PATH``; default ``$DYNCOMPILE_PEER_VENVS/{ortgenai,ovgenai}/bin/python``), because their
 ONNX Runtime builds clash with dyncompile's. All workers are loaded first; then each prompt runs through every
 runner in rotating order, one at a time (an idle worker blocks on its stdin: no spinning neighbours). Each worker
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PEERS", "main", "markdown_report", "run_peers"]
 
-DRIVER = Path(__file__).with_name("peer_driver.py")
+DRIVER = Path(__file__).with_name("peer_worker.py")
 #: peer name -> (venv folder name under $DYNCOMPILE_PEER_VENVS, human name, what its speculative modes are)
 PEERS = {
     "ortgenai": ("ortgenai", "onnxruntime-genai", "draft model / n-gram"),
@@ -199,7 +199,7 @@ def paired_comparisons(runners: list[Runner], runs: dict[str, list[dict]]) -> li
     """Each dyncompile runner against each peer runner of a comparable mode (and each variant's runner against the
     main plan's of its mode): the geometric mean over prompts (every pass's prompt counts once) of the per-prompt
     rate ratios, with 95 % bootstrap intervals."""
-    from dyncompile.tools._bench_common import paired_ratio
+    from dyncompile.tools.bench.common import paired_ratio
 
     out = []
     for d in (r for r in runners if r.kind == "dyncompile"):
@@ -365,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools._bench_common import load_avg, machine_info
-    from dyncompile.tools.prompt_sets import read_prompts
+    from dyncompile.tools.bench.common import load_avg, machine_info
+    from dyncompile.tools.bench.prompt_sets import read_prompts
 
     if args.max_new_tokens < 1 or args.threads < 1 or args.repeat < 1:
         raise DataError("--max-new-tokens, --threads and --repeat must be >= 1")
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
 
     def dyncompile_worker(plan_dir) -> list[str]:
-        return [sys.executable, "-m", "dyncompile.tools.peer_driver", "--backend", "dyncompile", "--model",
+        return [sys.executable, "-m", "dyncompile.tools.bench.peer_worker", "--backend", "dyncompile", "--model",
                 str(plan_dir), "--threads", str(args.threads), "--provider", args.provider,
                 *(["--io-binding"] if args.io_binding else [])]
 

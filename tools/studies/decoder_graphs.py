@@ -1,6 +1,6 @@
 """Decoder-graph benchmark: the same decoder as different ONNX graphs, greedy target-alone generation, interleaved.
 
-``python -m dyncompile.tools.bench_decoder_graphs --variant unfused=MODEL.onnx --variant fused=PLAN/model.onnx
+``python -m dyncompile.tools.studies.decoder_graphs --variant unfused=MODEL.onnx --variant fused=PLAN/model.onnx
 --variant builder=DIR/model.onnx --prompts code.jsonl`` drives every graph through the runtime's
 :class:`~dyncompile.runtime.kv_cache.KVDecoder` (the object the ``generate`` plan step uses; numpy past tensors,
 ``dyncompile.load``'s session config: threads spin only while a call runs, ``--threads``), one prompt at a time, rotating which graph
@@ -30,8 +30,8 @@ import numpy as np
 from dyncompile.errors import DataError
 from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.kv_cache import KVDecoder
-from dyncompile.tools._bench_common import BENCH_SESSION_CONFIG, load_avg, machine_info, write_report
-from dyncompile.tools.prompt_sets import read_prompts
+from dyncompile.tools.bench.common import BENCH_SESSION_CONFIG, load_avg, machine_info, write_report
+from dyncompile.tools.bench.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ def _encode(prompts: list[dict[str, Any]], tokenizer: Path, max_prompt_tokens: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m dyncompile.tools.bench_decoder_graphs",
+        prog="python -m dyncompile.tools.studies.decoder_graphs",
         description="Compare decoder graphs of one model (unfused export, fuse-decoder, onnxruntime-genai builder, "
         "int4 variants): greedy target-alone prefill and decode speed, interleaved, with token identity.",
         epilog="Example: --variant unfused=~/.cache/dyncompile/models/smollm2-135m/model.onnx "
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=MODEL.onnx[@REF]",
                     help="a graph to run (repeat); fidelity is checked against variant REF (default: the first), "
                     "e.g. fused-int4=plan/model.onnx@int4")
-    ap.add_argument("--prompts", required=True, help="JSONL prompts (python -m dyncompile.tools.prompt_sets)")
+    ap.add_argument("--prompts", required=True, help="JSONL prompts (python -m dyncompile.tools.bench.prompt_sets)")
     ap.add_argument("--tokenizer", required=True, help="tokenizer.json shared by every variant")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -13,8 +13,8 @@ from the heads' outputs on test): one fit with the pass's own recipe (:func:`fit
 report records whether its thresholds at the main budgets equal the compiled plans' (they should: same
 recipe, same seed). Writes JSON, markdown and a PNG.
 
-    python -m dyncompile.tools.bench_early_exit                       # both models, ~40 min on 2 cores
-    python -m dyncompile.tools.bench_early_exit --models minilm-l6-sentiment --batch1-rows 300
+    python -m dyncompile.tools.studies.early_exit                       # both models, ~40 min on 2 cores
+    python -m dyncompile.tools.studies.early_exit --models minilm-l6-sentiment --batch1-rows 300
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncompile.tools._bench_common import DATA, compile_early_exit
+from dyncompile.tools.bench.common import DATA, compile_early_exit
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.models import build_model
-    from dyncompile.tools._bench_common import (
+    from dyncompile.tools.bench.common import (
         BENCH_SESSION_CONFIG,
         bench_runners,
         plan_runner,
@@ -162,7 +162,7 @@ def bench_model(name: str, args, out: Path) -> dict:
 
 
 def _markdown(reports: list[dict], machine: dict) -> str:
-    from dyncompile.tools._bench_common import markdown_table
+    from dyncompile.tools.bench.common import markdown_table
 
     parts = [
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine.get('gpu') or 'no GPU'}, onnxruntime "
@@ -217,7 +217,7 @@ def _plot(reports: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_early_exit", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.early_exit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="minilm-l6-sentiment,mpnet-base-sentiment")
     p.add_argument("--budgets", default="0.5,1.0,2.0")
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--criterion", default="entropy", choices=["entropy", "maxprob", "patience", "learned"])
     p.add_argument("--confidence", default="none",
                    help="as the pass's --confidence (e.g. 0.9: certified budgets); default none, this bench's "
-                   "historical uncertified calibration (tools/bench_certified.py compares both)")
+                   "historical uncertified calibration (tools/studies/certified.py compares both)")
     p.add_argument("--batch1-rows", type=int, default=None, help="rows in the batch-1 pass (default: all 1,500)")
     p.add_argument("--provider", default="cpu", help="execution provider of every session (original and plans)")
     p.add_argument("--data-dir", default=str(DATA))
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     args.lowerings = args.lowerings.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools._bench_common import machine_info
+    from dyncompile.tools.bench.common import machine_info
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Step-saver bench on held-out prompts: fixed 100/50/30, uniform at the predictor's mean, per-prompt
 predicted, online rule, oracle — speed next to quality, from the same runs.
 
-Inputs: a step-saver plan, and the runs of held-out TEST prompts (``tools/stepsaver_data.py generate``: the
+Inputs: a step-saver plan, and the runs of held-out TEST prompts (``tools/studies/stepsaver_data.py generate``: the
 plan's denoising loop at every step count 5..20, 25, 30, 50, 100, 200 per prompt, the asset's seeds, with
 per-run seconds on one ORT thread). Each setting is a choice of step count per prompt, applied to those
 runs: ``predicted`` through the plan's own ``diffusion_encode`` + ``predict_steps`` steps, ``online`` through
@@ -33,7 +33,7 @@ from dyncompile.io import shared_dir, write_json_atomic
 from dyncompile.passes.step_saver import calibrate as cal
 from dyncompile.passes.step_saver.metrics import frechet, texture
 from dyncompile.runtime.denoise import StopRule
-from dyncompile.tools._bench_common import bootstrap_diff
+from dyncompile.tools.bench.common import bootstrap_diff
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def read_idx_images(path: Path) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_stepsaver", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.stepsaver", description=__doc__.split("\n")[0])
     p.add_argument("plan")
     p.add_argument("--runs", required=True, help="runs of held-out TEST prompts (stepsaver_data generate)")
     p.add_argument("--traj20", help="runs with the 20-step x0 trajectory (online rule variant over 20 steps)")

@@ -17,8 +17,8 @@ same runs as the batch-1 latency (median/p90) and the batch-32 throughput; plus 
 for, int8 + early exit against early exit at the same budget. ``--op-profile N`` adds ORT's per-operator
 profile of the fp32 and int8 models at batch 1 (share of the time in MatMul vs the rest). Writes JSON + markdown.
 
-    python -m dyncompile.tools.bench_quantized_early_exit --provider cpu --out bench-results/quantized-early-exit-cpu
-    python -m dyncompile.tools.bench_quantized_early_exit --provider openvino --out bench-results/quantized-early-exit-openvino
+    python -m dyncompile.tools.studies.quantized_early_exit --provider cpu --out bench-results/quantized-early-exit-cpu
+    python -m dyncompile.tools.studies.quantized_early_exit --provider openvino --out bench-results/quantized-early-exit-openvino
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.tools._bench_common import DATA, compile_early_exit
+from dyncompile.tools.bench.common import DATA, compile_early_exit
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     from dyncompile.models import build_model
     from dyncompile.passes import CompileContext, build_passes
     from dyncompile.passes.early_exit.insert_early_exit import choose_lowering
-    from dyncompile.tools._bench_common import (
+    from dyncompile.tools.bench.common import (
         BENCH_SESSION_CONFIG,
         bench_runners,
         load_avg,
@@ -350,7 +350,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_quantized_early_exit", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.quantized_early_exit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--provider", default="cpu", help="execution provider of every session (cpu, openvino, ...)")
     p.add_argument("--models", nargs="+", default=["mpnet-base-sentiment"])
@@ -369,13 +369,13 @@ def main(argv=None) -> int:
     args.budgets = [float(b) for x in args.budgets for b in x.split(",") if b]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools._bench_common import machine_info
+    from dyncompile.tools.bench.common import machine_info
 
     out = Path(args.out or f"bench-results/quantized-early-exit-{args.provider}")
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     reports = []
-    command = "python -m dyncompile.tools.bench_quantized_early_exit " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m dyncompile.tools.studies.quantized_early_exit " + " ".join(sys.argv[1:] if argv is None else argv)
     for name in args.models:
         reports.append(bench_model(name, args, out))
         write_json_atomic(out / "quantized_early_exit.json", {"command": command, "machine": machine, "reports": reports})

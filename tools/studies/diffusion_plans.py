@@ -1,7 +1,7 @@
 """Diffusion plans side by side (e.g. fp32 vs ``quantize-int8`` U-Net) on one provider, same prompts and seeds,
 interleaved in one process: images/s next to SSIM / max pixel difference of each plan's images to the first plan's.
 
-    python -m dyncompile.tools.bench_diffusion_plans fp32/ int8/ --provider openvino --steps 13 --n 8 --out DIR
+    python -m dyncompile.tools.studies.diffusion_plans fp32/ int8/ --provider openvino --steps 13 --n 8 --out DIR
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dyncompile.io import write_json_atomic
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_diffusion_plans", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.diffusion_plans", description=__doc__.split("\n")[0])
     p.add_argument("plans", nargs="+")
     p.add_argument("--provider", default="cpu")
     p.add_argument("--steps", type=int, default=13)
@@ -41,7 +41,7 @@ def run(args) -> int:
     import dyncompile
     from dyncompile.passes.step_saver.metrics import ssim
     from dyncompile.runtime.diffusion import generate_images
-    from dyncompile.tools.stepsaver_data import select_prompts
+    from dyncompile.tools.studies.stepsaver_data import select_prompts
 
     rows = select_prompts("test", args.n)
     models = [dyncompile.load(p, provider=args.provider) for p in args.plans]

@@ -8,7 +8,7 @@ Two forms:
   inside it), random routing between its cheapest and last candidate at the routed plan's measured cost,
   the oracle (the cheapest candidate that is right; its wall-clock from the same run's per-row latencies),
   and the router overhead (learned rule) on its own.
-* ``python -m dyncompile.tools.bench_route --sentiment --plans DIR`` (DIR holds ``minilm``, ``minilm-ee``,
+* ``python -m dyncompile.tools.bench.routed --sentiment --plans DIR`` (DIR holds ``minilm``, ``minilm-ee``,
   ``mpnet``, ``mpnet-ee`` plans): compiles the cascades MiniLM→MPNet and MiniLM→MPNet-EE (reference MPNet
   plain) and the learned router MiniLM→MPNet on movie-calib with ``dyncompile.route``, then measures all of
   them with MiniLM, MiniLM-EE, MPNet, MPNet-EE (MPNet's own early exit at the same budget) on movie-test,
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.tools._bench_common import (
+from dyncompile.tools.bench.common import (
     BENCH_SESSION_CONFIG,
     DATA,
     Runner,

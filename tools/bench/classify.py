@@ -4,7 +4,7 @@
 accuracy of the original and the compiled model, agreement, mean exit layer and per-exit histogram,
 latency median/p90 at batch 1 (each row runs through every model in rotating order), throughput at
 batch 32, and the speedup ratios. Results are printed and written as JSON + markdown. The measurement
-itself lives in :mod:`dyncompile.tools._bench_common`.
+itself lives in :mod:`dyncompile.tools.bench.common`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dyncompile.tools._bench_common import (
+from dyncompile.tools.bench.common import (
     BENCH_SESSION_CONFIG,
     bench_runners,
     machine_info,
