@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dyncompile.tools.studies.route_code import Arrays, cascade_keep, evaluate_routes, read_table, run_bench
 from dyncompile.tools.studies.humaneval import truncate_completion
+from dyncompile.tools.studies.route_code import Arrays, cascade_keep, evaluate_routes, read_table, run_bench
 
 
 def _row(i, model, *, ok, doc, n_ex, wall, check_s=0.01, pt=100, nt=50):

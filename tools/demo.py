@@ -35,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     from dyncompile.errors import DyncompileError
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench.common import (
-        BENCH_SESSION_CONFIG,
         bench_runners,
         machine_info,
         markdown_table,
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("== 4. original vs early exit on movie-test (interleaved, same process)")
         texts, labels = texts_and_labels(read_jsonl(data / "movie-test.jsonl"), ee.plan.labels)
-        eem = dyncompile.load(ee.plan_dir, session_config=BENCH_SESSION_CONFIG)
+        eem = dyncompile.load(ee.plan_dir)
         runners = [reference_runner("original", art.onnx_path, eem), plan_runner(f"early-exit (budget {args.budget})", eem)]
         report = bench_runners(runners, texts, labels, batch1_rows=args.batch1_rows)
         report["machine"] = machine_info()

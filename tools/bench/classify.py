@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.tools.bench.common import (
-    BENCH_SESSION_CONFIG,
     bench_runners,
     machine_info,
     markdown_table,
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise DataError("--batch-size and --limit must be >= 1")
-    compiled = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, session_config=BENCH_SESSION_CONFIG)
+    compiled = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback)
     src = str(compiled.plan.original_model("bench"))  # sha256-checked: it compares against the true original
     texts, labels = texts_and_labels(read_jsonl(args.data, limit=args.limit), compiled.plan.labels)
     check_labels_in_range(labels, compiled.plan.labels, args.data)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.runtime.generate import prompt_ids_of
-from dyncompile.tools.bench.common import BENCH_SESSION_CONFIG, machine_info
+from dyncompile.tools.bench.common import machine_info
 from dyncompile.tools.bench.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.max_new_tokens <= 0:
         raise DataError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    model = dyncompile.load(args.plan, provider=args.provider, threads=args.threads, session_config=BENCH_SESSION_CONFIG)
+    model = dyncompile.load(args.plan, provider=args.provider, threads=args.threads)
     if model.plan.task != "text-generation":
         raise DataError(f"{args.plan} is a {model.plan.task!r} plan; --prompts is for text-generation plans (use --data)")
     prompts = read_prompts(args.prompts, args.limit)
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback, tree=args.tree,
                            tree_sizes=sizes, max_drafts=max_drafts)
     for other in args.also:
-        extra = dyncompile.load(other, provider=args.provider, threads=args.threads, session_config=BENCH_SESSION_CONFIG)
+        extra = dyncompile.load(other, provider=args.provider, threads=args.threads)
         runners += plan_runners(extra, label=Path(other).resolve().name)
     if args.torch:
         runners += torch_runners(args.torch, plan=model.plan, threads=args.threads, assistant_dir=args.torch_assistant)

@@ -38,7 +38,7 @@ from dyncompile.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PEERS", "main", "markdown_report", "run_peers"]
+__all__ = ["DRIVER", "PEERS", "Worker", "main", "markdown_report", "peer_pairs", "peer_python", "run_peers"]
 
 DRIVER = Path(__file__).with_name("peer_worker.py")
 #: peer name -> (venv folder name under $DYNCOMPILE_PEER_VENVS, human name, what its speculative modes are)
@@ -96,7 +96,7 @@ class Runner:
     kind: str  # dyncompile | peer
 
 
-def _peer_python(name: str, given: dict[str, str]) -> str:
+def peer_python(name: str, given: dict[str, str]) -> str:
     if name in given:
         py = given[name]
     else:
@@ -112,7 +112,7 @@ def _peer_python(name: str, given: dict[str, str]) -> str:
     return py
 
 
-def _pairs(items: list[str], what: str) -> dict[str, str]:
+def peer_pairs(items: list[str], what: str) -> dict[str, str]:
     out = {}
     for it in items:
         k, sep, v = it.partition("=")
@@ -374,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in peers if s not in PEERS]
     if bad:
         raise DataError(f"--peers: unknown peer(s) {bad}; choose from {', '.join(PEERS)} (or 'none')")
-    pythons, models_, drafts = (_pairs(args.peer_python, "--peer-python"), _pairs(args.peer_model, "--peer-model"),
-                                _pairs(args.peer_draft, "--peer-draft"))
+    pythons, models_, drafts = (peer_pairs(args.peer_python, "--peer-python"),
+                                peer_pairs(args.peer_model, "--peer-model"),
+                                peer_pairs(args.peer_draft, "--peer-draft"))
     for s in peers:
         if s not in models_:
             raise DataError(f"peer {s!r} needs its export of the target: --peer-model {s}=DIR (README, section Peers)")
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (label, folder, vplan) in enumerate(_plan_variant(v) for v in args.plan_variant):
         add_dyncompile(f"dyncompile-plan-{i}", dyncompile_worker(folder), spec_name(vplan.steps[0]), f", {label}")
     for s in peers:
-        py = _peer_python(s, pythons)
+        py = peer_python(s, pythons)
         human = PEERS[s][1]
         base = [py, str(DRIVER), "--backend", s, "--threads", str(args.threads), "--ngram-size", str(args.ngram_size),
                 "--provider", args.provider]

@@ -198,22 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     decs = {k: _decoder(dyncompile.load(v, threads=args.threads))[0] for k, v in plan_dirs.items()}
     if graphs:
         from dyncompile.runtime.kv_cache import KVDecoder
-        from dyncompile.tools.studies.decoder_graphs import _session, _spec
+        from dyncompile.tools.bench.common import graph_decoder_spec, graph_session
 
-        decs.update({k: KVDecoder(_session(Path(v), args.threads), _spec(Path(v)), role=k) for k, v in graphs.items()})
+        decs.update({k: KVDecoder(graph_session(Path(v), args.threads), graph_decoder_spec(Path(v)), role=k)
+                     for k, v in graphs.items()})
     windows = heldout_windows(codec, args.windows, args.window_tokens)
     workers = []
     try:
         if args.peer:
-            from dyncompile.tools.bench.peers import DRIVER, Worker, _pairs, _peer_python
+            from dyncompile.tools.bench.peers import DRIVER, Worker, peer_pairs, peer_python
 
-            pythons = _pairs(args.peer_python, "--peer-python")
-            for name, folder in _pairs(args.peer, "--peer").items():
+            pythons = peer_pairs(args.peer_python, "--peer-python")
+            for name, folder in peer_pairs(args.peer, "--peer").items():
                 if name != "openvino":
                     raise DataError("--peer scores openvino exports; score an onnxruntime-genai folder with --graph")
                 if not Path(folder).is_dir():
                     raise DataError(f"--peer {name}: folder {folder} does not exist")
-                w = Worker(name, [_peer_python(name, pythons), str(DRIVER), "--backend", name, "--model", folder,
+                w = Worker(name, [peer_python(name, pythons), str(DRIVER), "--backend", name, "--model", folder,
                                   "--threads", str(args.threads)], env=None)
                 workers.append(w)
                 plan_dirs[f"{name}-peer"] = folder

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from dyncompile.tools.bench.common import (
-    BENCH_SESSION_CONFIG,
     DATA,
     Runner,
     interleaved_batch1,
@@ -172,7 +171,7 @@ def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, An
     """``dyncompile bench ROUTED/``: the generic form (module docstring)."""
     import dyncompile
 
-    kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
+    kw = dict(provider="cpu")
     routed = dyncompile.load(plan_dir, **kw)
     h = routed.routed
     texts, y = _texts_labels(data, routed.plan.labels)
@@ -244,7 +243,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     from dyncompile.passes.routing import calibrate_cascade
 
     work.mkdir(parents=True, exist_ok=True)
-    kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
+    kw = dict(provider="cpu")
     import gc
 
     dirs = {n: plans / n for n in ("minilm", "minilm-ee", "mpnet", "mpnet-ee")}

@@ -117,7 +117,6 @@ def bench_model(name: str, args, out: Path) -> dict:
     from dyncompile.passes.early_exit.fit import fit_exit_heads
     from dyncompile.passes.early_exit.fit_exit_heads import exits_to_keep
     from dyncompile.tools.bench.common import (
-        BENCH_SESSION_CONFIG,
         bench_runners,
         plan_runner,
         reference_runner,
@@ -184,7 +183,7 @@ def bench_model(name: str, args, out: Path) -> dict:
                 plans[tag] = dyncompile.compile(art.onnx_path, passes, out / "plans" / f"{name}-{tag}", force=True,
                                                 progress=False).plan_dir
 
-    load_kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
+    load_kw = dict(provider="cpu")
     test_t, test_y = texts_and_labels(read_jsonl(data_dir / "movie-test.jsonl"), art.config["labels"])
     loaded = {tag: dyncompile.load(d, **load_kw) for tag, d in plans.items()}
     first = next(iter(loaded.values()))

@@ -18,7 +18,6 @@ cache, so nothing is rolled back here).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
@@ -28,53 +27,19 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.kv_cache import KVDecoder
-from dyncompile.tools.bench.common import BENCH_SESSION_CONFIG, load_avg, machine_info, write_report
+from dyncompile.tools.bench.common import (
+    graph_decoder_spec,
+    graph_session,
+    load_avg,
+    machine_info,
+    write_report,
+)
 from dyncompile.tools.bench.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["main", "run_bench"]
-
-
-def _spec(path: Path) -> DecoderSpec:
-    """The decoder spec of ``path``: dyncompile's reading of the graph, or the builder's genai_config.json."""
-    cfg_path = path.parent / "genai_config.json"
-    if cfg_path.is_file():
-        d = json.loads(cfg_path.read_text())["model"]["decoder"]
-        names_in, names_out = d["inputs"], d["outputs"]
-        kv = []
-        for i in range(int(d["num_hidden_layers"])):
-            for pk, ok in (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names")):
-                kv.append({"past": names_in[pk] % i, "present": names_out[ok] % i, "axis": 2,
-                           "shape": [int(d["num_key_value_heads"]), int(d["head_size"])]})
-        return DecoderSpec.from_params({"model": path.name, "input_ids": names_in["input_ids"],
-                                        "attention_mask": names_in.get("attention_mask"), "position_ids": None,
-                                        "logits": names_out["logits"], "kv": kv})
-    import onnx_ir as ir
-
-    from dyncompile.passes.speculative.decoder_spec import decoder_spec
-
-    d = decoder_spec(ir.load(str(path)), path.name)
-    d.pop("vocab_size", None)
-    return DecoderSpec.from_params(d)
-
-
-def _session(path: Path, threads: int):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
-
-    # what dyncompile.load gives (spinning stopped when a call returns): with several sessions stepped in turn, idle
-    # sessions' spinning threads would otherwise take the cores (measured: 2-3 interleaved sessions doubled a step's
-    # time with ORT's plain spinning)
-    for k, v in {**DEFAULT_SESSION_CONFIG, **BENCH_SESSION_CONFIG}.items():
-        so.add_session_config_entry(k, v)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def _greedy(dec: KVDecoder, ids: list[int], n: int) -> tuple[list[int], float, list[float], np.ndarray]:
@@ -153,7 +118,7 @@ def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[i
     def make(j: int) -> KVDecoder:
         name, path, _ = variants[j]
         t0 = time.perf_counter()
-        dec = KVDecoder(_session(path, threads), _spec(path), role=name)
+        dec = KVDecoder(graph_session(path, threads), graph_decoder_spec(path), role=name)
         logger.info("session %s: %.1f s", name, time.perf_counter() - t0)
         return dec
 

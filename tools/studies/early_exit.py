@@ -99,7 +99,6 @@ def bench_model(name: str, args, out: Path) -> dict:
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.models import build_model
     from dyncompile.tools.bench.common import (
-        BENCH_SESSION_CONFIG,
         bench_runners,
         plan_runner,
         reference_runner,
@@ -135,7 +134,7 @@ def bench_model(name: str, args, out: Path) -> dict:
         logger.warning("%s: the offline curve's thresholds differ from the compiled plans' at budgets %s", name,
                        [b for b, ok in same.items() if not ok])
 
-    load_kw = dict(provider=args.provider, session_config=BENCH_SESSION_CONFIG)
+    load_kw = dict(provider=args.provider)
     first = dyncompile.load(never, **load_kw)
     runners = [reference_runner("original", art.onnx_path, first, budget=None, lowering=None),
                plan_runner("If, every head computed, none fires", first, budget=None, lowering="if-never")]

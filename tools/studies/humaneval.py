@@ -148,9 +148,8 @@ class GreedyCompleter:
 
 def _load_plan(plan: str, threads: int | None):
     import dyncompile
-    from dyncompile.tools.bench.common import BENCH_SESSION_CONFIG
 
-    return dyncompile.load(plan, provider="cpu", threads=threads, session_config=dict(BENCH_SESSION_CONFIG))
+    return dyncompile.load(plan, provider="cpu", threads=threads)
 
 
 def _done_ids(path: Path) -> set[str]:

@@ -168,7 +168,6 @@ def bench_model(name: str, args, out: Path) -> dict:
     from dyncompile.passes import CompileContext, build_passes
     from dyncompile.passes.early_exit.insert_early_exit import choose_lowering
     from dyncompile.tools.bench.common import (
-        BENCH_SESSION_CONFIG,
         bench_runners,
         load_avg,
         plan_runner,
@@ -230,7 +229,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     }
 
     # 4. measure, interleaved
-    load_kw = dict(provider=args.provider, session_config=BENCH_SESSION_CONFIG)
+    load_kw = dict(provider=args.provider)
     int8 = dyncompile.load(int8_dir, **load_kw)
     runners = [reference_runner("fp32 original", art.onnx_path, int8, kind="fp32", budget=None),
                plan_runner("int8", int8, kind="int8", budget=None)]

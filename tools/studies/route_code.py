@@ -174,11 +174,11 @@ def evaluate_routes(a: Arrays, rows: np.ndarray, cs: np.ndarray, cl: np.ndarray,
 
 def fit_logistic(x: np.ndarray, t: np.ndarray, ridge: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Standardised features + intercept, ridge logistic regression (Newton): ``(w, mean, std)``."""
-    from dyncompile.passes.early_exit.certify import _fit_logistic
+    from dyncompile.passes.early_exit.certify import fit_logistic
 
     mu, sd = x.mean(0), x.std(0) + 1e-9
     z = np.c_[(x - mu) / sd, np.ones(len(x))]
-    return _fit_logistic(z, t.astype(float), ridge), mu, sd
+    return fit_logistic(z, t.astype(float), ridge), mu, sd
 
 
 def logistic_score(x: np.ndarray, w: np.ndarray, mu: np.ndarray, sd: np.ndarray) -> np.ndarray:
