@@ -374,9 +374,16 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
     return vals
 
 
+def _peers_requested(argv: list[str] | None) -> bool:
+    """Whether this harness's own ``--peers`` option is given (it hands the run to the peers harness)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--peers")
+    return pre.parse_known_args(argv)[0].peers is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="dyncompile bench",
+        prog="dyncompile bench generate",
         description="Benchmark a text-generation plan: speculative decoding against the plan's target alone, "
         "interleaved in one process (tokens/s, speedup, acceptance, tokens per target call, identical outputs).",
     )
@@ -402,9 +409,16 @@ def main(argv: list[str] | None = None) -> int:
                    "`prompt_sets --split calib` prompts, then compile with speculative{max_draft=N})")
     p.add_argument("--torch", metavar="HF_DIR", help="also run transformers generate on this PyTorch model")
     p.add_argument("--torch-assistant", metavar="HF_DIR", help="with --torch: assistant_model for transformers")
-    p.add_argument("--report-dir", default="bench-results", help="where JSON + markdown go (default: %(default)s)")
+    p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", help="report file stem (default: the plan directory's name)")
+    p.add_argument("--peers", metavar="NAMES",
+                   help="measure against peer runtimes instead: the `dyncompile bench peers` harness runs with these "
+                   "arguments (its options apply; `dyncompile bench peers --help` lists them)")
     p.add_argument("-q", "--quiet", action="store_true")
+    if _peers_requested(argv):
+        from dyncompile.tools.bench.peers import main as peers_main
+
+        return peers_main(argv)
     args = p.parse_args(argv)
     import dyncompile
     from dyncompile.errors import DataError

@@ -301,11 +301,11 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dyncompile bench PLAN --prompts FILE --peers",
+        prog="dyncompile bench peers",
         description="Benchmark a text-generation plan against onnxruntime-genai and OpenVINO GenAI on the same model, "
         "prompts and precision: every runner a worker process, interleaved by prompt, greedy; tokens/s, prefill, "
         "decode, token identity with dyncompile's target alone.",
-        epilog="example: dyncompile bench spec --prompts code.jsonl --peers ortgenai,openvino "
+        epilog="example: dyncompile bench peers spec/ --prompts code.jsonl --peers ortgenai,openvino "
         "--peer-model ortgenai=peers/ortgenai-qwen-fp32 --peer-model openvino=peers/ov-qwen-fp32 "
         "--peer-python ortgenai=/venvs/ortgenai/bin/python --peer-python openvino=/venvs/ovgenai/bin/python",
     )
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--io-binding", action="store_true",
                    help="dyncompile: bind the KV cache with IOBinding (on CUDA it stays in GPU memory between calls)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
-    p.add_argument("--report-dir", default="bench-results/peers")
+    p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", help="report file stem (default: PLANNAME-PROMPTSTEM-peers)")
     p.add_argument("-q", "--quiet", action="store_true")
     return p

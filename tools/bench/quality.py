@@ -164,8 +164,8 @@ def _pair(s: str, *, graph: bool = False) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Example: python -m dyncompile.tools.bench.quality --reference fp32=q05 "
+    p = argparse.ArgumentParser(prog="dyncompile bench quality", description=__doc__.split("\n\n")[0],
+                                epilog="Example: dyncompile bench quality --reference fp32=q05 "
                                        "--plan int4-b32=q05-int4 --plan int4-b128=q05-int4-b128")
     p.add_argument("--reference", required=True, help="NAME=PLAN_DIR of the reference plan (e.g. the fp32 target)")
     p.add_argument("--plan", action="append", default=[], help="NAME=PLAN_DIR, repeatable")
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=24, help="held-out windows (default 24)")
     p.add_argument("--window-tokens", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--report-dir", default="bench-results/decoder-quality")
+    p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", default="decoder-quality")
     args = p.parse_args(argv)
     import platform

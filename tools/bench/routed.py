@@ -4,7 +4,7 @@ cost–quality curve (PNG).
 
 Two forms:
 
-* ``dyncompile bench ROUTED/ --data movie-test.jsonl``: one routed plan, its candidates alone (the sub-plans
+* ``dyncompile bench route ROUTED/ --data movie-test.jsonl`` (or ``dyncompile bench ROUTED/ ...``): one routed plan, its candidates alone (the sub-plans
   inside it), random routing between its cheapest and last candidate at the routed plan's measured cost,
   the oracle (the cheapest candidate that is right; its wall-clock from the same run's per-row latencies),
   and the router overhead (learned rule) on its own.
@@ -427,7 +427,7 @@ def _resplit(probs: dict[str, np.ndarray], y: np.ndarray, ms: dict[str, float], 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="dyncompile bench (routed plan)",
+        prog="dyncompile bench route",
         description="Bench a routed plan against each candidate alone, random routing at the same cost and the "
         "oracle (batch 1, interleaved, medians), with the router overhead; or (--sentiment) the full "
         "MiniLM→MPNet subject with the re-split check.",
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("plan", nargs="?", help="routed plan folder (dyncompile route -o DIR)")
     p.add_argument("--data", help="JSONL with 'text' and 'label' (default: movie-test)")
     p.add_argument("--batch1-rows", type=int, default=300, help="test rows measured at batch 1 (default 300)")
-    p.add_argument("--out", help="output folder (default bench-results/route-sentiment or PLAN/../bench-route)")
+    p.add_argument("--out", help="output folder (default: PLAN-bench beside the plan; --sentiment: bench-results/route-sentiment)")
     p.add_argument("--sentiment", action="store_true", help="the MiniLM→MPNet subject (needs --plans)")
     p.add_argument("--plans", help="folder with minilm, minilm-ee, mpnet, mpnet-ee plans")
     p.add_argument("--work", help="folder for the routed plans and cached calibration outputs")
