@@ -3,8 +3,8 @@
 Run as a script with the backend's own Python (the peers clash with dyncompile's onnxruntime, so each lives in
 its own virtual environment)::
 
-    /work/peer-venvs/ortgenai/bin/python tools/bench/peer_worker.py --backend ortgenai --model DIR [--threads 2]
-    /work/peer-venvs/ovgenai/bin/python  tools/bench/peer_worker.py --backend openvino --model DIR [--draft DIR]
+    $DYNCOMPILE_PEER_VENVS/ortgenai/bin/python tools/bench/peer_worker.py --backend ortgenai --model DIR [--threads 2]
+    $DYNCOMPILE_PEER_VENVS/ovgenai/bin/python  tools/bench/peer_worker.py --backend openvino --model DIR [--draft DIR]
     python -m dyncompile.tools.bench.peer_worker --backend dyncompile --model PLAN_DIR [--session-config k=v]
 
 Protocol (stdout carries only protocol lines; everything the libraries print goes to stderr): one line

@@ -1,4 +1,4 @@
-"""Early-exit benchmark on the real sentiment classifiers (issue: early exit as a compiler pass).
+"""Early-exit benchmark on the real sentiment classifiers, compiled by the ``early-exit`` pass.
 
 For each model, every measured plan is what ``dyncompile MODEL --passes early-exit --calib movie-calib``
 gives (the ``early-exit`` pass through :func:`dyncompile.compile`, heads fitted on every inner layer): for

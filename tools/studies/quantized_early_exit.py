@@ -1,4 +1,4 @@
-"""int8 x early exit benchmark (issue #5): fp32 original, int8, early exit and int8 + early exit, one provider.
+"""int8 x early exit benchmark: fp32 original, int8, early exit and int8 + early exit, one provider.
 
 For each model and budget, every plan is compiled by the pipeline a user runs, on movie-calib: early exit is
 ``--passes early-exit``, int8 + early exit is ``--passes quantize-int8{...},early-exit`` (exit heads fitted on
@@ -13,8 +13,8 @@ CPU EP, staged on OpenVINO).
 
 All plans and the original are then measured interleaved in one process on movie-test (never used to
 choose anything): accuracy, its change and the agreement with the fp32 original's predictions, from the very
-same runs as the batch-1 latency (median/p90) and the batch-32 throughput; plus the ratio the issue asks
-for, int8 + early exit against early exit at the same budget. ``--op-profile N`` adds ORT's per-operator
+same runs as the batch-1 latency (median/p90) and the batch-32 throughput; plus the ratio that decides whether
+int8 + early exit pays off: int8 + early exit against early exit at the same budget. ``--op-profile N`` adds ORT's per-operator
 profile of the fp32 and int8 models at batch 1 (share of the time in MatMul vs the rest). Writes JSON + markdown.
 
     python -m dyncompile.tools.studies.quantized_early_exit --provider cpu --out bench-results/quantized-early-exit-cpu
