@@ -1,4 +1,4 @@
-"""One generation backend in its own process, speaking JSON lines: the worker behind ``bench_peers``.
+"""One generation backend in its own process, speaking JSON lines: the worker behind ``dyncompile bench peers``.
 
 Run as a script with the backend's own Python (the peers clash with dyncompile's onnxruntime, so each lives in
 its own virtual environment)::

@@ -207,7 +207,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     num_layers = None
     for b in args.budgets:
         opts = dict(budget=b, lowering=lowering, criterion=args.criterion, provider=args.provider,
-                    confidence="none")  # the README table's calibration (uncertified); see bench_certified
+                    confidence="none")  # the README table's calibration (uncertified); see studies.certified
         ee, seconds[f"early_exit_b{b}"] = compile_early_exit(art.onnx_path, plans_dir / f"{name}-ee-b{b}", calib, **opts)
         qee, seconds[f"int8_early_exit_b{b}"] = compile_early_exit(
             art.onnx_path, plans_dir / f"{name}-int8-ee-b{b}", calib, prefix=f"quantize-int8{{{int8_spec}}},", **opts
