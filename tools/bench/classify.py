@@ -15,15 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.tools.bench.common import (
+    RENDER_HELP,
     bench_runners,
     machine_info,
     markdown_table,
     plan_runner,
     reference_runner,
+    render_requested,
     write_report,
 )
 
-__all__ = ["bench_classifier", "drift_section", "main"]
+__all__ = ["bench_classifier", "drift_section", "main", "render_markdown"]
 
 
 def drift_section(compiled, report: dict[str, Any], name: str = "compiled") -> str | None:
@@ -66,6 +68,11 @@ def bench_classifier(plan, data, *, limit: int | None = None, batch1_rows: int |
     return report, drift
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown_table(report)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dyncompile bench classify",
@@ -81,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fallback")
     p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     from dyncompile.errors import DataError
 

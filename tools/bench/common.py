@@ -39,7 +39,9 @@ __all__ = [
     "markdown_table",
     "paired_ratio",
     "plan_runner",
+    "read_report",
     "reference_runner",
+    "render_requested",
     "write_report",
 ]
 
@@ -287,6 +289,43 @@ def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path
     write_json_atomic(jp, report)
     mp.write_text(report.get("markdown") or markdown_table(report))
     return jp, mp
+
+
+def read_report(path: str | Path) -> dict[str, Any]:
+    """A stored JSON report (what a harness wrote next to its markdown)."""
+    import json
+
+    from dyncompile.errors import DataError
+
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"--render {path}: no such file; give the JSON report a bench wrote") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"--render {path}: not a JSON report ({e})") from None
+    if not isinstance(report, dict):
+        raise DataError(f"--render {path}: not a JSON report (a JSON object is expected)")
+    return report
+
+
+RENDER_HELP = "print the markdown of a stored JSON report this harness wrote (re-rendered from the JSON alone; no run)"
+
+
+def render_requested(argv: Sequence[str] | None, render: Callable[[dict[str, Any]], str]) -> int | None:
+    """``--render JSON`` (every harness that writes JSON + markdown has it): print ``render(report)`` exactly as
+    the harness writes its ``.md`` and return 0; ``None`` when ``--render`` is not given (then run the bench).
+
+    Checked before the harness's own parser, whose required arguments a re-render does not need."""
+    import argparse
+    import sys
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--render")
+    path = pre.parse_known_args(argv)[0].render
+    if path is None:
+        return None
+    sys.stdout.write(render(read_report(path)))
+    return 0
 
 
 def compile_early_exit(src, plan_dir: Path, calib: Path, *, prefix: str = "", **options: Any) -> tuple[Any, float]:

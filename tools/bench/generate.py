@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.runtime.generate import prompt_ids_of
-from dyncompile.tools.bench.common import machine_info
+from dyncompile.tools.bench.common import RENDER_HELP, machine_info, render_requested
 from dyncompile.tools.bench.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
@@ -361,6 +361,11 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown_report(report)
+
+
 def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
     """``"4,8,16"`` -> ``(4, 8, 16)``; a clean error naming ``flag`` otherwise."""
     from dyncompile.errors import DataError
@@ -415,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure against peer runtimes instead: the `dyncompile bench peers` harness runs with these "
                    "arguments (its options apply; `dyncompile bench peers --help` lists them)")
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     if _peers_requested(argv):
         from dyncompile.tools.bench.peers import main as peers_main
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.errors import DataError
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +300,11 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown_report(report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dyncompile bench peers",
@@ -358,11 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
     p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", help="report file stem (default: PLANNAME-PROMPTSTEM-peers)")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
     p.add_argument("-q", "--quiet", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = build_parser().parse_args(argv)
     from dyncompile.io import write_json_atomic
     from dyncompile.tools.bench.common import load_avg, machine_info

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,11 @@ def _pair(s: str, *, graph: bool = False) -> tuple[str, str]:
     return k, v
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown(report)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dyncompile bench quality", description=__doc__.split("\n\n")[0],
                                 epilog="Example: dyncompile bench quality --reference fp32=q05 "
@@ -181,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", default="decoder-quality")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     import platform
 

@@ -32,11 +32,13 @@ import numpy as np
 
 from dyncompile.tools.bench.common import (
     DATA,
+    RENDER_HELP,
     Runner,
     interleaved_batch1,
     load_avg,
     machine_info,
     plan_runner,
+    render_requested,
 )
 
 logger = logging.getLogger(__name__)
@@ -209,16 +211,48 @@ def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, An
     pts = {r["name"]: (r["latency_ms_median"] or r["latency_ms_mean"], r["accuracy"]) for r in table if r["name"] != "random-same-cost"}
     _plot(out / "route.png", pts, {}, ((pts[names[0]][0], pts[names[0]][1]), (pts[last][0], pts[last][1])),
           f"{plan_dir.name}: routed vs candidates (batch 1, load {load_avg()})")
-    md = _table([r for r in table if r["latency_ms_median"] is not None] , last)
-    md += f"\n\noracle: {acc:.2f} % at {oms:.2f} ms mean per row"
-    if overhead:
-        md += f"\n\nrouter overhead: {overhead}"
-    report["markdown"] = md
+    report["markdown"] = render_markdown(report).removesuffix("\n")
     from dyncompile.io import write_json_atomic
 
     write_json_atomic(out / "route.json", report)
-    (out / "route.md").write_text(md + "\n")
+    (out / "route.md").write_text(report["markdown"] + "\n")
     return report
+
+
+def _plan_markdown(report: dict[str, Any]) -> str:
+    """The markdown of a routed plan's report (``route.json``): the candidates come first in its table, then
+    ``routed``; the last candidate is the reference."""
+    table = report["results"]
+    names = [r["name"] for r in table[: next(i for i, r in enumerate(table) if r["name"] == "routed")]]
+    oracle = next(r for r in table if r["name"] == "oracle")
+    md = _table([r for r in table if r["latency_ms_median"] is not None], names[-1])
+    md += f"\n\noracle: {oracle['accuracy']:.2f} % at {oracle['latency_ms_mean']:.2f} ms mean per row"
+    if report.get("router_overhead"):
+        md += f"\n\nrouter overhead: {report['router_overhead']}"
+    return md + "\n"
+
+
+def _sentiment_markdown(report: dict[str, Any]) -> str:
+    """The markdown of the sentiment subject's report (``route-sentiment.json``)."""
+    table, overhead, m = report["results"], report["router_overhead"], report["machine"]
+    oracle = next(r for r in table if r["name"].startswith("oracle"))
+    md = ["# Routing and cascades — sentiment (MiniLM-L6 → MPNet-base), movie-test, batch 1", "",
+          f"{report['rows_batch1']} test rows, every configuration interleaved per row in one process; load "
+          f"{report['load_before']} → {report['load_after']}; {m['cpu']}; {m['date']}", "",
+          _table([r for r in table if r["latency_ms_median"] is not None], "mpnet"), "",
+          f"oracle (cheapest right model): {oracle['accuracy']:.2f} % at {oracle['latency_ms_mean']:.2f} ms mean per row", "",
+          f"router overhead (learned rule): {overhead['learned_router_ms_median']:.3f} ms median = "
+          f"{overhead['percent_of_cheapest']} % of MiniLM's {overhead['minilm_ms_median']:.2f} ms; the confidence rule "
+          "adds none (it reads MiniLM's own output)"]
+    if report.get("resplit"):
+        md += ["", "## Re-split check (calib + test pooled, halves re-drawn)", "", "```",
+               json.dumps(report["resplit"], indent=1), "```"]
+    return "\n".join(md) + "\n"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The markdown this harness writes beside its JSON report (either form), from the JSON alone."""
+    return _sentiment_markdown(report) if "subject" in report else _plan_markdown(report)
 
 
 # ------------------------------------------------------------------------------------- the sentiment subject
@@ -371,15 +405,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
         "machine": machine_info(), "load_before": load_before, "load_after": load_avg(), "bench_wall_s": round(wall, 1),
         "compiled": compiled, "refused": refused, "results": table, "router_overhead": overhead, "resplit": resplit,
     }
-    md = ["# Routing and cascades — sentiment (MiniLM-L6 → MPNet-base), movie-test, batch 1", "",
-          f"{rows} test rows, every configuration interleaved per row in one process; load {load_before} → {load_avg()}; "
-          f"{machine_info()['cpu']}; {machine_info()['date']}", "", _table([r for r in table if r["latency_ms_median"] is not None], "mpnet"), "",
-          f"oracle (cheapest right model): {acc:.2f} % at {oms:.2f} ms mean per row", "",
-          f"router overhead (learned rule): {r_ms:.3f} ms median = {overhead['percent_of_cheapest']} % of MiniLM's "
-          f"{m_ms:.2f} ms; the confidence rule adds none (it reads MiniLM's own output)"]
-    if resplit:
-        md += ["", "## Re-split check (calib + test pooled, halves re-drawn)", "", "```", json.dumps(resplit, indent=1), "```"]
-    report["markdown"] = "\n".join(md)
+    report["markdown"] = render_markdown(report).removesuffix("\n")
     write_json_atomic(out / "route-sentiment.json", report)
     (out / "route-sentiment.md").write_text(report["markdown"] + "\n")
     return report
@@ -443,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resplits", type=int, default=50)
     p.add_argument("--reuse", action="store_true", help="reuse routed plans an earlier run compiled in --work")
     p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.sentiment:

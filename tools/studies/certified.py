@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
+
 logger = logging.getLogger(__name__)
 
 
@@ -238,6 +240,11 @@ def _markdown(reports: list[dict], machine: dict) -> str:
     return "\n".join(parts)
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown of a stored ``certified.json`` report."""
+    return _markdown(report["reports"], report["machine"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.certified", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,6 +257,10 @@ def main(argv=None) -> int:
     p.add_argument("--features", default=None, help="cache directory for pooled features (NAME.npz)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="bench-results/early-exit-certified")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     from dyncompile.io import shared_dir, write_json_atomic
 

@@ -29,10 +29,12 @@ import numpy as np
 from dyncompile.errors import DataError
 from dyncompile.runtime.kv_cache import KVDecoder
 from dyncompile.tools.bench.common import (
+    RENDER_HELP,
     graph_decoder_spec,
     graph_session,
     load_avg,
     machine_info,
+    render_requested,
     write_report,
 )
 from dyncompile.tools.bench.prompt_sets import read_prompts
@@ -230,6 +232,11 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown_report(report)
+
+
 def _encode(prompts: list[dict[str, Any]], tokenizer: Path, max_prompt_tokens: int) -> list[list[int]]:
     from tokenizers import Tokenizer
 
@@ -270,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--title", default="decoder graphs")
     ap.add_argument("--out", default="bench-results/decoder-graphs")
     ap.add_argument("--stem", required=True, help="file name stem of the JSON / markdown report")
+    ap.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     variants = []

@@ -16,6 +16,7 @@ import numpy as np
 
 from dyncompile.errors import DyncompileError
 from dyncompile.io import write_json_atomic
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 
 def main(argv=None) -> int:
@@ -27,6 +28,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tag", default="")
     p.add_argument("--noise", choices=["numpy", "torch"], default="numpy", help="initial-noise source (torch: the asset's seeds)")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     try:
         return run(args)
@@ -69,14 +74,21 @@ def run(args) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     name = f"plans-{args.provider}{args.tag}"
     write_json_atomic(Path(args.out) / f"{name}.json", out)
-    lines = [f"# diffusion plans on {args.provider} (ORT {out['onnxruntime']}), {len(rows)} held-out prompts, {args.steps} steps", "",
+    md = render_markdown(out)
+    (Path(args.out) / f"{name}.md").write_text(md)
+    print(md, end="")
+    return 0
+
+
+def render_markdown(report: dict) -> str:
+    """The markdown of a ``plans-PROVIDER.json`` report."""
+    lines = [f"# diffusion plans on {report['provider']} (ORT {report['onnxruntime']}), {report['prompts']} held-out "
+             f"prompts, {report['steps']} steps", "",
              "| plan | images/s | speedup vs first | mean SSIM vs first | min SSIM | max uint8 diff |", "|---|---|---|---|---|---|"]
-    for k, v in out["plans"].items():
+    for k, v in report["plans"].items():
         lines.append(f"| {k} | {v['images_per_s']:.2f} | {v['speedup_vs_first']:.2f}x | {v['mean_ssim_vs_first']:.4f} | "
                      f"{v['min_ssim_vs_first']:.4f} | {v['max_uint8_diff_vs_first']} |")
-    (Path(args.out) / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

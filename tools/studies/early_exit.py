@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncompile.tools.bench.common import DATA, compile_early_exit
+from dyncompile.tools.bench.common import DATA, RENDER_HELP, compile_early_exit, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +215,11 @@ def _plot(reports: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown of a stored ``early_exit.json`` report."""
+    return _markdown(report["reports"], report["machine"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.early_exit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,6 +235,10 @@ def main(argv=None) -> int:
     p.add_argument("--provider", default="cpu", help="execution provider of every session (original and plans)")
     p.add_argument("--data-dir", default=str(DATA))
     p.add_argument("--out", default="bench-results/early-exit")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",")]
     from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence

@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CALIBRATORS", "ExitRule", "main", "register_calibrator", "resplit", "threshold_rule"]
@@ -322,6 +324,11 @@ def merge_reports(paths: Sequence[str | Path], out: Path, notes: Sequence[str] =
     return merged
 
 
+def render_markdown(report: dict[str, Any]) -> str:
+    """The markdown of a stored ``resplit.json`` report."""
+    return _markdown(report)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.early_exit_resplit", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["minilm-l6-sentiment"])
@@ -338,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", nargs="+", metavar="RESPLIT_JSON", help="combine finished runs into one report in --out")
     p.add_argument("--note", action="append", default=[], help="a line for the report's notes (with --merge)")
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from dyncompile.errors import DataError

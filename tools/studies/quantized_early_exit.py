@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.tools.bench.common import DATA, compile_early_exit
+from dyncompile.tools.bench.common import DATA, RENDER_HELP, compile_early_exit, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +363,10 @@ def main(argv=None) -> int:
     p.add_argument("--op-profile", type=int, default=0, metavar="N", help="ORT op profile of fp32 vs int8 on N rows")
     p.add_argument("--data-dir", default=str(DATA))
     p.add_argument("--out", default=None, help="default: bench-results/quantized-early-exit-PROVIDER")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     args.models = [m for x in args.models for m in x.split(",") if m]
     args.budgets = [float(b) for x in args.budgets for b in x.split(",") if b]
@@ -378,6 +382,15 @@ def main(argv=None) -> int:
     for name in args.models:
         reports.append(bench_model(name, args, out))
         write_json_atomic(out / "quantized_early_exit.json", {"command": command, "machine": machine, "reports": reports})
+    md = render_markdown({"command": command, "machine": machine, "reports": reports})
+    (out / "quantized_early_exit.md").write_text(md)
+    print(md)
+    return 0
+
+
+def render_markdown(report: dict) -> str:
+    """The markdown of a ``quantized_early_exit.json`` report (command, machine, one section per model)."""
+    command, machine, reports = report["command"], report["machine"], report["reports"]
     parts = [f"`{command}`\n",
              f"Machine: {machine['cpu']}, {machine['cores']} cores, onnxruntime {machine['onnxruntime']}, provider "
              f"{reports[0]['provider']}, {machine['date']}; load average at start {machine['load_avg']}.\n"]
@@ -391,10 +404,7 @@ def main(argv=None) -> int:
         )
         parts.append(markdown(r))
         parts.append("")
-    md = "\n".join(parts)
-    (out / "quantized_early_exit.md").write_text(md)
-    print(md)
-    return 0
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import numpy as np
 
 from dyncompile.errors import DataError
 from dyncompile.io import write_json_atomic
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -435,6 +436,11 @@ def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
             "rows": rows, "load_avg": load_avg(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown(report)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.route_code",
                                  description=__doc__.split("\n\n")[0])
@@ -452,6 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--small-plan")
     ap.add_argument("--large-plan")
     ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dyncompile.errors import DyncompileError
