@@ -411,15 +411,6 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     return report
 
 
-def _test_probs(res, n, models, tt, rows, work) -> np.ndarray:
-    """Per-row test probabilities: the batch-1 run's for the measured rows, batch-32 for the rest."""
-    p = res[n]["probs"]
-    if rows >= len(tt):
-        return p
-    rest = _cached_probs(models[n], tt[rows:], work / f"test-rest-{rows}-{n}.npy", f"test {n}")
-    return np.concatenate([p, rest])
-
-
 def _resplit(probs: dict[str, np.ndarray], y: np.ndarray, ms: dict[str, float], budget: float, splits: int, calibrate) -> dict:
     from dyncompile.passes.early_exit.certify import CertificationError
     from dyncompile.runtime.exit_rule import first_exits
