@@ -51,6 +51,7 @@ __all__ = [
     "STOP_SEQUENCES",
     "GreedyCompleter",
     "hidden_test",
+    "load_cpu_plan",
     "load_problems",
     "truncate_completion",
 ]
@@ -146,7 +147,8 @@ class GreedyCompleter:
         }
 
 
-def _load_plan(plan: str, threads: int | None):
+def load_cpu_plan(plan: str, threads: int | None):
+    """The plan in ``plan`` on the CPU EP with ``dyncompile.load``'s session config (what the benches measure)."""
     import dyncompile
 
     return dyncompile.load(plan, provider="cpu", threads=threads)
@@ -214,7 +216,7 @@ def cmd_generate(args) -> int:
     logger.info("%d problems, %d to go for %s", len(problems), len(todo), ", ".join(args.name))
     if not todo:
         return 0
-    completers = [GreedyCompleter(_load_plan(pl, args.threads), n) for pl, n in zip(args.plan, args.name)]
+    completers = [GreedyCompleter(load_cpu_plan(pl, args.threads), n) for pl, n in zip(args.plan, args.name)]
     files = [o.open("a", encoding="utf-8") for o in outs]
     try:
         for p in tqdm(todo, desc="humaneval", unit="problem"):
@@ -241,7 +243,7 @@ def cmd_costmodel(args) -> int:
     rng = np.random.default_rng(args.seed)
     picks = [problems[i] for i in sorted(rng.choice(len(problems), size=args.problems, replace=False))]
     names = args.name or [Path(p).name for p in args.plan]
-    completers = [GreedyCompleter(_load_plan(p, args.threads), n) for p, n in zip(args.plan, names)]
+    completers = [GreedyCompleter(load_cpu_plan(p, args.threads), n) for p, n in zip(args.plan, names)]
     samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in names}
     loads = [load_avg()]
     for rep in range(args.repeats):

@@ -395,12 +395,12 @@ def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
     """Re-run ``args.live`` problems end to end with the real plans; compare with the tables."""
     from dyncompile.runtime.code_check import check_examples
     from dyncompile.tools.bench.common import load_avg
-    from dyncompile.tools.studies.humaneval import GreedyCompleter, _load_plan, hidden_test
+    from dyncompile.tools.studies.humaneval import GreedyCompleter, hidden_test, load_cpu_plan
 
     ids = sorted(set(small_rows) & set(large_rows))
     rng = np.random.default_rng(args.seed + 1)
     picks = [ids[i] for i in sorted(rng.choice(len(ids), size=min(args.live, len(ids)), replace=False))]
-    small = GreedyCompleter(_load_plan(args.small_plan, None), "small")
+    small = GreedyCompleter(load_cpu_plan(args.small_plan, None), "small")
     large = None
     rows = []
     for t in picks:
@@ -415,7 +415,7 @@ def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
         final = g["completion"]
         if escalate:
             if large is None:
-                large = GreedyCompleter(_load_plan(args.large_plan, None), "large")
+                large = GreedyCompleter(load_cpu_plan(args.large_plan, None), "large")
             gl = large.complete(p["prompt"], args.max_new_tokens)
             rec["large_completion_identical"] = gl["completion"] == large_rows[t]["completion"]
             rec["large_wall_ms"] = gl["wall_ms"]
