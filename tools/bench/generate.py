@@ -339,7 +339,7 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,4,9,16,24,32", help="tokens per call (default: %(default)s)")
     p.add_argument("--past", type=int, default=128, help="tokens already in the cache (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--report-dir", default="bench-results/speculative-trees")
+    p.add_argument("--report-dir", default=".", help="where the JSON goes (default: the current directory)")
     p.add_argument("--name", required=True, help="report file stem")
     args = p.parse_args(argv)
     sizes = sorted({1, *(int(x) for x in args.sizes.split(",") if x.strip())})

@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("plan", nargs="?", help="routed plan folder (dyncompile route -o DIR)")
     p.add_argument("--data", help="JSONL with 'text' and 'label' (default: movie-test)")
     p.add_argument("--batch1-rows", type=int, default=300, help="test rows measured at batch 1 (default 300)")
-    p.add_argument("--out", help="output folder (default: PLAN-bench beside the plan; --sentiment: bench-results/route-sentiment)")
+    p.add_argument("--out", help="output folder (default: PLAN-bench beside the plan; --sentiment: the current directory)")
     p.add_argument("--sentiment", action="store_true", help="the MiniLM→MPNet subject (needs --plans)")
     p.add_argument("--plans", help="folder with minilm, minilm-ee, mpnet, mpnet-ee plans")
     p.add_argument("--work", help="folder for the routed plans and cached calibration outputs")
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.plans or not args.work:
             raise DataError("--sentiment needs --plans DIR (minilm, minilm-ee, mpnet, mpnet-ee) and --work DIR")
-        rep = sentiment(Path(args.plans), Path(args.work), Path(args.out or "bench-results/route-sentiment"),
+        rep = sentiment(Path(args.plans), Path(args.work), Path(args.out or "."),
                         args.budget, args.batch1_rows, args.resplits, args.reuse)
         print(rep["markdown"])
         return 0
