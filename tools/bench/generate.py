@@ -1,6 +1,7 @@
 """Speculative decoding benchmark: a plan's speculative step against its target alone, same process, interleaved.
 
-``dyncompile bench PLAN --prompts prompts.jsonl`` runs every prompt through the target alone
+``dyncompile bench generate PLAN --prompts prompts.jsonl`` (or ``dyncompile bench PLAN ...`` for a text-generation
+plan) runs every prompt through the target alone
 (``speculative=False``: the same ORT session, plain autoregressive decoding) and through the plan's
 speculative step, in alternating order, and reports tokens/s (all new tokens / all generation time, prefill
 included, plus the decode-only rate), the speedup, acceptance rate, tokens per target call, accepted drafts
@@ -11,8 +12,9 @@ with ``--torch-assistant HF_DIR``, or ``assistant_early_exit=k`` for split-draft
 
 Prompt files are JSONL with ``prompt`` (or ``text``) and optional ``chat`` (bool), ``kind``, ``id``,
 ``max_new_tokens``; :mod:`dyncompile.tools.bench.prompt_sets` writes them from real text available offline
-(``python -m dyncompile.tools.bench.prompt_sets --out DIR``; ``python -m dyncompile.tools.bench.generate prompts``
-still works).
+(``python -m dyncompile.tools.bench.prompt_sets --out DIR``). ``--peers`` hands the run to the peers harness
+(``dyncompile bench peers``); ``python -m dyncompile.tools.bench.generate curve MODEL.onnx --name N`` measures a
+decoder's verification cost by tokens per call.
 """
 
 from __future__ import annotations
@@ -483,8 +485,4 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv and argv[0] == "curve":
         sys.exit(verify_curve_main(argv[1:]))
-    if argv and argv[0] == "prompts":  # the prompt-set writer's old home
-        from dyncompile.tools.bench.prompt_sets import main as prompts_main
-
-        sys.exit(prompts_main(argv[1:]))
     sys.exit(main(argv))
