@@ -1,7 +1,7 @@
 """dyncompile against the runtimes a user would otherwise pick: onnxruntime-genai and OpenVINO GenAI.
 
-``dyncompile bench PLAN --prompts FILE --peers ortgenai,openvino --peer-model ortgenai=DIR --peer-model
-openvino=DIR`` (or ``python -m dyncompile.tools.bench.peers ...``) runs every prompt, greedy, through:
+``dyncompile bench peers PLAN --prompts FILE --peers ortgenai,openvino --peer-model ortgenai=DIR --peer-model
+openvino=DIR`` (or ``dyncompile bench PLAN --prompts FILE --peers ...`` for a text-generation plan) runs every prompt, greedy, through:
 
 * dyncompile's target alone and its speculative step, loaded the way ``dyncompile.load`` loads them by default
   (intra-op threads spin while a call runs; ``--spinning-on`` adds the same plan with ORT's own default, spinning that

@@ -13,7 +13,7 @@ other standard-library files (:data:`CALIB_CODE_FILES`, :data:`CALIB_DOC_FILES`,
 tune a draft policy there, report on the default split.
 
 :func:`read_prompts` reads such a file (``prompt`` or ``text``; optional ``chat``, ``kind``, ``id``,
-``max_new_tokens``) for ``dyncompile bench PLAN --prompts FILE``.
+``max_new_tokens``) for ``dyncompile bench generate|peers PLAN --prompts FILE``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Teacher-forced quality of decoder plans against a reference plan, on held-out text.
 
-``python -m dyncompile.tools.bench.quality --reference fp32=PLAN --plan int4=PLAN [--plan ...] [--graph
+``dyncompile bench quality --reference fp32=PLAN --plan int4=PLAN [--plan ...] [--graph
 NAME=MODEL.onnx ...]`` cuts
 ``--windows`` windows of ``--window-tokens`` tokens from Python standard-library files that no prompt set uses
 (:data:`HELDOUT_FILES`: disjoint from :mod:`~dyncompile.tools.bench.prompt_sets`' code and grounded files, so nothing here
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", action="append", default=[], metavar="openvino=DIR",
                    help="OpenVINO GenAI export folder, scored in the peer's own Python (its IR's logits; no KL)")
     p.add_argument("--peer-python", action="append", default=[], metavar="openvino=PY",
-                   help="the peer's Python (or $DYNCOMPILE_PEER_VENVS, as for dyncompile bench --peers)")
+                   help="the peer's Python (or $DYNCOMPILE_PEER_VENVS, as for dyncompile bench peers)")
     p.add_argument("--windows", type=int, default=24, help="held-out windows (default 24)")
     p.add_argument("--window-tokens", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--threads", type=int, default=2)

@@ -170,7 +170,7 @@ def _oracle(preds: list[np.ndarray], lat: list[np.ndarray], y) -> tuple[float, f
 
 
 def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, Any]:
-    """``dyncompile bench ROUTED/``: the generic form (module docstring)."""
+    """``dyncompile bench route ROUTED/``: the generic form (module docstring)."""
     import dyncompile
 
     kw = dict(provider="cpu")
