@@ -46,7 +46,7 @@ def _help() -> str:
     lines += [f"  {name:<10} {text}" for name, (_, text) in HARNESSES.items()]
     lines += ["", "dyncompile bench PLAN [ARGS] (no subcommand) runs the harness of the plan's kind, read from its",
               "plan.json: a routed plan -> route, a text-generation plan -> generate (with --peers: peers),",
-              "any other classifier plan -> classify.", "",
+              "any other classifier plan -> classify. (A plan folder named like a harness: give it as ./NAME.)", "",
               "Reports (JSON + markdown) go to --report-dir (default: the current directory)."]
     return "\n".join(lines)
 
