@@ -93,3 +93,24 @@ def test_each_harness_has_its_own_help(name, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: dyncompile bench {name} ") and "--render JSON" in out
     assert "--report-dir" in out or name == "route"
+
+
+def test_classifier_plan_bench_writes_in_the_current_directory_and_rerenders(tmp_path, monkeypatch, capsys):
+    """``dyncompile bench PLAN --data`` on a classifier plan: the classify harness, its report in the current
+    directory (no --report-dir), and ``--render`` of that JSON prints the markdown it wrote."""
+    from hostile_plans import classifier_dir, run_model_plan
+
+    plan = run_model_plan(classifier_dir(tmp_path / "m"), tmp_path / "tiny-plan")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"w{i} w{i + 1} w{i + 2}", "label": i % 2}) + "\n" for i in range(12)))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["bench", str(plan), "--data", str(data), "--batch1-rows", "4", "--batch-size", "4", "-q"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in work.iterdir()) == ["tiny-plan.json", "tiny-plan.md"]
+    report = json.loads((work / "tiny-plan.json").read_text())
+    assert [r["name"] for r in report["results"]] == ["original", "compiled"]
+    assert report["results"][1]["batch1"]["agreement"] == 100.0  # verify,cleanup reproduces the original
+    assert main(["bench", "classify", "--render", str(work / "tiny-plan.json")]) == 0
+    assert capsys.readouterr().out == (work / "tiny-plan.md").read_text()
