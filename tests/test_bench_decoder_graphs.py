@@ -1,4 +1,4 @@
-"""bench_decoder_graphs builds its own ORT sessions: they must carry dyncompile.load's default session config
+"""The decoder-graph benches build their own ORT sessions: they must carry dyncompile.load's default session config
 (threads stop spinning when a call returns), or idle sessions' spinning threads slow the one that steps (it
 measured 2-3 interleaved sessions at twice their single-session step time with ORT's plain spinning)."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir
 from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
-from dyncompile.tools.bench_decoder_graphs import _session
+from dyncompile.tools.bench.common import graph_session
 
 
 def test_bench_sessions_use_the_load_defaults(tmp_path):
     folder = write_decoder_dir(tmp_path / "d", tiny_decoder(num_layers=1, vocab=16, seed=0), eos=15)
-    so = _session(folder, 1).get_session_options()  # write_decoder_dir returns the model path
+    so = graph_session(folder, 1).get_session_options()  # write_decoder_dir returns the model path
     assert DEFAULT_SESSION_CONFIG  # the load default this test guards
     for k, v in DEFAULT_SESSION_CONFIG.items():
         assert so.get_session_config_entry(k) == v
@@ -24,7 +24,7 @@ def test_verify_call_costs_are_paired_against_the_first_graph(tmp_path):
     import onnx_ir.passes.common  # noqa: F401
 
     from dyncompile.passes.matmul_to_conv import MatMulToConvPass
-    from dyncompile.tools.bench_decoder_graphs import markdown_report, run_bench
+    from dyncompile.tools.studies.decoder_graphs import markdown_report, run_bench
 
     model = tiny_decoder(num_layers=2, vocab=16, seed=0)
     a = write_decoder_dir(tmp_path / "a", model, eos=15)

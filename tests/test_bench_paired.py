@@ -4,8 +4,8 @@ compared, and the prefill ceiling."""
 import numpy as np
 import pytest
 
-from dyncompile.tools._bench_common import paired_ratio
-from dyncompile.tools.bench_peers import Runner, markdown_report, paired_comparisons, summarize
+from dyncompile.tools.bench.common import paired_ratio
+from dyncompile.tools.bench.peers import Runner, markdown_report, paired_comparisons, summarize
 
 
 def test_paired_ratio_recovers_a_known_ratio_and_its_uncertainty():

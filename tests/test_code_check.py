@@ -6,7 +6,7 @@ import pytest
 
 from dyncompile.runtime.code_check import Example, check_examples, extract_examples, python_doctest
 
-he = pytest.importorskip("dyncompile.tools.humaneval")
+he = pytest.importorskip("dyncompile.tools.studies.humaneval")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""tools/decoder_quality: teacher-forced perplexity / top-1 agreement / KL of decoder plans against a reference,
+"""tools/bench/quality: teacher-forced perplexity / top-1 agreement / KL of decoder plans against a reference,
 on held-out standard-library text (real SmolLM2-135M; the int4 plan is the quantize-int4 pass's output)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 import dyncompile
 from dyncompile.errors import DataError
-from dyncompile.tools import decoder_quality as dq
+from dyncompile.tools.bench import quality as dq
 
 RECIPE = "explicit-attention,fuse-decoder,pack-matmuls,trim-logits"
 

@@ -9,7 +9,7 @@ from helpers import DATA
 
 import dyncompile
 from dyncompile.tools.cli import main
-from dyncompile.tools.ood_text import stdlib_docstrings
+from dyncompile.tools.studies.ood_text import stdlib_docstrings
 
 CALIB_ROWS = 600
 ROWS = 300

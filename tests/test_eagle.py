@@ -109,7 +109,7 @@ def test_head_record_and_held_out_files(tiny_head):
     info = json.loads((tiny_head / "eagle_head.json").read_text())
     held = set(info["corpus"]["held_out"])
     # every file a benchmark prompt is cut from is held out of the training corpus
-    from dyncompile.tools.prompt_sets import CODE_FILES, GROUNDED_DOC_FILES
+    from dyncompile.tools.bench.prompt_sets import CODE_FILES, GROUNDED_DOC_FILES
 
     assert set(CODE_FILES) | set(GROUNDED_DOC_FILES) <= held
     from dyncompile.tools.train_drafter import corpus_files

@@ -121,7 +121,7 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
                          "--peer-model", f"ortgenai={tmp_path}", "--peer-python", "ortgenai=/nonexistent/python")
     assert_clean_error(rc, err, "/nonexistent/python", "--peer-python")
     env_path = os.pathsep.join(p for p in [str(Path(dyncompile.__file__).parent.parent), os.environ.get("PYTHONPATH")] if p)
-    r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
+    r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench.peers", str(plans["external"]), "--prompts",
                         str(prompts), "--peers", "none", "--spinning-on", "--max-new-tokens", "12", "-q", "--repeat", "2",
                         "--session-variant", "no spin:session.intra_op.allow_spinning=0",
                         "--plan-variant", f"pl:{plans['prompt-lookup']}",
@@ -137,7 +137,7 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
         assert len(row["decode_tokens_per_s_per_pass"]) == 2 and all(v > 0 for v in row["decode_tokens_per_s_per_pass"])
     assert "decode tok/s of each pass" in (tmp_path / "rep" / "t.md").read_text()
     # --sequential-peers loads every peer once before dyncompile's pass: a peer that cannot load fails at once
-    r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench_peers", str(plans["external"]), "--prompts",
+    r = subprocess.run([sys.executable, "-m", "dyncompile.tools.bench.peers", str(plans["external"]), "--prompts",
                         str(prompts), "--peers", "ortgenai", "--peer-model", f"ortgenai={tmp_path}", "--peer-python",
                         "ortgenai=/bin/false", "--sequential-peers", "-q", "--report-dir", str(tmp_path / "rep2")],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": env_path}, timeout=600)
@@ -170,7 +170,7 @@ def test_bench_peers_workers_and_missing_peer(plans, tmp_path, capsys):
 def test_onnxruntime_genai_generates_the_plan_tokens(plans, kind, tmp_path):
     out, _ = export_genai(plans[kind], tmp_path / kind)
     model = dyncompile.load(plans[kind])
-    driver = Path(dyncompile.__file__).parent / "tools" / "peer_driver.py"
+    driver = Path(dyncompile.__file__).parent / "tools" / "bench" / "peer_worker.py"
     reqs = "".join(json.dumps({"ids": p, "max_new_tokens": 20, "mode": "greedy"}) + "\n" for p in PROMPTS)
     r = subprocess.run([str(PEER_PY), str(driver), "--backend", "ortgenai", "--model", str(out), "--threads", "1"],
                        input=reqs, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""tools/restore_decoder_data.py: a recipe decoder's fp32 weights rebuilt from its GGUF (how the GPU machine gets
+"""tools/studies/restore_decoder_data.py: a recipe decoder's fp32 weights rebuilt from its GGUF (how the GPU machine gets
 the models it cannot receive), byte for byte, and refused when a weight lands in the wrong place."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_restore_rebuilds_the_recipe_weights_byte_for_byte(smollm2, tmp_path):
     from dyncompile.io import sha256_file as _sha
     from dyncompile.models._core import model_home
     from dyncompile.models._decoders import SMOLLM2, assemble_gguf
-    from dyncompile.tools.restore_decoder_data import make_map, restore
+    from dyncompile.tools.studies.restore_decoder_data import make_map, restore
 
     src = smollm2.onnx_path.parent
     entry = make_map([str(src)])[src.name]

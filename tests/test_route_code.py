@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dyncompile.tools.bench_route_code import Arrays, cascade_keep, evaluate_routes, read_table, run_bench
-from dyncompile.tools.humaneval import truncate_completion
+from dyncompile.tools.studies.humaneval import truncate_completion
+from dyncompile.tools.studies.route_code import Arrays, cascade_keep, evaluate_routes, read_table, run_bench
 
 
 def _row(i, model, *, ok, doc, n_ex, wall, check_s=0.01, pt=100, nt=50):
@@ -103,7 +103,7 @@ def test_truncation_at_column_zero_stops():
 
 
 def test_hidden_tests_judge_canonical_and_wrong_solutions():
-    he = pytest.importorskip("dyncompile.tools.humaneval")
+    he = pytest.importorskip("dyncompile.tools.studies.humaneval")
     try:
         probs = {p["task_id"]: p for p in he.load_problems()}
     except Exception as e:
@@ -122,7 +122,7 @@ def test_greedy_completer_matches_the_plans_generate():
     from pathlib import Path
 
     import dyncompile
-    from dyncompile.tools.humaneval import GreedyCompleter, load_problems
+    from dyncompile.tools.studies.humaneval import GreedyCompleter, load_problems
 
     plan = Path(os.environ.get("DYNCOMPILE_CODE_SMALL_PLAN", "/work/scratch/code/q05-int4"))
     if not (plan / "plan.json").exists():

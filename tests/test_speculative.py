@@ -660,12 +660,12 @@ def test_cost_probe_past_the_in_memory_limit_goes_through_a_temporary_file(tiny,
 def test_bench_max_drafts_runs_the_step_with_each_longest_draft(plans, tmp_path):
     """``dyncompile bench --max-drafts 1,16``: one extra runner per longest draft, token-identical to the target,
     and the max-1 runner never drafts more than one token per round (the option reaches the draft policy)."""
-    from dyncompile.tools import bench_speculative
+    from dyncompile.tools.bench import generate as bench_generate
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{i % 5}" for i in range(k, k + 40))}) + "\n"
                                for k in range(3)))
-    rc = bench_speculative.main([str(plans["prompt-lookup"]), "--prompts", str(prompts), "--max-new-tokens", "24",
+    rc = bench_generate.main([str(plans["prompt-lookup"]), "--prompts", str(prompts), "--max-new-tokens", "24",
                                  "--max-drafts", "1,16", "--report-dir", str(tmp_path), "--name", "md", "-q"])
     assert rc == 0
     (report,) = tmp_path.glob("md*.json")
@@ -675,4 +675,4 @@ def test_bench_max_drafts_runs_the_step_with_each_longest_draft(plans, tmp_path)
     # drafted tokens per round: capped at 1, while the plan's own policy drafts more on these prompts
     assert rows["speculative, max draft 1 (ORT)"]["mean_tree_nodes"] <= 1.0 < rows["speculative (ORT)"]["mean_tree_nodes"]
     with pytest.raises(DyncompileError, match="max-drafts"):
-        bench_speculative.main([str(plans["prompt-lookup"]), "--prompts", str(prompts), "--max-drafts", "0"])
+        bench_generate.main([str(plans["prompt-lookup"]), "--prompts", str(prompts), "--max-drafts", "0"])

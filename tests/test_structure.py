@@ -72,11 +72,37 @@ def test_importing_passes_does_not_load_the_runtime_executor():
     assert "dyncompile.runtime.executor" not in out and "dyncompile.runtime.steps" not in out, out
 
 
+#: subpackages that stay in the checkout and out of the wheel: one-off studies and their data prep
+NOT_SHIPPED = {"dyncompile.tools.studies"}
+
+
 def test_every_subpackage_ships_in_the_wheel():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert not listed & NOT_SHIPPED, f"listed for the wheel but meant to stay out: {listed & NOT_SHIPPED}"
     found = {"dyncompile"} | {
         "dyncompile." + ".".join(p.parent.relative_to(ROOT).parts)
         for p in ROOT.rglob("__init__.py")
         if p.parent != ROOT and not any(part.startswith(".") or part in ("tests", "build") for part in p.relative_to(ROOT).parts)
     }
+    found -= NOT_SHIPPED
     assert found == listed, f"folders with __init__.py vs [tool.setuptools] packages: {found ^ listed}"
+
+
+def _studies_edges(root: Path) -> list[str]:
+    """Imports of ``dyncompile.tools.studies`` from shipped code (the wheel has no studies to import)."""
+    bad = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root)
+        if rel.parts[0] in ("tests", "build") or rel.parts[0].startswith(".") or rel.parts[:2] == ("tools", "studies"):
+            continue
+        bad += [f"{rel}:{n} imports {m}" for n, m in _imports(f)
+                if m == "dyncompile.tools.studies" or m.startswith("dyncompile.tools.studies.")]
+    return bad
+
+
+def test_shipped_code_never_imports_the_studies(tmp_path):
+    assert _studies_edges(ROOT) == []
+    (tmp_path / "tools" / "bench").mkdir(parents=True)  # negative control
+    (tmp_path / "tools" / "bench" / "b.py").write_text("def f():\n    from dyncompile.tools.studies import x\n")
+    assert _studies_edges(tmp_path) == ["tools/bench/b.py:2 imports dyncompile.tools.studies",
+                                        "tools/bench/b.py:2 imports dyncompile.tools.studies.x"]

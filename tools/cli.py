@@ -5,30 +5,31 @@ Forms::
     dyncompile MODEL.onnx --passes verify,cleanup -o OUT/    compile (the main form)
     dyncompile inspect MODEL.onnx | PLAN_DIR                   structure report
     dyncompile run PLAN_DIR --text "..." | --data FILE.jsonl   run a plan
-    dyncompile bench PLAN_DIR --data FILE.jsonl                compiled vs original, same process
-    dyncompile bench PLAN_DIR --prompts FILE.jsonl [--peers]   generation plans (+ onnxruntime-genai, OpenVINO GenAI)
+    dyncompile bench classify|generate|peers|route|quality ... one benchmark harness (each has --help)
+    dyncompile bench PLAN_DIR [ARGS]                           the harness of the plan's kind (from plan.json)
     dyncompile export-genai PLAN_DIR -o FOLDER                 a generation plan as an onnxruntime-genai folder
     dyncompile route --candidates A/ B/ --calib F -o R/        a cascade / router over plans
     dyncompile models list | build NAME                        real models -> ONNX (offline)
     dyncompile passes                                          list the passes
 
 User mistakes print one ``error: ...`` line (what, where, how to fix) and exit 2; no traceback.
+
+This module is the parsers and the dispatch only; each command's body lives in its own module
+(:mod:`~dyncompile.tools.compile_cmd`, :mod:`~dyncompile.tools.run`, :mod:`~dyncompile.tools.inspect_report`,
+:mod:`~dyncompile.tools.route_cmd`, :mod:`~dyncompile.tools.models_cmd`, :mod:`~dyncompile.tools.bench.dispatch`, ...).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import time
-from pathlib import Path
+from collections.abc import Callable
 
-from dyncompile.errors import DataError, DyncompileError
+from dyncompile.errors import DyncompileError
+from dyncompile.tools._text import safe_text
 
 logger = logging.getLogger("dyncompile")
-
-SUBCOMMANDS = ("inspect", "run", "bench", "route", "export-genai", "models", "passes", "train-drafter")
 
 EPILOG = """\
 examples:
@@ -91,62 +92,16 @@ def _compile_parser() -> argparse.ArgumentParser:
     return p
 
 
-def safe_text(text: object, *, keep_newlines: bool = True) -> str:
-    """``text`` with control and other non-printable characters escaped (``\\x1b``), so that strings from
-    a plan or a model (labels, task, generated text) cannot drive the terminal (escape-sequence injection)."""
-    out = []
-    for ch in str(text):
-        if ch == "\n" and keep_newlines or ch == "\t" or ch.isprintable():
-            out.append(ch)
-        else:
-            out.append(ch.encode("unicode_escape").decode("ascii") if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
-    return "".join(out)
-
-
 def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
-def _cmd_compile(argv: list[str]) -> int:
-    args = _compile_parser().parse_args(argv)
-    _setup_logging(args.verbose)
-    from dyncompile.passes.compiler import compile_model
-
-    opts = {
-        k: getattr(args, k)
-        for k in ("calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider",
-                  "heads")
-        if getattr(args, k) not in (None, False)
-    }
-    t0 = time.perf_counter()
-    res = compile_model(
-        args.model,
-        passes=args.passes,
-        output_dir=args.output,
-        force=args.force,
-        verify=args.verify,
-        dump_ir=args.dump_ir,
-        tokenizer=args.tokenizer,
-        model_config=args.model_config,
-        progress=not args.quiet,
-        **opts,
-    )
-    print(res.summary())
-    print(f"done in {time.perf_counter() - t0:.1f} s")
-    return 0
+def _passes_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog="dyncompile passes", description="List the registered passes.")
 
 
-def _cmd_passes(argv: list[str]) -> int:
-    argparse.ArgumentParser(prog="dyncompile passes", description="List the registered passes.").parse_args(argv)
-    from dyncompile.passes import known_passes
-
-    for name, help_ in known_passes().items():
-        print(f"  {name:<16} {help_}")
-    return 0
-
-
-def _cmd_inspect(argv: list[str]) -> int:
+def _inspect_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dyncompile inspect",
         description="Structure report of an ONNX model (inputs/outputs, op histogram, family, layers, cut tensors, "
@@ -161,41 +116,10 @@ def _cmd_inspect(argv: list[str]) -> int:
         "+ every file, canonical order) to compare with the digest its publisher gives",
     )
     p.add_argument("-v", "--verbose", action="count", default=0)
-    args = p.parse_args(argv)
-    _setup_logging(args.verbose)
-    if args.verify:
-        from dyncompile.plan import plan_digest
-
-        digest = plan_digest(args.path)
-        print(json.dumps({"plan": str(Path(args.path).resolve()), "sha256": digest}) if args.json
-              else f"{digest}  {safe_text(args.path)}")
-        return 0
-    from dyncompile.tools.inspect_report import inspect_path
-
-    print(safe_text(inspect_path(args.path, as_json=args.json)))
-    return 0
+    return p
 
 
-def _read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
-    from dyncompile.io import read_jsonl
-
-    return read_jsonl(path, limit=limit)
-
-
-def format_generation(res) -> str:
-    """The CLI's view of a :class:`~dyncompile.runtime.generate.GenerationResult`."""
-    s = res.stats
-    parts = [f"{s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tokens/s)",
-             f"{s.target_calls} target calls ({s.tokens_per_target_call:.2f} tokens/call)"]
-    if s.drafter:
-        acc = s.acceptance_rate
-        parts.append(f"drafter {s.drafter}: acceptance {acc:.2f}" if acc is not None else f"drafter {s.drafter}: no drafts")
-    parts.append(f"stop: {s.stop_reason}")
-    text = res.text if res.text is not None else " ".join(map(str, res.token_ids))
-    return text + "\n--\n" + ", ".join(parts)
-
-
-def _cmd_run(argv: list[str]) -> int:
+def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dyncompile run",
         description="Run a compiled plan. Classifiers: --text prints label + probabilities; --data FILE.jsonl "
@@ -228,79 +152,7 @@ def _cmd_run(argv: list[str]) -> int:
     d.add_argument("--guidance", type=float, help="classifier-free guidance scale, >= 1 (default: the plan's)")
     d.add_argument("--policy", choices=["fixed", "predicted", "online"], help="step policy (default: the plan's)")
     p.add_argument("-v", "--verbose", action="count", default=0)
-    args = p.parse_args(argv)
-    _setup_logging(args.verbose)
-    for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):
-        if value is not None and value < 1:
-            raise DataError(f"{flag} must be >= 1, got {value}")
-    import dyncompile
-
-    model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, spinning=not args.no_spinning)
-    if model.plan.task == "text-to-image":
-        from dyncompile.tools.diffusion_cli import run_text_to_image
-
-        return run_text_to_image(model, args)
-    if args.prompt is not None:
-        res = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
-                             temperature=args.temperature, seed=args.seed, chat=args.chat,
-                             speculative=not args.target_only)
-        if model.routed is not None:
-            print(f"(answered by {safe_text(model.last_info.get('candidate'))}; checks {model.last_info.get('checks')})")
-        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.to_dict()}, indent=2)
-              if args.json else safe_text(format_generation(res)))
-        return 0
-    if args.text:
-        preds = model(args.text, batch_size=args.batch_size)
-        if args.json:
-            print(json.dumps([p.__dict__ for p in preds], indent=2))
-        for text, pred in zip(args.text, preds):
-            probs = "  ".join(f"{safe_text(k)}={v:.4f}" for k, v in pred.probabilities.items())
-            ex = f"  (exit after layer {pred.exit_layer})" if pred.exit_layer is not None else ""
-            ex += f"  (answered by {safe_text(pred.candidate)})" if pred.candidate is not None else ""
-            print(f"{safe_text(pred.label):<10} {probs}{ex}  | {safe_text(text, keep_newlines=False)}")
-        return 0
-    if not args.data:
-        raise DataError("give --text TEXT or --data FILE.jsonl (classifiers) or --prompt TEXT (decoders); see `dyncompile run --help`")
-    from dyncompile.tools.evaluate import evaluate_plan
-
-    report = evaluate_plan(model, args.data, limit=args.limit, batch_size=args.batch_size, compare=args.compare)
-    print(json.dumps(report, indent=2) if args.json else safe_text(report["text"]))
-    return 0
-
-
-def _cmd_bench(argv: list[str]) -> int:
-    from dyncompile.tools.diffusion_cli import refuse_diffusion_bench
-
-    refuse_diffusion_bench(argv)
-    plan_arg = next((a for a in argv if not a.startswith("-")), None)
-    if plan_arg is not None and _is_routed(plan_arg):
-        from dyncompile.tools.bench_route import main as bench_route
-
-        return bench_route(argv)
-    if any(a == "--peers" or a.startswith("--peers=") for a in argv):  # generation plans against peer runtimes
-        from dyncompile.tools.bench_peers import main as bench_peers
-
-        return bench_peers(argv)
-    if any(a == "--prompts" or a.startswith("--prompts=") for a in argv):  # generation plans
-        from dyncompile.tools.bench_speculative import main as bench_generation
-
-        return bench_generation(argv)
-    from dyncompile.tools.bench import main as bench_main
-
-    return bench_main(argv)
-
-
-def _cmd_train_drafter(argv: list[str]) -> int:
-    _setup_logging(0)
-    from dyncompile.tools.train_drafter import main as train_main  # torch is imported there, when it runs
-
-    return train_main(argv)
-
-
-def _cmd_export_genai(argv: list[str]) -> int:
-    from dyncompile.tools.export_genai import main as export_main
-
-    return export_main(argv)
+    return p
 
 
 ROUTE_EPILOG = """\
@@ -325,7 +177,7 @@ examples:
 """
 
 
-def _cmd_route(argv: list[str]) -> int:
+def _route_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dyncompile route",
         description="Compile a routed plan over candidate plans (cheapest first): a cascade that escalates when the "
@@ -354,36 +206,10 @@ def _cmd_route(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="replace the output folder if it is a plan")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="count", default=0)
-    args = p.parse_args(argv)
-    _setup_logging(args.verbose)
-    for flag, value in (("--limit", args.limit), ("--cost-rows", args.cost_rows)):
-        if value is not None and value < 1:
-            raise DataError(f"{flag} must be >= 1, got {value}")
-    import dyncompile
-
-    t0 = time.perf_counter()
-    res = dyncompile.route(args.candidates, args.calib, args.output, budget=args.budget, confidence=args.confidence,
-                           rule=args.rule, criterion=args.criterion, check=args.check, judge=args.judge,
-                           reference=args.reference, metric=args.metric, limit=args.limit, cost_rows=args.cost_rows,
-                           provider=args.provider, force=args.force, progress=not args.quiet)
-    print(safe_text(res.summary()))
-    print(f"done in {time.perf_counter() - t0:.1f} s")
-    return 0
+    return p
 
 
-def _is_routed(path: str) -> bool:
-    from dyncompile.plan import PLAN_FILENAME, is_plan_dir
-
-    if not is_plan_dir(path):
-        return False
-    try:
-        raw = json.loads((Path(path) / PLAN_FILENAME).read_text())
-        return any(isinstance(s, dict) and s.get("kind") in ("cascade", "route") for s in raw.get("steps", []))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _cmd_models(argv: list[str]) -> int:
+def _models_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dyncompile models",
         description="Build real models into ONNX, offline, from packages and ../shared/assets "
@@ -398,43 +224,98 @@ def _cmd_models(argv: list[str]) -> int:
     b.add_argument("--home", help="cache directory (default $DYNCOMPILE_HOME or ~/.cache/dyncompile)")
     b.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="count", default=0)
-    args = p.parse_args(argv)
-    _setup_logging(args.verbose)
-    from dyncompile import models
-    from dyncompile.models._core import is_complete
+    return p
 
-    if args.action in (None, "list"):
-        home = Path(args.home).expanduser() if getattr(args, "home", None) else models.model_home()
-        for r in models.list_models():
-            built = "built" if is_complete(models.model_dir(r.name, home)) else "-"
-            print(f"  {r.name:<22} {built:<6} {r.task:<20} {r.description}")
-        print(f"cache: {home}; build one with `dyncompile models build NAME`")
-        return 0
-    t0 = time.perf_counter()
-    art = models.build_model(args.name, home=args.home, assets_dir=args.assets, force=args.force, progress=not args.quiet)
-    print(f"{art.name}: {art.onnx_path}  ({time.perf_counter() - t0:.1f} s)")
-    return 0
+
+def _parsed(parser: Callable[[], argparse.ArgumentParser], command: Callable[[argparse.Namespace], int]):
+    """A command that parses its arguments with ``parser``, sets up logging (``-v``) and runs ``command``."""
+
+    def run(argv: list[str]) -> int:
+        args = parser().parse_args(argv)
+        if hasattr(args, "verbose"):
+            _setup_logging(args.verbose)
+        return command(args)
+
+    return run
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from dyncompile.tools.compile_cmd import compile_command
+
+    return compile_command(args)
+
+
+def _passes(args: argparse.Namespace) -> int:
+    from dyncompile.tools.compile_cmd import passes_command
+
+    return passes_command(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from dyncompile.tools.inspect_report import inspect_command
+
+    return inspect_command(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dyncompile.tools.run import run_command
+
+    return run_command(args)
+
+
+def _route(args: argparse.Namespace) -> int:
+    from dyncompile.tools.route_cmd import route_command
+
+    return route_command(args)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from dyncompile.tools.models_cmd import models_command
+
+    return models_command(args)
+
+
+def _bench(argv: list[str]) -> int:
+    from dyncompile.tools.bench.dispatch import main as bench_main
+
+    return bench_main(argv)
+
+
+def _train_drafter(argv: list[str]) -> int:
+    _setup_logging(0)
+    from dyncompile.tools.train_drafter import main as train_main  # torch is imported there, when it runs
+
+    return train_main(argv)
+
+
+def _export_genai(argv: list[str]) -> int:
+    from dyncompile.tools.export_genai import main as export_main
+
+    return export_main(argv)
+
+
+#: subcommand -> a function of its arguments (the compile form is the default, without a subcommand)
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "inspect": _parsed(_inspect_parser, _inspect),
+    "run": _parsed(_run_parser, _run),
+    "bench": _bench,
+    "route": _parsed(_route_parser, _route),
+    "export-genai": _export_genai,
+    "models": _parsed(_models_parser, _models),
+    "passes": _parsed(_passes_parser, _passes),
+    "train-drafter": _train_drafter,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {
-        "inspect": _cmd_inspect,
-        "run": _cmd_run,
-        "bench": _cmd_bench,
-        "route": _cmd_route,
-        "export-genai": _cmd_export_genai,
-        "models": _cmd_models,
-        "passes": _cmd_passes,
-        "train-drafter": _cmd_train_drafter,
-    }
     try:
-        if argv and argv[0] in commands:
-            return commands[argv[0]](argv[1:])
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
         if not argv:
             _compile_parser().print_help()
             return 2
-        return _cmd_compile(argv)
+        return _parsed(_compile_parser, _compile)(argv)
     except DyncompileError as e:
         print(f"error: {safe_text(e, keep_newlines=False)}", file=sys.stderr)
         return e.exit_code

@@ -13,9 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dyncompile.io import shared_dir
-
-DATA = shared_dir() / "data" / "sentiment"
+from dyncompile.tools.bench.common import DATA
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,16 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     import dyncompile
     from dyncompile import models
     from dyncompile.errors import DyncompileError
-    from dyncompile.io import read_jsonl, texts_and_labels
-    from dyncompile.tools._bench_common import (
-        BENCH_SESSION_CONFIG,
-        bench_runners,
-        machine_info,
-        markdown_table,
-        plan_runner,
-        reference_runner,
-        write_report,
-    )
+    from dyncompile.tools.bench.classify import bench_classifier
+    from dyncompile.tools.bench.common import write_report
     from dyncompile.tools.evaluate import evaluate_plan
 
     try:
@@ -74,12 +64,8 @@ def main(argv: list[str] | None = None) -> int:
               f"movie-calib is <= {args.budget:g} points; the rows below are one sample of such text)")
 
         print("== 4. original vs early exit on movie-test (interleaved, same process)")
-        texts, labels = texts_and_labels(read_jsonl(data / "movie-test.jsonl"), ee.plan.labels)
-        eem = dyncompile.load(ee.plan_dir, session_config=BENCH_SESSION_CONFIG)
-        runners = [reference_runner("original", art.onnx_path, eem), plan_runner(f"early-exit (budget {args.budget})", eem)]
-        report = bench_runners(runners, texts, labels, batch1_rows=args.batch1_rows)
-        report["machine"] = machine_info()
-        report["markdown"] = markdown_table(report)
+        report, _ = bench_classifier(ee.plan_dir, data / "movie-test.jsonl", batch1_rows=args.batch1_rows,
+                                     name=f"early-exit (budget {args.budget})")
         write_report(report, out, "demo-bench")
         print(report["markdown"])
         orig, ee_row = report["results"][0]["batch1"], report["results"][1]["batch1"]

@@ -10,7 +10,7 @@ from dyncompile.errors import DataError
 
 def run_text_to_image(model, args) -> int:
     from dyncompile.runtime.diffusion import generate_images, save_png
-    from dyncompile.tools.cli import safe_text
+    from dyncompile.tools._text import safe_text
 
     prompts = ([args.prompt] if args.prompt is not None else []) + list(args.text or [])
     if not prompts:
@@ -35,18 +35,3 @@ def run_text_to_image(model, args) -> int:
         print(f"{len(prompts)} image(s) in {res.seconds:.2f} s, {res.unet_calls} U-Net calls")
     return 0
 
-
-def refuse_diffusion_bench(argv: list[str]) -> None:
-    """``dyncompile bench`` measures classifiers and decoders; a text-to-image plan gets one clear error."""
-    for a in argv:
-        p = Path(a) / "plan.json"
-        if not a.startswith("-") and p.is_file():
-            try:
-                task = json.loads(p.read_text()).get("task")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                return
-            if task == "text-to-image":
-                raise DataError(
-                    f"{a} is a text-to-image plan; benchmark it with `python -m dyncompile.tools.bench_stepsaver {a} "
-                    "--runs RUNS.npz` (step counts) or `python -m dyncompile.tools.bench_diffusion_plans` (plans side by side)"
-                )

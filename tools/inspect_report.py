@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dyncompile.plan import PLAN_FILENAME, load_plan
 
-__all__ = ["inspect_path"]
+__all__ = ["inspect_command", "inspect_path"]
 
 
 def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
@@ -93,3 +93,18 @@ def inspect_path(path: str | Path, as_json: bool = False) -> str:
     if as_json:
         return json.dumps(dataclasses.asdict(structure), indent=2, default=str)
     return f"model {p}\n" + format_report(structure)
+
+
+def inspect_command(args) -> int:
+    """``dyncompile inspect PATH [--json] [--verify]``."""
+    from dyncompile.tools._text import safe_text
+
+    if args.verify:
+        from dyncompile.plan import plan_digest
+
+        digest = plan_digest(args.path)
+        print(json.dumps({"plan": str(Path(args.path).resolve()), "sha256": digest}) if args.json
+              else f"{digest}  {safe_text(args.path)}")
+        return 0
+    print(safe_text(inspect_path(args.path, as_json=args.json)))
+    return 0

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HELD_OUT", "corpus_files", "fingerprint", "load_corpus_tokens", "train_drafter"]
 
-#: stdlib files the benchmark prompts are cut from (tools/prompt_sets.py CODE_FILES + GROUNDED_DOC_FILES):
+#: stdlib files the benchmark prompts are cut from (tools/bench/prompt_sets.py CODE_FILES + GROUNDED_DOC_FILES):
 #: never trained on.
 HELD_OUT = (
     "argparse.py", "base64.py", "bisect.py", "calendar.py", "colorsys.py", "csv.py", "difflib.py", "fnmatch.py",

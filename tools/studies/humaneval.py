@@ -1,6 +1,6 @@
 """HumanEval for the routing benchmark: problems, greedy completions with stop sequences, the outcome table.
 
-``python -m dyncompile.tools.humaneval generate --plan PLAN --name NAME --out outcomes-NAME.jsonl`` (repeat the
+``python -m dyncompile.tools.studies.humaneval generate --plan PLAN --name NAME --out outcomes-NAME.jsonl`` (repeat the
 three options for more models; problem-major, in a seeded shuffled order) writes one JSON line per problem
 (resumable: problems already in the file are skipped) with the greedy completion, its
 token counts and wall time (and the load average at that moment), whether it passes the prompt's own examples
@@ -8,7 +8,7 @@ token counts and wall time (and the load average at that moment), whether it pas
 (HumanEval's ``check`` function). Both run in the sandbox (:mod:`dyncompile.runtime.sandbox`); nothing
 generated ever runs in this process.
 
-``python -m dyncompile.tools.humaneval costmodel --plan A --plan B --out cost.json`` measures each plan's
+``python -m dyncompile.tools.studies.humaneval costmodel --plan A --plan B --out cost.json`` measures each plan's
 prefill ms per prompt token and decode ms per new token, the plans interleaved on the same problems, so that
 costs on a loaded shared machine can also be stated as modelled milliseconds.
 
@@ -51,6 +51,7 @@ __all__ = [
     "STOP_SEQUENCES",
     "GreedyCompleter",
     "hidden_test",
+    "load_cpu_plan",
     "load_problems",
     "truncate_completion",
 ]
@@ -146,11 +147,11 @@ class GreedyCompleter:
         }
 
 
-def _load_plan(plan: str, threads: int | None):
+def load_cpu_plan(plan: str, threads: int | None):
+    """The plan in ``plan`` on the CPU EP with ``dyncompile.load``'s session config (what the benches measure)."""
     import dyncompile
-    from dyncompile.tools._bench_common import BENCH_SESSION_CONFIG
 
-    return dyncompile.load(plan, provider="cpu", threads=threads, session_config=dict(BENCH_SESSION_CONFIG))
+    return dyncompile.load(plan, provider="cpu", threads=threads)
 
 
 def _done_ids(path: Path) -> set[str]:
@@ -215,7 +216,7 @@ def cmd_generate(args) -> int:
     logger.info("%d problems, %d to go for %s", len(problems), len(todo), ", ".join(args.name))
     if not todo:
         return 0
-    completers = [GreedyCompleter(_load_plan(pl, args.threads), n) for pl, n in zip(args.plan, args.name)]
+    completers = [GreedyCompleter(load_cpu_plan(pl, args.threads), n) for pl, n in zip(args.plan, args.name)]
     files = [o.open("a", encoding="utf-8") for o in outs]
     try:
         for p in tqdm(todo, desc="humaneval", unit="problem"):
@@ -236,13 +237,13 @@ def cmd_generate(args) -> int:
 def cmd_costmodel(args) -> int:
     """Prefill ms/token and decode ms/token per plan, plans interleaved (rotating order) on the same prompts."""
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools._bench_common import load_avg, machine_info
+    from dyncompile.tools.bench.common import load_avg, machine_info
 
     problems = load_problems()
     rng = np.random.default_rng(args.seed)
     picks = [problems[i] for i in sorted(rng.choice(len(problems), size=args.problems, replace=False))]
     names = args.name or [Path(p).name for p in args.plan]
-    completers = [GreedyCompleter(_load_plan(p, args.threads), n) for p, n in zip(args.plan, names)]
+    completers = [GreedyCompleter(load_cpu_plan(p, args.threads), n) for p, n in zip(args.plan, names)]
     samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in names}
     loads = [load_avg()]
     for rep in range(args.repeats):
@@ -287,7 +288,7 @@ def cmd_costmodel(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m dyncompile.tools.humaneval",
+        prog="python -m dyncompile.tools.studies.humaneval",
         description="HumanEval outcome tables for routing: greedy completions, prompt-example check, hidden tests "
                     "(both sandboxed), and per-token cost models.",
     )

@@ -1,12 +1,12 @@
 """Teacher-forced quality of decoder plans against a reference plan, on held-out text.
 
-``python -m dyncompile.tools.decoder_quality --reference fp32=PLAN --plan int4=PLAN [--plan ...] [--graph
+``dyncompile bench quality --reference fp32=PLAN --plan int4=PLAN [--plan ...] [--graph
 NAME=MODEL.onnx ...]`` cuts
 ``--windows`` windows of ``--window-tokens`` tokens from Python standard-library files that no prompt set uses
-(:data:`HELDOUT_FILES`: disjoint from :mod:`~dyncompile.tools.prompt_sets`' code and grounded files, so nothing here
+(:data:`HELDOUT_FILES`: disjoint from :mod:`~dyncompile.tools.bench.prompt_sets`' code and grounded files, so nothing here
 was calibrated or reported on), runs every window through each plan's target decoder in one call (every row's
 logits, the runtime's own :class:`~dyncompile.runtime.kv_cache.KVDecoder`; ``--graph`` takes a bare decoder graph,
-e.g. onnxruntime-genai's model builder's, read as in :mod:`~dyncompile.tools.bench_decoder_graphs`) and reports
+e.g. onnxruntime-genai's model builder's, read as in :mod:`~dyncompile.tools.studies.decoder_graphs`) and reports
 per plan:
 
 - **perplexity** of the text (next-token NLL, rows 0..n-2 predicting tokens 1..n-1);
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ HELDOUT_FILES = ("functools.py", "enum.py", "dataclasses.py", "pathlib.py", "tok
 def heldout_windows(codec, n_windows: int, window_tokens: int, files=HELDOUT_FILES) -> list[list[int]]:
     """``n_windows`` token windows of ``window_tokens``, taken in turn from each file (the k-th window of every file
     before any file's k+1-th), so the set spans the files rather than the first one."""
-    from dyncompile.tools.prompt_sets import CODE_FILES, GROUNDED_DOC_FILES
+    from dyncompile.tools.bench.prompt_sets import CODE_FILES, GROUNDED_DOC_FILES
 
     used = set(files) & (set(CODE_FILES) | set(GROUNDED_DOC_FILES))
     if used:
@@ -76,7 +77,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def _decoder(compiled):
     h = compiled.handlers[-1]
     if not hasattr(h, "target") or getattr(h, "codec", None) is None:
-        raise DataError("decoder_quality needs text-generation plans with a tokenizer")
+        raise DataError("bench quality needs text-generation plans with a tokenizer")
     return h.target, h.codec
 
 
@@ -163,9 +164,14 @@ def _pair(s: str, *, graph: bool = False) -> tuple[str, str]:
     return k, v
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown(report)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Example: python -m dyncompile.tools.decoder_quality --reference fp32=q05 "
+    p = argparse.ArgumentParser(prog="dyncompile bench quality", description=__doc__.split("\n\n")[0],
+                                epilog="Example: dyncompile bench quality --reference fp32=q05 "
                                        "--plan int4-b32=q05-int4 --plan int4-b128=q05-int4-b128")
     p.add_argument("--reference", required=True, help="NAME=PLAN_DIR of the reference plan (e.g. the fp32 target)")
     p.add_argument("--plan", action="append", default=[], help="NAME=PLAN_DIR, repeatable")
@@ -175,17 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", action="append", default=[], metavar="openvino=DIR",
                    help="OpenVINO GenAI export folder, scored in the peer's own Python (its IR's logits; no KL)")
     p.add_argument("--peer-python", action="append", default=[], metavar="openvino=PY",
-                   help="the peer's Python (or $DYNCOMPILE_PEER_VENVS, as for dyncompile bench --peers)")
+                   help="the peer's Python (or $DYNCOMPILE_PEER_VENVS, as for dyncompile bench peers)")
     p.add_argument("--windows", type=int, default=24, help="held-out windows (default 24)")
     p.add_argument("--window-tokens", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--report-dir", default="bench-results/decoder-quality")
+    p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", default="decoder-quality")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     import platform
 
     import dyncompile
-    from dyncompile.tools._bench_common import write_report
+    from dyncompile.tools.bench.common import write_report
 
     if args.windows < 1 or args.window_tokens < 2:
         raise DataError("--windows must be >= 1 and --window-tokens >= 2")
@@ -198,22 +208,23 @@ def main(argv: list[str] | None = None) -> int:
     decs = {k: _decoder(dyncompile.load(v, threads=args.threads))[0] for k, v in plan_dirs.items()}
     if graphs:
         from dyncompile.runtime.kv_cache import KVDecoder
-        from dyncompile.tools.bench_decoder_graphs import _session, _spec
+        from dyncompile.tools.bench.common import graph_decoder_spec, graph_session
 
-        decs.update({k: KVDecoder(_session(Path(v), args.threads), _spec(Path(v)), role=k) for k, v in graphs.items()})
+        decs.update({k: KVDecoder(graph_session(Path(v), args.threads), graph_decoder_spec(Path(v)), role=k)
+                     for k, v in graphs.items()})
     windows = heldout_windows(codec, args.windows, args.window_tokens)
     workers = []
     try:
         if args.peer:
-            from dyncompile.tools.bench_peers import DRIVER, Worker, _pairs, _peer_python
+            from dyncompile.tools.bench.peers import DRIVER, Worker, peer_pairs, peer_python
 
-            pythons = _pairs(args.peer_python, "--peer-python")
-            for name, folder in _pairs(args.peer, "--peer").items():
+            pythons = peer_pairs(args.peer_python, "--peer-python")
+            for name, folder in peer_pairs(args.peer, "--peer").items():
                 if name != "openvino":
                     raise DataError("--peer scores openvino exports; score an onnxruntime-genai folder with --graph")
                 if not Path(folder).is_dir():
                     raise DataError(f"--peer {name}: folder {folder} does not exist")
-                w = Worker(name, [_peer_python(name, pythons), str(DRIVER), "--backend", name, "--model", folder,
+                w = Worker(name, [peer_python(name, pythons), str(DRIVER), "--backend", name, "--model", folder,
                                   "--threads", str(args.threads)], env=None)
                 workers.append(w)
                 plan_dirs[f"{name}-peer"] = folder

@@ -4,15 +4,15 @@ The routing benchmark's code subject needs greedy completions of all 164 HumanEv
 0.5B and 1.5B. On the 2-core CPU that takes hours; on the borrowed GPU machine it takes minutes. This tool runs
 there: it loads the same GGUF files the model recipes assemble (``models/_decoders.py``; dequantised to fp32,
 the weights of the cached ONNX models), switches TF32 off, and decodes greedily at batch 1 with a KV cache,
-stopping exactly like :class:`dyncompile.tools.humaneval.PlanCompleter` (end-of-sequence token, a column-0 stop
+stopping exactly like :class:`dyncompile.tools.studies.humaneval.PlanCompleter` (end-of-sequence token, a column-0 stop
 sequence of :mod:`dyncompile.runtime.code_check`, or ``max_new_tokens``). It writes one JSON line per problem
 (completion, token ids, counts, stop reason, GPU time) and resumes a file cut short.
 
 Nothing is executed here: the doctest and hidden-test checks run afterwards on the CPU machine, in the sandbox
-(``python -m dyncompile.tools.humaneval score``), and a live subsample re-runs the ONNX plans on CPU to check that
+(``python -m dyncompile.tools.studies.humaneval score``), and a live subsample re-runs the ONNX plans on CPU to check that
 their greedy completions equal these (``... recheck``).
 
-    python -m dyncompile.tools.humaneval_torch --gguf qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
+    python -m dyncompile.tools.studies.humaneval_torch --gguf qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
         --problems HumanEval.jsonl.gz --stops stops.json --name qwen2.5-coder-1.5b --out outcomes.jsonl
 """
 

@@ -4,11 +4,11 @@ cost–quality curve (PNG).
 
 Two forms:
 
-* ``dyncompile bench ROUTED/ --data movie-test.jsonl``: one routed plan, its candidates alone (the sub-plans
+* ``dyncompile bench route ROUTED/ --data movie-test.jsonl`` (or ``dyncompile bench ROUTED/ ...``): one routed plan, its candidates alone (the sub-plans
   inside it), random routing between its cheapest and last candidate at the routed plan's measured cost,
   the oracle (the cheapest candidate that is right; its wall-clock from the same run's per-row latencies),
   and the router overhead (learned rule) on its own.
-* ``python -m dyncompile.tools.bench_route --sentiment --plans DIR`` (DIR holds ``minilm``, ``minilm-ee``,
+* ``python -m dyncompile.tools.bench.routed --sentiment --plans DIR`` (DIR holds ``minilm``, ``minilm-ee``,
   ``mpnet``, ``mpnet-ee`` plans): compiles the cascades MiniLM→MPNet and MiniLM→MPNet-EE (reference MPNet
   plain) and the learned router MiniLM→MPNet on movie-calib with ``dyncompile.route``, then measures all of
   them with MiniLM, MiniLM-EE, MPNet, MPNet-EE (MPNet's own early exit at the same budget) on movie-test,
@@ -30,14 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.tools._bench_common import (
-    BENCH_SESSION_CONFIG,
+from dyncompile.tools.bench.common import (
     DATA,
+    RENDER_HELP,
     Runner,
     interleaved_batch1,
     load_avg,
     machine_info,
     plan_runner,
+    render_requested,
 )
 
 logger = logging.getLogger(__name__)
@@ -169,10 +170,10 @@ def _oracle(preds: list[np.ndarray], lat: list[np.ndarray], y) -> tuple[float, f
 
 
 def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, Any]:
-    """``dyncompile bench ROUTED/``: the generic form (module docstring)."""
+    """``dyncompile bench route ROUTED/``: the generic form (module docstring)."""
     import dyncompile
 
-    kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
+    kw = dict(provider="cpu")
     routed = dyncompile.load(plan_dir, **kw)
     h = routed.routed
     texts, y = _texts_labels(data, routed.plan.labels)
@@ -210,16 +211,48 @@ def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, An
     pts = {r["name"]: (r["latency_ms_median"] or r["latency_ms_mean"], r["accuracy"]) for r in table if r["name"] != "random-same-cost"}
     _plot(out / "route.png", pts, {}, ((pts[names[0]][0], pts[names[0]][1]), (pts[last][0], pts[last][1])),
           f"{plan_dir.name}: routed vs candidates (batch 1, load {load_avg()})")
-    md = _table([r for r in table if r["latency_ms_median"] is not None] , last)
-    md += f"\n\noracle: {acc:.2f} % at {oms:.2f} ms mean per row"
-    if overhead:
-        md += f"\n\nrouter overhead: {overhead}"
-    report["markdown"] = md
+    report["markdown"] = render_markdown(report).removesuffix("\n")
     from dyncompile.io import write_json_atomic
 
     write_json_atomic(out / "route.json", report)
-    (out / "route.md").write_text(md + "\n")
+    (out / "route.md").write_text(report["markdown"] + "\n")
     return report
+
+
+def _plan_markdown(report: dict[str, Any]) -> str:
+    """The markdown of a routed plan's report (``route.json``): the candidates come first in its table, then
+    ``routed``; the last candidate is the reference."""
+    table = report["results"]
+    names = [r["name"] for r in table[: next(i for i, r in enumerate(table) if r["name"] == "routed")]]
+    oracle = next(r for r in table if r["name"] == "oracle")
+    md = _table([r for r in table if r["latency_ms_median"] is not None], names[-1])
+    md += f"\n\noracle: {oracle['accuracy']:.2f} % at {oracle['latency_ms_mean']:.2f} ms mean per row"
+    if report.get("router_overhead"):
+        md += f"\n\nrouter overhead: {report['router_overhead']}"
+    return md + "\n"
+
+
+def _sentiment_markdown(report: dict[str, Any]) -> str:
+    """The markdown of the sentiment subject's report (``route-sentiment.json``)."""
+    table, overhead, m = report["results"], report["router_overhead"], report["machine"]
+    oracle = next(r for r in table if r["name"].startswith("oracle"))
+    md = ["# Routing and cascades — sentiment (MiniLM-L6 → MPNet-base), movie-test, batch 1", "",
+          f"{report['rows_batch1']} test rows, every configuration interleaved per row in one process; load "
+          f"{report['load_before']} → {report['load_after']}; {m['cpu']}; {m['date']}", "",
+          _table([r for r in table if r["latency_ms_median"] is not None], "mpnet"), "",
+          f"oracle (cheapest right model): {oracle['accuracy']:.2f} % at {oracle['latency_ms_mean']:.2f} ms mean per row", "",
+          f"router overhead (learned rule): {overhead['learned_router_ms_median']:.3f} ms median = "
+          f"{overhead['percent_of_cheapest']} % of MiniLM's {overhead['minilm_ms_median']:.2f} ms; the confidence rule "
+          "adds none (it reads MiniLM's own output)"]
+    if report.get("resplit"):
+        md += ["", "## Re-split check (calib + test pooled, halves re-drawn)", "", "```",
+               json.dumps(report["resplit"], indent=1), "```"]
+    return "\n".join(md) + "\n"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The markdown this harness writes beside its JSON report (either form), from the JSON alone."""
+    return _sentiment_markdown(report) if "subject" in report else _plan_markdown(report)
 
 
 # ------------------------------------------------------------------------------------- the sentiment subject
@@ -244,7 +277,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     from dyncompile.passes.routing import calibrate_cascade
 
     work.mkdir(parents=True, exist_ok=True)
-    kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
+    kw = dict(provider="cpu")
     import gc
 
     dirs = {n: plans / n for n in ("minilm", "minilm-ee", "mpnet", "mpnet-ee")}
@@ -372,27 +405,10 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
         "machine": machine_info(), "load_before": load_before, "load_after": load_avg(), "bench_wall_s": round(wall, 1),
         "compiled": compiled, "refused": refused, "results": table, "router_overhead": overhead, "resplit": resplit,
     }
-    md = ["# Routing and cascades — sentiment (MiniLM-L6 → MPNet-base), movie-test, batch 1", "",
-          f"{rows} test rows, every configuration interleaved per row in one process; load {load_before} → {load_avg()}; "
-          f"{machine_info()['cpu']}; {machine_info()['date']}", "", _table([r for r in table if r["latency_ms_median"] is not None], "mpnet"), "",
-          f"oracle (cheapest right model): {acc:.2f} % at {oms:.2f} ms mean per row", "",
-          f"router overhead (learned rule): {r_ms:.3f} ms median = {overhead['percent_of_cheapest']} % of MiniLM's "
-          f"{m_ms:.2f} ms; the confidence rule adds none (it reads MiniLM's own output)"]
-    if resplit:
-        md += ["", "## Re-split check (calib + test pooled, halves re-drawn)", "", "```", json.dumps(resplit, indent=1), "```"]
-    report["markdown"] = "\n".join(md)
+    report["markdown"] = render_markdown(report).removesuffix("\n")
     write_json_atomic(out / "route-sentiment.json", report)
     (out / "route-sentiment.md").write_text(report["markdown"] + "\n")
     return report
-
-
-def _test_probs(res, n, models, tt, rows, work) -> np.ndarray:
-    """Per-row test probabilities: the batch-1 run's for the measured rows, batch-32 for the rest."""
-    p = res[n]["probs"]
-    if rows >= len(tt):
-        return p
-    rest = _cached_probs(models[n], tt[rows:], work / f"test-rest-{rows}-{n}.npy", f"test {n}")
-    return np.concatenate([p, rest])
 
 
 def _resplit(probs: dict[str, np.ndarray], y: np.ndarray, ms: dict[str, float], budget: float, splits: int, calibrate) -> dict:
@@ -428,7 +444,7 @@ def _resplit(probs: dict[str, np.ndarray], y: np.ndarray, ms: dict[str, float], 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="dyncompile bench (routed plan)",
+        prog="dyncompile bench route",
         description="Bench a routed plan against each candidate alone, random routing at the same cost and the "
         "oracle (batch 1, interleaved, medians), with the router overhead; or (--sentiment) the full "
         "MiniLM→MPNet subject with the re-split check.",
@@ -436,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("plan", nargs="?", help="routed plan folder (dyncompile route -o DIR)")
     p.add_argument("--data", help="JSONL with 'text' and 'label' (default: movie-test)")
     p.add_argument("--batch1-rows", type=int, default=300, help="test rows measured at batch 1 (default 300)")
-    p.add_argument("--out", help="output folder (default bench-results/route-sentiment or PLAN/../bench-route)")
+    p.add_argument("--out", help="output folder (default: PLAN-bench beside the plan; --sentiment: the current directory)")
     p.add_argument("--sentiment", action="store_true", help="the MiniLM→MPNet subject (needs --plans)")
     p.add_argument("--plans", help="folder with minilm, minilm-ee, mpnet, mpnet-ee plans")
     p.add_argument("--work", help="folder for the routed plans and cached calibration outputs")
@@ -444,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resplits", type=int, default=50)
     p.add_argument("--reuse", action="store_true", help="reuse routed plans an earlier run compiled in --work")
     p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.sentiment:
@@ -451,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.plans or not args.work:
             raise DataError("--sentiment needs --plans DIR (minilm, minilm-ee, mpnet, mpnet-ee) and --work DIR")
-        rep = sentiment(Path(args.plans), Path(args.work), Path(args.out or "bench-results/route-sentiment"),
+        rep = sentiment(Path(args.plans), Path(args.work), Path(args.out or "."),
                         args.budget, args.batch1_rows, args.resplits, args.reuse)
         print(rep["markdown"])
         return 0

@@ -1,4 +1,4 @@
-"""int8 x early exit benchmark (issue #5): fp32 original, int8, early exit and int8 + early exit, one provider.
+"""int8 x early exit benchmark: fp32 original, int8, early exit and int8 + early exit, one provider.
 
 For each model and budget, every plan is compiled by the pipeline a user runs, on movie-calib: early exit is
 ``--passes early-exit``, int8 + early exit is ``--passes quantize-int8{...},early-exit`` (exit heads fitted on
@@ -13,12 +13,12 @@ CPU EP, staged on OpenVINO).
 
 All plans and the original are then measured interleaved in one process on movie-test (never used to
 choose anything): accuracy, its change and the agreement with the fp32 original's predictions, from the very
-same runs as the batch-1 latency (median/p90) and the batch-32 throughput; plus the ratio the issue asks
-for, int8 + early exit against early exit at the same budget. ``--op-profile N`` adds ORT's per-operator
+same runs as the batch-1 latency (median/p90) and the batch-32 throughput; plus the ratio that decides whether
+int8 + early exit pays off: int8 + early exit against early exit at the same budget. ``--op-profile N`` adds ORT's per-operator
 profile of the fp32 and int8 models at batch 1 (share of the time in MatMul vs the rest). Writes JSON + markdown.
 
-    python -m dyncompile.tools.bench_quantized_early_exit --provider cpu --out bench-results/quantized-early-exit-cpu
-    python -m dyncompile.tools.bench_quantized_early_exit --provider openvino --out bench-results/quantized-early-exit-openvino
+    python -m dyncompile.tools.studies.quantized_early_exit --provider cpu --out bench-results/quantized-early-exit-cpu
+    python -m dyncompile.tools.studies.quantized_early_exit --provider openvino --out bench-results/quantized-early-exit-openvino
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.tools._bench_common import DATA, compile_early_exit
+from dyncompile.tools.bench.common import DATA, RENDER_HELP, compile_early_exit, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     from dyncompile.models import build_model
     from dyncompile.passes import CompileContext, build_passes
     from dyncompile.passes.early_exit.insert_early_exit import choose_lowering
-    from dyncompile.tools._bench_common import (
-        BENCH_SESSION_CONFIG,
+    from dyncompile.tools.bench.common import (
         bench_runners,
         load_avg,
         plan_runner,
@@ -208,7 +207,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     num_layers = None
     for b in args.budgets:
         opts = dict(budget=b, lowering=lowering, criterion=args.criterion, provider=args.provider,
-                    confidence="none")  # the README table's calibration (uncertified); see bench_certified
+                    confidence="none")  # the README table's calibration (uncertified); see studies.certified
         ee, seconds[f"early_exit_b{b}"] = compile_early_exit(art.onnx_path, plans_dir / f"{name}-ee-b{b}", calib, **opts)
         qee, seconds[f"int8_early_exit_b{b}"] = compile_early_exit(
             art.onnx_path, plans_dir / f"{name}-int8-ee-b{b}", calib, prefix=f"quantize-int8{{{int8_spec}}},", **opts
@@ -230,7 +229,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     }
 
     # 4. measure, interleaved
-    load_kw = dict(provider=args.provider, session_config=BENCH_SESSION_CONFIG)
+    load_kw = dict(provider=args.provider)
     int8 = dyncompile.load(int8_dir, **load_kw)
     runners = [reference_runner("fp32 original", art.onnx_path, int8, kind="fp32", budget=None),
                plan_runner("int8", int8, kind="int8", budget=None)]
@@ -350,7 +349,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_quantized_early_exit", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.quantized_early_exit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--provider", default="cpu", help="execution provider of every session (cpu, openvino, ...)")
     p.add_argument("--models", nargs="+", default=["mpnet-base-sentiment"])
@@ -364,21 +363,34 @@ def main(argv=None) -> int:
     p.add_argument("--op-profile", type=int, default=0, metavar="N", help="ORT op profile of fp32 vs int8 on N rows")
     p.add_argument("--data-dir", default=str(DATA))
     p.add_argument("--out", default=None, help="default: bench-results/quantized-early-exit-PROVIDER")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     args.models = [m for x in args.models for m in x.split(",") if m]
     args.budgets = [float(b) for x in args.budgets for b in x.split(",") if b]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools._bench_common import machine_info
+    from dyncompile.tools.bench.common import machine_info
 
     out = Path(args.out or f"bench-results/quantized-early-exit-{args.provider}")
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     reports = []
-    command = "python -m dyncompile.tools.bench_quantized_early_exit " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m dyncompile.tools.studies.quantized_early_exit " + " ".join(sys.argv[1:] if argv is None else argv)
     for name in args.models:
         reports.append(bench_model(name, args, out))
         write_json_atomic(out / "quantized_early_exit.json", {"command": command, "machine": machine, "reports": reports})
+    md = render_markdown({"command": command, "machine": machine, "reports": reports})
+    (out / "quantized_early_exit.md").write_text(md)
+    print(md)
+    return 0
+
+
+def render_markdown(report: dict) -> str:
+    """The markdown of a ``quantized_early_exit.json`` report (command, machine, one section per model)."""
+    command, machine, reports = report["command"], report["machine"], report["reports"]
     parts = [f"`{command}`\n",
              f"Machine: {machine['cpu']}, {machine['cores']} cores, onnxruntime {machine['onnxruntime']}, provider "
              f"{reports[0]['provider']}, {machine['date']}; load average at start {machine['load_avg']}.\n"]
@@ -392,10 +404,7 @@ def main(argv=None) -> int:
         )
         parts.append(markdown(r))
         parts.append("")
-    md = "\n".join(parts)
-    (out / "quantized_early_exit.md").write_text(md)
-    print(md)
-    return 0
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ CPU EP exits per row) and measured on movie-test interleaved with the original i
 accuracy, drop against the original, agreement, mean exit layer and batch-1 latency from the very same
 runs. movie-test is never used to choose anything.
 
-    python -m dyncompile.tools.bench_certified --models minilm-l6-sentiment,mpnet-base-sentiment \\
+    python -m dyncompile.tools.studies.certified --models minilm-l6-sentiment,mpnet-base-sentiment \\
         --budgets 1.0 --confidences 0.9,none --criteria entropy,learned --out bench-results/early-exit-certified
 
 ``--features DIR`` caches the pooled calibration/test features per model (``DIR/NAME.npz``), so a rerun
@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def _decide(test_probs: np.ndarray, thresholds, criterion: str, policy) -> np.nd
 def batch1_runs(runners, texts, labels, *, rows: int | None = None, warmup: int = 5) -> dict[str, Any]:
     """Batch 1 only: every row through every runner (order rotated per row), one process; the first
     runner is the baseline. Same figures as ``bench_runners``' batch-1 pass."""
-    from dyncompile.tools._bench_common import interleaved_batch1
+    from dyncompile.tools.bench.common import interleaved_batch1
 
     n = len(texts) if rows is None else min(rows, len(texts))
     lat, probs, exits = interleaved_batch1(runners, texts, n, warmup=warmup)
@@ -116,8 +118,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     )
     from dyncompile.passes.early_exit.fit import fit_exit_heads
     from dyncompile.passes.early_exit.fit_exit_heads import exits_to_keep
-    from dyncompile.tools._bench_common import (
-        BENCH_SESSION_CONFIG,
+    from dyncompile.tools.bench.common import (
         bench_runners,
         plan_runner,
         reference_runner,
@@ -184,7 +185,7 @@ def bench_model(name: str, args, out: Path) -> dict:
                 plans[tag] = dyncompile.compile(art.onnx_path, passes, out / "plans" / f"{name}-{tag}", force=True,
                                                 progress=False).plan_dir
 
-    load_kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
+    load_kw = dict(provider="cpu")
     test_t, test_y = texts_and_labels(read_jsonl(data_dir / "movie-test.jsonl"), art.config["labels"])
     loaded = {tag: dyncompile.load(d, **load_kw) for tag, d in plans.items()}
     first = next(iter(loaded.values()))
@@ -239,8 +240,13 @@ def _markdown(reports: list[dict], machine: dict) -> str:
     return "\n".join(parts)
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown of a stored ``certified.json`` report."""
+    return _markdown(report["reports"], report["machine"])
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_certified", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.certified", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="minilm-l6-sentiment,mpnet-base-sentiment")
     p.add_argument("--budgets", default="1.0")
@@ -251,6 +257,10 @@ def main(argv=None) -> int:
     p.add_argument("--features", default=None, help="cache directory for pooled features (NAME.npz)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="bench-results/early-exit-certified")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     from dyncompile.io import shared_dir, write_json_atomic
 
@@ -259,7 +269,7 @@ def main(argv=None) -> int:
     args.confidences = [None if x.strip().lower() == "none" else float(x) for x in args.confidences.split(",")]
     args.criteria = args.criteria.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from dyncompile.tools._bench_common import load_avg, machine_info
+    from dyncompile.tools.bench.common import load_avg, machine_info
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Step-saver bench on held-out prompts: fixed 100/50/30, uniform at the predictor's mean, per-prompt
 predicted, online rule, oracle — speed next to quality, from the same runs.
 
-Inputs: a step-saver plan, and the runs of held-out TEST prompts (``tools/stepsaver_data.py generate``: the
+Inputs: a step-saver plan, and the runs of held-out TEST prompts (``tools/studies/stepsaver_data.py generate``: the
 plan's denoising loop at every step count 5..20, 25, 30, 50, 100, 200 per prompt, the asset's seeds, with
 per-run seconds on one ORT thread). Each setting is a choice of step count per prompt, applied to those
 runs: ``predicted`` through the plan's own ``diffusion_encode`` + ``predict_steps`` steps, ``online`` through
@@ -33,7 +33,7 @@ from dyncompile.io import shared_dir, write_json_atomic
 from dyncompile.passes.step_saver import calibrate as cal
 from dyncompile.passes.step_saver.metrics import frechet, texture
 from dyncompile.runtime.denoise import StopRule
-from dyncompile.tools._bench_common import bootstrap_diff
+from dyncompile.tools.bench.common import RENDER_HELP, bootstrap_diff, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,13 @@ def read_idx_images(path: Path) -> np.ndarray:
     return np.frombuffer(data, np.uint8, offset=16).reshape(n, h, w)
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown(report)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_stepsaver", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.stepsaver", description=__doc__.split("\n")[0])
     p.add_argument("plan")
     p.add_argument("--runs", required=True, help="runs of held-out TEST prompts (stepsaver_data generate)")
     p.add_argument("--traj20", help="runs with the 20-step x0 trajectory (online rule variant over 20 steps)")
@@ -99,6 +104,10 @@ def main(argv=None) -> int:
     p.add_argument("--real-images", default="/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
     p.add_argument("--e2e", type=int, default=6, help="prompts for the end-to-end plan run (0: skip)")
     p.add_argument("--out", default="bench-results/stepsaver")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -5,12 +5,12 @@ draws their initial noise; ``generate`` runs the plan's denoising loop (the runt
 the plan's scheduler and guidance) at a list of step counts per prompt, in parallel worker processes
 (one ORT thread each), and can run where the text encoder is not (it needs only the U-Net)::
 
-    python -m dyncompile.tools.stepsaver_data prepare PLAN --split train --n 400 --out calib-in.npz
-    python -m dyncompile.tools.stepsaver_data generate calib-in.npz --unet PLAN/unet/model.onnx \
+    python -m dyncompile.tools.studies.stepsaver_data prepare PLAN --split train --n 400 --out calib-in.npz
+    python -m dyncompile.tools.studies.stepsaver_data generate calib-in.npz --unet PLAN/unet/model.onnx \
         --counts 5,10,15,20,30,50,200 --out calib-runs.npz --workers 16
 
 The runs file of calibration (TRAIN) prompts is the ``labels=`` input of the ``step-saver`` pass; the
-runs file of held-out TEST prompts is the input of ``tools/bench_stepsaver.py``.
+runs file of held-out TEST prompts is the input of ``tools/studies/stepsaver.py``.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.stepsaver_data", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.stepsaver_data", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prepare")
     a.add_argument("plan")

@@ -1,6 +1,6 @@
 """Routing on HumanEval from the outcome tables: small model, large model, the doctest cascade, a learned router.
 
-``python -m dyncompile.tools.bench_route_code --small outcomes-S.jsonl --large outcomes-L.jsonl
+``python -m dyncompile.tools.studies.route_code --small outcomes-S.jsonl --large outcomes-L.jsonl
 --cost-model cost.json --out bench-results/route-code`` (seconds, no model run) evaluates, on the problems
 present in both tables:
 
@@ -44,6 +44,7 @@ import numpy as np
 
 from dyncompile.errors import DataError
 from dyncompile.io import write_json_atomic
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ FEATURES = ("log_prompt_tokens", "n_examples", "has_examples", "log_doc_chars", 
 def read_table(path: str | Path) -> dict[str, dict[str, Any]]:
     p = Path(path)
     if not p.exists():
-        raise DataError(f"outcome table {p} does not exist; make it with python -m dyncompile.tools.humaneval generate")
+        raise DataError(f"outcome table {p} does not exist; make it with python -m dyncompile.tools.studies.humaneval generate")
     rows = {}
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -107,7 +108,7 @@ class Arrays:
         self.doc_s = np.array([r["doctest"]["passed"] for r in s], bool)
         self.n_ex = np.array([r["doctest"]["n_examples"] for r in s], int)
         self.check_ms = np.array([1e3 * r["doctest"]["seconds"] if r["doctest"]["n_examples"] else 0.0 for r in s])
-        # tables generated elsewhere (tools/humaneval_torch.py on the GPU machine) have no CPU wall time: their costs
+        # tables generated elsewhere (tools/studies/humaneval_torch.py on the GPU machine) have no CPU wall time: their costs
         # are modelled only
         timed = all("wall_ms" in r for r in s + g)
         self.wall_s = np.array([r["wall_ms"] for r in s], float) if timed else None
@@ -174,11 +175,11 @@ def evaluate_routes(a: Arrays, rows: np.ndarray, cs: np.ndarray, cl: np.ndarray,
 
 def fit_logistic(x: np.ndarray, t: np.ndarray, ridge: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Standardised features + intercept, ridge logistic regression (Newton): ``(w, mean, std)``."""
-    from dyncompile.passes.early_exit.certify import _fit_logistic
+    from dyncompile.passes.early_exit.certify import fit_logistic
 
     mu, sd = x.mean(0), x.std(0) + 1e-9
     z = np.c_[(x - mu) / sd, np.ones(len(x))]
-    return _fit_logistic(z, t.astype(float), ridge), mu, sd
+    return fit_logistic(z, t.astype(float), ridge), mu, sd
 
 
 def logistic_score(x: np.ndarray, w: np.ndarray, mu: np.ndarray, sd: np.ndarray) -> np.ndarray:
@@ -393,13 +394,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
     """Re-run ``args.live`` problems end to end with the real plans; compare with the tables."""
     from dyncompile.runtime.code_check import check_examples
-    from dyncompile.tools._bench_common import load_avg
-    from dyncompile.tools.humaneval import GreedyCompleter, _load_plan, hidden_test
+    from dyncompile.tools.bench.common import load_avg
+    from dyncompile.tools.studies.humaneval import GreedyCompleter, hidden_test, load_cpu_plan
 
     ids = sorted(set(small_rows) & set(large_rows))
     rng = np.random.default_rng(args.seed + 1)
     picks = [ids[i] for i in sorted(rng.choice(len(ids), size=min(args.live, len(ids)), replace=False))]
-    small = GreedyCompleter(_load_plan(args.small_plan, None), "small")
+    small = GreedyCompleter(load_cpu_plan(args.small_plan, None), "small")
     large = None
     rows = []
     for t in picks:
@@ -414,7 +415,7 @@ def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
         final = g["completion"]
         if escalate:
             if large is None:
-                large = GreedyCompleter(_load_plan(args.large_plan, None), "large")
+                large = GreedyCompleter(load_cpu_plan(args.large_plan, None), "large")
             gl = large.complete(p["prompt"], args.max_new_tokens)
             rec["large_completion_identical"] = gl["completion"] == large_rows[t]["completion"]
             rec["large_wall_ms"] = gl["wall_ms"]
@@ -435,12 +436,17 @@ def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
             "rows": rows, "load_avg": load_avg(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown(report)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_route_code",
+    ap = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.route_code",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", required=True, help="outcome table of the small model (JSONL)")
     ap.add_argument("--large", required=True, help="outcome table of the large model (JSONL)")
-    ap.add_argument("--cost-model", help="costmodel JSON (python -m dyncompile.tools.humaneval costmodel)")
+    ap.add_argument("--cost-model", help="costmodel JSON (python -m dyncompile.tools.studies.humaneval costmodel)")
     ap.add_argument("--small-name")
     ap.add_argument("--large-name")
     ap.add_argument("--out", required=True, help="output folder (route-code.json/.md/.png)")
@@ -452,10 +458,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--small-plan")
     ap.add_argument("--large-plan")
     ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dyncompile.errors import DyncompileError
-    from dyncompile.tools.humaneval import load_problems
+    from dyncompile.tools.studies.humaneval import load_problems
 
     try:
         small, large = read_table(args.small), read_table(args.large)

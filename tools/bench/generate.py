@@ -1,6 +1,7 @@
 """Speculative decoding benchmark: a plan's speculative step against its target alone, same process, interleaved.
 
-``dyncompile bench PLAN --prompts prompts.jsonl`` runs every prompt through the target alone
+``dyncompile bench generate PLAN --prompts prompts.jsonl`` (or ``dyncompile bench PLAN ...`` for a text-generation
+plan) runs every prompt through the target alone
 (``speculative=False``: the same ORT session, plain autoregressive decoding) and through the plan's
 speculative step, in alternating order, and reports tokens/s (all new tokens / all generation time, prefill
 included, plus the decode-only rate), the speedup, acceptance rate, tokens per target call, accepted drafts
@@ -10,9 +11,10 @@ transformers ``generate``; with ``prompt_lookup_num_tokens`` for prompt-lookup p
 with ``--torch-assistant HF_DIR``, or ``assistant_early_exit=k`` for split-drafter plans).
 
 Prompt files are JSONL with ``prompt`` (or ``text``) and optional ``chat`` (bool), ``kind``, ``id``,
-``max_new_tokens``; :mod:`dyncompile.tools.prompt_sets` writes them from real text available offline
-(``python -m dyncompile.tools.prompt_sets --out DIR``; ``python -m dyncompile.tools.bench_speculative prompts``
-still works).
+``max_new_tokens``; :mod:`dyncompile.tools.bench.prompt_sets` writes them from real text available offline
+(``python -m dyncompile.tools.bench.prompt_sets --out DIR``). ``--peers`` hands the run to the peers harness
+(``dyncompile bench peers``); ``python -m dyncompile.tools.bench.generate curve MODEL.onnx --name N`` measures a
+decoder's verification cost by tokens per call.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from dyncompile.runtime.generate import prompt_ids_of
-from dyncompile.tools._bench_common import BENCH_SESSION_CONFIG, machine_info
-from dyncompile.tools.prompt_sets import read_prompts
+from dyncompile.tools.bench.common import RENDER_HELP, machine_info, render_requested
+from dyncompile.tools.bench.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +341,7 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,4,9,16,24,32", help="tokens per call (default: %(default)s)")
     p.add_argument("--past", type=int, default=128, help="tokens already in the cache (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--report-dir", default="bench-results/speculative-trees")
+    p.add_argument("--report-dir", default=".", help="where the JSON goes (default: the current directory)")
     p.add_argument("--name", required=True, help="report file stem")
     args = p.parse_args(argv)
     sizes = sorted({1, *(int(x) for x in args.sizes.split(",") if x.strip())})
@@ -361,6 +363,11 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown_report(report)
+
+
 def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
     """``"4,8,16"`` -> ``(4, 8, 16)``; a clean error naming ``flag`` otherwise."""
     from dyncompile.errors import DataError
@@ -374,9 +381,16 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
     return vals
 
 
+def _peers_requested(argv: list[str] | None) -> bool:
+    """Whether this harness's own ``--peers`` option is given (it hands the run to the peers harness)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--peers")
+    return pre.parse_known_args(argv)[0].peers is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="dyncompile bench",
+        prog="dyncompile bench generate",
         description="Benchmark a text-generation plan: speculative decoding against the plan's target alone, "
         "interleaved in one process (tokens/s, speedup, acceptance, tokens per target call, identical outputs).",
     )
@@ -402,9 +416,20 @@ def main(argv: list[str] | None = None) -> int:
                    "`prompt_sets --split calib` prompts, then compile with speculative{max_draft=N})")
     p.add_argument("--torch", metavar="HF_DIR", help="also run transformers generate on this PyTorch model")
     p.add_argument("--torch-assistant", metavar="HF_DIR", help="with --torch: assistant_model for transformers")
-    p.add_argument("--report-dir", default="bench-results", help="where JSON + markdown go (default: %(default)s)")
+    p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", help="report file stem (default: the plan directory's name)")
+    p.add_argument("--peers", metavar="NAMES",
+                   help="measure against peer runtimes instead: the `dyncompile bench peers` harness runs with these "
+                   "arguments (its options apply; `dyncompile bench peers --help` lists them)")
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
+    if _peers_requested(argv):
+        from dyncompile.tools.bench.peers import main as peers_main
+
+        return peers_main(argv)
     args = p.parse_args(argv)
     import dyncompile
     from dyncompile.errors import DataError
@@ -412,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.max_new_tokens <= 0:
         raise DataError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    model = dyncompile.load(args.plan, provider=args.provider, threads=args.threads, session_config=BENCH_SESSION_CONFIG)
+    model = dyncompile.load(args.plan, provider=args.provider, threads=args.threads)
     if model.plan.task != "text-generation":
         raise DataError(f"{args.plan} is a {model.plan.task!r} plan; --prompts is for text-generation plans (use --data)")
     prompts = read_prompts(args.prompts, args.limit)
@@ -426,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback, tree=args.tree,
                            tree_sizes=sizes, max_drafts=max_drafts)
     for other in args.also:
-        extra = dyncompile.load(other, provider=args.provider, threads=args.threads, session_config=BENCH_SESSION_CONFIG)
+        extra = dyncompile.load(other, provider=args.provider, threads=args.threads)
         runners += plan_runners(extra, label=Path(other).resolve().name)
     if args.torch:
         runners += torch_runners(args.torch, plan=model.plan, threads=args.threads, assistant_dir=args.torch_assistant)
@@ -460,8 +485,4 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv and argv[0] == "curve":
         sys.exit(verify_curve_main(argv[1:]))
-    if argv and argv[0] == "prompts":  # the prompt-set writer's old home
-        from dyncompile.tools.prompt_sets import main as prompts_main
-
-        sys.exit(prompts_main(argv[1:]))
     sys.exit(main(argv))

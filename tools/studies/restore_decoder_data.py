@@ -7,8 +7,8 @@ length, and the HF parameter it equals, possibly transposed), and checks the res
 sha256 recorded where the recipe built it. The recipe's own export is not rerun (its torch/transformers differ
 there and its graph would not be the one the plans were compiled from).
 
-  python -m dyncompile.tools.restore_decoder_data --make-map MODEL_DIR... -o map.json         # where both exist
-  python -m dyncompile.tools.restore_decoder_data --restore MODEL_DIR --gguf FILE --map map.json \
+  python -m dyncompile.tools.studies.restore_decoder_data --make-map MODEL_DIR... -o map.json         # where both exist
+  python -m dyncompile.tools.studies.restore_decoder_data --restore MODEL_DIR --gguf FILE --map map.json \
       [--save-hf DIR]                                      # where only the GGUF is (the map holds the sha256)
 """
 

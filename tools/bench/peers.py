@@ -1,7 +1,7 @@
 """dyncompile against the runtimes a user would otherwise pick: onnxruntime-genai and OpenVINO GenAI.
 
-``dyncompile bench PLAN --prompts FILE --peers ortgenai,openvino --peer-model ortgenai=DIR --peer-model
-openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every prompt, greedy, through:
+``dyncompile bench peers PLAN --prompts FILE --peers ortgenai,openvino --peer-model ortgenai=DIR --peer-model
+openvino=DIR`` (or ``dyncompile bench PLAN --prompts FILE --peers ...`` for a text-generation plan) runs every prompt, greedy, through:
 
 * dyncompile's target alone and its speculative step, loaded the way ``dyncompile.load`` loads them by default
   (intra-op threads spin while a call runs; ``--spinning-on`` adds the same plan with ORT's own default, spinning that
@@ -11,7 +11,7 @@ openvino=DIR`` (or ``python -m dyncompile.tools.bench_peers ...``) runs every pr
   when asked: a draft model (``--peer-draft``: an onnxruntime-genai folder whose genai_config.json has a
   ``model.draft`` section, or an OpenVINO draft IR folder) and n-gram / prompt-lookup decoding (``--peer-ngram``).
 
-Every runner is a worker process (:mod:`dyncompile.tools.peer_driver`): the peers run with their own Python
+Every runner is a worker process (:mod:`dyncompile.tools.bench.peer_worker`): the peers run with their own Python
 (``--peer-python NAME=PATH``; default ``$DYNCOMPILE_PEER_VENVS/{ortgenai,ovgenai}/bin/python``), because their
 ONNX Runtime builds clash with dyncompile's. All workers are loaded first; then each prompt runs through every
 runner in rotating order, one at a time (an idle worker blocks on its stdin: no spinning neighbours). Each worker
@@ -35,12 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.errors import DataError
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PEERS", "main", "markdown_report", "run_peers"]
+__all__ = ["DRIVER", "PEERS", "Worker", "main", "markdown_report", "peer_pairs", "peer_python", "run_peers"]
 
-DRIVER = Path(__file__).with_name("peer_driver.py")
+DRIVER = Path(__file__).with_name("peer_worker.py")
 #: peer name -> (venv folder name under $DYNCOMPILE_PEER_VENVS, human name, what its speculative modes are)
 PEERS = {
     "ortgenai": ("ortgenai", "onnxruntime-genai", "draft model / n-gram"),
@@ -96,7 +97,7 @@ class Runner:
     kind: str  # dyncompile | peer
 
 
-def _peer_python(name: str, given: dict[str, str]) -> str:
+def peer_python(name: str, given: dict[str, str]) -> str:
     if name in given:
         py = given[name]
     else:
@@ -112,7 +113,7 @@ def _peer_python(name: str, given: dict[str, str]) -> str:
     return py
 
 
-def _pairs(items: list[str], what: str) -> dict[str, str]:
+def peer_pairs(items: list[str], what: str) -> dict[str, str]:
     out = {}
     for it in items:
         k, sep, v = it.partition("=")
@@ -199,7 +200,7 @@ def paired_comparisons(runners: list[Runner], runs: dict[str, list[dict]]) -> li
     """Each dyncompile runner against each peer runner of a comparable mode (and each variant's runner against the
     main plan's of its mode): the geometric mean over prompts (every pass's prompt counts once) of the per-prompt
     rate ratios, with 95 % bootstrap intervals."""
-    from dyncompile.tools._bench_common import paired_ratio
+    from dyncompile.tools.bench.common import paired_ratio
 
     out = []
     for d in (r for r in runners if r.kind == "dyncompile"):
@@ -299,13 +300,18 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown_report(report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dyncompile bench PLAN --prompts FILE --peers",
+        prog="dyncompile bench peers",
         description="Benchmark a text-generation plan against onnxruntime-genai and OpenVINO GenAI on the same model, "
         "prompts and precision: every runner a worker process, interleaved by prompt, greedy; tokens/s, prefill, "
         "decode, token identity with dyncompile's target alone.",
-        epilog="example: dyncompile bench spec --prompts code.jsonl --peers ortgenai,openvino "
+        epilog="example: dyncompile bench peers spec/ --prompts code.jsonl --peers ortgenai,openvino "
         "--peer-model ortgenai=peers/ortgenai-qwen-fp32 --peer-model openvino=peers/ov-qwen-fp32 "
         "--peer-python ortgenai=/venvs/ortgenai/bin/python --peer-python openvino=/venvs/ovgenai/bin/python",
     )
@@ -356,17 +362,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--io-binding", action="store_true",
                    help="dyncompile: bind the KV cache with IOBinding (on CUDA it stays in GPU memory between calls)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
-    p.add_argument("--report-dir", default="bench-results/peers")
+    p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", help="report file stem (default: PLANNAME-PROMPTSTEM-peers)")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
     p.add_argument("-q", "--quiet", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = build_parser().parse_args(argv)
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools._bench_common import load_avg, machine_info
-    from dyncompile.tools.prompt_sets import read_prompts
+    from dyncompile.tools.bench.common import load_avg, machine_info
+    from dyncompile.tools.bench.prompt_sets import read_prompts
 
     if args.max_new_tokens < 1 or args.threads < 1 or args.repeat < 1:
         raise DataError("--max-new-tokens, --threads and --repeat must be >= 1")
@@ -374,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in peers if s not in PEERS]
     if bad:
         raise DataError(f"--peers: unknown peer(s) {bad}; choose from {', '.join(PEERS)} (or 'none')")
-    pythons, models_, drafts = (_pairs(args.peer_python, "--peer-python"), _pairs(args.peer_model, "--peer-model"),
-                                _pairs(args.peer_draft, "--peer-draft"))
+    pythons, models_, drafts = (peer_pairs(args.peer_python, "--peer-python"),
+                                peer_pairs(args.peer_model, "--peer-model"),
+                                peer_pairs(args.peer_draft, "--peer-draft"))
     for s in peers:
         if s not in models_:
             raise DataError(f"peer {s!r} needs its export of the target: --peer-model {s}=DIR (README, section Peers)")
@@ -391,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
 
     def dyncompile_worker(plan_dir) -> list[str]:
-        return [sys.executable, "-m", "dyncompile.tools.peer_driver", "--backend", "dyncompile", "--model",
+        return [sys.executable, "-m", "dyncompile.tools.bench.peer_worker", "--backend", "dyncompile", "--model",
                 str(plan_dir), "--threads", str(args.threads), "--provider", args.provider,
                 *(["--io-binding"] if args.io_binding else [])]
 
@@ -421,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (label, folder, vplan) in enumerate(_plan_variant(v) for v in args.plan_variant):
         add_dyncompile(f"dyncompile-plan-{i}", dyncompile_worker(folder), spec_name(vplan.steps[0]), f", {label}")
     for s in peers:
-        py = _peer_python(s, pythons)
+        py = peer_python(s, pythons)
         human = PEERS[s][1]
         base = [py, str(DRIVER), "--backend", s, "--threads", str(args.threads), "--ngram-size", str(args.ngram_size),
                 "--provider", args.provider]

@@ -1,11 +1,12 @@
-"""Shared pieces of the benchmarks (``dyncompile bench`` and ``tools/bench_*.py``).
+"""Shared pieces of the benchmarks (``dyncompile bench ...`` and the studies in ``tools/studies/``).
 
 Runners that map texts to probabilities, the interleaved measurement (:func:`bench_runners`: batch-1
 latency with rotating order, batched throughput, quality from the very same runs), machine facts, the
-markdown table and the report writer. Sessions run with the settings ``dyncompile.load`` gives by default
-(``BENCH_SESSION_CONFIG`` is empty: what a user gets is what is measured): ``runtime.providers.DEFAULT_SESSION_CONFIG``,
-intra-op threads that spin while a call runs and stop when it returns, so with several sessions in one process idle
-sessions' threads do not slow the one that runs.
+markdown table and the report writer.
+
+One session config for every bench: plans are loaded with ``dyncompile.load``'s defaults (no ``session_config``
+of their own), and the sessions a bench builds itself (:func:`graph_session`) get the same entries,
+``runtime.providers.DEFAULT_SESSION_CONFIG``: what a user gets is what is measured.
 """
 
 from __future__ import annotations
@@ -25,26 +26,27 @@ from dyncompile.io import shared_dir
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BENCH_SESSION_CONFIG",
     "DATA",
     "Runner",
     "bench_runners",
     "bootstrap_diff",
     "interleaved_batch1",
     "compile_early_exit",
+    "graph_decoder_spec",
+    "graph_session",
     "load_avg",
     "machine_info",
     "markdown_table",
     "paired_ratio",
     "plan_runner",
+    "read_report",
     "reference_runner",
+    "render_requested",
     "write_report",
 ]
 
 #: the sentiment splits (movie-calib for calibration, movie-test for reporting)
 DATA = shared_dir() / "data" / "sentiment"
-#: session config entries over ``dyncompile.load``'s defaults for the benches: none (measure what a user gets)
-BENCH_SESSION_CONFIG: dict[str, str] = {}
 
 
 @dataclasses.dataclass
@@ -289,6 +291,43 @@ def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path
     return jp, mp
 
 
+def read_report(path: str | Path) -> dict[str, Any]:
+    """A stored JSON report (what a harness wrote next to its markdown)."""
+    import json
+
+    from dyncompile.errors import DataError
+
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"--render {path}: no such file; give the JSON report a bench wrote") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"--render {path}: not a JSON report ({e})") from None
+    if not isinstance(report, dict):
+        raise DataError(f"--render {path}: not a JSON report (a JSON object is expected)")
+    return report
+
+
+RENDER_HELP = "print the markdown of a stored JSON report this harness wrote (re-rendered from the JSON alone; no run)"
+
+
+def render_requested(argv: Sequence[str] | None, render: Callable[[dict[str, Any]], str]) -> int | None:
+    """``--render JSON`` (every harness that writes JSON + markdown has it): print ``render(report)`` exactly as
+    the harness writes its ``.md`` and return 0; ``None`` when ``--render`` is not given (then run the bench).
+
+    Checked before the harness's own parser, whose required arguments a re-render does not need."""
+    import argparse
+    import sys
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--render")
+    path = pre.parse_known_args(argv)[0].render
+    if path is None:
+        return None
+    sys.stdout.write(render(read_report(path)))
+    return 0
+
+
 def compile_early_exit(src, plan_dir: Path, calib: Path, *, prefix: str = "", **options: Any) -> tuple[Any, float]:
     """``dyncompile SRC --passes [PREFIX,]early-exit --calib CALIB {options}``: ``(CompileResult, seconds)``."""
     import dyncompile
@@ -296,3 +335,47 @@ def compile_early_exit(src, plan_dir: Path, calib: Path, *, prefix: str = "", **
     t0 = time.perf_counter()
     res = dyncompile.compile(src, f"{prefix}early-exit", plan_dir, force=True, progress=False, calib=str(calib), **options)
     return res, time.perf_counter() - t0
+
+
+def graph_session(path: Path, threads: int):
+    """A CPU ORT session of a bare ONNX graph with the session config ``dyncompile.load`` gives every plan
+    (spinning stops when a call returns: with several sessions stepped in turn, idle sessions' spinning threads
+    would otherwise take the cores)."""
+    import onnxruntime as ort
+
+    from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    for k, v in DEFAULT_SESSION_CONFIG.items():
+        so.add_session_config_entry(k, v)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def graph_decoder_spec(path: Path):
+    """The :class:`~dyncompile.plan.DecoderSpec` of a bare decoder graph: dyncompile's reading of the graph, or,
+    for an onnxruntime-genai model-builder folder, its ``genai_config.json``."""
+    import json
+
+    from dyncompile.plan import DecoderSpec
+
+    cfg_path = path.parent / "genai_config.json"
+    if cfg_path.is_file():
+        d = json.loads(cfg_path.read_text())["model"]["decoder"]
+        names_in, names_out = d["inputs"], d["outputs"]
+        kv = []
+        for i in range(int(d["num_hidden_layers"])):
+            for pk, ok in (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names")):
+                kv.append({"past": names_in[pk] % i, "present": names_out[ok] % i, "axis": 2,
+                           "shape": [int(d["num_key_value_heads"]), int(d["head_size"])]})
+        return DecoderSpec.from_params({"model": path.name, "input_ids": names_in["input_ids"],
+                                        "attention_mask": names_in.get("attention_mask"), "position_ids": None,
+                                        "logits": names_out["logits"], "kv": kv})
+    import onnx_ir as ir
+
+    from dyncompile.passes.speculative.decoder_spec import decoder_spec
+
+    d = decoder_spec(ir.load(str(path)), path.name)
+    d.pop("vocab_size", None)
+    return DecoderSpec.from_params(d)

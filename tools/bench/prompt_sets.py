@@ -1,6 +1,6 @@
 """Prompt sets for the speculative-decoding benchmark, from real text available offline (Python's stdlib).
 
-``python -m dyncompile.tools.prompt_sets --out DIR`` writes
+``python -m dyncompile.tools.bench.prompt_sets --out DIR`` writes
 
 * ``code.jsonl`` — code completion: a Python standard-library file cut after a function's signature and
   docstring (no chat template);
@@ -13,7 +13,7 @@ other standard-library files (:data:`CALIB_CODE_FILES`, :data:`CALIB_DOC_FILES`,
 tune a draft policy there, report on the default split.
 
 :func:`read_prompts` reads such a file (``prompt`` or ``text``; optional ``chat``, ``kind``, ``id``,
-``max_new_tokens``) for ``dyncompile bench PLAN --prompts FILE``.
+``max_new_tokens``) for ``dyncompile bench generate|peers PLAN --prompts FILE``.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, A
     """The prompts of a JSONL file (``prompt`` or ``text``; optional ``chat``, ``kind``, ``id``, ``max_new_tokens``)."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"prompts file not found: {p} (make one with `python -m dyncompile.tools.prompt_sets --out DIR`)")
+        raise DataError(f"prompts file not found: {p} (make one with `python -m dyncompile.tools.bench.prompt_sets --out DIR`)")
     rows = []
     for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -191,7 +191,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.prompt_sets",
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench.prompt_sets",
                                 description="Write code.jsonl / grounded.jsonl / all.jsonl prompt sets.")
     p.add_argument("--out", required=True)
     p.add_argument("--code", type=int, default=8)

@@ -1,4 +1,4 @@
-"""Re-split honesty bench for early-exit budgets (issue 11, part 3).
+"""Re-split honesty bench for early-exit budgets.
 
 ``--budget 1.0`` promises at most one accuracy point lost. A single calibration/test split says little
 about how often that promise breaks: this bench pools movie-calib and movie-test (3,500 rows), runs the
@@ -15,13 +15,12 @@ for many random halvings, calibrates on one half and measures on the other:
 Per method (calibration rule) it reports the mean expected speedup (layer cost model: a row that stops
 after layer ``k`` of ``L`` costs ``k / L``), the mean measured drop (full-model accuracy minus early-exit
 accuracy on the measured half), its spread, and the fraction of splits where the drop exceeds the
-budget. Methods: ``entropy`` (today's calibration, **uncertified**) and any registered in
-:data:`CALIBRATORS` (the hook for certified calibration and the learned policy:
-``register_calibrator(name, fn)``; ``certified`` and ``learned-certified`` are registered by
-:func:`register_certified` when ``dyncompile.passes.early_exit.certify`` provides ``certified_calibration``).
+budget. Methods (:data:`CALIBRATORS`): ``entropy`` (the in-sample calibration, **uncertified**), ``certified``
+(entropy thresholds, Learn-then-Test at :data:`CONFIDENCE`) and ``learned-certified`` (the learned exit policy,
+certified the same way); ``register_calibrator(name, fn)`` adds one.
 
-    python -m dyncompile.tools.bench_early_exit_resplit --models minilm-l6-sentiment --splits 200
-    python -m dyncompile.tools.bench_early_exit_resplit --models mpnet-base-sentiment --splits 200 --heads fixed
+    python -m dyncompile.tools.studies.early_exit_resplit --models minilm-l6-sentiment --splits 200
+    python -m dyncompile.tools.studies.early_exit_resplit --models mpnet-base-sentiment --splits 200 --heads fixed
 
 Writes ``resplit.json``, ``resplit.md`` and ``resplit.png`` under ``--out``.
 """
@@ -40,9 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["CALIBRATORS", "ExitRule", "main", "register_calibrator", "register_certified", "resplit", "threshold_rule"]
+__all__ = ["CALIBRATORS", "ExitRule", "main", "register_calibrator", "resplit", "threshold_rule"]
 
 #: name -> fn(oof_probs [E, N, C], teacher [N, C], labels [N], exits, num_layers, budget) -> ExitRule
 CALIBRATORS: dict[str, Callable[..., Any]] = {}
@@ -86,41 +87,26 @@ register_calibrator("entropy", _entropy)
 CONFIDENCE = 0.9
 
 
-def register_certified(certify: Any) -> list[str]:
-    """Hook for certified calibration (helper branch ``cert``: ``passes/early_exit/certify.py``).
+def _certified(criterion: str):
+    """Learn-then-Test calibration at :data:`CONFIDENCE` (``certify.certified_calibration``) for ``criterion``;
+    ``learned`` uses the fitted exit policy's scores."""
 
-    Uses ``certify.certified_calibration(oof, teacher, labels, exits, num_layers, budget=, confidence=,
-    criterion=)``, which returns ``(CertifiedExits, record)`` with ``thresholds`` in the criterion's units
-    and, for ``criterion="learned"``, the fitted ``policy`` (``policy.scores(p)``). Registers
-    ``certified`` (entropy, Learn-then-Test at :data:`CONFIDENCE`) and ``learned-certified``.
-    """
-    fn = getattr(certify, "certified_calibration", None)
-    if fn is None:
-        return []
+    def calibrate(oof, teacher, labels, exits, num_layers, budget):
+        from dyncompile.passes.early_exit.certify import certified_calibration
 
-    def make(criterion):
-        def calibrate(oof, teacher, labels, exits, num_layers, budget):
-            res, _ = fn(oof, teacher, labels, exits, num_layers, budget=budget, confidence=CONFIDENCE, criterion=criterion)
-            costs = [k / num_layers for k in exits] + [1.0]
-            if criterion == "learned":
-                tc = np.array([np.inf if t is None else float(t) for t in res.thresholds])
-                return ExitRule(res.policy.scores, tc, costs)
-            return threshold_rule(res.thresholds, criterion, costs)
+        res, _ = certified_calibration(oof, teacher, labels, exits, num_layers, budget=budget, confidence=CONFIDENCE,
+                                       criterion=criterion)
+        costs = [k / num_layers for k in exits] + [1.0]
+        if criterion == "learned":
+            tc = np.array([np.inf if t is None else float(t) for t in res.thresholds])
+            return ExitRule(res.policy.scores, tc, costs)
+        return threshold_rule(res.thresholds, criterion, costs)
 
-        return calibrate
-
-    register_calibrator("certified", make("entropy"))
-    register_calibrator("learned-certified", make("learned"))
-    return ["certified", "learned-certified"]
+    return calibrate
 
 
-def _register_certified() -> None:
-    try:
-        from dyncompile.passes.early_exit import certify
-    except ImportError:
-        logger.info("no dyncompile.passes.early_exit.certify in this checkout: entropy (uncertified) only")
-        return
-    register_certified(certify)
+register_calibrator("certified", _certified("entropy"))
+register_calibrator("learned-certified", _certified("learned"))
 
 
 def collect(model_name: str, splits: Sequence[str], *, data_dir: Path, cache_dir: Path | None, progress: bool = True):
@@ -326,8 +312,7 @@ def merge_reports(paths: Sequence[str | Path], out: Path, notes: Sequence[str] =
     reports = [json.loads(Path(p).read_text()) for p in paths]
     merged = {k: reports[0][k] for k in ("rows_total", "half", "budget")}
     merged.update(splits=None, results=[r for rep in reports for r in rep["results"]],
-                  runs=[{"file": str(p), "seconds": rep.get("seconds"), "load_avg": rep.get("load_avg"),
-                         "cert_commit": rep.get("cert_commit")} for p, rep in zip(paths, reports)],
+                  runs=[{"file": str(p), "seconds": rep.get("seconds"), "load_avg": rep.get("load_avg")} for p, rep in zip(paths, reports)],
                   notes=[*reports[0].get("notes", []), *notes])
     for r in merged["results"]:
         if wall and r["model"] in wall and r.get("solver", "newton") == "newton":  # the compiled plans use Newton heads
@@ -339,8 +324,13 @@ def merge_reports(paths: Sequence[str | Path], out: Path, notes: Sequence[str] =
     return merged
 
 
+def render_markdown(report: dict[str, Any]) -> str:
+    """The markdown of a stored ``resplit.json`` report."""
+    return _markdown(report)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_early_exit_resplit", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.early_exit_resplit", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["minilm-l6-sentiment"])
     p.add_argument("--splits", type=int, default=200)
     p.add_argument("--budget", type=float, default=1.0)
@@ -355,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", nargs="+", metavar="RESPLIT_JSON", help="combine finished runs into one report in --out")
     p.add_argument("--note", action="append", default=[], help="a line for the report's notes (with --merge)")
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from dyncompile.errors import DataError
@@ -365,7 +359,6 @@ def main(argv: list[str] | None = None) -> int:
         merge_reports(args.merge, Path(args.out), args.note, wall)
         print(f"written: {args.out}/resplit.json, resplit.md, resplit.png")
         return 0
-    _register_certified()
     methods = list(CALIBRATORS) if args.methods == "auto" else [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in methods if m not in CALIBRATORS]
     if unknown:
@@ -399,7 +392,6 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "rows_total": int(len(labels)), "half": int(len(labels) // 2), "splits": args.splits, "budget": args.budget,
         "results": results, "seconds": round(time.perf_counter() - t_all, 1), "load_avg": list(os.getloadavg()),
-        "cert_commit": os.environ.get("DYNCOMPILE_CERT_COMMIT"),
         "notes": [
             "heads=refit: exit heads refitted on every calibration half (Newton fit, 5-fold OOF), so neither heads "
             "nor thresholds saw the measured half. heads=fixed: heads fitted once on movie-calib only (OOF "

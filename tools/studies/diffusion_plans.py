@@ -1,7 +1,7 @@
 """Diffusion plans side by side (e.g. fp32 vs ``quantize-int8`` U-Net) on one provider, same prompts and seeds,
 interleaved in one process: images/s next to SSIM / max pixel difference of each plan's images to the first plan's.
 
-    python -m dyncompile.tools.bench_diffusion_plans fp32/ int8/ --provider openvino --steps 13 --n 8 --out DIR
+    python -m dyncompile.tools.studies.diffusion_plans fp32/ int8/ --provider openvino --steps 13 --n 8 --out DIR
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import numpy as np
 
 from dyncompile.errors import DyncompileError
 from dyncompile.io import write_json_atomic
+from dyncompile.tools.bench.common import RENDER_HELP, render_requested
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_diffusion_plans", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.diffusion_plans", description=__doc__.split("\n")[0])
     p.add_argument("plans", nargs="+")
     p.add_argument("--provider", default="cpu")
     p.add_argument("--steps", type=int, default=13)
@@ -27,6 +28,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tag", default="")
     p.add_argument("--noise", choices=["numpy", "torch"], default="numpy", help="initial-noise source (torch: the asset's seeds)")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     try:
         return run(args)
@@ -41,7 +46,7 @@ def run(args) -> int:
     import dyncompile
     from dyncompile.passes.step_saver.metrics import ssim
     from dyncompile.runtime.diffusion import generate_images
-    from dyncompile.tools.stepsaver_data import select_prompts
+    from dyncompile.tools.studies.stepsaver_data import select_prompts
 
     rows = select_prompts("test", args.n)
     models = [dyncompile.load(p, provider=args.provider) for p in args.plans]
@@ -69,14 +74,21 @@ def run(args) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     name = f"plans-{args.provider}{args.tag}"
     write_json_atomic(Path(args.out) / f"{name}.json", out)
-    lines = [f"# diffusion plans on {args.provider} (ORT {out['onnxruntime']}), {len(rows)} held-out prompts, {args.steps} steps", "",
+    md = render_markdown(out)
+    (Path(args.out) / f"{name}.md").write_text(md)
+    print(md, end="")
+    return 0
+
+
+def render_markdown(report: dict) -> str:
+    """The markdown of a ``plans-PROVIDER.json`` report."""
+    lines = [f"# diffusion plans on {report['provider']} (ORT {report['onnxruntime']}), {report['prompts']} held-out "
+             f"prompts, {report['steps']} steps", "",
              "| plan | images/s | speedup vs first | mean SSIM vs first | min SSIM | max uint8 diff |", "|---|---|---|---|---|---|"]
-    for k, v in out["plans"].items():
+    for k, v in report["plans"].items():
         lines.append(f"| {k} | {v['images_per_s']:.2f} | {v['speedup_vs_first']:.2f}x | {v['mean_ssim_vs_first']:.4f} | "
                      f"{v['min_ssim_vs_first']:.4f} | {v['max_uint8_diff_vs_first']} |")
-    (Path(args.out) / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

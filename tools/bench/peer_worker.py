@@ -1,11 +1,11 @@
-"""One generation backend in its own process, speaking JSON lines: the worker behind ``bench_peers``.
+"""One generation backend in its own process, speaking JSON lines: the worker behind ``dyncompile bench peers``.
 
 Run as a script with the backend's own Python (the peers clash with dyncompile's onnxruntime, so each lives in
 its own virtual environment)::
 
-    /work/peer-venvs/ortgenai/bin/python tools/peer_driver.py --backend ortgenai --model DIR [--threads 2]
-    /work/peer-venvs/ovgenai/bin/python  tools/peer_driver.py --backend openvino --model DIR [--draft DIR]
-    python -m dyncompile.tools.peer_driver --backend dyncompile --model PLAN_DIR [--session-config k=v]
+    $DYNCOMPILE_PEER_VENVS/ortgenai/bin/python tools/bench/peer_worker.py --backend ortgenai --model DIR [--threads 2]
+    $DYNCOMPILE_PEER_VENVS/ovgenai/bin/python  tools/bench/peer_worker.py --backend openvino --model DIR [--draft DIR]
+    python -m dyncompile.tools.bench.peer_worker --backend dyncompile --model PLAN_DIR [--session-config k=v]
 
 Protocol (stdout carries only protocol lines; everything the libraries print goes to stderr): one line
 ``{"ready": true, "backend", "version", "load_s", "settings"}`` after loading, then for every request line on
@@ -133,7 +133,7 @@ class OpenVINOGenAI:
 
 
     def score(self, ids):
-        """Teacher-forced next-token NLL and top-1 of every position but the last (``tools/decoder_quality``): the
+        """Teacher-forced next-token NLL and top-1 of every position but the last (``tools/bench/quality``): the
         IR's own logits in one call (the pipeline does not expose them), a fresh state each time."""
         import numpy as np
         import openvino as ov

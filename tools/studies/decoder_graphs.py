@@ -1,6 +1,6 @@
 """Decoder-graph benchmark: the same decoder as different ONNX graphs, greedy target-alone generation, interleaved.
 
-``python -m dyncompile.tools.bench_decoder_graphs --variant unfused=MODEL.onnx --variant fused=PLAN/model.onnx
+``python -m dyncompile.tools.studies.decoder_graphs --variant unfused=MODEL.onnx --variant fused=PLAN/model.onnx
 --variant builder=DIR/model.onnx --prompts code.jsonl`` drives every graph through the runtime's
 :class:`~dyncompile.runtime.kv_cache.KVDecoder` (the object the ``generate`` plan step uses; numpy past tensors,
 ``dyncompile.load``'s session config: threads spin only while a call runs, ``--threads``), one prompt at a time, rotating which graph
@@ -18,7 +18,6 @@ cache, so nothing is rolled back here).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
@@ -28,53 +27,21 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.kv_cache import KVDecoder
-from dyncompile.tools._bench_common import BENCH_SESSION_CONFIG, load_avg, machine_info, write_report
-from dyncompile.tools.prompt_sets import read_prompts
+from dyncompile.tools.bench.common import (
+    RENDER_HELP,
+    graph_decoder_spec,
+    graph_session,
+    load_avg,
+    machine_info,
+    render_requested,
+    write_report,
+)
+from dyncompile.tools.bench.prompt_sets import read_prompts
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["main", "run_bench"]
-
-
-def _spec(path: Path) -> DecoderSpec:
-    """The decoder spec of ``path``: dyncompile's reading of the graph, or the builder's genai_config.json."""
-    cfg_path = path.parent / "genai_config.json"
-    if cfg_path.is_file():
-        d = json.loads(cfg_path.read_text())["model"]["decoder"]
-        names_in, names_out = d["inputs"], d["outputs"]
-        kv = []
-        for i in range(int(d["num_hidden_layers"])):
-            for pk, ok in (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names")):
-                kv.append({"past": names_in[pk] % i, "present": names_out[ok] % i, "axis": 2,
-                           "shape": [int(d["num_key_value_heads"]), int(d["head_size"])]})
-        return DecoderSpec.from_params({"model": path.name, "input_ids": names_in["input_ids"],
-                                        "attention_mask": names_in.get("attention_mask"), "position_ids": None,
-                                        "logits": names_out["logits"], "kv": kv})
-    import onnx_ir as ir
-
-    from dyncompile.passes.speculative.decoder_spec import decoder_spec
-
-    d = decoder_spec(ir.load(str(path)), path.name)
-    d.pop("vocab_size", None)
-    return DecoderSpec.from_params(d)
-
-
-def _session(path: Path, threads: int):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
-
-    # what dyncompile.load gives (spinning stopped when a call returns): with several sessions stepped in turn, idle
-    # sessions' spinning threads would otherwise take the cores (measured: 2-3 interleaved sessions doubled a step's
-    # time with ORT's plain spinning)
-    for k, v in {**DEFAULT_SESSION_CONFIG, **BENCH_SESSION_CONFIG}.items():
-        so.add_session_config_entry(k, v)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def _greedy(dec: KVDecoder, ids: list[int], n: int) -> tuple[list[int], float, list[float], np.ndarray]:
@@ -153,7 +120,7 @@ def run_bench(variants: list[tuple[str, Path, str | None]], prompts: list[list[i
     def make(j: int) -> KVDecoder:
         name, path, _ = variants[j]
         t0 = time.perf_counter()
-        dec = KVDecoder(_session(path, threads), _spec(path), role=name)
+        dec = KVDecoder(graph_session(path, threads), graph_decoder_spec(path), role=name)
         logger.info("session %s: %.1f s", name, time.perf_counter() - t0)
         return dec
 
@@ -265,6 +232,11 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown_report(report)
+
+
 def _encode(prompts: list[dict[str, Any]], tokenizer: Path, max_prompt_tokens: int) -> list[list[int]]:
     from tokenizers import Tokenizer
 
@@ -280,7 +252,7 @@ def _encode(prompts: list[dict[str, Any]], tokenizer: Path, max_prompt_tokens: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m dyncompile.tools.bench_decoder_graphs",
+        prog="python -m dyncompile.tools.studies.decoder_graphs",
         description="Compare decoder graphs of one model (unfused export, fuse-decoder, onnxruntime-genai builder, "
         "int4 variants): greedy target-alone prefill and decode speed, interleaved, with token identity.",
         epilog="Example: --variant unfused=~/.cache/dyncompile/models/smollm2-135m/model.onnx "
@@ -289,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=MODEL.onnx[@REF]",
                     help="a graph to run (repeat); fidelity is checked against variant REF (default: the first), "
                     "e.g. fused-int4=plan/model.onnx@int4")
-    ap.add_argument("--prompts", required=True, help="JSONL prompts (python -m dyncompile.tools.prompt_sets)")
+    ap.add_argument("--prompts", required=True, help="JSONL prompts (python -m dyncompile.tools.bench.prompt_sets)")
     ap.add_argument("--tokenizer", required=True, help="tokenizer.json shared by every variant")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -305,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--title", default="decoder graphs")
     ap.add_argument("--out", default="bench-results/decoder-graphs")
     ap.add_argument("--stem", required=True, help="file name stem of the JSON / markdown report")
+    ap.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     variants = []

@@ -1,4 +1,4 @@
-"""Early-exit benchmark on the real sentiment classifiers (issue: early exit as a compiler pass).
+"""Early-exit benchmark on the real sentiment classifiers, compiled by the ``early-exit`` pass.
 
 For each model, every measured plan is what ``dyncompile MODEL --passes early-exit --calib movie-calib``
 gives (the ``early-exit`` pass through :func:`dyncompile.compile`, heads fitted on every inner layer): for
@@ -13,8 +13,8 @@ from the heads' outputs on test): one fit with the pass's own recipe (:func:`fit
 report records whether its thresholds at the main budgets equal the compiled plans' (they should: same
 recipe, same seed). Writes JSON, markdown and a PNG.
 
-    python -m dyncompile.tools.bench_early_exit                       # both models, ~40 min on 2 cores
-    python -m dyncompile.tools.bench_early_exit --models minilm-l6-sentiment --batch1-rows 300
+    python -m dyncompile.tools.studies.early_exit                       # both models, ~40 min on 2 cores
+    python -m dyncompile.tools.studies.early_exit --models minilm-l6-sentiment --batch1-rows 300
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncompile.tools._bench_common import DATA, compile_early_exit
+from dyncompile.tools.bench.common import DATA, RENDER_HELP, compile_early_exit, render_requested
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ def bench_model(name: str, args, out: Path) -> dict:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.models import build_model
-    from dyncompile.tools._bench_common import (
-        BENCH_SESSION_CONFIG,
+    from dyncompile.tools.bench.common import (
         bench_runners,
         plan_runner,
         reference_runner,
@@ -135,7 +134,7 @@ def bench_model(name: str, args, out: Path) -> dict:
         logger.warning("%s: the offline curve's thresholds differ from the compiled plans' at budgets %s", name,
                        [b for b, ok in same.items() if not ok])
 
-    load_kw = dict(provider=args.provider, session_config=BENCH_SESSION_CONFIG)
+    load_kw = dict(provider=args.provider)
     first = dyncompile.load(never, **load_kw)
     runners = [reference_runner("original", art.onnx_path, first, budget=None, lowering=None),
                plan_runner("If, every head computed, none fires", first, budget=None, lowering="if-never")]
@@ -162,7 +161,7 @@ def bench_model(name: str, args, out: Path) -> dict:
 
 
 def _markdown(reports: list[dict], machine: dict) -> str:
-    from dyncompile.tools._bench_common import markdown_table
+    from dyncompile.tools.bench.common import markdown_table
 
     parts = [
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine.get('gpu') or 'no GPU'}, onnxruntime "
@@ -216,8 +215,13 @@ def _plot(reports: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown of a stored ``early_exit.json`` report."""
+    return _markdown(report["reports"], report["machine"])
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.bench_early_exit", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.early_exit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="minilm-l6-sentiment,mpnet-base-sentiment")
     p.add_argument("--budgets", default="0.5,1.0,2.0")
@@ -226,11 +230,15 @@ def main(argv=None) -> int:
     p.add_argument("--criterion", default="entropy", choices=["entropy", "maxprob", "patience", "learned"])
     p.add_argument("--confidence", default="none",
                    help="as the pass's --confidence (e.g. 0.9: certified budgets); default none, this bench's "
-                   "historical uncertified calibration (tools/bench_certified.py compares both)")
+                   "historical uncertified calibration (tools/studies/certified.py compares both)")
     p.add_argument("--batch1-rows", type=int, default=None, help="rows in the batch-1 pass (default: all 1,500)")
     p.add_argument("--provider", default="cpu", help="execution provider of every session (original and plans)")
     p.add_argument("--data-dir", default=str(DATA))
     p.add_argument("--out", default="bench-results/early-exit")
+    p.add_argument("--render", metavar="JSON", help=RENDER_HELP)
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     args = p.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",")]
     from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence
@@ -243,7 +251,7 @@ def main(argv=None) -> int:
     args.lowerings = args.lowerings.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from dyncompile.io import write_json_atomic
-    from dyncompile.tools._bench_common import machine_info
+    from dyncompile.tools.bench.common import machine_info
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
