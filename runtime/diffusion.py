@@ -30,7 +30,7 @@ import numpy as np
 
 from dyncompile.errors import DataError, PlanError
 from dyncompile.runtime.denoise import Denoiser, StopRule, make_noise, mean_pool, to_uint8
-from dyncompile.runtime.executor import StepHandler, register_step
+from dyncompile.runtime.registry import StepHandler, register_step
 from dyncompile.runtime.schedulers import make_scheduler
 
 logger = logging.getLogger(__name__)

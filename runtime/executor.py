@@ -7,16 +7,18 @@ order; each step's ``kind`` selects a registered handler. Unknown kinds raise :c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dyncompile.errors import DataError, PlanError, ProviderError
-from dyncompile.plan import Plan, Step, load_plan
+from dyncompile.plan import Plan, load_plan, load_subplan
+from dyncompile.runtime import steps as _steps  # noqa: F401  (registers the built-in step handlers)
 from dyncompile.runtime.exit_rule import softmax
 from dyncompile.runtime.providers import (
     DEFAULT_SESSION_CONFIG,
@@ -24,30 +26,14 @@ from dyncompile.runtime.providers import (
     check_ort_flavours,
     resolve_provider,
 )
+from dyncompile.runtime.registry import STEP_HANDLERS, StepHandler, register_step
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["STEP_HANDLERS", "register_step", "StepHandler", "RuntimeContext", "CompiledModel", "Prediction", "load"]
 
-STEP_HANDLERS: dict[str, type[StepHandler]] = {}
-
-
-def register_step(kind: str) -> Callable[[type], type]:
-    """Class decorator registering a :class:`StepHandler` for plan steps of ``kind``."""
-
-    def deco(cls):
-        if kind in STEP_HANDLERS:
-            raise ValueError(f"step kind {kind!r} registered twice")
-        cls.kind = kind
-        STEP_HANDLERS[kind] = cls
-        return cls
-
-    return deco
-
-
 def known_step_kinds() -> set[str]:
-    import dyncompile.runtime.steps  # noqa: F401  (registers the built-in handlers)
-
+    """The step kinds this runtime runs (every handler the step index registers)."""
     return set(STEP_HANDLERS)
 
 
@@ -93,6 +79,15 @@ class RuntimeContext:
             raise DataError(f"optimization must be one of {', '.join(levels)}, got {optimization!r}")
         self.optimization = levels[optimization]
         self._sessions: dict[str, Any] = {}
+
+    def load_candidate(self, candidate) -> CompiledModel:
+        """A routed plan's candidate as a loaded model: its sub-plan checked like a top-level plan, run with this
+        context's provider, threads, optimisation level and session options (sessions of its own)."""
+        sub = load_subplan(self.plan, candidate, known_step_kinds=known_step_kinds())
+        ctx = copy.copy(self)
+        ctx.plan = sub
+        ctx._sessions = {}
+        return CompiledModel(sub, ctx)
 
     def session_options(self):
         so = self.ort.SessionOptions()
@@ -151,19 +146,6 @@ def _is_ort_error(e: BaseException) -> bool:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-class StepHandler:
-    """One plan step. ``__init__`` may prepare sessions; ``run`` maps a state dict to a state dict."""
-
-    kind = "?"
-
-    def __init__(self, step: Step, ctx: RuntimeContext) -> None:
-        self.step = step
-        self.ctx = ctx
-
-    def run(self, state: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - interface
-        raise NotImplementedError
 
 
 @dataclasses.dataclass

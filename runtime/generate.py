@@ -34,8 +34,8 @@ import numpy as np
 
 from dyncompile.errors import DataError
 from dyncompile.plan import STEP_SCHEMAS, DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (schema; re-exported)
-from dyncompile.runtime.executor import StepHandler, register_step
 from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
+from dyncompile.runtime.registry import StepHandler, register_step
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
 from dyncompile.runtime.text import ChatTemplateError, TextCodec, render_chat
 

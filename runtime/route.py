@@ -33,7 +33,6 @@ The step writes ``state[output]`` (``[B, C]`` logits, each row the answering can
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
 from collections.abc import Callable
@@ -42,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError, PlanError
-from dyncompile.plan import STEP_SCHEMAS, load_subplan
-from dyncompile.runtime.executor import CompiledModel, StepHandler, known_step_kinds, register_step
+from dyncompile.plan import STEP_SCHEMAS
 from dyncompile.runtime.exit_rule import exit_fires, softmax
+from dyncompile.runtime.registry import StepHandler, register_step
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +80,8 @@ def get_check(name: str) -> Callable[[dict, dict], bool]:
     return fn
 
 
-def _sub_context(ctx, plan):
-    sub = copy.copy(ctx)  # same provider, threads, optimisation level and session options
-    sub.plan = plan
-    sub._sessions = {}
-    return sub
-
-
 class RoutedStep(StepHandler):
-    """Shared part of ``cascade`` and ``route``: the candidates as loaded :class:`CompiledModel` objects."""
+    """Shared part of ``cascade`` and ``route``: the candidates as loaded models (``CompiledModel``)."""
 
     takes_text = True  # fed the raw inputs ({"texts": [...]}) — every candidate tokenizes with its own tokenizer
 
@@ -100,11 +92,7 @@ class RoutedStep(StepHandler):
         self.rule = p.rule
         self.output = p.output
         self.names = [c.name for c in p.candidates]
-        kinds = known_step_kinds()
-        self.models: list[CompiledModel] = []
-        for c in p.candidates:
-            sub = load_subplan(ctx.plan, c, known_step_kinds=kinds)
-            self.models.append(CompiledModel(sub, _sub_context(ctx, sub)))
+        self.models = [ctx.load_candidate(c) for c in p.candidates]
         self.task = p.candidates[0].task
         self.per_row = [(m.plan.policy.get("early_exit") or {}).get("lowering") == "if" for m in self.models]
         self.check = get_check(self.rule.check) if self.rule.kind == "check" else None

@@ -58,9 +58,9 @@ from dyncompile.runtime.cost_model import (
 )
 from dyncompile.runtime.draft_tree import DraftTree, accept_greedy, accept_sampling
 from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter, TreeBudget, Verification
-from dyncompile.runtime.executor import register_step
 from dyncompile.runtime.generate import GenerateStep, GenerationStats, PromptError
 from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.registry import register_step
 from dyncompile.runtime.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Built-in step handlers."""
+"""The step index: importing it registers every built-in step handler (and ``run_model``, defined here)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,15 @@ from typing import Any
 
 import numpy as np
 
+import dyncompile.runtime.diffusion  # noqa: F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
+import dyncompile.runtime.early_exit  # noqa: F401  (registers early_exit_staged)
+import dyncompile.runtime.generate  # noqa: F401  (registers generate)
+import dyncompile.runtime.route  # noqa: F401  (registers cascade, route)
+import dyncompile.runtime.speculative  # noqa: F401  (registers speculative_generate)
 from dyncompile.plan import STEP_SCHEMAS
-from dyncompile.runtime.executor import StepHandler, register_step
+from dyncompile.runtime.registry import StepHandler, register_step
 
 __all__ = ["RunModelStep"]
-
-import dyncompile.runtime.diffusion  # noqa: E402,F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
-import dyncompile.runtime.early_exit  # noqa: E402,F401  (registers early_exit_staged)
-import dyncompile.runtime.generate  # noqa: E402,F401  (registers generate)
-import dyncompile.runtime.route  # noqa: E402,F401  (registers cascade, route)
-import dyncompile.runtime.speculative  # noqa: E402,F401  (registers speculative_generate)
 
 
 @register_step("run_model")
