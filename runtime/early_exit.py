@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from dyncompile.plan import STEP_SCHEMAS
-from dyncompile.runtime.exit_rule import exit_fires, softmax
 from dyncompile.runtime.registry import StepHandler, register_step
+from dyncompile.runtime.rules.exit_rule import exit_fires, softmax
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import numpy as np
 from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.plan import Plan, load_plan, load_subplan
 from dyncompile.runtime import steps as _steps  # noqa: F401  (registers the built-in step handlers)
-from dyncompile.runtime.exit_rule import softmax
 from dyncompile.runtime.providers import (
     DEFAULT_SESSION_CONFIG,
     NO_SPINNING_SESSION_CONFIG,
@@ -27,6 +26,7 @@ from dyncompile.runtime.providers import (
     resolve_provider,
 )
 from dyncompile.runtime.registry import STEP_HANDLERS, StepHandler, register_step
+from dyncompile.runtime.rules.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
 
@@ -282,11 +282,11 @@ class CompiledModel:
         return check(exit_layers, self.plan.policy, **kwargs)
 
     def generate(self, prompt, **kwargs):
-        """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.generate.generate`).
+        """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.decode.generate.generate`).
 
         Routed plans of decoders: the answering candidate's result; ``self.last_info`` names the candidate
         (and the executable check's verdicts); ``record=`` passes extra input fields to the check."""
-        from dyncompile.runtime.generate import generate
+        from dyncompile.runtime.decode.generate import generate
 
         try:
             if self.routed is not None:

@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 
-import dyncompile.runtime.diffusion  # noqa: F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
+import dyncompile.runtime.decode.generate  # noqa: F401  (registers generate)
+import dyncompile.runtime.decode.speculative  # noqa: F401  (registers speculative_generate)
+import dyncompile.runtime.diffusion.steps  # noqa: F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
 import dyncompile.runtime.early_exit  # noqa: F401  (registers early_exit_staged)
-import dyncompile.runtime.generate  # noqa: F401  (registers generate)
-import dyncompile.runtime.route  # noqa: F401  (registers cascade, route)
-import dyncompile.runtime.speculative  # noqa: F401  (registers speculative_generate)
+import dyncompile.runtime.routing.route  # noqa: F401  (registers cascade, route)
 from dyncompile.plan import STEP_SCHEMAS
 from dyncompile.runtime.registry import StepHandler, register_step
 

@@ -15,7 +15,7 @@ from helpers import SHARED
 
 import dyncompile
 from dyncompile.errors import DataError, PlanError
-from dyncompile.runtime.schedulers import DDIMScheduler, make_scheduler
+from dyncompile.runtime.rules.schedulers import DDIMScheduler, make_scheduler
 
 ASSET = SHARED / "assets" / "fashion-diffusion"
 TEXT_ASSET = SHARED / "assets" / "minilm-l6-sentiment"
@@ -144,7 +144,7 @@ def _reference_images(prompt: str, n: int, seed: int, scale: float = 3.0):
 
 
 def test_fixed_steps_equal_an_independent_reference_loop(plan):
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     for n in (5, 12):
         ref = _reference_images(PROMPT, n, seed=7)
@@ -158,7 +158,7 @@ def test_fixed_steps_equal_an_independent_reference_loop(plan):
 
 
 def test_batched_prompts_equal_single_prompts(plan):
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     prompts = [PROMPT, "an image of trousers", "photo of a small plain sandal"]
     both = generate_images(plan, prompts, seed=[3, 4, 5], steps=4)
@@ -169,7 +169,7 @@ def test_batched_prompts_equal_single_prompts(plan):
 
 
 def test_guidance_one_runs_the_conditional_half_only(plan):
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     r = generate_images(plan, PROMPT, seed=1, steps=3, guidance=1.0)
     assert r.images.shape == (1, 28, 28)
@@ -278,7 +278,7 @@ def test_tampered_step_params_are_refused(plan_dir, tmp_path):
 
 
 def test_api_errors(plan):
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     with pytest.raises(DataError, match="empty"):
         generate_images(plan, ["ok", " "])

@@ -23,7 +23,7 @@ def pipeline_dir() -> Path:
 @pytest.mark.parametrize("passes, atol, max_u8", [("verify,cleanup", 1e-4, 1), ("verify,cleanup,quantize-int8", None, None)])
 def test_plan_on_provider_matches_cpu(pipeline_dir, tmp_path, provider, passes, atol, max_u8):
     from dyncompile.passes.step_saver.metrics import ssim
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     fp32 = tmp_path / "fp32"
     dyncompile.compile(pipeline_dir, "verify,cleanup", fp32, progress=False)

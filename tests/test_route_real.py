@@ -13,7 +13,7 @@ from helpers import DATA, run_cli
 import dyncompile
 from dyncompile.io import read_jsonl, texts_and_labels
 from dyncompile.passes.early_exit.certify import CertificationError
-from dyncompile.runtime.exit_rule import confidence, confidence_thresholds
+from dyncompile.runtime.rules.exit_rule import confidence, confidence_thresholds
 
 ROWS = 120
 COSTS = {"minilm": 5.0, "mpnet": 40.0}  # given (timing is not a test's business); the plans record source=given

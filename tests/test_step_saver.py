@@ -55,7 +55,7 @@ def test_plan_has_the_lowered_predictor_and_stop_rule(ss_plan_dir):
 
 
 def test_policies_at_run_time(ss_plan_dir):
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     m = dyncompile.load(ss_plan_dir)
     prompts = ["an image of trousers", "light coloured bag with a pattern"]
@@ -68,7 +68,7 @@ def test_policies_at_run_time(ss_plan_dir):
 
 
 def test_fixed_steps_are_untouched_by_the_pass(ss_plan_dir, pipeline_dir, tmp_path):
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     plain = tmp_path / "plain"
     dyncompile.compile(pipeline_dir, "verify,cleanup", plain, progress=False)
@@ -89,12 +89,12 @@ def test_second_run_reports_unmodified(ss_plan_dir, pipeline_dir, calib_file):
 def test_online_rule_matches_its_offline_replay(ss_plan_dir):
     """The loop's stop rule and the calibration's replay on a recorded trajectory stop at the same step."""
     from dyncompile.passes.step_saver.calibrate import stop_outcomes
-    from dyncompile.runtime.denoise import StopRule
+    from dyncompile.runtime.diffusion.denoise import StopRule
 
     m = dyncompile.load(ss_plan_dir)
     st = m.handlers[0].run({"prompts": ["a sneaker", "an image of a bag", "patterned shirt, large"]})
     den = m.handlers[-1].denoiser
-    from dyncompile.runtime.denoise import make_noise
+    from dyncompile.runtime.diffusion.denoise import make_noise
 
     noise = make_noise([1, 2, 3], [1, 32, 32])
     full = den.sample(st["ctx"], st["null_ctx"], noise, 8, 3.0, keep_x0=True)

@@ -40,7 +40,7 @@ def run(args) -> int:
 
     import dyncompile
     from dyncompile.passes.step_saver.metrics import ssim
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
     from dyncompile.tools.stepsaver_data import select_prompts
 
     rows = select_prompts("test", args.n)

@@ -119,7 +119,7 @@ def _table(rows: list[dict], ref: str) -> str:
 
 def _sweep(stage_probs: list[np.ndarray], y, stage_ms: list[float], criterion: str = "entropy") -> list[tuple[float, float]]:
     """Cascade threshold sweep on per-row outputs: (mean ms, accuracy %) per threshold."""
-    from dyncompile.runtime.exit_rule import confidence
+    from dyncompile.runtime.rules.exit_rule import confidence
 
     p0 = stage_probs[0]
     conf = confidence(p0, criterion)
@@ -397,7 +397,7 @@ def _test_probs(res, n, models, tt, rows, work) -> np.ndarray:
 
 def _resplit(probs: dict[str, np.ndarray], y: np.ndarray, ms: dict[str, float], budget: float, splits: int, calibrate) -> dict:
     from dyncompile.passes.early_exit.certify import CertificationError
-    from dyncompile.runtime.exit_rule import first_exits
+    from dyncompile.runtime.rules.exit_rule import first_exits
 
     out = {}
     n = len(y)

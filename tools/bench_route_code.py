@@ -392,7 +392,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
     """Re-run ``args.live`` problems end to end with the real plans; compare with the tables."""
-    from dyncompile.runtime.code_check import check_examples
+    from dyncompile.runtime.routing.code_check import check_examples
     from dyncompile.tools._bench_common import load_avg
     from dyncompile.tools.humaneval import GreedyCompleter, _load_plan, hidden_test
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.runtime.generate import prompt_ids_of
+from dyncompile.runtime.decode.generate import prompt_ids_of
 from dyncompile.tools._bench_common import BENCH_SESSION_CONFIG, machine_info
 from dyncompile.tools.prompt_sets import read_prompts
 

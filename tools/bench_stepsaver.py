@@ -32,7 +32,7 @@ from dyncompile.errors import DataError
 from dyncompile.io import shared_dir, write_json_atomic
 from dyncompile.passes.step_saver import calibrate as cal
 from dyncompile.passes.step_saver.metrics import frechet, texture
-from dyncompile.runtime.denoise import StopRule
+from dyncompile.runtime.diffusion.denoise import StopRule
 from dyncompile.tools._bench_common import bootstrap_diff
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     import dyncompile
-    from dyncompile.runtime.diffusion import predict_steps as head_predict
+    from dyncompile.runtime.diffusion.steps import predict_steps as head_predict
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,7 +227,7 @@ def run(args) -> int:
 
 def end_to_end(model, rows, settings, uni) -> dict:
     """The plan itself, every policy, interleaved in one process: images/s and agreement with the bench's picks."""
-    from dyncompile.runtime.diffusion import generate_images
+    from dyncompile.runtime.diffusion.steps import generate_images
 
     prompts = [r["prompt"] for r in rows]
     seeds = [r["seed"] for r in rows]

@@ -183,7 +183,7 @@ def _read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
 
 
 def format_generation(res) -> str:
-    """The CLI's view of a :class:`~dyncompile.runtime.generate.GenerationResult`."""
+    """The CLI's view of a :class:`~dyncompile.runtime.decode.generate.GenerationResult`."""
     s = res.stats
     parts = [f"{s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tokens/s)",
              f"{s.target_calls} target calls ({s.tokens_per_target_call:.2f} tokens/call)"]

@@ -9,7 +9,7 @@ from dyncompile.errors import DataError
 
 
 def run_text_to_image(model, args) -> int:
-    from dyncompile.runtime.diffusion import generate_images, save_png
+    from dyncompile.runtime.diffusion.steps import generate_images, save_png
     from dyncompile.tools.cli import safe_text
 
     prompts = ([args.prompt] if args.prompt is not None else []) + list(args.text or [])

@@ -328,7 +328,7 @@ def _router_fn(router_path: Path, tok_path: Path, tok_spec: dict) -> Callable[[s
 
 def _calibrate_check(models, names, rows, texts, task, check, judge, y, ms, ref_ms, budget, conf, seed, progress=True):
     from dyncompile.passes.routing import calibrate_check
-    from dyncompile.runtime.route import get_check
+    from dyncompile.runtime.routing.route import get_check
 
     if not check:
         raise DataError("--rule check needs --check NAME (a registered executable check, e.g. python-doctest)")

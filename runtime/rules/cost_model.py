@@ -12,10 +12,10 @@ for ``s`` tokens in one call relative to one token. The speedup over the target 
 ``v`` comes from a table measured at compile time (``{1: 1.0, 2: 1.1, 4: 1.3, 9: 1.8}``): linear
 interpolation inside it, the line through its first and last points beyond it, and ``1 + slope (s - 1)``
 when there is no table. The passes use this to choose a drafter (``split-drafter``'s projection), the
-runtime to choose each round's draft length (:class:`dyncompile.runtime.speculative.DraftController`):
+runtime to choose each round's draft length (:class:`dyncompile.runtime.decode.speculative.DraftController`):
 one model, so the projection is what the runtime then does.
 
-Draft trees (:mod:`dyncompile.runtime.draft_tree`) verify a main chain of ``gamma`` drafts plus ``b`` branch
+Draft trees (:mod:`dyncompile.runtime.decode.draft_tree`) verify a main chain of ``gamma`` drafts plus ``b`` branch
 nodes in one call of ``gamma + 1 + b`` tokens. With ``g`` the tokens one branch node has bought on average
 (measured while generating), a round yields about ``E(alpha, gamma) + g b`` tokens for
 ``gamma c + b c_b + v(gamma + 1 + b)``; :func:`best_tree_extra` picks ``b`` on the measured curve ``v``.

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError, PlanError
-from dyncompile.runtime.denoise import Denoiser, StopRule, make_noise, mean_pool, to_uint8
+from dyncompile.runtime.diffusion.denoise import Denoiser, StopRule, make_noise, mean_pool, to_uint8
 from dyncompile.runtime.registry import StepHandler, register_step
-from dyncompile.runtime.schedulers import make_scheduler
+from dyncompile.runtime.rules.schedulers import make_scheduler
 
 logger = logging.getLogger(__name__)
 

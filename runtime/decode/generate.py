@@ -15,10 +15,10 @@ drive them without looking at the graphs again (the runtime never re-derives wha
 ``generation`` config: ``eos_token_ids``, ``bos_token_id``, ``max_length`` (positions the model supports),
 ``chat_template`` (optional).
 
-:class:`~dyncompile.runtime.kv_cache.KVDecoder` keeps one decoder's cache (:mod:`dyncompile.runtime.kv_cache`),
-:mod:`dyncompile.runtime.sampling` picks tokens from logits, :class:`~dyncompile.runtime.text.TextCodec`
+:class:`~dyncompile.runtime.decode.kv_cache.KVDecoder` keeps one decoder's cache (:mod:`dyncompile.runtime.decode.kv_cache`),
+:mod:`dyncompile.runtime.rules.sampling` picks tokens from logits, :class:`~dyncompile.runtime.text.TextCodec`
 turns text into ids and back. The ``generate`` step (target-only plans) and the ``speculative_generate`` step
-(:mod:`dyncompile.runtime.speculative`) share them. :func:`generate` (``CompiledModel.generate``) is the
+(:mod:`dyncompile.runtime.decode.speculative`) share them. :func:`generate` (``CompiledModel.generate``) is the
 Python entry point.
 """
 
@@ -34,9 +34,9 @@ import numpy as np
 
 from dyncompile.errors import DataError
 from dyncompile.plan import STEP_SCHEMAS, DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (schema; re-exported)
-from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
+from dyncompile.runtime.decode.kv_cache import KVDecoder, SessionTimer
 from dyncompile.runtime.registry import StepHandler, register_step
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 from dyncompile.runtime.text import ChatTemplateError, TextCodec, render_chat
 
 logger = logging.getLogger(__name__)

@@ -6,14 +6,14 @@ same loader and hash checks as a top-level plan), and for a learned router its O
 ordered cheapest first; the last one always answers. The rule (:class:`dyncompile.plan.RoutingRule`):
 
 * ``confidence`` (cascade; FrugalGPT / AutoMix style): candidate ``k`` answers the rows whose confidence
-  passes ``thresholds[k]`` (the early-exit rule of :func:`dyncompile.runtime.exit_rule.exit_fires` —
+  passes ``thresholds[k]`` (the early-exit rule of :func:`dyncompile.runtime.rules.exit_rule.exit_fires` —
   a cascade is early exit across models); the other rows go on to candidate ``k + 1``. Classifiers only.
 * ``learned`` (route; RouteLLM style): the router ONNX reads the input before any candidate runs and
   outputs ``[B, K-1]`` scores; row ``b`` goes to the first ``k`` with ``score[b, k] > thresholds[k]``.
 * ``check`` (cascade): candidate ``k``'s answer is kept when the executable check passes on it.
 
 Executable checks are registered by name (:func:`register_check`, :func:`get_check`; a plan names one,
-it never carries code). The interface, for whoever adds one (e.g. ``runtime/code_check.py`` registers
+it never carries code). The interface, for whoever adds one (e.g. ``runtime/routing/code_check.py`` registers
 ``python-doctest``)::
 
     @register_check("my-check")
@@ -42,8 +42,8 @@ import numpy as np
 
 from dyncompile.errors import DataError, PlanError
 from dyncompile.plan import STEP_SCHEMAS
-from dyncompile.runtime.exit_rule import exit_fires, softmax
 from dyncompile.runtime.registry import StepHandler, register_step
+from dyncompile.runtime.rules.exit_rule import exit_fires, softmax
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ __all__ = ["CHECKS", "RoutedStep", "get_check", "register_check"]
 
 CHECKS: dict[str, Callable[[dict, dict], bool]] = {}
 #: modules that register checks on import, by check name (imported on first use)
-_CHECK_MODULES = {"python-doctest": "dyncompile.runtime.code_check"}
+_CHECK_MODULES = {"python-doctest": "dyncompile.runtime.routing.code_check"}
 
 
 def register_check(name: str) -> Callable:

@@ -11,7 +11,7 @@ the root-to-``i`` path alone. A chain of ``g`` drafts is the tree ``parents = [-
 The first child of a node is its drafter's preferred continuation (the *main chain* follows first
 children); :meth:`main_chain_length` lets the tree controller tell what the extra branches bought.
 
-Verification (:mod:`dyncompile.runtime.speculative`):
+Verification (:mod:`dyncompile.runtime.decode.speculative`):
 
 * greedy — :func:`accept_greedy`: from the root, step to the child whose token equals the target's argmax
   at the current node, while there is one; the next token is the argmax at the last accepted node. The
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dyncompile.runtime.sampling import sample_from
+from dyncompile.runtime.rules.sampling import sample_from
 
 __all__ = ["DraftTree", "accept_greedy", "accept_sampling"]
 

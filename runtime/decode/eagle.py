@@ -3,7 +3,7 @@
 The drafter graph (built by the ``eagle-drafter`` pass) maps ``(token_{t+1}, feature_t)`` to the predicted
 ``feature_{t+1}`` and draft logits for token ``t+2``; it keeps its own one-layer KV cache, indexed by target
 position. The target's plan exposes its ``features`` output (the final norm's input), which the target's
-:class:`~dyncompile.runtime.kv_cache.KVDecoder` fetches on every call (``extra_outputs``).
+:class:`~dyncompile.runtime.decode.kv_cache.KVDecoder` fetches on every call (``extra_outputs``).
 
 Bookkeeping (``F`` = the target's true features by position, ``T = len(seq) - 1`` positions known):
 
@@ -42,8 +42,8 @@ import numpy as np
 
 from dyncompile.errors import PlanError
 from dyncompile.plan import DecoderSpec
-from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.drafters import (
+from dyncompile.runtime.decode.draft_tree import DraftTree
+from dyncompile.runtime.decode.drafters import (
     Drafter,
     TreeBudget,
     Verification,
@@ -51,7 +51,7 @@ from dyncompile.runtime.drafters import (
     pick_draft_token,
     top_alternatives,
 )
-from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
+from dyncompile.runtime.decode.kv_cache import KVDecoder, SessionTimer
 
 __all__ = ["EagleDecoder", "EagleDrafter"]
 

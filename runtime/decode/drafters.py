@@ -1,7 +1,7 @@
 """Drafters for speculative decoding: a model (external or split from the target) or prompt lookup.
 
 A drafter proposes up to ``n`` tokens continuing the current sequence; the target then checks them all
-in one call (:mod:`dyncompile.runtime.speculative`). For exact speculative sampling a drafter also returns
+in one call (:mod:`dyncompile.runtime.decode.speculative`). For exact speculative sampling a drafter also returns
 the distribution ``q`` it drew each token from (``None`` means a point mass on the proposed token, as for
 prompt lookup).
 
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.kv_cache import KVDecoder
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.decode.draft_tree import DraftTree
+from dyncompile.runtime.decode.kv_cache import KVDecoder
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 

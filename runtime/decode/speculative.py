@@ -16,23 +16,23 @@ rejections) and to the costs: ``gamma = argmax E(gamma) / (gamma * c_draft + v(g
 ``E = (1 - alpha^(gamma+1)) / (1 - alpha)`` expected tokens per round, ``c_draft`` the drafter's cost per
 token relative to a target step and ``v(s)`` the target's cost for ``s`` tokens relative to one, both
 measured at compile time and recorded in the plan (the one cost model, shared with the passes'
-projections: :mod:`dyncompile.runtime.cost_model`). The schedule then depends only on what was accepted,
+projections: :mod:`dyncompile.runtime.rules.cost_model`). The schedule then depends only on what was accepted,
 so a seed reproduces a sampled output; ``adapt_to_timing=True`` uses this machine's timings measured online
 instead. Stops at an eos token, at ``max_new_tokens`` and at the model's maximum length (drafts are capped
 so no round overshoots).
 
 Draft trees (plan ``draft.tree`` = ``{max_nodes, max_depth, branching, adaptive}``, or the ``tree=`` option of
 ``generate``; the target needs the 4-D ``attention_bias`` input of the ``explicit-attention`` pass): each round
-the drafter proposes a tree (:meth:`~dyncompile.runtime.drafters.Drafter.propose_tree`: prompt lookup merges
+the drafter proposes a tree (:meth:`~dyncompile.runtime.decode.drafters.Drafter.propose_tree`: prompt lookup merges
 several n-gram matches into a trie, a model drafter adds its top-k alternatives beside its chain), the target
 verifies every node in ONE call (node ``i`` at position ``past + depth(i)``, attending to the past and its
-ancestors: :mod:`dyncompile.runtime.draft_tree`), and the longest path the target agrees with is accepted
+ancestors: :mod:`dyncompile.runtime.decode.draft_tree`), and the longest path the target agrees with is accepted
 (greedy: token-identical; sampling: multi-candidate rejection sampling, exact). The KV cache then keeps only the
-accepted path (:meth:`~dyncompile.runtime.kv_cache.KVDecoder.keep_path`) and the drafter gets the path and every
-output of the call (:class:`~dyncompile.runtime.drafters.Verification`). :class:`TreeController` sizes the tree
+accepted path (:meth:`~dyncompile.runtime.decode.kv_cache.KVDecoder.keep_path`) and the drafter gets the path and every
+output of the call (:class:`~dyncompile.runtime.decode.drafters.Verification`). :class:`TreeController` sizes the tree
 from the measured verification cost curve and what branch nodes have bought so far.
 
-Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generate`), ``drafter``
+Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.decode.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
 "vocab": file key|null}`` or ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``), ``draft``
 (``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``), ``generation``.
@@ -50,18 +50,24 @@ from typing import Any
 import numpy as np
 
 from dyncompile.plan import TreePolicy
-from dyncompile.runtime.cost_model import (
+from dyncompile.runtime.decode.draft_tree import DraftTree, accept_greedy, accept_sampling
+from dyncompile.runtime.decode.drafters import (
+    Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    TreeBudget,
+    Verification,
+)
+from dyncompile.runtime.decode.generate import GenerateStep, GenerationStats, PromptError
+from dyncompile.runtime.decode.kv_cache import KVDecoder
+from dyncompile.runtime.registry import register_step
+from dyncompile.runtime.rules.cost_model import (
     DEFAULT_VERIFY_SLOPE,
     best_draft_length,
     best_tree_extra,
     verify_cost,
 )
-from dyncompile.runtime.draft_tree import DraftTree, accept_greedy, accept_sampling
-from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter, TreeBudget, Verification
-from dyncompile.runtime.generate import GenerateStep, GenerationStats, PromptError
-from dyncompile.runtime.kv_cache import KVDecoder
-from dyncompile.runtime.registry import register_step
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +219,7 @@ class DraftController:
 class TreeController:
     """Sizes each round's draft tree: the main chain's depth from :class:`DraftController` (acceptance along the
     first-child path), the branch nodes beside it from the measured verification cost curve ``v(s)`` and the
-    tokens branch nodes have bought so far (:func:`~dyncompile.runtime.cost_model.best_tree_extra`).
+    tokens branch nodes have bought so far (:func:`~dyncompile.runtime.rules.cost_model.best_tree_extra`).
 
     Non-adaptive: every round asks for ``max_nodes`` nodes, depth ``max_depth``, ``branching`` children.
     """
@@ -290,8 +296,8 @@ class SpeculativeGenerateStep(GenerateStep):
         self.drafter: Drafter
         if d.kind == "prompt-lookup":
             self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
-        elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/eagle.py)
-            from dyncompile.runtime.eagle import EagleDecoder, EagleDrafter
+        elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/decode/eagle.py)
+            from dyncompile.runtime.decode.eagle import EagleDecoder, EagleDrafter
 
             vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False) if d.vocab else None
             dec = EagleDecoder(ctx.session(d.decoder.model), d.decoder, feature_input=d.feature_input,

@@ -1,7 +1,7 @@
 """A decoder's KV cache for batch-1 generation: one ORT session plus its past tensors, with rollback.
 
 :class:`KVDecoder` drives one KV-cache decoder graph as a plan's decoder spec describes it (see
-:mod:`dyncompile.runtime.generate` for the JSON form): it keeps the cache as arrays (or ORT values bound by
+:mod:`dyncompile.runtime.decode.generate` for the JSON form): it keeps the cache as arrays (or ORT values bound by
 IOBinding), feeds ``attention_mask`` / ``position_ids`` for batch 1, and rolls back rejected draft tokens by
 masking them (default) or slicing the past tensors. :class:`SessionTimer` adds up the seconds spent inside
 ORT calls per model role. The ``generate`` and ``speculative_generate`` steps share both.
@@ -18,7 +18,7 @@ import numpy as np
 
 from dyncompile.errors import PlanError
 from dyncompile.plan import DecoderSpec, KVEntry
-from dyncompile.runtime.draft_tree import DraftTree
+from dyncompile.runtime.decode.draft_tree import DraftTree
 
 __all__ = ["BIAS_NEG", "KVDecoder", "SessionTimer"]
 

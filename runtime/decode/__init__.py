@@ -1,0 +1,2 @@
+"""Text generation: the ``generate`` and ``speculative_generate`` steps, drafters, draft trees, EAGLE heads and
+the KV cache."""
