@@ -11,7 +11,7 @@ import importlib
 _EXPORTS = {
     "STEP_HANDLERS": "dyncompile.runtime.registry",
     "CompiledModel": "dyncompile.runtime.executor",
-    "Prediction": "dyncompile.runtime.executor",
+    "Prediction": "dyncompile.runtime.classify",
     "RuntimeContext": "dyncompile.runtime.executor",
     "StepHandler": "dyncompile.runtime.registry",
     "load": "dyncompile.runtime.executor",

@@ -13,10 +13,21 @@ from typing import Any
 
 from dyncompile.errors import DataError
 
-__all__ = ["STEP_HANDLERS", "TASK_APIS", "StepHandler", "TaskAPI", "register_step", "register_task"]
+__all__ = [
+    "STEP_HANDLERS",
+    "TASK_APIS",
+    "StepHandler",
+    "TaskAPI",
+    "first_line",
+    "is_ort_error",
+    "register_step",
+    "register_task",
+    "task_api_for",
+]
 
 STEP_HANDLERS: dict[str, type[StepHandler]] = {}
 TASK_APIS: dict[str, type[TaskAPI]] = {}
+_DEFAULT_TASK: list[str] = []  # the task whose API plans of an unregistered task get
 
 
 def register_step(kind: str) -> Callable[[type], type]:
@@ -32,17 +43,44 @@ def register_step(kind: str) -> Callable[[type], type]:
     return deco
 
 
-def register_task(task: str) -> Callable[[type], type]:
-    """Class decorator registering the :class:`TaskAPI` of plans whose ``task`` is ``task``."""
+def register_task(task: str, *, default: bool = False) -> Callable[[type], type]:
+    """Class decorator registering the :class:`TaskAPI` of plans whose ``task`` is ``task``.
+
+    Args:
+        task: the plan's ``task`` (``text-classification``, ``text-generation``, ...).
+        default: this API also serves plans whose task no module registers (at most one default).
+    """
 
     def deco(cls):
         if task in TASK_APIS:
             raise ValueError(f"task {task!r} registered twice")
+        if default and _DEFAULT_TASK:
+            raise ValueError(f"default task API registered twice ({_DEFAULT_TASK[0]!r}, {task!r})")
         cls.task = task
         TASK_APIS[task] = cls
+        if default:
+            _DEFAULT_TASK.append(task)
         return cls
 
     return deco
+
+
+def task_api_for(task: str) -> type[TaskAPI]:
+    """The task API class of plans whose ``task`` is ``task`` (the default one, else :class:`TaskAPI`)."""
+    if task in TASK_APIS:
+        return TASK_APIS[task]
+    return TASK_APIS[_DEFAULT_TASK[0]] if _DEFAULT_TASK else TaskAPI
+
+
+def is_ort_error(e: BaseException) -> bool:
+    """An exception raised by ONNX Runtime itself (its pybind types: Fail, InvalidArgument, InvalidGraph...)."""
+    return type(e).__module__.startswith("onnxruntime")
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), or its type name."""
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class StepHandler:
@@ -80,24 +118,28 @@ class TaskAPI:
         self.model = model
 
     def _unsupported(self, method: str, wants: str) -> DataError:
-        return DataError(f"{method}() is for {wants} plans; this plan's task is {self.model.plan.task!r}")
+        return DataError(f"{method}() is for {wants}; this plan's task is {self.model.plan.task!r}")
+
+    def encode(self, texts: Any) -> Any:
+        """Token arrays of texts for the plan's inputs (text-classification plans)."""
+        raise self._unsupported("encode", "classifiers (text-classification plans)")
 
     def classify(self, texts: Any, batch_size: int = 32) -> Any:
         """Classify texts (text-classification plans)."""
-        raise self._unsupported("classify", "text-classification")
+        raise self._unsupported("classify", "classifiers (text-classification plans)")
 
     def predict_proba(self, texts: Any, batch_size: int = 32) -> Any:
         """Class probabilities of texts (text-classification plans)."""
-        raise self._unsupported("predict_proba", "text-classification")
+        raise self._unsupported("predict_proba", "classifiers (text-classification plans)")
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """Continue a prompt (text-generation plans)."""
-        raise self._unsupported("generate", "text-generation")
+        raise self._unsupported("generate", "decoders (text-generation plans)")
 
     def generate_images(self, prompts: Any, **kwargs: Any) -> Any:
         """Images for prompts (text-to-image plans)."""
-        raise self._unsupported("generate_images", "text-to-image")
+        raise self._unsupported("generate_images", "text-to-image plans")
 
     def drift_report(self, exit_layers: Any = None, **kwargs: Any) -> Any:
         """Exit-layer drift check (early-exit classifier plans)."""
-        raise self._unsupported("drift_report", "text-classification")
+        raise self._unsupported("drift_report", "early-exit classifiers (text-classification plans)")

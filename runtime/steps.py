@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 
-import dyncompile.runtime.decode.generate  # noqa: F401  (registers generate)
+import dyncompile.runtime.classify  # noqa: F401  (registers the text-classification task API)
+import dyncompile.runtime.decode.generate  # noqa: F401  (registers generate and the text-generation task API)
 import dyncompile.runtime.decode.speculative  # noqa: F401  (registers speculative_generate)
+import dyncompile.runtime.diffusion.api  # noqa: F401  (registers the text-to-image task API)
 import dyncompile.runtime.diffusion.steps  # noqa: F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
 import dyncompile.runtime.early_exit  # noqa: F401  (registers early_exit_staged)
 import dyncompile.runtime.routing.route  # noqa: F401  (registers cascade, route)

@@ -67,7 +67,7 @@ def _random_runner(name: str, cheap, big, p_cheap: float, seed: int = 0) -> Runn
 
 
 def _router_runner(routed) -> Runner:
-    h = routed.routed
+    h = routed.task_api.text_step
 
     def fn(texts):
         h.scores(list(texts))
@@ -174,7 +174,7 @@ def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, An
 
     kw = dict(provider="cpu", session_config=BENCH_SESSION_CONFIG)
     routed = dyncompile.load(plan_dir, **kw)
-    h = routed.routed
+    h = routed.task_api.text_step
     texts, y = _texts_labels(data, routed.plan.labels)
     rows = min(rows, len(texts))
     names = h.names

@@ -227,7 +227,6 @@ def run(args) -> int:
 
 def end_to_end(model, rows, settings, uni) -> dict:
     """The plan itself, every policy, interleaved in one process: images/s and agreement with the bench's picks."""
-    from dyncompile.runtime.diffusion.steps import generate_images
 
     prompts = [r["prompt"] for r in rows]
     seeds = [r["seed"] for r in rows]
@@ -240,13 +239,13 @@ def end_to_end(model, rows, settings, uni) -> dict:
     for i in range(m):
         for name, kw in runs.items():
             t0 = time.perf_counter()
-            r = generate_images(model, prompts[i], seed=[seeds[i]], noise_source="torch", **kw)
+            r = model.generate_images(prompts[i], seed=[seeds[i]], noise_source="torch", **kw)
             times[name].append(time.perf_counter() - t0)
             steps[name].append(int(r.steps[0]))
             ref = settings.get(name) or next(v for k, v in settings.items() if k.startswith("online rule") and "max 50" in k)
             agree.setdefault(name, []).append(int(np.abs(r.images[0].astype(int) - ref["images"][i].astype(int)).max()))
         t0 = time.perf_counter()
-        generate_images(model, prompts[i], seed=[seeds[i]], noise_source="torch", steps=int(uni[i]))
+        model.generate_images(prompts[i], seed=[seeds[i]], noise_source="torch", steps=int(uni[i]))
         times["uniform at the predictor's mean"].append(time.perf_counter() - t0)
         steps["uniform at the predictor's mean"].append(int(uni[i]))
     base = sum(times["fixed 100"])

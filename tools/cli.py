@@ -244,7 +244,7 @@ def _cmd_run(argv: list[str]) -> int:
         res = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, seed=args.seed, chat=args.chat,
                              speculative=not args.target_only)
-        if model.routed is not None:
+        if "candidate" in model.last_info:
             print(f"(answered by {safe_text(model.last_info.get('candidate'))}; checks {model.last_info.get('checks')})")
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.to_dict()}, indent=2)
               if args.json else safe_text(format_generation(res)))

@@ -79,7 +79,7 @@ def load_candidates(dirs: Sequence[str | Path], provider: str = "cpu", session_c
         if Path(d).is_dir() and not is_plan_dir(d):
             raise PlanError(f"candidate {d} is not a plan folder (no readable plan.json); compile the model first")
         m = dyncompile.load(d, provider=provider, session_config=session_config)
-        if m.routed is not None:
+        if any(s.kind in ("cascade", "route") for s in m.plan.steps):
             raise DataError(f"candidate {d} is itself a routed plan; give its candidates instead")
         models.append(m)
     tasks = {m.plan.task for m in models}

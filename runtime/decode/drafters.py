@@ -84,7 +84,6 @@ class Drafter:
 
     name = "drafter"
     #: drafting costs model calls (timed separately from the target)
-    uses_model = False
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         pass
@@ -235,7 +234,6 @@ class ModelDrafter(Drafter):
     otherwise (and when sampling) the greedy or sampled chain plus the drafter's next-best tokens at each
     depth as sibling leaves (top-k branches), shallow depths first."""
 
-    uses_model = True
 
     def __init__(self, decoder: KVDecoder, *, name: str = "model", share_kv: Sequence[int] | None = None,
                  vocab: np.ndarray | None = None) -> None:

@@ -93,7 +93,6 @@ class EagleDecoder(KVDecoder):
 
 class EagleDrafter(Drafter):
     name = "eagle"
-    uses_model = True
 
     def __init__(self, decoder: EagleDecoder, *, features: str, vocab: np.ndarray | None = None) -> None:
         self.decoder = decoder

@@ -32,10 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.errors import DataError
+from dyncompile.errors import DataError, PlanError
 from dyncompile.plan import STEP_SCHEMAS, DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (schema; re-exported)
 from dyncompile.runtime.decode.kv_cache import KVDecoder, SessionTimer
-from dyncompile.runtime.registry import StepHandler, register_step
+from dyncompile.runtime.registry import (
+    StepHandler,
+    TaskAPI,
+    first_line,
+    is_ort_error,
+    register_step,
+    register_task,
+)
 from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 from dyncompile.runtime.text import ChatTemplateError, TextCodec, render_chat
 
@@ -47,6 +54,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "GenerateStep",
+    "GenerationAPI",
     "KVEntry",
     "PromptError",
     "check_generation_args",
@@ -348,3 +356,37 @@ def generate(
     text = codec.decode(out) if codec is not None else None
     compiled.last_info = {"generation": stats.to_dict()}
     return GenerationResult(text, out, ids, stats)
+
+
+@register_task("text-generation")
+class GenerationAPI(TaskAPI):
+    """Decoder plans: :meth:`generate` (``CompiledModel.generate``).
+
+    Args:
+        model: the loaded plan.
+    """
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        # a step fed the raw prompt (routed plans of decoders): it picks the candidate that answers
+        self.text_step = next((h for h in model.handlers if getattr(h, "takes_text", False)), None)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        """Continue ``prompt`` (see :func:`generate` for the keyword arguments).
+
+        Routed plans of decoders: the answering candidate's result; ``model.last_info`` names the candidate
+        (and the executable check's verdicts); ``record=`` passes extra input fields to the check.
+        """
+        try:
+            if self.text_step is not None:
+                k, res, checks = self.text_step.generate(prompt, **kwargs)
+                self.model.last_info = {"candidate": self.text_step.names[k], "candidate_index": k, "checks": checks}
+                return res
+            return generate(self.model, prompt, **kwargs)
+        except Exception as e:
+            if not is_ort_error(e):
+                raise
+            raise PlanError(
+                f"ONNX Runtime failed generating with plan {self.model.plan.directory}: {first_line(e)}; the plan and "
+                "its ONNX files disagree — recompile"
+            ) from None

@@ -170,15 +170,14 @@ class RoutedStep(StepHandler):
         stops = getattr(self.check, "stop_sequences", None)  # e.g. python-doctest: end of the function
         if stops and "stop" not in kwargs:
             kwargs["stop"] = list(stops)
-        for k, m in enumerate(self.models):
+        last = len(self.models) - 1
+        for k, m in enumerate(self.models[:last]):
             res = m.generate(prompt, **kwargs)
-            if k == len(self.models) - 1:
-                return k, res, checks
             ok = bool(self.check(record, {"text": res.text, "token_ids": list(res.token_ids)}))
             checks.append(ok)
             if ok:
                 return k, res, checks
-        raise AssertionError("unreachable")  # pragma: no cover
+        return last, self.models[last].generate(prompt, **kwargs), checks
 
 
 @register_step("cascade")
@@ -207,7 +206,7 @@ class RouteStep(RoutedStep):
         self.shared = []
         for m in self.models:
             t = m.plan.tokenizer
-            same = (m.encoder is not None and t is not None and m.plan.files[t["file"]].sha256 == tok
+            same = (getattr(m.task_api, "encoder", None) is not None and t is not None and m.plan.files[t["file"]].sha256 == tok
                     and {k: t.get(k) for k in ("max_length", "padding")} == spec)
             self.shared.append(same)
         self._feeds: dict[str, np.ndarray] | None = None
@@ -240,8 +239,3 @@ class RouteStep(RoutedStep):
         s = self.scores(texts)
         fires = np.concatenate([s > self.thresholds[None, :], np.ones((len(texts), 1), bool)], axis=1)
         return fires.argmax(axis=1)
-
-
-def probs_of(state: dict[str, Any], output: str) -> np.ndarray:
-    """Class probabilities from a routed step's output (log-probabilities)."""
-    return softmax(np.asarray(state[output], np.float64))
