@@ -23,7 +23,7 @@ def compile(model_path, passes="verify,cleanup", output_dir=None, **kwargs):  # 
 
 def route(candidates, calib, output_dir, **kwargs):
     """Compile a routed plan (cascade or learned router) over candidate plan folders, cheapest first, calibrated
-    to a certified quality budget on ``calib`` (see :func:`dyncompile.tools.route.route`)."""
-    from dyncompile.tools.route import route as _route
+    to a certified quality budget on ``calib`` (see :func:`dyncompile.passes.routing.driver.route`)."""
+    from dyncompile.passes.routing.driver import route as _route
 
     return _route(candidates, calib, output_dir, **kwargs)

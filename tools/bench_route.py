@@ -226,7 +226,7 @@ def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, An
 
 
 def _cached_probs(model, texts, path: Path, desc: str) -> np.ndarray:
-    from dyncompile.tools.route import candidate_probs
+    from dyncompile.passes.routing.driver import candidate_probs
 
     if path.is_file():
         return np.load(path)
