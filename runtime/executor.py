@@ -18,12 +18,7 @@ import numpy as np
 from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.plan import Plan, load_plan, load_subplan
 from dyncompile.runtime import steps as _steps  # noqa: F401  (registers the built-in step handlers)
-from dyncompile.runtime.providers import (
-    DEFAULT_SESSION_CONFIG,
-    NO_SPINNING_SESSION_CONFIG,
-    check_ort_flavours,
-    resolve_provider,
-)
+from dyncompile.runtime.providers import check_ort_flavours, resolve_provider, session_config_entries
 from dyncompile.runtime.registry import (
     STEP_HANDLERS,
     StepHandler,
@@ -72,8 +67,7 @@ class RuntimeContext:
         self.threads = threads
         if not isinstance(spinning, bool):
             raise DataError(f"spinning must be True or False, got {spinning!r}")
-        self.session_config = {**DEFAULT_SESSION_CONFIG, **({} if spinning else NO_SPINNING_SESSION_CONFIG),
-                               **(session_config or {})}
+        self.session_config = session_config_entries(spinning, session_config)
         levels = {
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
