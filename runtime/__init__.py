@@ -12,6 +12,7 @@ _EXPORTS = {
     "STEP_HANDLERS": "dyncompile.runtime.registry",
     "CompiledModel": "dyncompile.runtime.executor",
     "Prediction": "dyncompile.runtime.classify",
+    "LoadOptions": "dyncompile.runtime.executor",
     "RuntimeContext": "dyncompile.runtime.executor",
     "StepHandler": "dyncompile.runtime.registry",
     "load": "dyncompile.runtime.executor",

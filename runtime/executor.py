@@ -8,6 +8,7 @@ order; each step's ``kind`` selects a registered handler. Unknown kinds raise :c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,28 +31,37 @@ from dyncompile.runtime.registry import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STEP_HANDLERS", "register_step", "StepHandler", "RuntimeContext", "CompiledModel", "load"]
+__all__ = ["STEP_HANDLERS", "register_step", "StepHandler", "LoadOptions", "RuntimeContext", "CompiledModel", "load"]
 
 def known_step_kinds() -> set[str]:
     """The step kinds this runtime runs (every handler the step index registers)."""
     return set(STEP_HANDLERS)
 
 
-class RuntimeContext:
-    """Sessions for the plan's ONNX files, created lazily once and reused."""
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`load` runs a plan (see its arguments); the runtime context reads them from here."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        provider: str = "cpu",
-        *,
-        fallback: str | None = None,
-        threads: int | None = None,
-        optimization: str = "all",
-        provider_options: dict[str, Any] | None = None,
-        session_config: dict[str, str] | None = None,
-        spinning: bool = True,
-    ) -> None:
+    provider: str = "cpu"
+    fallback: str | None = None
+    threads: int | None = None
+    optimization: str = "all"
+    provider_options: dict[str, Any] | None = None
+    session_config: dict[str, str] | None = None
+    spinning: bool = True
+
+
+class RuntimeContext:
+    """Sessions for the plan's ONNX files, created lazily once and reused.
+
+    Args:
+        plan: the loaded plan.
+        options: provider, threads, optimisation level and session options.
+    """
+
+    def __init__(self, plan: Plan, options: LoadOptions | None = None) -> None:
+        o = options or LoadOptions()
+        self.options = o
         import onnxruntime as ort
 
         self.ort = ort
@@ -60,23 +70,23 @@ class RuntimeContext:
         self.log_severity = 3 if logger.isEnabledFor(logging.DEBUG) else 4
         ort.set_default_logger_severity(self.log_severity)
         self.plan = plan
-        self.providers = resolve_provider(provider, fallback=fallback, options=provider_options)
+        self.providers = resolve_provider(o.provider, fallback=o.fallback, options=o.provider_options)
         self.provider = self.providers[0][0]
         if self.provider == "CUDAExecutionProvider" and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels (or a matching PyTorch), if present
-        self.threads = threads
-        if not isinstance(spinning, bool):
-            raise DataError(f"spinning must be True or False, got {spinning!r}")
-        self.session_config = session_config_entries(spinning, session_config)
+        self.threads = o.threads
+        if not isinstance(o.spinning, bool):
+            raise DataError(f"spinning must be True or False, got {o.spinning!r}")
+        self.session_config = session_config_entries(o.spinning, o.session_config)
         levels = {
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
             "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
             "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         }
-        if optimization not in levels:
-            raise DataError(f"optimization must be one of {', '.join(levels)}, got {optimization!r}")
-        self.optimization = levels[optimization]
+        if o.optimization not in levels:
+            raise DataError(f"optimization must be one of {', '.join(levels)}, got {o.optimization!r}")
+        self.optimization = levels[o.optimization]
         self._sessions: dict[str, Any] = {}
 
     def load_candidate(self, candidate) -> CompiledModel:
@@ -253,14 +263,7 @@ def load(
     """
     check_ort_flavours()
     plan = load_plan(plan_dir, verify_hashes=verify_hashes, known_step_kinds=known_step_kinds())
-    ctx = RuntimeContext(
-        plan,
-        provider,
-        fallback=fallback,
-        threads=threads,
-        optimization=optimization,
-        provider_options=provider_options,
-        session_config=session_config,
-        spinning=spinning,
-    )
+    options = LoadOptions(provider=provider, fallback=fallback, threads=threads, optimization=optimization,
+                          provider_options=provider_options, session_config=session_config, spinning=spinning)
+    ctx = RuntimeContext(plan, options)
     return CompiledModel(plan, ctx)
