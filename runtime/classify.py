@@ -54,6 +54,7 @@ class ClassifierAPI(TaskAPI):
     """
 
     def __init__(self, model: Any) -> None:
+        """Find the text-taking step, if any, and the plan's tokenizer."""
         super().__init__(model)
         plan = model.plan
         self.text_step = next((h for h in model.handlers if getattr(h, "takes_text", False)), None)

@@ -83,6 +83,7 @@ class DriftVerdict:
     message: str
 
     def to_dict(self) -> dict[str, Any]:
+        """The verdict as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 

@@ -60,6 +60,7 @@ class RuntimeContext:
     """
 
     def __init__(self, plan: Plan, options: LoadOptions | None = None) -> None:
+        """Resolve the provider and the session options; no session is created yet."""
         o = options or LoadOptions()
         self.options = o
         import onnxruntime as ort
@@ -90,8 +91,11 @@ class RuntimeContext:
         self._sessions: dict[str, Any] = {}
 
     def load_candidate(self, candidate) -> CompiledModel:
-        """A routed plan's candidate as a loaded model: its sub-plan checked like a top-level plan, run with this
-        context's provider, threads, optimisation level and session options (sessions of its own)."""
+        """A routed plan's candidate as a loaded model.
+
+        Its sub-plan is checked like a top-level plan and runs with this context's provider, threads,
+        optimisation level and session options (in sessions of its own).
+        """
         sub = load_subplan(self.plan, candidate, known_step_kinds=known_step_kinds())
         ctx = copy.copy(self)
         ctx.plan = sub
@@ -99,6 +103,7 @@ class RuntimeContext:
         return CompiledModel(sub, ctx)
 
     def session_options(self):
+        """ORT session options for one of the plan's files (optimisation level, threads, config entries)."""
         so = self.ort.SessionOptions()
         so.graph_optimization_level = self.optimization
         if self.threads:
@@ -161,6 +166,7 @@ class CompiledModel:
     """
 
     def __init__(self, plan: Plan, ctx: RuntimeContext) -> None:
+        """Build every step's handler and the task API of the plan's task."""
         self.plan = plan
         self.ctx = ctx
         self.handlers = []

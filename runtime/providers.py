@@ -43,8 +43,9 @@ NO_SPINNING_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning":
 
 
 def session_config_entries(spinning: bool = True, overrides: dict[str, str] | None = None) -> dict[str, str]:
-    """The ORT session config entries of the sessions ``dyncompile.load`` creates; benches and cost measurements
-    use the same ones.
+    """The ORT session config entries of the sessions ``dyncompile.load`` creates.
+
+    Benches and cost measurements use the same ones.
 
     Args:
         spinning: ``False`` adds :data:`NO_SPINNING_SESSION_CONFIG` (threads wait without spinning).
@@ -55,6 +56,8 @@ def session_config_entries(spinning: bool = True, overrides: dict[str, str] | No
 
 @dataclasses.dataclass(frozen=True)
 class ProviderInfo:
+    """One execution provider: names, how to install it, default options and what the lowering may assume."""
+
     short: str
     ort_name: str
     extra: str  # pip extra of dyncompile that installs it

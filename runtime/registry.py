@@ -94,6 +94,7 @@ class StepHandler:
     kind = "?"
 
     def __init__(self, step: Any, ctx: Any) -> None:
+        """Keep the step and the context."""
         self.step = step
         self.ctx = ctx
 
@@ -115,6 +116,7 @@ class TaskAPI:
     task = "?"
 
     def __init__(self, model: Any) -> None:
+        """Keep the model."""
         self.model = model
 
     def _unsupported(self, method: str, wants: str) -> DataError:

@@ -27,6 +27,7 @@ class RunModelStep(StepHandler):
     """
 
     def __init__(self, step, ctx) -> None:
+        """Open the model's session."""
         super().__init__(step, ctx)
         p = step.typed or STEP_SCHEMAS["run_model"](step.params, "run_model step")  # validated
         self.session = ctx.session(p.model)
@@ -35,6 +36,7 @@ class RunModelStep(StepHandler):
         self.rename = dict(p.outputs)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Run the model on the state's arrays named like its inputs."""
         feeds = {n: state[n] for n in self.input_names}
         results = self.session.run(self.output_names, feeds)
         for name, val in zip(self.output_names, results):

@@ -1,2 +1,4 @@
-"""Text generation: the ``generate`` and ``speculative_generate`` steps, drafters, draft trees, EAGLE heads and
-the KV cache."""
+"""Text generation.
+
+The ``generate`` and ``speculative_generate`` steps, drafters, draft trees, EAGLE heads and the KV cache.
+"""

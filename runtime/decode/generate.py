@@ -95,10 +95,12 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens per second of generation."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
+        """Accepted share of the drafted tokens (None without drafts)."""
         return self.accepted / self.drafted if self.drafted else None
 
     @property
@@ -113,6 +115,7 @@ class GenerationStats:
 
     @property
     def overhead_seconds(self) -> float:
+        """Seconds spent outside the target and drafter sessions."""
         return max(0.0, self.seconds - self.target_seconds - self.drafter_seconds)
 
     @property
@@ -121,6 +124,7 @@ class GenerationStats:
         return 1e3 * self.overhead_seconds / max(1, self.rounds + 1)
 
     def to_dict(self) -> dict[str, Any]:
+        """The statistics as a JSON-ready dict, derived rates included."""
         d = dataclasses.asdict(self)
         d["draft_lengths"] = {str(k): v for k, v in sorted(self.draft_lengths.items())}
         for k in ("tokens_per_s", "acceptance_rate", "tokens_per_target_call", "mean_accepted_per_round",
@@ -134,12 +138,15 @@ class GenerationStats:
 
 @dataclasses.dataclass
 class GenerationResult:
+    """A generation: the text (None without a tokenizer), the new token ids, the prompt ids and the statistics."""
+
     text: str | None
     token_ids: list[int]
     prompt_ids: list[int]
     stats: GenerationStats
 
     def __repr__(self) -> str:
+        """One line: new tokens, speed and the text's start."""
         s = self.stats
         acc = f", acceptance={s.acceptance_rate:.2f}" if s.acceptance_rate is not None else ""
         return (
@@ -152,6 +159,7 @@ class GenerationResult:
 
 
 def check_generation_args(max_new_tokens: Any, sample: bool, temperature: Any) -> tuple[int, float]:
+    """Check ``max_new_tokens`` (an integer >= 1) and ``temperature`` (> 0 when sampling); returns both."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise PromptError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if max_new_tokens <= 0:
@@ -212,7 +220,8 @@ def decode_target_only(
 ) -> list[int]:
     """Plain autoregressive decoding with the target alone (the reference speculative decoding must match).
 
-    ``stop_when(out)`` (optional) ends the generation after the token that makes it true (stop strings)."""
+    ``stop_when(out)`` (optional) ends the generation after the token that makes it true (stop strings).
+    """
     target.reset()
     eos_set = set(eos)
     budget = max_new_tokens if max_length is None else min(max_new_tokens, max_length - len(prompt_ids))
@@ -251,6 +260,7 @@ class GenerateStep(StepHandler):
     """
 
     def __init__(self, step, ctx) -> None:
+        """Open the target decoder's session and read the plan's tokenizer."""
         super().__init__(step, ctx)
         # params validated against the plan schema (plan.STEP_SCHEMAS) when the plan loaded
         self.params = step.typed or STEP_SCHEMAS[step.kind](step.params, f"{step.kind} step")
@@ -263,6 +273,7 @@ class GenerateStep(StepHandler):
         self.codec: TextCodec | None = TextCodec.from_plan(ctx.plan)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Run one forward pass of the decoder on the arrays in ``state`` (``run_feeds``)."""
         sess = self.target.session
         names = [i.name for i in sess.get_inputs()]
         outs = [o.name for o in sess.get_outputs()]
@@ -275,6 +286,7 @@ class GenerateStep(StepHandler):
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, sample: bool, temperature: float,
                      rng: np.random.Generator, speculative: bool = True, **options) -> tuple[list[int], GenerationStats]:
+        """Decode up to ``max_new_tokens`` after ``prompt_ids`` with the target alone; returns the ids and statistics."""
         del speculative  # target-only
         stop_when = options.pop("stop_when", None)
         io_binding = options.pop("io_binding", None)
@@ -367,6 +379,7 @@ class GenerationAPI(TaskAPI):
     """
 
     def __init__(self, model: Any) -> None:
+        """Find the step that takes the raw prompt (routed plans), if any."""
         super().__init__(model)
         # a step fed the raw prompt (routed plans of decoders): it picks the candidate that answers
         self.text_step = next((h for h in model.handlers if getattr(h, "takes_text", False)), None)

@@ -129,6 +129,7 @@ class DraftController:
         verify_cost: dict[int, float] | None = None,
         timing: bool = False,
     ) -> None:
+        """Set the draft length bounds and the adaptation rule."""
         if not 0 <= min_len <= max_len:
             raise PromptError(f"draft lengths need 0 <= min <= max, got min={min_len}, max={max_len}")
         self.initial = int(initial)
@@ -149,6 +150,7 @@ class DraftController:
 
     @property
     def alpha(self) -> float:
+        """Estimated per-token acceptance probability."""
         return self.acc / (self.acc + self.rej)
 
     def _model_verify(self, s: int) -> float:
@@ -206,6 +208,7 @@ class DraftController:
         return best
 
     def update(self, drafted: int, accepted: int, verify_tokens: int, verify_s: float, draft_s: float) -> None:
+        """Record one round: tokens drafted and accepted, verified tokens and the seconds verify and draft took."""
         d = self.decay
         if drafted:
             self.acc = d * self.acc + accepted
@@ -217,7 +220,9 @@ class DraftController:
 
 
 class TreeController:
-    """Sizes each round's draft tree: the main chain's depth from :class:`DraftController` (acceptance along the
+    """Sizes each round's draft tree.
+
+    The main chain's depth from :class:`DraftController` (acceptance along the
     first-child path), the branch nodes beside it from the measured verification cost curve ``v(s)`` and the
     tokens branch nodes have bought so far (:func:`~dyncompile.runtime.rules.cost_model.best_tree_extra`).
 
@@ -226,6 +231,7 @@ class TreeController:
 
     def __init__(self, chain: DraftController, *, max_nodes: int = 16, max_depth: int = 8, branching: int = 3,
                  adaptive: bool = True, gain0: float = 0.1, probe_every: int = 8) -> None:
+        """Size draft trees within ``max_nodes`` / ``max_depth`` / ``branching``, on top of the chain controller."""
         self.chain = chain
         self.max_nodes, self.max_depth, self.branching = int(max_nodes), int(max_depth), int(branching)
         self.adaptive = bool(adaptive)
@@ -237,6 +243,7 @@ class TreeController:
 
     @property
     def gain_per_node(self) -> float:
+        """Accepted tokens gained per extra tree node so far."""
         return self.gain / self.extra if self.extra > 0 else 0.0
 
     def next_budget(self, limit: int) -> TreeBudget:
@@ -268,6 +275,7 @@ class TreeController:
         return False
 
     def update(self, tree: DraftTree, path: list[int], verify_s: float, draft_s: float) -> None:
+        """Record one tree round: the accepted ``path`` and the seconds verify and draft took."""
         main = tree.main_chain_length()
         on_main, node = 0, 0
         for p in path[1:]:
@@ -290,6 +298,7 @@ class SpeculativeGenerateStep(GenerateStep):
     """Speculative decoding: the plan's drafter proposes, the target verifies (see the module docstring)."""
 
     def __init__(self, step, ctx) -> None:
+        """Open the target and drafter sessions and set up the draft controllers from the plan."""
         super().__init__(step, ctx)  # self.params: SpeculativeParams, validated at load
         d = self.params.drafter
         self.draft_policy = self.params.draft
@@ -342,8 +351,10 @@ class SpeculativeGenerateStep(GenerateStep):
         )
 
     def _tree_controller(self, ctl: DraftController, options: dict[str, Any]) -> TreeController | None:
-        """The plan's tree policy (``None``: chains), overridden by ``tree`` (``False``/``True``/a dict of
-        ``max_nodes``, ``max_depth``, ``branching``, ``adaptive``)."""
+        """The plan's tree policy (``None``: chains), overridden by the call's ``tree`` option.
+
+        ``tree``: ``False``, ``True`` or a dict of ``max_nodes``, ``max_depth``, ``branching``, ``adaptive``.
+        """
         tp = self.draft_policy.tree
         opt = options.pop("tree", None)
         if opt is None and tp is None or opt is False:
@@ -374,6 +385,7 @@ class SpeculativeGenerateStep(GenerateStep):
                               adaptive=bool(d["adaptive"]))
 
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
+        """Speculative decoding of up to ``max_new_tokens`` after ``prompt_ids``; returns the ids and statistics."""
         # per-call runtime options (the plan's defaults otherwise)
         decoders = [self.target] + ([self.drafter.decoder] if isinstance(self.drafter, ModelDrafter) else [])
         io_binding = options.pop("io_binding", None)
@@ -461,18 +473,7 @@ class SpeculativeGenerateStep(GenerateStep):
             logits = target.forward(tree.tokens, tree=tree)
             outputs = dict(target.last_outputs)
             t_v = self.timer.seconds.get("target", 0.0) - tv_before
-            if tree.is_chain:  # the chain verifiers (the tree ones reduce to them on a chain)
-                drafts = tree.tokens[1:]
-                if sample:
-                    n, nxt = verify_sampling(probs_from_logits(logits, temperature), drafts,
-                                             None if not drafts or tree.qs[1] is None else tree.qs[1:], rng)
-                else:
-                    n, nxt = verify_greedy(logits, drafts)
-                path = list(range(n + 1))
-            elif sample:
-                path, nxt = accept_sampling(tree, probs_from_logits(logits, temperature), rng)
-            else:
-                path, nxt = accept_greedy(tree, logits)
+            path, nxt = _accept(tree, logits, sample, temperature, rng)
             n = len(path) - 1
             stats.rounds += 1
             stats.target_calls += 1
@@ -484,16 +485,7 @@ class SpeculativeGenerateStep(GenerateStep):
                 ctl.update(tree.drafted, n, len(tree), t_v, t_d)
             else:
                 tree_ctl.update(tree, path, t_v, t_d)
-            new = [*(tree.tokens[i] for i in path[1:]), nxt]
-            stop = ""
-            for j, t in enumerate(new):
-                if t in eos:
-                    new = new[: j + 1]
-                    stop = "eos"
-                    break
-            if len(out) + len(new) >= budget:
-                new = new[: budget - len(out)]
-                stop = stop or ("max_new_tokens" if budget >= max_new_tokens else "max_length")
+            new, stop = _clip([*(tree.tokens[i] for i in path[1:]), nxt], len(out), eos, budget, max_new_tokens)
             seq.extend(new)
             out.extend(new)
             if not stop and stop_when is not None and stop_when(out):
@@ -503,3 +495,33 @@ class SpeculativeGenerateStep(GenerateStep):
                 return out
             target.keep_path(len(tree), path)
             drafter.after_verify(Verification(seq, len(seq) - 1, tree, path, outputs, target))
+
+
+def _accept(tree: DraftTree, logits: np.ndarray, sample: bool, temperature: float,
+            rng: np.random.Generator) -> tuple[list[int], int]:
+    """The accepted root-to-node path of ``tree`` and the target's next token after it."""
+    if tree.is_chain:  # the chain verifiers (the tree ones reduce to them on a chain)
+        drafts = tree.tokens[1:]
+        if sample:
+            n, nxt = verify_sampling(probs_from_logits(logits, temperature), drafts,
+                                     None if not drafts or tree.qs[1] is None else tree.qs[1:], rng)
+        else:
+            n, nxt = verify_greedy(logits, drafts)
+        return list(range(n + 1)), nxt
+    if sample:
+        return accept_sampling(tree, probs_from_logits(logits, temperature), rng)
+    return accept_greedy(tree, logits)
+
+
+def _clip(new: list[int], done: int, eos: set[int], budget: int, max_new_tokens: int) -> tuple[list[int], str]:
+    """The round's new tokens cut at the first eos and at the budget (``done`` tokens already out), and why."""
+    stop = ""
+    for j, t in enumerate(new):
+        if t in eos:
+            new = new[: j + 1]
+            stop = "eos"
+            break
+    if done + len(new) >= budget:
+        new = new[: budget - done]
+        stop = stop or ("max_new_tokens" if budget >= max_new_tokens else "max_length")
+    return new, stop

@@ -20,6 +20,7 @@ class DiffusionResult:
     """Images (uint8 ``[n, H, W]`` or ``[n, H, W, C]``), the steps each prompt took, and timing."""
 
     def __init__(self, state: dict[str, Any], seconds: float) -> None:
+        """Read the results of a finished run from the final ``state``."""
         self.images: np.ndarray = state["images"]
         self.samples: np.ndarray = state["samples"]
         self.steps: np.ndarray = state["steps"]
@@ -29,6 +30,7 @@ class DiffusionResult:
         self.seconds = seconds
 
     def to_dict(self) -> dict[str, Any]:
+        """The result without the images, JSON-ready."""
         return {
             "policy": self.policy,
             "steps": self.steps.tolist(),

@@ -79,6 +79,7 @@ class StopRule:
     min_steps: int = 1
 
     def to_dict(self) -> dict[str, Any]:
+        """The rule in its plan form."""
         return {"kind": "x0_change", "threshold": self.threshold, "max_steps": self.max_steps, "min_steps": self.min_steps}
 
 
@@ -100,6 +101,7 @@ class Denoiser:
     """
 
     def __init__(self, unet: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], scheduler, crop=None) -> None:
+        """Sample with ``unet`` and ``scheduler``; ``crop`` is the output crop."""
         self.unet = unet
         self.scheduler = scheduler
         self.crop = crop

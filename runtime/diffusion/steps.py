@@ -54,6 +54,7 @@ class DiffusionEncodeStep(StepHandler):
     """``[null] + prompts`` through the text encoder in one batch -> ``ctx``, ``null_ctx``, ``text_features``."""
 
     def __init__(self, step, ctx) -> None:
+        """Open the text encoder's session and read the plan's tokenizer."""
         super().__init__(step, ctx)
         p = _typed(step)
         from dyncompile.runtime.text import TextEncoder
@@ -68,6 +69,7 @@ class DiffusionEncodeStep(StepHandler):
         self.null_prompt = p.null_prompt
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Encode ``[null prompt] + state['prompts']``."""
         prompts = state["prompts"]
         feeds = self.tokens([self.null_prompt, *prompts])
         missing = [n for n in self.feed_names if n not in feeds]
@@ -104,10 +106,12 @@ class PredictStepsStep(StepHandler):
     """Per-prompt step count from the text features (the ``step-saver`` pass's fitted head)."""
 
     def __init__(self, step, ctx) -> None:
+        """Read the fitted head from the step's typed parameters."""
         super().__init__(step, ctx)
         self.p = _typed(step)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Predict each prompt's step count from ``state['text_features']``."""
         steps, log2 = predict_steps(self.p, state["text_features"])
         state["predicted_steps"] = steps
         state["predicted_log2_steps"] = log2
@@ -119,6 +123,7 @@ class DiffusionDenoiseStep(StepHandler):
     """The guided scheduler loop over the U-Net, then (optionally) the VAE decoder and uint8 images."""
 
     def __init__(self, step, ctx) -> None:
+        """Open the U-Net (and VAE decoder) sessions and build the scheduler and stop rule."""
         super().__init__(step, ctx)
         self.p = p = _typed(step)
         scheduler = make_scheduler(p.scheduler)
@@ -150,6 +155,7 @@ class DiffusionDenoiseStep(StepHandler):
         return policy
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Denoise every row with the step count its policy gives; decode and convert to images."""
         ctx_, null_ctx = state["ctx"], state["null_ctx"]
         n = len(ctx_)
         scale = state.get("guidance_scale")

@@ -238,6 +238,7 @@ __dyncompile_check()
 
 
 def build_example_program(prompt: str, completion: str, examples: list[Example], nonce: str) -> str:
+    """The program that runs ``prompt + completion``, then every example, and prints the results as one JSON line after ``nonce``."""
     cases = [(e.call, e.expected, e.literal) for e in examples]
     return prompt + completion + "\n" + _HARNESS.format(cases=repr(cases), nonce=nonce)
 
@@ -256,6 +257,7 @@ class CheckOutcome:
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 

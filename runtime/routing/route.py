@@ -86,6 +86,7 @@ class RoutedStep(StepHandler):
     takes_text = True  # fed the raw inputs ({"texts": [...]}) — every candidate tokenizes with its own tokenizer
 
     def __init__(self, step, ctx) -> None:
+        """Load every candidate as a model and resolve the rule's check."""
         super().__init__(step, ctx)
         p = step.typed or STEP_SCHEMAS[self.kind](step.params, f"{self.kind} step")
         self.params = p
@@ -104,11 +105,13 @@ class RoutedStep(StepHandler):
         """Candidate ``k``'s probabilities on ``rows`` of the batch ``texts``.
 
         An If-lowered early-exit candidate decides one exit per batch; it runs row by row so that every row
-        gets the per-row decision its calibration (at batch 1) measured."""
+        gets the per-row decision its calibration (at batch 1) measured.
+        """
         bs = 1 if self.per_row[k] else max(1, len(rows))
         return self.models[k].predict_proba([texts[i] for i in rows], batch_size=bs)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Answer each text with the first candidate the rule accepts (or the one the router picks)."""
         texts = state.get("texts")
         if texts is None:
             raise DataError(f"a {self.kind} plan takes texts; call it on texts (or `dyncompile run PLAN --text ...`)")
@@ -144,9 +147,11 @@ class RoutedStep(StepHandler):
         return state
 
     def assign(self, texts: list[str]) -> np.ndarray | None:
+        """The candidate per row chosen before any runs (None: a cascade decides as it goes)."""
         return None
 
     def accepts(self, k: int, texts: list[str], probs: np.ndarray) -> np.ndarray:
+        """Which rows' answers of candidate ``k`` the rule keeps."""
         if self.rule.kind == "confidence":
             return exit_fires(probs.astype(np.float64), self.rule.thresholds[k], self.rule.criterion)
         labels = self.models[k].plan.labels or [str(i) for i in range(probs.shape[1])]

@@ -1,4 +1,4 @@
-"""The early-exit rule in numpy: when does a row stop at an exit? (A leaf module: numpy only.)
+"""The early-exit rule in numpy: when does a row stop at an exit? A leaf module: numpy only.
 
 One implementation for everybody who needs the decision in numpy: threshold calibration
 (:mod:`dyncompile.passes.early_exit.calibrate`) optimises it, the staged runtime step
