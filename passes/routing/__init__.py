@@ -2,9 +2,9 @@
 quality budget (:mod:`.calibrate`, reusing the early-exit certifier), build the learned router's ONNX graph
 (:mod:`.router`), and write the self-contained routed plan folder (:mod:`.emit`).
 
-Running the candidates on calibration rows needs the runtime executor, which passes may not import: the
-driver that does (``dyncompile route``) is :mod:`dyncompile.passes.routing.driver`; everything here works from
-per-row arrays.
+The driver behind ``dyncompile route`` (:mod:`.driver`) runs the candidates on the calibration rows; the
+runtime executor it needs for that, which passes may not import, is injected by its caller (``dyncompile.route``).
+Everything else here works from per-row arrays.
 """
 
 from __future__ import annotations
