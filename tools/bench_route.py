@@ -253,7 +253,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     ct, cy = _texts_labels(calib, labels)
     tt, ty = _texts_labels(DATA / "movie-test.jsonl", labels)
     t0 = time.time()
-    # per-row outputs as the routed plans run them (If-lowered early exits at batch 1: tools.route.candidate_probs)
+    # per-row outputs as the routed plans run them (If-lowered early exits at batch 1: passes.routing.driver.candidate_probs)
     # (one model in memory at a time: ORT keeps each session's peak batch-32 arena)
     cal = {}
     for n in ("minilm", "mpnet", "mpnet-ee"):
