@@ -104,7 +104,7 @@ def test_unet_inputs_must_match_the_plan():
 
 
 def test_predict_steps_rounds_up_onto_the_grid():
-    params = {"weights": [1.0], "bias": 0.0, "mean": [0.0], "scale": [1.0], "grid": [2, 4, 8]}
+    params = {"weights": [1.0], "bias": 0.0, "mean": [0.0], "scale": [1.0], "grid": [2, 4, 8], "offset": 0.0}
     step = PredictStepsStep(Step("predict_steps", params), _ctx(None))
     out = step.run({"text_features": np.array([[1.0], [1.5], [2.5], [9.0]])})
     # log2 steps = f: 2 -> 2, 2.83 -> 4, 5.66 -> 8, 512 -> the grid's largest
