@@ -302,8 +302,8 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
         m = dyncompile.load(c["plan"], **kw)  # every check (sub-plan digests) runs here
         # memory on a shared 24 GB machine: the sub-plans are byte-identical to the standalone plans (same
         # digest), so the routed plan runs on the standalone plans' sessions instead of a second MPNet copy
-        for k, name in enumerate(m.routed.names):
-            m.routed.models[k] = models[name]
+        for k, name in enumerate(m.task_api.text_step.names):
+            m.task_api.text_step.models[k] = models[name]
         routed[n] = m
     gc.collect()
     cal_ms = compiled["cascade-minilm-mpnet"]["costs_ms"]
