@@ -17,6 +17,8 @@ _EXPORTS = {
     "StepHandler": "dyncompile.runtime.registry",
     "load": "dyncompile.runtime.executor",
     "register_step": "dyncompile.runtime.registry",
+    "register_task": "dyncompile.runtime.registry",
+    "TaskAPI": "dyncompile.runtime.registry",
     "PLAN_FORMAT": "dyncompile.plan",
     "FileRef": "dyncompile.plan",
     "Plan": "dyncompile.plan",

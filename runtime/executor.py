@@ -1,8 +1,10 @@
-"""Load a plan and run it on ONNX Runtime: a step-kind -> handler registry.
+"""Load a plan and run it on ONNX Runtime.
 
 The runtime never re-derives decisions the passes made: it creates one ORT session per ONNX file
 the plan names (once, reused across calls) and hands the batch through the plan's ``steps`` in
-order; each step's ``kind`` selects a registered handler. Unknown kinds raise :class:`PlanError`.
+order; each step's ``kind`` selects the handler registered for it (:mod:`dyncompile.runtime.registry`,
+filled by the step index :mod:`dyncompile.runtime.steps`). Unknown kinds raise :class:`PlanError`. The
+loaded model's task methods are answered by the task API its plan's technique registers.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STEP_HANDLERS", "register_step", "StepHandler", "LoadOptions", "RuntimeContext", "CompiledModel", "load"]
 
+
 def known_step_kinds() -> set[str]:
     """The step kinds this runtime runs (every handler the step index registers)."""
     return set(STEP_HANDLERS)
@@ -61,10 +64,10 @@ class RuntimeContext:
 
     def __init__(self, plan: Plan, options: LoadOptions | None = None) -> None:
         """Resolve the provider and the session options; no session is created yet."""
-        o = options or LoadOptions()
-        self.options = o
         import onnxruntime as ort
 
+        o = options or LoadOptions()
+        self.options = o
         self.ort = ort
         # EP chatter (e.g. OpenVINO's unused-input notes) stays out of stderr; ORT's own error lines too (the
         # runtime turns ORT failures into one clear error), unless debugging
