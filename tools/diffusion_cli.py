@@ -23,7 +23,7 @@ def run_text_to_image(model, args) -> int:
     if not out.parent.is_dir():
         raise DataError(f"-o {out}: folder {out.parent} does not exist")
     res = model.generate_images(prompts, seed=0 if args.seed is None else args.seed, steps=args.steps,
-                          guidance=args.guidance, policy=args.policy)
+                                guidance=args.guidance, policy=args.policy)
     paths = [out] if len(prompts) == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(prompts))]
     for path, img in zip(paths, res.images):
         save_png(path, img)
