@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from dyncompile._version import __version__
 
 __all__ = ["__version__", "compile", "load", "route"]
 
@@ -15,7 +15,7 @@ def load(plan_dir, provider: str = "cpu", **kwargs):
 
 
 def compile(model_path, passes="verify,cleanup", output_dir=None, **kwargs):  # noqa: A001 - public API name
-    """Compile an ONNX model with a pass pipeline into a plan directory (see :func:`dyncompile.tools.compile`)."""
+    """Compile an ONNX model with a pass pipeline into a plan directory (see :func:`dyncompile.passes.compiler.compile_model`)."""
     from dyncompile.passes.compiler import compile_model
 
     return compile_model(model_path, passes=passes, output_dir=output_dir, **kwargs)
@@ -23,7 +23,12 @@ def compile(model_path, passes="verify,cleanup", output_dir=None, **kwargs):  # 
 
 def route(candidates, calib, output_dir, **kwargs):
     """Compile a routed plan (cascade or learned router) over candidate plan folders, cheapest first, calibrated
-    to a certified quality budget on ``calib`` (see :func:`dyncompile.tools.route.route`)."""
-    from dyncompile.tools.route import route as _route
+    to a certified quality budget on ``calib`` (see :func:`dyncompile.passes.routing.driver.route`).
 
-    return _route(candidates, calib, output_dir, **kwargs)
+    The candidates run on the runtime executor, which the routing compiler (a pass) may not import: this
+    function hands it the plan loader and the executable-check lookup."""
+    from dyncompile.passes.routing.driver import route as _route
+    from dyncompile.runtime import load as _load
+    from dyncompile.runtime.routing.route import get_check
+
+    return _route(candidates, calib, output_dir, load=_load, get_check=get_check, **kwargs)

@@ -10,7 +10,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-import dyncompile
+from dyncompile._version import __version__
 from dyncompile.errors import DataError, ModelLoadError, PassConfigError, PlanError
 from dyncompile.io import (
     MODEL_CONFIG_NAME,
@@ -128,7 +128,7 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
             "model_config": {k: cfg[k] for k in ("name", "family", "num_layers", "hidden_size") if k in cfg},
             "passes": [repr(p) for p in pass_list],
             "pass_seconds": {r.name: round(r.seconds, 4) for r in result.records},
-            "dyncompile": dyncompile.__version__,
+            "dyncompile": __version__,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         },
         options=dict(options),

@@ -50,7 +50,7 @@ class KVEntry:
 
 @dataclasses.dataclass
 class DecoderSpec:
-    """How to drive one KV-cache decoder graph (see :mod:`dyncompile.runtime.generate` for the JSON form)."""
+    """How to drive one KV-cache decoder graph (see :mod:`dyncompile.runtime.decode.generate` for the JSON form)."""
 
     model: str
     input_ids: str = "input_ids"
@@ -121,7 +121,7 @@ class DrafterParams:
     """The drafter of a ``speculative_generate`` step.
 
     A model (``decoder``), prompt lookup, or an EAGLE head (``decoder`` fed the target's ``features`` output;
-    see :mod:`dyncompile.runtime.eagle`).
+    see :mod:`dyncompile.runtime.decode.eagle`).
     """
 
     kind: Literal["model", "prompt-lookup", "eagle"]

@@ -9,13 +9,16 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "STEP_HANDLERS": "dyncompile.runtime.executor",
+    "STEP_HANDLERS": "dyncompile.runtime.registry",
     "CompiledModel": "dyncompile.runtime.executor",
-    "Prediction": "dyncompile.runtime.executor",
+    "Prediction": "dyncompile.runtime.classify",
+    "LoadOptions": "dyncompile.runtime.executor",
     "RuntimeContext": "dyncompile.runtime.executor",
-    "StepHandler": "dyncompile.runtime.executor",
+    "StepHandler": "dyncompile.runtime.registry",
     "load": "dyncompile.runtime.executor",
-    "register_step": "dyncompile.runtime.executor",
+    "register_step": "dyncompile.runtime.registry",
+    "register_task": "dyncompile.runtime.registry",
+    "TaskAPI": "dyncompile.runtime.registry",
     "PLAN_FORMAT": "dyncompile.plan",
     "FileRef": "dyncompile.plan",
     "Plan": "dyncompile.plan",

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from dyncompile.plan import STEP_SCHEMAS
-from dyncompile.runtime.executor import StepHandler, register_step
-from dyncompile.runtime.exit_rule import exit_fires, softmax
+from dyncompile.runtime.registry import StepHandler, register_step
+from dyncompile.runtime.rules.exit_rule import exit_fires, softmax
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class StagedEarlyExitStep(StepHandler):
     """
 
     def __init__(self, step, ctx) -> None:
+        """Open one session per segment."""
         super().__init__(step, ctx)
         p = step.typed or STEP_SCHEMAS["early_exit_staged"](step.params, "early_exit_staged step")  # validated
         self.segments = p.segments
@@ -37,6 +38,7 @@ class StagedEarlyExitStep(StepHandler):
         self.inputs = [[i.name for i in s.get_inputs()] for s in self.sessions]
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Run the segments, dropping the rows whose exit fires after each."""
         mask = state.get("attention_mask")
         batch = next(iter(v for k, v in state.items() if isinstance(v, np.ndarray))).shape[0]
         active = np.arange(batch)

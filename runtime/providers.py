@@ -26,31 +26,44 @@ __all__ = [
     "installed_ort_flavours",
     "check_ort_flavours",
     "resolve_provider",
+    "session_config_entries",
 ]
 
 #: ORT session config entries every session of ``dyncompile.load`` gets unless the caller overrides them:
 #: intra-op threads spin while a ``Run`` is in progress and stop when it returns (``force_spinning_stop``), so the
-#: idle sessions of a plan (target and drafter alternate in one process) take no core. Measured on the 2-core
-#: machine (issue #15, ninth session, Qwen2.5-Coder-0.5B fp32, paired by prompt against spinning off in the same
-#: run; bench-results/peers/q05-spin-*): decode 1.06x / 1.11x (target alone, grounded / code prompts) and 1.04x /
-#: 1.06x (prompt lookup). Under two competing busy processes it was 0.84x / 0.89x: ``dyncompile.load(...,
-#: spinning=False)`` (:data:`NO_SPINNING_SESSION_CONFIG`) for a machine whose cores are oversubscribed. The sixth
-#: session's default was spinning off: ORT's plain spinning (without the stop) measured 1.88x slower on SmolLM2 at
-#: load 9-13 (bench-results/peers/smollm2-spinning-all.md), idle sessions spinning against the running one.
+#: idle sessions of a plan (target and drafter alternate in one process) take no core. Decoding measured about
+#: 1.05-1.1x faster than with spinning off when the process has its cores to itself, and about 0.85x under two
+#: competing busy processes (bench-results/peers/): ``dyncompile.load(..., spinning=False)``
+#: (:data:`NO_SPINNING_SESSION_CONFIG`) is for a machine whose cores are oversubscribed. ORT's plain spinning
+#: (without the stop) is much slower for plans of several sessions: the idle ones spin against the running one.
 DEFAULT_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
 
 #: ``dyncompile.load(..., spinning=False)`` / ``dyncompile run --no-spinning``: threads wait without spinning
 NO_SPINNING_SESSION_CONFIG: dict[str, str] = {"session.intra_op.allow_spinning": "0"}
 
 
+def session_config_entries(spinning: bool = True, overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """The ORT session config entries of the sessions ``dyncompile.load`` creates.
+
+    Benches and cost measurements use the same ones.
+
+    Args:
+        spinning: ``False`` adds :data:`NO_SPINNING_SESSION_CONFIG` (threads wait without spinning).
+        overrides: entries over the defaults (``dyncompile.load(..., session_config=...)``).
+    """
+    return {**DEFAULT_SESSION_CONFIG, **({} if spinning else NO_SPINNING_SESSION_CONFIG), **(overrides or {})}
+
+
 @dataclasses.dataclass(frozen=True)
 class ProviderInfo:
+    """One execution provider: names, how to install it, default options and what the lowering may assume."""
+
     short: str
     ort_name: str
     extra: str  # pip extra of dyncompile that installs it
     distribution: str
     default_options: dict[str, Any]
-    # Capabilities used by EP-aware lowering (see issue "Execution providers").
+    # capabilities the EP-aware lowering reads
     runs_if_on_device: bool
     dynamic_shapes_safe: bool
     platforms: str

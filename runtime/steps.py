@@ -1,4 +1,4 @@
-"""Built-in step handlers."""
+"""The step index: importing it registers every built-in step handler (and ``run_model``, defined here)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,17 @@ from typing import Any
 
 import numpy as np
 
+import dyncompile.runtime.classify  # noqa: F401  (registers the text-classification task API)
+import dyncompile.runtime.decode.generate  # noqa: F401  (registers generate and the text-generation task API)
+import dyncompile.runtime.decode.speculative  # noqa: F401  (registers speculative_generate)
+import dyncompile.runtime.diffusion.api  # noqa: F401  (registers the text-to-image task API)
+import dyncompile.runtime.diffusion.steps  # noqa: F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
+import dyncompile.runtime.early_exit  # noqa: F401  (registers early_exit_staged)
+import dyncompile.runtime.routing.route  # noqa: F401  (registers cascade, route)
 from dyncompile.plan import STEP_SCHEMAS
-from dyncompile.runtime.executor import StepHandler, register_step
+from dyncompile.runtime.registry import StepHandler, register_step
 
 __all__ = ["RunModelStep"]
-
-import dyncompile.runtime.diffusion  # noqa: E402,F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
-import dyncompile.runtime.early_exit  # noqa: E402,F401  (registers early_exit_staged)
-import dyncompile.runtime.generate  # noqa: E402,F401  (registers generate)
-import dyncompile.runtime.route  # noqa: E402,F401  (registers cascade, route)
-import dyncompile.runtime.speculative  # noqa: E402,F401  (registers speculative_generate)
 
 
 @register_step("run_model")
@@ -26,6 +27,7 @@ class RunModelStep(StepHandler):
     """
 
     def __init__(self, step, ctx) -> None:
+        """Open the model's session."""
         super().__init__(step, ctx)
         p = step.typed or STEP_SCHEMAS["run_model"](step.params, "run_model step")  # validated
         self.session = ctx.session(p.model)
@@ -34,6 +36,7 @@ class RunModelStep(StepHandler):
         self.rename = dict(p.outputs)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Run the model on the state's arrays named like its inputs."""
         feeds = {n: state[n] for n in self.input_names}
         results = self.session.run(self.output_names, feeds)
         for name, val in zip(self.output_names, results):

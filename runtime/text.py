@@ -22,8 +22,11 @@ __all__ = ["ChatTemplateError", "TextCodec", "TextEncoder", "plan_tokenizer", "r
 
 
 def plan_tokenizer(plan):
-    """A fresh ``tokenizers.Tokenizer`` of ``plan``'s tokenizer file, built from the bytes :func:`load_plan`
-    read and hash-checked (a file swapped on disk after loading is never used)."""
+    """A fresh ``tokenizers.Tokenizer`` of ``plan``'s tokenizer file.
+
+    Built from the bytes :func:`load_plan` read and hash-checked (a file swapped on disk after loading is never
+    used).
+    """
     from tokenizers import Tokenizer
 
     from dyncompile.errors import PlanError
@@ -47,6 +50,7 @@ class TextEncoder:
     """
 
     def __init__(self, tokenizer_file: str | Path | Any, *, max_length: int = 512, padding: str = "longest") -> None:
+        """Load the tokenizer (a file or a ``tokenizers.Tokenizer``); pad to the longest row or to ``max_length``."""
         from tokenizers import Tokenizer
 
         # a path, or a tokenizers.Tokenizer already built (the runtime's, from hash-checked bytes)
@@ -74,6 +78,7 @@ class TextEncoder:
         return cls(plan_tokenizer(plan), max_length=spec.get("max_length", 512), padding=spec.get("padding", "longest"))
 
     def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        """Token arrays (``input_ids``, ``attention_mask``, ...) of ``texts``."""
         if isinstance(texts, str):
             texts = [texts]
         if not len(texts):
@@ -96,6 +101,7 @@ class TextCodec:
     """The plan's tokenizer for generation: no truncation, no padding, the model's own special tokens."""
 
     def __init__(self, source: str | Path | Any) -> None:
+        """Load the tokenizer (a file or a ``tokenizers.Tokenizer``)."""
         from tokenizers import Tokenizer
 
         # a path, or a tokenizers.Tokenizer already built (the runtime's, from hash-checked bytes)
@@ -109,9 +115,11 @@ class TextCodec:
         return cls(plan_tokenizer(plan)) if plan.tokenizer else None
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
         return list(self.tokenizer.encode(text).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens dropped)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 

@@ -27,7 +27,7 @@ from dyncompile.passes.early_exit.certify import (
     hoeffding_ucb,
     parse_confidence,
 )
-from dyncompile.runtime.exit_policy import ExitPolicy
+from dyncompile.runtime.rules.exit_policy import ExitPolicy
 
 DELTA = 0.1
 
@@ -124,7 +124,7 @@ def test_certified_budget_holds_on_fresh_rows(criterion):
         scores = res.policy.scores(q)
         tc = np.array([np.inf if t is None else t for t in res.thresholds])
     else:
-        from dyncompile.runtime.exit_rule import exit_scores
+        from dyncompile.runtime.rules.exit_rule import exit_scores
 
         scores = exit_scores(q, "entropy")
         tc = np.array([np.inf if t is None else -t for t in res.thresholds])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dyncompile.runtime.code_check import Example, check_examples, extract_examples, python_doctest
+from dyncompile.runtime.routing.code_check import Example, check_examples, extract_examples, python_doctest
 
 he = pytest.importorskip("dyncompile.tools.studies.humaneval")
 
@@ -107,7 +107,7 @@ def test_check_signature_and_no_example_policy(problems):
 
 
 def test_registered_as_python_doctest_and_reads_raw_text(problems):
-    from dyncompile.runtime.route import get_check
+    from dyncompile.runtime.routing.route import get_check
 
     check = get_check("python-doctest")
     assert check is python_doctest

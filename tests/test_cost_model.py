@@ -1,11 +1,12 @@
-"""The draft cost model (dyncompile.runtime.cost_model) against hand-computed values, and the runtime's draft
+"""The draft cost model (dyncompile.runtime.rules.cost_model) against hand-computed values, and the runtime's draft
 length controller choosing what the passes' projection chose (one model for both)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dyncompile.runtime.cost_model import (
+from dyncompile.runtime.decode.speculative import DraftController
+from dyncompile.runtime.rules.cost_model import (
     DEFAULT_VERIFY_SLOPE,
     best_draft_length,
     expected_tokens,
@@ -13,7 +14,6 @@ from dyncompile.runtime.cost_model import (
     verify_cost,
     verify_slope,
 )
-from dyncompile.runtime.speculative import DraftController
 
 #: verification of s tokens costs 1 + 0.1 (s - 1) target steps, measured at s = 1, 2, 4, 9
 LINEAR = {1: 1.0, 2: 1.1, 4: 1.3, 9: 1.8}

@@ -15,7 +15,7 @@ from helpers import SHARED
 
 import dyncompile
 from dyncompile.errors import DataError, PlanError
-from dyncompile.runtime.schedulers import DDIMScheduler, make_scheduler
+from dyncompile.runtime.rules.schedulers import DDIMScheduler, make_scheduler
 
 ASSET = SHARED / "assets" / "fashion-diffusion"
 TEXT_ASSET = SHARED / "assets" / "minilm-l6-sentiment"
@@ -144,11 +144,10 @@ def _reference_images(prompt: str, n: int, seed: int, scale: float = 3.0):
 
 
 def test_fixed_steps_equal_an_independent_reference_loop(plan):
-    from dyncompile.runtime.diffusion import generate_images
 
     for n in (5, 12):
         ref = _reference_images(PROMPT, n, seed=7)
-        res = generate_images(plan, PROMPT, seed=7, steps=n, noise_source="torch")
+        res = plan.generate_images(PROMPT, seed=7, steps=n, noise_source="torch")
         assert res.steps.tolist() == [n] and res.unet_calls == n  # one U-Net call per step: [uncond; cond] batched
         diff = float(np.abs(res.samples.astype(np.float64) - ref).max())
         assert diff <= 1e-4, f"{n} steps: max |plan - reference| = {diff}"
@@ -158,20 +157,18 @@ def test_fixed_steps_equal_an_independent_reference_loop(plan):
 
 
 def test_batched_prompts_equal_single_prompts(plan):
-    from dyncompile.runtime.diffusion import generate_images
 
     prompts = [PROMPT, "an image of trousers", "photo of a small plain sandal"]
-    both = generate_images(plan, prompts, seed=[3, 4, 5], steps=4)
+    both = plan.generate_images(prompts, seed=[3, 4, 5], steps=4)
     for i, p in enumerate(prompts):
-        one = generate_images(plan, p, seed=3 + i, steps=4)
+        one = plan.generate_images(p, seed=3 + i, steps=4)
         np.testing.assert_allclose(both.samples[i], one.samples[0], atol=2e-5)
     assert len({both.images[i].tobytes() for i in range(3)}) == 3
 
 
 def test_guidance_one_runs_the_conditional_half_only(plan):
-    from dyncompile.runtime.diffusion import generate_images
 
-    r = generate_images(plan, PROMPT, seed=1, steps=3, guidance=1.0)
+    r = plan.generate_images(PROMPT, seed=1, steps=3, guidance=1.0)
     assert r.images.shape == (1, 28, 28)
 
 
@@ -278,14 +275,13 @@ def test_tampered_step_params_are_refused(plan_dir, tmp_path):
 
 
 def test_api_errors(plan):
-    from dyncompile.runtime.diffusion import generate_images
 
     with pytest.raises(DataError, match="empty"):
-        generate_images(plan, ["ok", " "])
+        plan.generate_images(["ok", " "])
     with pytest.raises(DataError, match="policy"):
-        generate_images(plan, PROMPT, policy="sometimes")
+        plan.generate_images(PROMPT, policy="sometimes")
     with pytest.raises(DataError, match="no step predictor"):
-        generate_images(plan, PROMPT, policy="predicted")
+        plan.generate_images(PROMPT, policy="predicted")
 
 
 def test_scheduler_rejects_bad_step_counts():

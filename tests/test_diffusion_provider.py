@@ -23,14 +23,13 @@ def pipeline_dir() -> Path:
 @pytest.mark.parametrize("passes, atol, max_u8", [("verify,cleanup", 1e-4, 1), ("verify,cleanup,quantize-int8", None, None)])
 def test_plan_on_provider_matches_cpu(pipeline_dir, tmp_path, provider, passes, atol, max_u8):
     from dyncompile.passes.step_saver.metrics import ssim
-    from dyncompile.runtime.diffusion import generate_images
 
     fp32 = tmp_path / "fp32"
     dyncompile.compile(pipeline_dir, "verify,cleanup", fp32, progress=False)
     plan = tmp_path / "plan"
     dyncompile.compile(pipeline_dir, passes, plan, provider=provider, progress=False)
-    ref = generate_images(dyncompile.load(fp32, provider="cpu"), PROMPTS, seed=0, steps=5)
-    got = generate_images(dyncompile.load(plan, provider=provider), PROMPTS, seed=0, steps=5)
+    ref = dyncompile.load(fp32, provider="cpu").generate_images(PROMPTS, seed=0, steps=5)
+    got = dyncompile.load(plan, provider=provider).generate_images(PROMPTS, seed=0, steps=5)
     assert got.steps.tolist() == [5, 5, 5]
     if atol is not None:  # fp32 on another provider: the same numbers
         assert float(np.abs(got.samples - ref.samples).max()) <= atol

@@ -16,15 +16,15 @@ import pytest
 from test_speculative import EOS_UNUSED, PROMPTS, VOCAB, chi_square_p
 
 import dyncompile
-import dyncompile.runtime.speculative as runtime_speculative
+import dyncompile.runtime.decode.speculative as runtime_speculative
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
 from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative import DrafterError, ExposeAttentionMaskPass
-from dyncompile.runtime.draft_tree import DraftTree, accept_greedy, accept_sampling
-from dyncompile.runtime.generate import PromptError
-from dyncompile.runtime.kv_cache import BIAS_NEG
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.decode.draft_tree import DraftTree, accept_greedy, accept_sampling
+from dyncompile.runtime.decode.generate import PromptError
+from dyncompile.runtime.decode.kv_cache import BIAS_NEG
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 NEG = BIAS_NEG
 
@@ -295,7 +295,7 @@ def test_every_drafter_chain_and_tree_token_identical(tree_models, kind, tree):
 
 
 def test_prompt_lookup_tree_holds_every_match():
-    from dyncompile.runtime.drafters import PromptLookupDrafter, TreeBudget
+    from dyncompile.runtime.decode.drafters import PromptLookupDrafter, TreeBudget
 
     d = PromptLookupDrafter(3, 1)
     t = d.propose_tree(list(BRANCHY), TreeBudget(10, 3, 4), sample=False, temperature=1.0,
@@ -443,7 +443,7 @@ def test_explicit_attention_must_come_before_speculative(tmp_path, capsys):
 def test_model_drafter_expands_its_top_k_best_first(tree_models):
     """An external drafter with the bias input expands its tree one depth per call: its first-child path is its
     greedy chain, and every node's children are the drafter's top tokens after that node's path."""
-    from dyncompile.runtime.drafters import TreeBudget
+    from dyncompile.runtime.decode.drafters import TreeBudget
 
     m = tree_models["external"]
     drafter = m.handlers[-1].drafter
@@ -472,8 +472,8 @@ def test_model_drafter_expands_its_top_k_best_first(tree_models):
 
 
 def test_tree_size_follows_the_cost_curve_and_what_branches_bought():
-    from dyncompile.runtime.cost_model import best_tree_extra, verify_cost
-    from dyncompile.runtime.speculative import DraftController, TreeController
+    from dyncompile.runtime.decode.speculative import DraftController, TreeController
+    from dyncompile.runtime.rules.cost_model import best_tree_extra, verify_cost
 
     flat = {1: 1.0, 2: 1.05, 9: 1.2, 33: 1.6}  # cheap wide calls
     steep = {1: 1.0, 2: 1.5, 9: 4.0, 33: 16.0}  # every token costs half a call

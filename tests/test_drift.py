@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dyncompile.errors import DataError
-from dyncompile.runtime.drift import check, chi2_sf, format_histograms, homogeneity_test
+from dyncompile.runtime.drift import check, format_histograms
+from dyncompile.runtime.rules.chi2 import chi2_sf, homogeneity_test
 
 LAYERS = [1, 2, 3, 4, 5, 6]
 # the shape of a real calibration histogram (MiniLM-L6, budget 1.0, entropy): most rows leave early

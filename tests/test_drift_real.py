@@ -40,7 +40,7 @@ def test_quiet_on_movie_test_fires_on_stdlib_docstrings(staged_plan, caplog):
     m(texts)
     quiet = m.drift_report()
     assert quiet.rows == ROWS and not quiet.drift, quiet.message
-    m.reset_exit_log()
+    m.task_api.reset_exit_log()
     with caplog.at_level("WARNING", logger="dyncompile.runtime.drift"):
         m(stdlib_docstrings(ROWS))
         loud = m.drift_report()

@@ -19,8 +19,8 @@ from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative.decoder_spec import DrafterError
 from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass, build_eagle_drafter, load_head
 from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
-from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.drafters import TreeBudget
+from dyncompile.runtime.decode.draft_tree import DraftTree
+from dyncompile.runtime.decode.drafters import TreeBudget
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NEW_TOKENS = 24
@@ -240,7 +240,7 @@ def test_drafter_tree_rows_equal_each_branch_run_as_a_chain(eagle_plan):
     """Golden: one drafter call on a tree (4-D bias, per-node positions) gives every node the logits and predicted
     feature of that node's root-to-node branch fed as a chain on the same cache."""
     from dyncompile.plan import DecoderSpec
-    from dyncompile.runtime.eagle import EagleDecoder
+    from dyncompile.runtime.decode.eagle import EagleDecoder
 
     m, tgt, drafter = _eagle_parts(eagle_plan)
     d = json.loads((eagle_plan / "plan.json").read_text())["steps"][0]["drafter"]
@@ -333,7 +333,7 @@ def test_eagle2_tree_is_grown_by_draft_confidence(eagle_plan):
 def test_a_drafter_without_the_bias_input_keeps_the_old_tree(eagle_plan, monkeypatch):
     """Plans compiled before EAGLE-2 (a drafter graph without attention_bias) build the chain + sibling-leaf tree
     and stay token-identical."""
-    from dyncompile.runtime.eagle import EagleDecoder
+    from dyncompile.runtime.decode.eagle import EagleDecoder
 
     m = dyncompile.load(eagle_plan, session_config={"session.intra_op.allow_spinning": "0"})
     prompt = "Repeat the following text exactly.\n\nThe quick brown fox jumps over the lazy dog."

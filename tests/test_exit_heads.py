@@ -14,7 +14,7 @@ from dyncompile.passes.early_exit.calibrate import Calibration, calibrate_thresh
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.passes.early_exit.fit import adam_fit, average_heads, fit_exit_heads, fit_standardisation
 from dyncompile.passes.early_exit.heads import ExitHead, pool_features
-from dyncompile.runtime.exit_rule import exit_scores
+from dyncompile.runtime.rules.exit_rule import exit_scores
 
 # ----------------------------------------------------------------------------------------------- helpers
 

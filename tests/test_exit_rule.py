@@ -1,4 +1,4 @@
-"""The exit rule is written twice: numpy (runtime/exit_rule.py) and ONNX (GraphBuilder.fires, the If lowering).
+"""The exit rule is written twice: numpy (runtime/rules/exit_rule.py) and ONNX (GraphBuilder.fires, the If lowering).
 
 Both must take the same decision on every row, for every criterion.
 """
@@ -11,7 +11,7 @@ import pytest
 from helpers import ort_session
 
 from dyncompile.passes.early_exit.graph import GraphBuilder
-from dyncompile.runtime.exit_rule import exit_fires, exit_scores, first_exits, softmax
+from dyncompile.runtime.rules.exit_rule import exit_fires, exit_scores, first_exits, softmax
 
 ROWS, CLASSES, PATIENCE = 400, 3, 3
 

@@ -21,7 +21,7 @@ from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.fuse_decoder import FuseDecoderPass
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 from dyncompile.plan import DecoderSpec
-from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.decode.kv_cache import KVDecoder
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NEW_TOKENS = 16

@@ -867,7 +867,7 @@ def test_14_bad_rules(routed_copy, capsys, rule, needle):
 
 
 def test_14_check_registry():
-    from dyncompile.runtime.route import get_check, register_check
+    from dyncompile.runtime.routing.route import get_check, register_check
 
     @register_check("test-always")
     def always(record, output):

@@ -21,8 +21,8 @@ from dyncompile.passes.speculative.decoder_spec import decoder_spec
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.probe import session_for
 from dyncompile.plan import DecoderSpec
-from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.decode.draft_tree import DraftTree
+from dyncompile.runtime.decode.kv_cache import KVDecoder
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 _CODE = (STDLIB / "bisect.py").read_text()

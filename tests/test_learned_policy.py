@@ -18,7 +18,7 @@ from dyncompile.passes.early_exit.graph import GraphBuilder
 from dyncompile.passes.early_exit.heads import ExitHead
 from dyncompile.passes.emit import EmitRequest, emit_plan
 from dyncompile.plan import save_plan
-from dyncompile.runtime.exit_policy import POLICY_FEATURES, ExitPolicy, policy_scores
+from dyncompile.runtime.rules.exit_policy import POLICY_FEATURES, ExitPolicy, policy_scores
 
 LAYERS = 4
 EXITS = (1, 2, 3)

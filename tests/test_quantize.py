@@ -152,7 +152,7 @@ def test_int8_then_early_exit_on_minilm(minilm, tmp_path):
 
 def _ref_case(n=1000, seed=0):
     """fp32 reference right on 92 % of the rows; the 'int8' model flips 10 of its right rows (-1.0 point)."""
-    from dyncompile.runtime.exit_rule import softmax as _softmax
+    from dyncompile.runtime.rules.exit_rule import softmax as _softmax
 
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 2, n)

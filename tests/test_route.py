@@ -75,7 +75,7 @@ def decoders(module_tmp):
 
 
 def test_check_cascade_over_decoder_plans(decoders):
-    from dyncompile.runtime.route import register_check
+    from dyncompile.runtime.routing.route import register_check
 
     root, small, big = decoders
     seen = []

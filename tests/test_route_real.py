@@ -13,7 +13,7 @@ from helpers import DATA, run_cli
 import dyncompile
 from dyncompile.io import read_jsonl, texts_and_labels
 from dyncompile.passes.early_exit.certify import CertificationError
-from dyncompile.runtime.exit_rule import confidence, confidence_thresholds
+from dyncompile.runtime.rules.exit_rule import confidence, confidence_thresholds
 
 ROWS = 120
 COSTS = {"minilm": 5.0, "mpnet": 40.0}  # given (timing is not a test's business); the plans record source=given
@@ -51,7 +51,7 @@ def _with_threshold(src, dst, t):
 def test_cascade_is_minilm_where_confident_else_mpnet(pair):
     plan_dir = pair["cascade"].plan_dir
     m = dyncompile.load(plan_dir)
-    t = m.routed.rule.thresholds[0]
+    t = m.task_api.text_step.rule.thresholds[0]
     got = m.predict_proba(pair["texts"], batch_size=16)
     cand = m.last_info["candidate"]
     pm, pb = pair["probs"]["minilm"], pair["probs"]["mpnet"]
@@ -94,7 +94,7 @@ def test_learned_router_onnx_equals_numpy_head(pair):
     # the routed plan follows the router: rows above the threshold go to MiniLM
     m = dyncompile.load(res.plan_dir)
     m.predict_proba(pair["texts"][:40], batch_size=8)
-    t = m.routed.thresholds[0]
+    t = m.task_api.text_step.thresholds[0]
     np.testing.assert_array_equal(m.last_info["candidate"], np.where(head_scores[:, 0] > t, 0, 1))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dyncompile.runtime.sandbox import SandboxLimits, isolation_available, run_python
+from dyncompile.runtime.routing.sandbox import SandboxLimits, isolation_available, run_python
 
 FAST = SandboxLimits(timeout_s=8.0, cpu_s=4, memory_mb=512, max_processes=16)
 ISO = isolation_available()

@@ -15,16 +15,16 @@ import pytest
 from helpers import assert_clean_error, run_cli
 
 import dyncompile
-import dyncompile.runtime.speculative as runtime_speculative
+import dyncompile.runtime.decode.speculative as runtime_speculative
 from dyncompile.errors import DyncompileError, PassConfigError
 from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
 from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative import DrafterError, SpeculativePass
 from dyncompile.passes.speculative.probe import weight_reads
 from dyncompile.plan import GenerationConfig
-from dyncompile.runtime.generate import PromptError
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
-from dyncompile.runtime.speculative import DraftController
+from dyncompile.runtime.decode.generate import PromptError
+from dyncompile.runtime.decode.speculative import DraftController
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 VOCAB = 16
 EOS_UNUSED = 99  # not a token: generation runs to max_new_tokens unless a test sets one
@@ -137,7 +137,7 @@ def test_greedy_token_identical_to_target(loaded, kind):
 def test_max_draft_below_the_plans_first_length_caps_it(loaded):
     """A caller's ``max_draft`` under the plan's first draft length is a cap, not lifted back to that length; a
     ``draft_length`` above an explicit ``max_draft`` is refused."""
-    from dyncompile.runtime.generate import PromptError
+    from dyncompile.runtime.decode.generate import PromptError
 
     m = loaded["prompt-lookup"]
     policy = m.handlers[0].draft_policy

@@ -23,7 +23,7 @@ from dyncompile.passes.speculative.split_drafter import (
     SplitDrafterPass,
     trim_lm_head,
 )
-from dyncompile.runtime.cost_model import projected_speedup
+from dyncompile.runtime.rules.cost_model import projected_speedup
 
 L, VOCAB, HIDDEN = 4, 64, 256
 RTOL, ATOL = 1e-4, 1e-4

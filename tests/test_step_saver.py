@@ -55,25 +55,23 @@ def test_plan_has_the_lowered_predictor_and_stop_rule(ss_plan_dir):
 
 
 def test_policies_at_run_time(ss_plan_dir):
-    from dyncompile.runtime.diffusion import generate_images
 
     m = dyncompile.load(ss_plan_dir)
     prompts = ["an image of trousers", "light coloured bag with a pattern"]
-    pred = generate_images(m, prompts, seed=0, policy="predicted")
+    pred = m.generate_images(prompts, seed=0, policy="predicted")
     assert set(pred.steps.tolist()) <= {2, 3, 5} and pred.steps.tolist() == pred.predicted_steps.tolist()
-    online = generate_images(m, prompts, seed=0, policy="online")
+    online = m.generate_images(prompts, seed=0, policy="online")
     assert all(2 <= k <= 5 for k in online.steps.tolist())
-    fixed = generate_images(m, prompts, seed=0, steps=4)
+    fixed = m.generate_images(prompts, seed=0, steps=4)
     assert fixed.steps.tolist() == [4, 4] and fixed.policy == "fixed"
 
 
 def test_fixed_steps_are_untouched_by_the_pass(ss_plan_dir, pipeline_dir, tmp_path):
-    from dyncompile.runtime.diffusion import generate_images
 
     plain = tmp_path / "plain"
     dyncompile.compile(pipeline_dir, "verify,cleanup", plain, progress=False)
-    a = generate_images(dyncompile.load(ss_plan_dir), "a dark patterned pullover", seed=5, steps=4)
-    b = generate_images(dyncompile.load(plain), "a dark patterned pullover", seed=5, steps=4)
+    a = dyncompile.load(ss_plan_dir).generate_images("a dark patterned pullover", seed=5, steps=4)
+    b = dyncompile.load(plain).generate_images("a dark patterned pullover", seed=5, steps=4)
     np.testing.assert_array_equal(a.samples, b.samples)
 
 
@@ -89,12 +87,12 @@ def test_second_run_reports_unmodified(ss_plan_dir, pipeline_dir, calib_file):
 def test_online_rule_matches_its_offline_replay(ss_plan_dir):
     """The loop's stop rule and the calibration's replay on a recorded trajectory stop at the same step."""
     from dyncompile.passes.step_saver.calibrate import stop_outcomes
-    from dyncompile.runtime.denoise import StopRule
+    from dyncompile.runtime.diffusion.denoise import StopRule
 
     m = dyncompile.load(ss_plan_dir)
     st = m.handlers[0].run({"prompts": ["a sneaker", "an image of a bag", "patterned shirt, large"]})
     den = m.handlers[-1].denoiser
-    from dyncompile.runtime.denoise import make_noise
+    from dyncompile.runtime.diffusion.denoise import make_noise
 
     noise = make_noise([1, 2, 3], [1, 32, 32])
     full = den.sample(st["ctx"], st["null_ctx"], noise, 8, 3.0, keep_x0=True)

@@ -13,12 +13,28 @@ ROOT = Path(__file__).resolve().parent.parent
 # layer -> the dyncompile modules (prefixes) it must never import, at module level or inside functions.
 FORBIDDEN = {
     "runtime": ("dyncompile.passes", "dyncompile.tools", "dyncompile.models"),
-    "passes": ("dyncompile.tools", "dyncompile.runtime.executor", "dyncompile.runtime.steps", "dyncompile.models"),
+    "passes": ("dyncompile.tools", "dyncompile.models"),
     "models": ("dyncompile.runtime", "dyncompile.tools", "dyncompile.passes"),
     "plan": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models"),
     "io.py": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models", "dyncompile.plan"),
     "errors.py": ("dyncompile.",),
+    "__init__.py": ("dyncompile.tools",),  # the package's API (load / compile / route) runs without the CLI layer
 }
+
+
+# The runtime modules a pass may import (prefixes); every other dyncompile.runtime module is off limits to passes.
+# Each is a leaf: numpy-only decision rules the compile must apply exactly as the runtime does, the tokenizer
+# wrapper, the provider table, and the denoising loop the step-saver calibration must run as the runtime will.
+PASSES_MAY_IMPORT_FROM_RUNTIME = (
+    "dyncompile.runtime.rules",
+    "dyncompile.runtime.text",
+    "dyncompile.runtime.providers",
+    "dyncompile.runtime.diffusion.denoise",
+)
+
+
+def _under(mod: str, prefixes) -> bool:
+    return any(mod == b or mod.startswith(b if b.endswith(".") else b + ".") for b in prefixes)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -38,13 +54,37 @@ def _wrong_way_edges(root: Path) -> list[str]:
         files = [root / layer] if layer.endswith(".py") else sorted((root / layer).rglob("*.py"))
         for f in files:
             for lineno, mod in _imports(f):
-                if any(mod == b or mod.startswith(b if b.endswith(".") else b + ".") for b in banned):
+                if _under(mod, banned):
                     bad.append(f"{f.relative_to(root)}:{lineno} imports {mod}")
+    for f in sorted((root / "passes").rglob("*.py")):
+        for lineno, mod in _imports(f):
+            if _under(mod, ("dyncompile.runtime",)) and not _under(mod, PASSES_MAY_IMPORT_FROM_RUNTIME):
+                bad.append(f"{f.relative_to(root)}:{lineno} imports {mod}")
     return bad
+
+
+def _allowed_runtime_files(root: Path) -> list[Path]:
+    out = []
+    for prefix in PASSES_MAY_IMPORT_FROM_RUNTIME:
+        rel = Path(*prefix.split(".")[1:])
+        out += sorted((root / rel).rglob("*.py")) if (root / rel).is_dir() else [root / rel.with_suffix(".py")]
+    return out
 
 
 def test_imports_run_one_way():
     assert _wrong_way_edges(ROOT) == []
+
+
+def test_the_runtime_modules_passes_may_import_are_leaves():
+    # what a pass may import from the runtime imports nothing of the runtime beyond the same allow-list
+    bad = []
+    for f in _allowed_runtime_files(ROOT):
+        assert f.is_file(), f
+        for lineno, mod in _imports(f):
+            if _under(mod, ("dyncompile.",)) and not _under(mod, ("dyncompile.errors", "dyncompile.plan",
+                                                                   *PASSES_MAY_IMPORT_FROM_RUNTIME)):
+                bad.append(f"{f.relative_to(ROOT)}:{lineno} imports {mod}")
+    assert bad == []
 
 
 def test_the_import_walker_sees_a_wrong_way_edge(tmp_path):
@@ -56,10 +96,18 @@ def test_the_import_walker_sees_a_wrong_way_edge(tmp_path):
             (tmp_path / layer).mkdir()
     (tmp_path / "passes" / "p.py").write_text("def f():\n    from dyncompile.tools.cli import main\n")
     (tmp_path / "models" / "m.py").write_text("import dyncompile.runtime.text\n")
+    # passes -> runtime: the allow-listed leaves pass, anything else (the executor, a step module) is found
+    (tmp_path / "passes" / "q.py").write_text(
+        "from dyncompile.runtime.rules.exit_rule import softmax\nimport dyncompile.runtime.text\n"
+        "def g():\n    from dyncompile.runtime.executor import load\n    import dyncompile.runtime.decode.generate\n"
+    )
     assert sorted(_wrong_way_edges(tmp_path)) == [
         "models/m.py:1 imports dyncompile.runtime.text",
         "passes/p.py:2 imports dyncompile.tools.cli",
         "passes/p.py:2 imports dyncompile.tools.cli.main",
+        "passes/q.py:4 imports dyncompile.runtime.executor",
+        "passes/q.py:4 imports dyncompile.runtime.executor.load",
+        "passes/q.py:5 imports dyncompile.runtime.decode.generate",
     ]
 
 
@@ -70,6 +118,9 @@ def test_importing_passes_does_not_load_the_runtime_executor():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "dyncompile.runtime.executor" not in out and "dyncompile.runtime.steps" not in out, out
+    loaded = set(ast.literal_eval(out.strip()))
+    packages = {"dyncompile.runtime", "dyncompile.runtime.diffusion"}
+    assert {m for m in loaded - packages if not _under(m, PASSES_MAY_IMPORT_FROM_RUNTIME)} == set(), loaded
 
 
 #: subpackages that stay in the checkout and out of the wheel: one-off studies and their data prep

@@ -17,7 +17,7 @@ from dyncompile.passes._infra import check_model
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 from dyncompile.passes.trim_logits import LOGITS_TO_KEEP, TrimLogitsPass, lm_head
 from dyncompile.plan import DecoderSpec
-from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.decode.kv_cache import KVDecoder
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 

@@ -9,7 +9,7 @@ from dyncompile.errors import DataError
 
 
 def run_text_to_image(model, args) -> int:
-    from dyncompile.runtime.diffusion import generate_images, save_png
+    from dyncompile.runtime.diffusion.png import save_png
     from dyncompile.tools._text import safe_text
 
     prompts = ([args.prompt] if args.prompt is not None else []) + list(args.text or [])
@@ -22,7 +22,7 @@ def run_text_to_image(model, args) -> int:
         raise DataError(f"-o {out}: the output must be a .png file")
     if not out.parent.is_dir():
         raise DataError(f"-o {out}: folder {out.parent} does not exist")
-    res = generate_images(model, prompts, seed=0 if args.seed is None else args.seed, steps=args.steps,
+    res = model.generate_images(prompts, seed=0 if args.seed is None else args.seed, steps=args.steps,
                           guidance=args.guidance, policy=args.policy)
     paths = [out] if len(prompts) == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(prompts))]
     for path, img in zip(paths, res.images):

@@ -12,7 +12,7 @@ __all__ = ["format_generation", "run_command"]
 
 
 def format_generation(res) -> str:
-    """The CLI's view of a :class:`~dyncompile.runtime.generate.GenerationResult`."""
+    """The CLI's view of a :class:`~dyncompile.runtime.decode.generate.GenerationResult`."""
     s = res.stats
     parts = [f"{s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tokens/s)",
              f"{s.target_calls} target calls ({s.tokens_per_target_call:.2f} tokens/call)"]
@@ -39,7 +39,7 @@ def run_command(args: argparse.Namespace) -> int:
         res = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, seed=args.seed, chat=args.chat,
                              speculative=not args.target_only)
-        if model.routed is not None:
+        if "candidate" in model.last_info:
             print(f"(answered by {safe_text(model.last_info.get('candidate'))}; checks {model.last_info.get('checks')})")
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.to_dict()}, indent=2)
               if args.json else safe_text(format_generation(res)))

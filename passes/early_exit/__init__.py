@@ -17,7 +17,7 @@ The technique, in order (module per step):
    every row may) or a staged plan (:mod:`.emit_staged`; per-row exits with batch compaction).
 
 The exit rule itself (entropy / maxprob / patience, first exit that fires) is written once in numpy in
-:mod:`dyncompile.runtime.exit_rule` — calibration optimises it and the staged runtime step applies it —
+:mod:`dyncompile.runtime.rules.exit_rule` — calibration optimises it and the staged runtime step applies it —
 and once in ONNX in :mod:`.graph` (``GraphBuilder.fires``) for the If lowering; a test asserts both give
 the same decisions.
 

@@ -2,7 +2,7 @@
 
 Given every exit's probabilities on calibration rows (out-of-fold ones for fitted heads, so that they
 are as confident as they will be on new data), :func:`calibrate_thresholds` picks one threshold per exit
-for a criterion of the exit rule (:mod:`dyncompile.runtime.exit_rule`: ``entropy``, ``maxprob``,
+for a criterion of the exit rule (:mod:`dyncompile.runtime.rules.exit_rule`: ``entropy``, ``maxprob``,
 ``patience``) that minimises the mean cost subject to "accuracy drop <= budget points" (agreement with
 the full model when no labels are given). :func:`calibrate_exits` is the pass-level entry point (costs
 ``k / L``, the full model as the last exit, an optional reference model that shares the budget).
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.passes.early_exit.checks import CalibrationError, check_labels, check_probs, check_two_classes
-from dyncompile.runtime.exit_rule import (
+from dyncompile.runtime.rules.exit_rule import (
     CRITERIA,
     exit_scores,
     first_exit,
@@ -53,7 +53,7 @@ class Calibration:
     Attributes:
         thresholds: one per exit; ``None`` = that exit never fires; the last exit always stops (its
             entry is ignored, calibration stores ``None``). Semantics per ``criterion``: see
-            :mod:`dyncompile.runtime.exit_rule` (entropy: exit when ``H < t``; maxprob: when ``max p > t``; patience: when the
+            :mod:`dyncompile.runtime.rules.exit_rule` (entropy: exit when ``H < t``; maxprob: when ``max p > t``; patience: when the
             last ``patience`` exits agree and ``max p > t``).
         criterion: ``"entropy"``, ``"maxprob"`` or ``"patience"``.
         patience: number of consecutive agreeing exits (``patience`` criterion only).
@@ -109,7 +109,7 @@ class Calibration:
 def exit_decisions(exit_probs: np.ndarray, calibration: Calibration) -> np.ndarray:
     """Exit index ``[N]`` (0-based) at which each row stops under ``calibration``.
 
-    The rule calibration optimised (:func:`dyncompile.runtime.exit_rule.first_exits`): first exit whose
+    The rule calibration optimised (:func:`dyncompile.runtime.rules.exit_rule.first_exits`): first exit whose
     test fires, else the last exit. Works for the runtime's reference check on new data as well.
     """
     p = np.asarray(exit_probs)
@@ -278,7 +278,7 @@ def calibrate_thresholds(
         labels: ``[N]`` gold labels or ``None``.
         costs: ``[E]`` cumulative relative cost of stopping at each exit (full model = 1.0), e.g. ``k / L``.
         budget: max accuracy drop in percentage points (>= 0).
-        criterion: ``"entropy"``, ``"maxprob"`` or ``"patience"`` (see :mod:`dyncompile.runtime.exit_rule`).
+        criterion: ``"entropy"``, ``"maxprob"`` or ``"patience"`` (see :mod:`dyncompile.runtime.rules.exit_rule`).
         patience: consecutive agreeing exits required by ``"patience"`` (>= 1).
 
     Raises:

@@ -60,8 +60,8 @@ import numpy as np
 
 from dyncompile.passes.early_exit.calibrate import _Cascade
 from dyncompile.passes.early_exit.checks import CalibrationError
-from dyncompile.runtime.exit_policy import POLICY_FEATURES, ExitPolicy, policy_features
-from dyncompile.runtime.exit_rule import exit_scores, first_exit, thresholds_from_confidence
+from dyncompile.runtime.rules.exit_policy import POLICY_FEATURES, ExitPolicy, policy_features
+from dyncompile.runtime.rules.exit_rule import exit_scores, first_exit, thresholds_from_confidence
 
 __all__ = [
     "CERTIFICATE_FORMAT",
@@ -301,7 +301,7 @@ fit_logistic = _fit_logistic  # public name (passes/routing fits its router head
 
 def fit_exit_policy(exit_probs: np.ndarray, reference_pred: np.ndarray, ridge: float = 1.0) -> ExitPolicy:
     """Per exit (all but the last), a ridge logistic regression of ``1[exit answer == reference answer]``
-    on :data:`~dyncompile.runtime.exit_policy.POLICY_FEATURES`; standardisation folded into the weights.
+    on :data:`~dyncompile.runtime.rules.exit_policy.POLICY_FEATURES`; standardisation folded into the weights.
 
     Exits where every row agrees (or none does) get a constant score (the log-odds, clipped).
     """

@@ -21,7 +21,7 @@ import numpy as np
 
 from dyncompile.passes.early_exit.checks import CalibrationError, check_fit_inputs
 from dyncompile.passes.early_exit.heads import POOLINGS, ExitHead, activate
-from dyncompile.runtime.exit_rule import softmax
+from dyncompile.runtime.rules.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
 

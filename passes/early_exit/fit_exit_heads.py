@@ -37,7 +37,7 @@ from dyncompile.passes.early_exit.fit import fit_exit_heads
 from dyncompile.passes.early_exit.heads import pool_features
 from dyncompile.passes.early_exit.newton import fit_exit_heads_newton
 from dyncompile.passes.quantize_weights import QUANTIZED_KEY
-from dyncompile.runtime.exit_rule import softmax
+from dyncompile.runtime.rules.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Shared by :mod:`dyncompile.passes.early_exit.attach_exit_heads` (attaches heads) and
 :mod:`dyncompile.passes.early_exit.insert_early_exit` (builds the conditions of the If lowering). The math is
 exactly the numpy one: heads as :mod:`dyncompile.passes.early_exit.heads` (pooling, dense stack), the exit test
-as :mod:`dyncompile.runtime.exit_rule` (criteria); ``tests/test_exit_rule.py`` checks that both give the same
+as :mod:`dyncompile.runtime.rules.exit_rule` (criteria); ``tests/test_exit_rule.py`` checks that both give the same
 decisions.
 """
 
@@ -95,7 +95,7 @@ class GraphBuilder:
         threshold: float,
         window: Sequence[ir.Value] = (),
     ) -> ir.Value:
-        """Per-row bool ``[B]``: does this exit's test fire (:func:`dyncompile.runtime.exit_rule.exit_fires`)."""
+        """Per-row bool ``[B]``: does this exit's test fire (:func:`dyncompile.runtime.rules.exit_rule.exit_fires`)."""
         thr = self.const(np.array(threshold, np.float32), "threshold")
         if criterion == "entropy":
             logp = self.op("LogSoftmax", [logits], {"axis": -1})
@@ -121,7 +121,7 @@ class GraphBuilder:
     def learned_score(
         self, logits: ir.Value, prev_logits: ir.Value | None, weights: Sequence[float], bias: float
     ) -> ir.Value:
-        """Per-row float ``[B]``: the learned policy's score of this exit (``dyncompile.runtime.exit_policy``).
+        """Per-row float ``[B]``: the learned policy's score of this exit (``dyncompile.runtime.rules.exit_policy``).
 
         Features ``[maxprob, margin, entropy, agree_prev, moved, prev_maxprob]`` from this head's logits and
         the previous exit's (``None`` for the first exit: the head itself), then ``features @ w + b``.

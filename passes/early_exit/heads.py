@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.passes.early_exit.checks import CalibrationError
-from dyncompile.runtime.exit_rule import softmax
+from dyncompile.runtime.rules.exit_rule import softmax
 
 __all__ = [
     "ACTIVATIONS",

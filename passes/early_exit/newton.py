@@ -47,7 +47,7 @@ from dyncompile.passes.early_exit.fit import (
     _soft_targets,
 )
 from dyncompile.passes.early_exit.heads import POOLINGS, ExitHead
-from dyncompile.runtime.exit_rule import softmax as _softmax
+from dyncompile.runtime.rules.exit_rule import softmax as _softmax
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dyncompile.passes.early_exit.fit_exit_heads import (
     calibrate_exits,
     exits_to_keep,
 )
-from dyncompile.runtime.exit_rule import softmax
+from dyncompile.runtime.rules.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
 

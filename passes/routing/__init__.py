@@ -1,10 +1,10 @@
 """Routing and cascades across whole plans: calibrate a decision rule over candidate plans to a certified
 quality budget (:mod:`.calibrate`, reusing the early-exit certifier), build the learned router's ONNX graph
-(:mod:`.router`), and write the self-contained routed plan folder (:mod:`.compile`).
+(:mod:`.router`), and write the self-contained routed plan folder (:mod:`.emit`).
 
-Running the candidates on calibration rows needs the runtime executor, which passes may not import: the
-driver that does (``dyncompile route``) is :mod:`dyncompile.tools.route`; everything here works from
-per-row arrays.
+The driver behind ``dyncompile route`` (:mod:`.driver`) runs the candidates on the calibration rows; the
+runtime executor it needs for that, which passes may not import, is injected by its caller (``dyncompile.route``).
+Everything else here works from per-row arrays.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dyncompile.passes.routing.calibrate import (
     cascade_costs,
     route_costs,
 )
-from dyncompile.passes.routing.compile import write_routed_plan
+from dyncompile.passes.routing.emit import write_routed_plan
 from dyncompile.passes.routing.router import RouterHead, bag_features, build_router_onnx, find_token_embedding
 
 __all__ = [

@@ -12,7 +12,7 @@ Modules, in import order (each imports only those above it):
 * ``emit`` — the ``generate`` / ``speculative`` plan emitters.
 
 The cost model behind the projections (expected tokens per round, verification cost, speedup) is
-:mod:`dyncompile.runtime.cost_model`, the one the runtime's draft-length controller uses.
+:mod:`dyncompile.runtime.rules.cost_model`, the one the runtime's draft-length controller uses.
 """
 
 from dyncompile.passes.speculative import emit  # noqa: F401  (registers the generate/speculative emitters)

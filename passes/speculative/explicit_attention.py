@@ -4,7 +4,7 @@ Exported decoders build their attention mask inside the graph: causal over ``pas
 ``attention_mask [batch, past + seq]``, turned into an additive float bias ``[batch, 1, seq, past + seq]``
 (0 = attend, a large negative = do not) that every layer adds to its attention scores before the Softmax.
 A causal mask cannot express a *draft tree* (several candidate continuations verified in one call, each
-node attending to its ancestors only: :mod:`dyncompile.runtime.draft_tree`), so this pass replaces that
+node attending to its ancestors only: :mod:`dyncompile.runtime.decode.draft_tree`), so this pass replaces that
 construction with a graph input ``attention_bias`` the runtime fills; with ``position_ids`` (already an
 input of Hugging Face exports) the runtime then places each tree node at ``past_len + depth``.
 """

@@ -7,7 +7,7 @@
 * :func:`target_verify_costs` / :func:`drafter_step_seconds` — the same probe for a target and a drafter;
 * :func:`weight_reads` — bytes of weights a decode step reads (the drafter cost when nothing is timed).
 
-The cost model these numbers feed is :mod:`dyncompile.runtime.cost_model`.
+The cost model these numbers feed is :mod:`dyncompile.runtime.rules.cost_model`.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ Drafters (``--drafter``):
 The target graph is not changed: the pass validates both graphs, records how the runtime drives them
 (inputs, logits, KV pairs), the drafter and the draft-length policy under ``dyncompile.speculative`` in the
 model's ``metadata_props``, and selects the ``speculative`` plan emitter, which writes the target and the
-drafter files and a ``speculative_generate`` step (:mod:`dyncompile.runtime.speculative`). The external
+drafter files and a ``speculative_generate`` step (:mod:`dyncompile.runtime.decode.speculative`). The external
 drafter graph travels to the emitter in ``model.meta`` (in memory, never serialised).
 
 With ``tree=true`` (after ``explicit-attention``, which gives the target a 4-D attention mask input) each
 round verifies a draft tree instead of a chain (``tree_nodes``, ``tree_depth``, ``branching``,
-``tree_adaptive``; :mod:`dyncompile.runtime.draft_tree`), and the verification cost curve is timed up to
+``tree_adaptive``; :mod:`dyncompile.runtime.decode.draft_tree`), and the verification cost curve is timed up to
 the largest tree. A model drafter (external or EAGLE) then gets the same 4-D attention bias input
 (:class:`ExposeAttentionMaskPass` on the drafter graph), so it can grow its tree best-first, one drafter call
 per depth (EAGLE-2).
@@ -308,7 +308,7 @@ class SpeculativePass(ir.passes.InPlacePass):
             # an external drafter expands its tree one depth per call: it gets the 4-D attention bias input too
             ExposeAttentionMaskPass()(self.drafter)
         elif self.tree and self.drafter is None and _keys.EAGLE_MODEL in model.meta:
-            # so does an EAGLE drafter (EAGLE-2 dynamic trees, runtime/eagle.py); its chain steps then get a causal
+            # so does an EAGLE drafter (EAGLE-2 dynamic trees, runtime/decode/eagle.py); its chain steps then get a causal
             # bias from the runtime instead of the in-graph mask (same numbers)
             ExposeAttentionMaskPass()(model.meta[_keys.EAGLE_MODEL][0])
         record = self._record(model)

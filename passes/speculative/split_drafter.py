@@ -12,7 +12,7 @@ KV cache is the target's, which the runtime hands over after every verification.
 calibration tokens and the drafter's greedy agreement with the target (its acceptance rate) is measured
 on the rest; the cost of a draft step is the fraction of the target's per-token weight reads the drafter
 does; a verification of ``g+1`` tokens costs what the target's measured timings say. The projected speedup
-``max_g E(alpha, g) / (g * c + v(g + 1))`` (:mod:`dyncompile.runtime.cost_model`, the model the runtime's draft
+``max_g E(alpha, g) / (g * c + v(g + 1))`` (:mod:`dyncompile.runtime.rules.cost_model`, the model the runtime's draft
 length controller uses too) picks ``k``; below ``min_speedup`` (default 1) the pass refuses.
 
 Module layout: graph surgery (:func:`trim_lm_head`, :func:`build_split_drafter`), calibration input
@@ -37,7 +37,7 @@ from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
 from dyncompile.passes.speculative.probe import measure_verify_costs, prefill_feeds, session_for
-from dyncompile.runtime.cost_model import projected_speedup, verify_slope
+from dyncompile.runtime.rules.cost_model import projected_speedup, verify_slope
 
 logger = logging.getLogger(__name__)
 

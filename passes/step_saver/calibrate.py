@@ -1,7 +1,7 @@
 """Calibration of the step saver: generation runs, per-prompt labels, the step head, the stop rule.
 
 **Runs.** For each calibration prompt (text states + initial noise) the runtime's own denoising loop
-(:class:`~dyncompile.runtime.denoise.Denoiser`, the plan's scheduler and guidance) generates the image at
+(:class:`~dyncompile.runtime.diffusion.denoise.Denoiser`, the plan's scheduler and guidance) generates the image at
 every step count of a grid and at the long reference schedule, and keeps the x0 prediction after every
 step of the ``online_max_steps`` schedule (for the online rule). Prompts are spread over worker
 processes, one ORT thread each.
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from dyncompile.passes.step_saver.metrics import ssim
-from dyncompile.runtime.denoise import Denoiser, StopRule, to_uint8
-from dyncompile.runtime.schedulers import make_scheduler
+from dyncompile.runtime.diffusion.denoise import Denoiser, StopRule, to_uint8
+from dyncompile.runtime.rules.schedulers import make_scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from dyncompile.passes.emit import (
     save_model,
 )
 from dyncompile.plan import Plan, Step, file_ref
-from dyncompile.runtime.schedulers import make_scheduler
+from dyncompile.runtime.rules.schedulers import make_scheduler
 
 __all__ = ["PipelineFolder", "read_pipeline", "is_pipeline_dir", "pipeline_compile_inputs", "STEP_SAVER_META"]
 

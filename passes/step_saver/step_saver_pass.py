@@ -42,7 +42,7 @@ def _pipeline_features(pipe, prompts: list[str]):
     """Text states and pooled features of prompts through the pipeline's own text encoder and tokenizer."""
     import onnxruntime as ort
 
-    from dyncompile.runtime.denoise import mean_pool
+    from dyncompile.runtime.diffusion.denoise import mean_pool
     from dyncompile.runtime.text import TextEncoder
 
     conv = pipe.conventions
@@ -126,7 +126,7 @@ class StepSaverPass(ir.passes.InPlacePass):
             return runs, meta["rows"], meta
         rows = _read_calib(self.calib, self.limit)
         ctx, null, _ = _pipeline_features(pipe, [r["prompt"] for r in rows])
-        from dyncompile.runtime.denoise import make_noise
+        from dyncompile.runtime.diffusion.denoise import make_noise
 
         conv = pipe.conventions
         grid = self.grid or [5, 10, 15, 20, 30, 50]

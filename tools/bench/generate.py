@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.runtime.generate import prompt_ids_of
+from dyncompile.runtime.decode.generate import prompt_ids_of
 from dyncompile.tools.bench.common import RENDER_HELP, machine_info, render_requested
 from dyncompile.tools.bench.prompt_sets import read_prompts
 

@@ -172,7 +172,7 @@ class Dyncompile:
                          "io_binding": self.io_binding}
 
     def encode(self, text, chat):
-        from dyncompile.runtime.generate import prompt_ids_of
+        from dyncompile.runtime.decode.generate import prompt_ids_of
 
         h = self.model.handlers[-1]
         return {"ids": prompt_ids_of(text, h.codec, h.gen, chat=chat)}

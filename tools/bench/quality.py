@@ -5,7 +5,7 @@ NAME=MODEL.onnx ...]`` cuts
 ``--windows`` windows of ``--window-tokens`` tokens from Python standard-library files that no prompt set uses
 (:data:`HELDOUT_FILES`: disjoint from :mod:`~dyncompile.tools.bench.prompt_sets`' code and grounded files, so nothing here
 was calibrated or reported on), runs every window through each plan's target decoder in one call (every row's
-logits, the runtime's own :class:`~dyncompile.runtime.kv_cache.KVDecoder`; ``--graph`` takes a bare decoder graph,
+logits, the runtime's own :class:`~dyncompile.runtime.decode.kv_cache.KVDecoder`; ``--graph`` takes a bare decoder graph,
 e.g. onnxruntime-genai's model builder's, read as in :mod:`~dyncompile.tools.studies.decoder_graphs`) and reports
 per plan:
 
@@ -89,7 +89,7 @@ def score_plans(reference, plans: dict[str, Any], windows: list[list[int]], **kw
 
 def score_decoders(ref_dec, decs: dict[str, Any], windows: list[list[int]], *, seed: int = 0,
                    boot: int = 2000) -> dict[str, Any]:
-    """:func:`score_plans` on :class:`~dyncompile.runtime.kv_cache.KVDecoder` objects; a value of ``decs`` may
+    """:func:`score_plans` on :class:`~dyncompile.runtime.decode.kv_cache.KVDecoder` objects; a value of ``decs`` may
     also be a callable ``ids -> (nll [n-1], top1 [n-1])`` (a peer scored in its own process: no KL then)."""
     per: dict[str, dict[str, list[float]]] = {n: {"nll": [], "agree": [], "kl": [], "maxdiff": []}
                                                for n in ["reference", *decs]}
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_dec, codec = _decoder(dyncompile.load(ref_dir, threads=args.threads))
     decs = {k: _decoder(dyncompile.load(v, threads=args.threads))[0] for k, v in plan_dirs.items()}
     if graphs:
-        from dyncompile.runtime.kv_cache import KVDecoder
+        from dyncompile.runtime.decode.kv_cache import KVDecoder
         from dyncompile.tools.bench.common import graph_decoder_spec, graph_session
 
         decs.update({k: KVDecoder(graph_session(Path(v), args.threads), graph_decoder_spec(Path(v)), role=k)

@@ -68,7 +68,7 @@ def _random_runner(name: str, cheap, big, p_cheap: float, seed: int = 0) -> Runn
 
 
 def _router_runner(routed) -> Runner:
-    h = routed.routed
+    h = routed.task_api.text_step
 
     def fn(texts):
         h.scores(list(texts))
@@ -120,7 +120,7 @@ def _table(rows: list[dict], ref: str) -> str:
 
 def _sweep(stage_probs: list[np.ndarray], y, stage_ms: list[float], criterion: str = "entropy") -> list[tuple[float, float]]:
     """Cascade threshold sweep on per-row outputs: (mean ms, accuracy %) per threshold."""
-    from dyncompile.runtime.exit_rule import confidence
+    from dyncompile.runtime.rules.exit_rule import confidence
 
     p0 = stage_probs[0]
     conf = confidence(p0, criterion)
@@ -175,7 +175,7 @@ def bench_plan(plan_dir: Path, data: Path, out: Path, rows: int) -> dict[str, An
 
     kw = dict(provider="cpu")
     routed = dyncompile.load(plan_dir, **kw)
-    h = routed.routed
+    h = routed.task_api.text_step
     texts, y = _texts_labels(data, routed.plan.labels)
     rows = min(rows, len(texts))
     names = h.names
@@ -259,7 +259,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def _cached_probs(model, texts, path: Path, desc: str) -> np.ndarray:
-    from dyncompile.tools.route import candidate_probs
+    from dyncompile.passes.routing.driver import candidate_probs
 
     if path.is_file():
         return np.load(path)
@@ -286,7 +286,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     ct, cy = _texts_labels(calib, labels)
     tt, ty = _texts_labels(DATA / "movie-test.jsonl", labels)
     t0 = time.time()
-    # per-row outputs as the routed plans run them (If-lowered early exits at batch 1: tools.route.candidate_probs)
+    # per-row outputs as the routed plans run them (If-lowered early exits at batch 1: passes.routing.driver.candidate_probs)
     # (one model in memory at a time: ORT keeps each session's peak batch-32 arena)
     cal = {}
     for n in ("minilm", "mpnet", "mpnet-ee"):
@@ -335,8 +335,8 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
         m = dyncompile.load(c["plan"], **kw)  # every check (sub-plan digests) runs here
         # memory on a shared 24 GB machine: the sub-plans are byte-identical to the standalone plans (same
         # digest), so the routed plan runs on the standalone plans' sessions instead of a second MPNet copy
-        for k, name in enumerate(m.routed.names):
-            m.routed.models[k] = models[name]
+        for k, name in enumerate(m.task_api.text_step.names):
+            m.task_api.text_step.models[k] = models[name]
         routed[n] = m
     gc.collect()
     cal_ms = compiled["cascade-minilm-mpnet"]["costs_ms"]
@@ -413,7 +413,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
 
 def _resplit(probs: dict[str, np.ndarray], y: np.ndarray, ms: dict[str, float], budget: float, splits: int, calibrate) -> dict:
     from dyncompile.passes.early_exit.certify import CertificationError
-    from dyncompile.runtime.exit_rule import first_exits
+    from dyncompile.runtime.rules.exit_rule import first_exits
 
     out = {}
     n = len(y)

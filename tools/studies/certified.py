@@ -68,7 +68,7 @@ def _features(name: str, art, data_dir: Path, cache: Path | None) -> dict[str, A
 
 
 def _decide(test_probs: np.ndarray, thresholds, criterion: str, policy) -> np.ndarray:
-    from dyncompile.runtime.exit_rule import confidence_thresholds, exit_scores, first_exit
+    from dyncompile.runtime.rules.exit_rule import confidence_thresholds, exit_scores, first_exit
 
     scores = exit_scores(test_probs, criterion, 2, policy)
     tc = confidence_thresholds(thresholds, "maxprob" if criterion == "learned" else criterion)  # learned: as is

@@ -2,7 +2,7 @@
 
 ``python -m dyncompile.tools.studies.decoder_graphs --variant unfused=MODEL.onnx --variant fused=PLAN/model.onnx
 --variant builder=DIR/model.onnx --prompts code.jsonl`` drives every graph through the runtime's
-:class:`~dyncompile.runtime.kv_cache.KVDecoder` (the object the ``generate`` plan step uses; numpy past tensors,
+:class:`~dyncompile.runtime.decode.kv_cache.KVDecoder` (the object the ``generate`` plan step uses; numpy past tensors,
 ``dyncompile.load``'s session config: threads spin only while a call runs, ``--threads``), one prompt at a time, rotating which graph
 goes first, and reports per graph: prefill seconds (all prompts), decode tokens/s (tokens after the first / decode
 seconds), tokens/s including prefill, the median per-prompt decode ms/token, and its fidelity against the first
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.runtime.kv_cache import KVDecoder
+from dyncompile.runtime.decode.kv_cache import KVDecoder
 from dyncompile.tools.bench.common import (
     RENDER_HELP,
     graph_decoder_spec,

@@ -45,7 +45,6 @@ def run(args) -> int:
 
     import dyncompile
     from dyncompile.passes.step_saver.metrics import ssim
-    from dyncompile.runtime.diffusion import generate_images
     from dyncompile.tools.studies.stepsaver_data import select_prompts
 
     rows = select_prompts("test", args.n)
@@ -53,11 +52,11 @@ def run(args) -> int:
     imgs = [[] for _ in models]
     secs = [[] for _ in models]
     for m in models:  # warm-up
-        generate_images(m, rows[0]["prompt"], seed=0, steps=2)
+        m.generate_images(rows[0]["prompt"], seed=0, steps=2)
     for r in rows:
         for j, m in enumerate(models):
             t0 = time.perf_counter()
-            res = generate_images(m, r["prompt"], seed=[r["seed"]], steps=args.steps, noise_source=args.noise)
+            res = m.generate_images(r["prompt"], seed=[r["seed"]], steps=args.steps, noise_source=args.noise)
             secs[j].append(time.perf_counter() - t0)
             imgs[j].append(res.images[0])
     ref = np.stack(imgs[0])

@@ -56,7 +56,7 @@ def offline_curve(art, calib_t, calib_y, test_t, test_y, budgets, criterion: str
     test_probs = np.stack([h.predict_proba(f) for h, f in zip(fit.heads, tfeats)] + [tteacher.astype(np.float32)])
     curve, thresholds = [], {}
     from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
-    from dyncompile.runtime.exit_rule import confidence_thresholds, exit_scores, first_exit
+    from dyncompile.runtime.rules.exit_rule import confidence_thresholds, exit_scores, first_exit
 
     for b in budgets:
         if confidence is not None or criterion == "learned":

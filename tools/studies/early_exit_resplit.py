@@ -57,14 +57,14 @@ class ExitRule:
 
     def decide(self, exit_probs: np.ndarray) -> np.ndarray:
         """Exit index per row of ``exit_probs`` ``[E, N, C]`` (the last exit is the full model)."""
-        from dyncompile.runtime.exit_rule import first_exit
+        from dyncompile.runtime.rules.exit_rule import first_exit
 
         return first_exit(self.scores(exit_probs), self.tc)
 
 
 def threshold_rule(thresholds: Sequence[float | None], criterion: str, costs: Sequence[float], patience: int = 2) -> ExitRule:
     """The rule of thresholds written in a criterion's units (as in a plan)."""
-    from dyncompile.runtime.exit_rule import confidence_thresholds, exit_scores
+    from dyncompile.runtime.rules.exit_rule import confidence_thresholds, exit_scores
 
     return ExitRule(lambda p: exit_scores(p, criterion, patience), confidence_thresholds(thresholds, criterion), costs)
 

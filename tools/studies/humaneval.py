@@ -4,8 +4,8 @@
 three options for more models; problem-major, in a seeded shuffled order) writes one JSON line per problem
 (resumable: problems already in the file are skipped) with the greedy completion, its
 token counts and wall time (and the load average at that moment), whether it passes the prompt's own examples
-(the ``python-doctest`` check, :mod:`dyncompile.runtime.code_check`) and whether it passes the hidden tests
-(HumanEval's ``check`` function). Both run in the sandbox (:mod:`dyncompile.runtime.sandbox`); nothing
+(the ``python-doctest`` check, :mod:`dyncompile.runtime.routing.code_check`) and whether it passes the hidden tests
+(HumanEval's ``check`` function). Both run in the sandbox (:mod:`dyncompile.runtime.routing.sandbox`); nothing
 generated ever runs in this process.
 
 ``python -m dyncompile.tools.studies.humaneval costmodel --plan A --plan B --out cost.json`` measures each plan's
@@ -37,13 +37,13 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.runtime.code_check import (
+from dyncompile.runtime.routing.code_check import (
     STOP_SEQUENCES,
     check_examples,
     extract_examples,
     truncate_completion,
 )
-from dyncompile.runtime.sandbox import SandboxLimits, run_python
+from dyncompile.runtime.routing.sandbox import SandboxLimits, run_python
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def hidden_test(problem: dict[str, Any], completion: str, limits: SandboxLimits 
 class GreedyCompleter:
     """Greedy completion with a loaded decoder plan (``dyncompile.load``), stopping at a stop sequence.
 
-    Runs the plan's own decoder (its KV-cache :class:`~dyncompile.runtime.kv_cache.KVDecoder`) and tokenizer;
+    Runs the plan's own decoder (its KV-cache :class:`~dyncompile.runtime.decode.kv_cache.KVDecoder`) and tokenizer;
     the tokens are those of ``compiled.generate(prompt, max_new_tokens=...)`` (greedy) up to the stop.
     """
 

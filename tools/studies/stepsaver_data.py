@@ -73,7 +73,7 @@ def encode_with_plan(plan_dir: str | Path, prompts: list[str], batch: int = 256)
 
 
 def cmd_prepare(args) -> int:
-    from dyncompile.runtime.denoise import make_noise
+    from dyncompile.runtime.diffusion.denoise import make_noise
 
     rows = select_prompts(args.split, args.n, args.seed)
     prompts = [r["prompt"] for r in rows]

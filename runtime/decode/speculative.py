@@ -16,23 +16,23 @@ rejections) and to the costs: ``gamma = argmax E(gamma) / (gamma * c_draft + v(g
 ``E = (1 - alpha^(gamma+1)) / (1 - alpha)`` expected tokens per round, ``c_draft`` the drafter's cost per
 token relative to a target step and ``v(s)`` the target's cost for ``s`` tokens relative to one, both
 measured at compile time and recorded in the plan (the one cost model, shared with the passes'
-projections: :mod:`dyncompile.runtime.cost_model`). The schedule then depends only on what was accepted,
+projections: :mod:`dyncompile.runtime.rules.cost_model`). The schedule then depends only on what was accepted,
 so a seed reproduces a sampled output; ``adapt_to_timing=True`` uses this machine's timings measured online
 instead. Stops at an eos token, at ``max_new_tokens`` and at the model's maximum length (drafts are capped
 so no round overshoots).
 
 Draft trees (plan ``draft.tree`` = ``{max_nodes, max_depth, branching, adaptive}``, or the ``tree=`` option of
 ``generate``; the target needs the 4-D ``attention_bias`` input of the ``explicit-attention`` pass): each round
-the drafter proposes a tree (:meth:`~dyncompile.runtime.drafters.Drafter.propose_tree`: prompt lookup merges
+the drafter proposes a tree (:meth:`~dyncompile.runtime.decode.drafters.Drafter.propose_tree`: prompt lookup merges
 several n-gram matches into a trie, a model drafter adds its top-k alternatives beside its chain), the target
 verifies every node in ONE call (node ``i`` at position ``past + depth(i)``, attending to the past and its
-ancestors: :mod:`dyncompile.runtime.draft_tree`), and the longest path the target agrees with is accepted
+ancestors: :mod:`dyncompile.runtime.decode.draft_tree`), and the longest path the target agrees with is accepted
 (greedy: token-identical; sampling: multi-candidate rejection sampling, exact). The KV cache then keeps only the
-accepted path (:meth:`~dyncompile.runtime.kv_cache.KVDecoder.keep_path`) and the drafter gets the path and every
-output of the call (:class:`~dyncompile.runtime.drafters.Verification`). :class:`TreeController` sizes the tree
+accepted path (:meth:`~dyncompile.runtime.decode.kv_cache.KVDecoder.keep_path`) and the drafter gets the path and every
+output of the call (:class:`~dyncompile.runtime.decode.drafters.Verification`). :class:`TreeController` sizes the tree
 from the measured verification cost curve and what branch nodes have bought so far.
 
-Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.generate`), ``drafter``
+Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.decode.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
 "vocab": file key|null}`` or ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``), ``draft``
 (``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``), ``generation``.
@@ -50,18 +50,24 @@ from typing import Any
 import numpy as np
 
 from dyncompile.plan import TreePolicy
-from dyncompile.runtime.cost_model import (
+from dyncompile.runtime.decode.draft_tree import DraftTree, accept_greedy, accept_sampling
+from dyncompile.runtime.decode.drafters import (
+    Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    TreeBudget,
+    Verification,
+)
+from dyncompile.runtime.decode.generate import GenerateStep, GenerationStats, PromptError
+from dyncompile.runtime.decode.kv_cache import KVDecoder
+from dyncompile.runtime.registry import register_step
+from dyncompile.runtime.rules.cost_model import (
     DEFAULT_VERIFY_SLOPE,
     best_draft_length,
     best_tree_extra,
     verify_cost,
 )
-from dyncompile.runtime.draft_tree import DraftTree, accept_greedy, accept_sampling
-from dyncompile.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter, TreeBudget, Verification
-from dyncompile.runtime.executor import register_step
-from dyncompile.runtime.generate import GenerateStep, GenerationStats, PromptError
-from dyncompile.runtime.kv_cache import KVDecoder
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,7 @@ class DraftController:
         verify_cost: dict[int, float] | None = None,
         timing: bool = False,
     ) -> None:
+        """Set the draft length bounds and the adaptation rule."""
         if not 0 <= min_len <= max_len:
             raise PromptError(f"draft lengths need 0 <= min <= max, got min={min_len}, max={max_len}")
         self.initial = int(initial)
@@ -143,6 +150,7 @@ class DraftController:
 
     @property
     def alpha(self) -> float:
+        """Estimated per-token acceptance probability."""
         return self.acc / (self.acc + self.rej)
 
     def _model_verify(self, s: int) -> float:
@@ -200,6 +208,7 @@ class DraftController:
         return best
 
     def update(self, drafted: int, accepted: int, verify_tokens: int, verify_s: float, draft_s: float) -> None:
+        """Record one round: tokens drafted and accepted, verified tokens and the seconds verify and draft took."""
         d = self.decay
         if drafted:
             self.acc = d * self.acc + accepted
@@ -211,15 +220,18 @@ class DraftController:
 
 
 class TreeController:
-    """Sizes each round's draft tree: the main chain's depth from :class:`DraftController` (acceptance along the
+    """Sizes each round's draft tree.
+
+    The main chain's depth from :class:`DraftController` (acceptance along the
     first-child path), the branch nodes beside it from the measured verification cost curve ``v(s)`` and the
-    tokens branch nodes have bought so far (:func:`~dyncompile.runtime.cost_model.best_tree_extra`).
+    tokens branch nodes have bought so far (:func:`~dyncompile.runtime.rules.cost_model.best_tree_extra`).
 
     Non-adaptive: every round asks for ``max_nodes`` nodes, depth ``max_depth``, ``branching`` children.
     """
 
     def __init__(self, chain: DraftController, *, max_nodes: int = 16, max_depth: int = 8, branching: int = 3,
                  adaptive: bool = True, gain0: float = 0.1, probe_every: int = 8) -> None:
+        """Size draft trees within ``max_nodes`` / ``max_depth`` / ``branching``, on top of the chain controller."""
         self.chain = chain
         self.max_nodes, self.max_depth, self.branching = int(max_nodes), int(max_depth), int(branching)
         self.adaptive = bool(adaptive)
@@ -231,6 +243,7 @@ class TreeController:
 
     @property
     def gain_per_node(self) -> float:
+        """Accepted tokens gained per extra tree node so far."""
         return self.gain / self.extra if self.extra > 0 else 0.0
 
     def next_budget(self, limit: int) -> TreeBudget:
@@ -262,6 +275,7 @@ class TreeController:
         return False
 
     def update(self, tree: DraftTree, path: list[int], verify_s: float, draft_s: float) -> None:
+        """Record one tree round: the accepted ``path`` and the seconds verify and draft took."""
         main = tree.main_chain_length()
         on_main, node = 0, 0
         for p in path[1:]:
@@ -284,14 +298,15 @@ class SpeculativeGenerateStep(GenerateStep):
     """Speculative decoding: the plan's drafter proposes, the target verifies (see the module docstring)."""
 
     def __init__(self, step, ctx) -> None:
+        """Open the target and drafter sessions and set up the draft controllers from the plan."""
         super().__init__(step, ctx)  # self.params: SpeculativeParams, validated at load
         d = self.params.drafter
         self.draft_policy = self.params.draft
         self.drafter: Drafter
         if d.kind == "prompt-lookup":
             self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
-        elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/eagle.py)
-            from dyncompile.runtime.eagle import EagleDecoder, EagleDrafter
+        elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/decode/eagle.py)
+            from dyncompile.runtime.decode.eagle import EagleDecoder, EagleDrafter
 
             vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False) if d.vocab else None
             dec = EagleDecoder(ctx.session(d.decoder.model), d.decoder, feature_input=d.feature_input,
@@ -336,8 +351,10 @@ class SpeculativeGenerateStep(GenerateStep):
         )
 
     def _tree_controller(self, ctl: DraftController, options: dict[str, Any]) -> TreeController | None:
-        """The plan's tree policy (``None``: chains), overridden by ``tree`` (``False``/``True``/a dict of
-        ``max_nodes``, ``max_depth``, ``branching``, ``adaptive``)."""
+        """The plan's tree policy (``None``: chains), overridden by the call's ``tree`` option.
+
+        ``tree``: ``False``, ``True`` or a dict of ``max_nodes``, ``max_depth``, ``branching``, ``adaptive``.
+        """
         tp = self.draft_policy.tree
         opt = options.pop("tree", None)
         if opt is None and tp is None or opt is False:
@@ -368,6 +385,7 @@ class SpeculativeGenerateStep(GenerateStep):
                               adaptive=bool(d["adaptive"]))
 
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
+        """Speculative decoding of up to ``max_new_tokens`` after ``prompt_ids``; returns the ids and statistics."""
         # per-call runtime options (the plan's defaults otherwise)
         decoders = [self.target] + ([self.drafter.decoder] if isinstance(self.drafter, ModelDrafter) else [])
         io_binding = options.pop("io_binding", None)
@@ -455,18 +473,7 @@ class SpeculativeGenerateStep(GenerateStep):
             logits = target.forward(tree.tokens, tree=tree)
             outputs = dict(target.last_outputs)
             t_v = self.timer.seconds.get("target", 0.0) - tv_before
-            if tree.is_chain:  # the chain verifiers (the tree ones reduce to them on a chain)
-                drafts = tree.tokens[1:]
-                if sample:
-                    n, nxt = verify_sampling(probs_from_logits(logits, temperature), drafts,
-                                             None if not drafts or tree.qs[1] is None else tree.qs[1:], rng)
-                else:
-                    n, nxt = verify_greedy(logits, drafts)
-                path = list(range(n + 1))
-            elif sample:
-                path, nxt = accept_sampling(tree, probs_from_logits(logits, temperature), rng)
-            else:
-                path, nxt = accept_greedy(tree, logits)
+            path, nxt = _accept(tree, logits, sample, temperature, rng)
             n = len(path) - 1
             stats.rounds += 1
             stats.target_calls += 1
@@ -478,16 +485,7 @@ class SpeculativeGenerateStep(GenerateStep):
                 ctl.update(tree.drafted, n, len(tree), t_v, t_d)
             else:
                 tree_ctl.update(tree, path, t_v, t_d)
-            new = [*(tree.tokens[i] for i in path[1:]), nxt]
-            stop = ""
-            for j, t in enumerate(new):
-                if t in eos:
-                    new = new[: j + 1]
-                    stop = "eos"
-                    break
-            if len(out) + len(new) >= budget:
-                new = new[: budget - len(out)]
-                stop = stop or ("max_new_tokens" if budget >= max_new_tokens else "max_length")
+            new, stop = _clip([*(tree.tokens[i] for i in path[1:]), nxt], len(out), eos, budget, max_new_tokens)
             seq.extend(new)
             out.extend(new)
             if not stop and stop_when is not None and stop_when(out):
@@ -497,3 +495,33 @@ class SpeculativeGenerateStep(GenerateStep):
                 return out
             target.keep_path(len(tree), path)
             drafter.after_verify(Verification(seq, len(seq) - 1, tree, path, outputs, target))
+
+
+def _accept(tree: DraftTree, logits: np.ndarray, sample: bool, temperature: float,
+            rng: np.random.Generator) -> tuple[list[int], int]:
+    """The accepted root-to-node path of ``tree`` and the target's next token after it."""
+    if tree.is_chain:  # the chain verifiers (the tree ones reduce to them on a chain)
+        drafts = tree.tokens[1:]
+        if sample:
+            n, nxt = verify_sampling(probs_from_logits(logits, temperature), drafts,
+                                     None if not drafts or tree.qs[1] is None else tree.qs[1:], rng)
+        else:
+            n, nxt = verify_greedy(logits, drafts)
+        return list(range(n + 1)), nxt
+    if sample:
+        return accept_sampling(tree, probs_from_logits(logits, temperature), rng)
+    return accept_greedy(tree, logits)
+
+
+def _clip(new: list[int], done: int, eos: set[int], budget: int, max_new_tokens: int) -> tuple[list[int], str]:
+    """The round's new tokens cut at the first eos and at the budget (``done`` tokens already out), and why."""
+    stop = ""
+    for j, t in enumerate(new):
+        if t in eos:
+            new = new[: j + 1]
+            stop = "eos"
+            break
+    if done + len(new) >= budget:
+        new = new[: budget - done]
+        stop = stop or ("max_new_tokens" if budget >= max_new_tokens else "max_length")
+    return new, stop

@@ -36,6 +36,7 @@ class DDIMScheduler:
     name = "DDIMScheduler"
 
     def __init__(self, config: dict[str, Any]) -> None:
+        """Read and check the diffusers config (PlanError for options not implemented)."""
         cfg = dict(config)
         self.config = cfg
         where = "scheduler config"
@@ -82,6 +83,7 @@ class DDIMScheduler:
         self.final_alpha_cumprod = np.float32(1.0) if set_alpha_to_one else self.alphas_cumprod[0]
 
     def __repr__(self) -> str:
+        """The scheduler and its main options."""
         return (
             f"DDIMScheduler(T={self.T}, spacing={self.spacing!r}, prediction={self.prediction_type!r}, "
             f"clip_sample={self.clip_sample})"
@@ -104,6 +106,7 @@ class DDIMScheduler:
         return [int(t) for t in ts]
 
     def prev_timestep(self, t: int, n: int) -> int:
+        """The timestep after ``t`` on an ``n``-step schedule."""
         return int(t) - self.T // int(n)
 
     def step(self, model_output: np.ndarray, t: int, sample: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

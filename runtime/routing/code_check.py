@@ -2,7 +2,7 @@
 
 A code-completion prompt (HumanEval style: a signature and a docstring) often shows examples of the function
 it asks for. This module extracts them and runs prompt + completion + examples in the sandbox
-(:mod:`dyncompile.runtime.sandbox`). It never sees hidden tests: only the prompt text is read.
+(:mod:`dyncompile.runtime.routing.sandbox`). It never sees hidden tests: only the prompt text is read.
 
 Example forms recognised (the call must name the entry point and have literal arguments; the expected
 value must be a Python literal):
@@ -17,7 +17,7 @@ value must be a Python literal):
 Floats compare with a relative tolerance of 1e-6 (``6.00`` matches ``6.0``).
 
 The check is registered as ``python-doctest`` in the route framework's check registry
-(:func:`dyncompile.runtime.route.register_check`) and has its signature ``check(input_record, output) -> bool``:
+(:func:`dyncompile.runtime.routing.route.register_check`) and has its signature ``check(input_record, output) -> bool``:
 ``input_record`` has ``prompt`` and ``entry_point`` (a HumanEval problem, hidden tests ignored),
 ``output`` has ``completion`` (the generated text after the prompt). A prompt without examples gives
 ``no_examples_policy``'s answer (default ``False``: escalate, since nothing vouches for the code).
@@ -35,8 +35,8 @@ import time
 from typing import Any
 
 from dyncompile.errors import DataError
-from dyncompile.runtime.route import register_check
-from dyncompile.runtime.sandbox import SandboxLimits, SandboxResult, run_python
+from dyncompile.runtime.routing.route import register_check
+from dyncompile.runtime.routing.sandbox import SandboxLimits, SandboxResult, run_python
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,7 @@ __dyncompile_check()
 
 
 def build_example_program(prompt: str, completion: str, examples: list[Example], nonce: str) -> str:
+    """The program that runs ``prompt + completion``, then every example, and prints the results as one JSON line after ``nonce``."""
     cases = [(e.call, e.expected, e.literal) for e in examples]
     return prompt + completion + "\n" + _HARNESS.format(cases=repr(cases), nonce=nonce)
 
@@ -256,6 +257,7 @@ class CheckOutcome:
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 

@@ -1,7 +1,7 @@
 """Drafters for speculative decoding: a model (external or split from the target) or prompt lookup.
 
 A drafter proposes up to ``n`` tokens continuing the current sequence; the target then checks them all
-in one call (:mod:`dyncompile.runtime.speculative`). For exact speculative sampling a drafter also returns
+in one call (:mod:`dyncompile.runtime.decode.speculative`). For exact speculative sampling a drafter also returns
 the distribution ``q`` it drew each token from (``None`` means a point mass on the proposed token, as for
 prompt lookup).
 
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.kv_cache import KVDecoder
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.decode.draft_tree import DraftTree
+from dyncompile.runtime.decode.kv_cache import KVDecoder
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,11 @@ __all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "TreeBudget", "Veri
 
 @dataclasses.dataclass(frozen=True)
 class TreeBudget:
-    """How large a draft tree may be: ``max_nodes`` drafted nodes (root excluded), paths of at most
-    ``max_depth`` drafts, at most ``branching`` children per node. A chain of ``g`` is ``(g, g, 1)``."""
+    """How large a draft tree may be.
+
+    ``max_nodes`` drafted nodes (root excluded), paths of at most ``max_depth`` drafts, at most ``branching``
+    children per node. A chain of ``g`` is ``(g, g, 1)``.
+    """
 
     max_nodes: int
     max_depth: int
@@ -83,17 +86,18 @@ class Drafter:
     """
 
     name = "drafter"
-    #: drafting costs model calls (timed separately from the target)
-    uses_model = False
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new prompt (``prompt_ids``); drop any state of the previous one."""
         pass
 
     def after_prefill(self, target: KVDecoder) -> None:
+        """Called once the target has prefilled the prompt (e.g. to share its cache)."""
         pass
 
     def propose(self, seq: list[int], n: int, *, sample: bool, temperature: float, rng: np.random.Generator,
                 vocab_size: int) -> tuple[list[int], list[np.ndarray] | None]:
+        """Draft up to ``n`` tokens after ``seq``; returns the tokens and, when sampling, their distributions."""
         raise NotImplementedError
 
     def propose_tree(self, seq: list[int], budget: TreeBudget, *, sample: bool, temperature: float,
@@ -109,10 +113,12 @@ class Drafter:
 
 
 def frontier_visibility(exp, par, slot, past_valid: np.ndarray, slots: int) -> np.ndarray:
-    """Visibility ``[len(exp), slots + len(exp)]`` of a tree frontier fed to a drafter in one call: row ``r`` (node
-    ``exp[r]``) sees the valid committed cache (``past_valid``, one flag per committed slot), the cache slots of its
+    """Visibility ``[len(exp), slots + len(exp)]`` of a tree frontier fed to a drafter in one call.
+
+    Row ``r`` (node ``exp[r]``) sees the valid committed cache (``past_valid``, one flag per committed slot), the cache slots of its
     ancestors (``par``: parent index, -1 for the root's children; ``slot``: each drafted node's cache slot) and
-    itself (slot ``slots + r``)."""
+    itself (slot ``slots + r``).
+    """
     n = len(exp)
     visible = np.zeros((n, slots + n), bool)
     visible[:, : len(past_valid)] = past_valid
@@ -127,8 +133,9 @@ def frontier_visibility(exp, par, slot, past_valid: np.ndarray, slots: int) -> n
 
 def grow_tree(dec, root: int, logits: np.ndarray, budget: TreeBudget, vocab: np.ndarray | None, vocab_size: int,
               call, hidden: np.ndarray | None = None) -> DraftTree:
-    """A greedy draft tree grown best-first by draft confidence (EAGLE-2), for any drafter whose graph takes a 4-D
-    attention bias (:attr:`KVDecoder.supports_trees`).
+    """A greedy draft tree grown best-first by draft confidence (EAGLE-2).
+
+    For any drafter whose graph takes a 4-D attention bias (:attr:`KVDecoder.supports_trees`).
 
     ``dec`` holds the sequence in its cache (its ``length`` / ``slots`` now are the committed positions);
     ``logits`` (and ``hidden``, an EAGLE drafter's predicted feature) are its last row. The root's top-k children
@@ -202,7 +209,8 @@ def pick_draft_token(logits: np.ndarray, vocab: np.ndarray | None, sample: bool,
     """A drafter's next token in target ids, and (sampling) its distribution over the target's vocabulary.
 
     ``vocab`` maps a reduced draft vocabulary back to target ids (``None``: the drafter's ids are the target's;
-    a larger or smaller head is padded/cut to ``vocab_size``)."""
+    a larger or smaller head is padded/cut to ``vocab_size``).
+    """
     if not sample:
         j = int(np.argmax(logits))
         return (int(vocab[j]) if vocab is not None else j), None
@@ -230,16 +238,18 @@ def top_alternatives(logits: np.ndarray, vocab: np.ndarray | None, k: int, exclu
     return [t for t in toks if t != exclude and t < vocab_size][:k]
 
 class ModelDrafter(Drafter):
-    """A decoder drafter (external, or split from the target). Its trees: greedy, on a drafter graph with a 4-D
-    attention bias input (``explicit-attention``), best-first expansion of its top-k tokens (:meth:`_expand`);
-    otherwise (and when sampling) the greedy or sampled chain plus the drafter's next-best tokens at each
-    depth as sibling leaves (top-k branches), shallow depths first."""
+    """A decoder drafter (external, or split from the target).
 
-    uses_model = True
+    Its trees: greedy, on a drafter graph with a 4-D attention bias input (``explicit-attention``), best-first
+    expansion of its top-k tokens (:meth:`_expand`);
+    otherwise (and when sampling) the greedy or sampled chain plus the drafter's next-best tokens at each
+    depth as sibling leaves (top-k branches), shallow depths first.
+    """
 
     def __init__(self, decoder: KVDecoder, *, name: str = "model", share_kv: Sequence[int] | None = None,
                  vocab: np.ndarray | None = None) -> None:
-        """
+        """Draft with ``decoder``.
+
         Args:
             decoder: the drafter's decoder.
             name: ``external`` or ``split`` (for the stats).
@@ -254,6 +264,7 @@ class ModelDrafter(Drafter):
         self._fed: list[int] = []  # the tokens the drafter's cache holds
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new prompt: clear the drafter's cache."""
         self.decoder.reset()
         self._fed = []
         self._prompt = list(prompt_ids)
@@ -263,6 +274,7 @@ class ModelDrafter(Drafter):
         self._fed = list(seq[: target.length])
 
     def after_prefill(self, target: KVDecoder) -> None:
+        """Share the target's prefilled cache when the drafter reads it."""
         if self.share_kv is not None:
             self._adopt(target, self._prompt)
 
@@ -292,18 +304,21 @@ class ModelDrafter(Drafter):
         return tokens, (qs if sample else None), alts
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        """Draft up to ``n`` tokens after ``seq`` with the drafter model."""
         if n <= 0:
             return [], ([] if sample else None)
         tokens, qs, _ = self._chain(seq, n, sample, temperature, rng, vocab_size)
         return tokens, qs
 
     def _expand(self, seq, budget: TreeBudget, vocab_size: int) -> DraftTree:
-        """Greedy tree by best-first expansion (EAGLE-2 style) on a drafter with a 4-D attention bias input: one
-        drafter call per depth feeds the ``branching`` best frontier nodes together (each attending to the
+        """Greedy tree by best-first expansion (EAGLE-2 style) on a drafter with a 4-D attention bias input.
+
+        One drafter call per depth feeds the ``branching`` best frontier nodes together (each attending to the
         sequence and its own ancestors); every node proposes its drafter's top-``branching`` tokens, scored by
         the path's summed log-probability; the ``max_nodes`` best-scored nodes form the tree (a node's score
         never exceeds its parent's, so they are a tree). The first child of each node is its best child, so the
-        main chain is the drafter's greedy chain. The drafter's cache is rolled back to the sequence after."""
+        main chain is the drafter's greedy chain. The drafter's cache is rolled back to the sequence after.
+        """
         dec = self.decoder
         keep = _common_prefix(self._fed, seq, len(seq) - 1)
         if keep < dec.length:
@@ -316,6 +331,7 @@ class ModelDrafter(Drafter):
                          lambda toks, _, positions, visible: (dec.forward_visible(toks, positions, visible), None))
 
     def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size):
+        """Draft a token tree within ``budget`` (a chain when the model cannot branch)."""
         if (not sample and self.decoder.supports_trees and budget.branching > 1 and budget.max_nodes > budget.max_depth
                 and budget.max_depth > 0):
             return self._expand(seq, budget, vocab_size)
@@ -335,6 +351,7 @@ class ModelDrafter(Drafter):
         return tree
 
     def after_verify(self, v: Verification) -> None:
+        """Roll the drafter's cache back to what the target accepted."""
         if self.share_kv is not None:
             self._adopt(v.target, v.seq)
             return
@@ -363,6 +380,7 @@ class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        """Match n-grams of ``min_ngram`` to ``max_ngram`` tokens against the prompt and the output so far."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = int(max_ngram)
@@ -371,6 +389,7 @@ class PromptLookupDrafter(Drafter):
         self._indexed = 0  # n-grams ending before this position are indexed
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new prompt: clear the n-gram index (rebuilt as the sequence grows)."""
         self._index = {}
         self._indexed = 0
 
@@ -385,6 +404,7 @@ class PromptLookupDrafter(Drafter):
         self._indexed = max(self._indexed, last + 1)
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        """Draft the tokens that followed the longest earlier match of the sequence's last n-gram."""
         del temperature, rng, vocab_size
         if n <= 0 or len(seq) < 2:
             return [], ([] if sample else None)
@@ -398,6 +418,7 @@ class PromptLookupDrafter(Drafter):
         return [], None
 
     def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size):
+        """Draft a tree whose branches are the continuations of several earlier matches."""
         del sample, temperature, rng, vocab_size
         tree = DraftTree.chain(seq[-1], [])
         if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(seq) < 2:

@@ -6,14 +6,14 @@ same loader and hash checks as a top-level plan), and for a learned router its O
 ordered cheapest first; the last one always answers. The rule (:class:`dyncompile.plan.RoutingRule`):
 
 * ``confidence`` (cascade; FrugalGPT / AutoMix style): candidate ``k`` answers the rows whose confidence
-  passes ``thresholds[k]`` (the early-exit rule of :func:`dyncompile.runtime.exit_rule.exit_fires` —
+  passes ``thresholds[k]`` (the early-exit rule of :func:`dyncompile.runtime.rules.exit_rule.exit_fires` —
   a cascade is early exit across models); the other rows go on to candidate ``k + 1``. Classifiers only.
 * ``learned`` (route; RouteLLM style): the router ONNX reads the input before any candidate runs and
   outputs ``[B, K-1]`` scores; row ``b`` goes to the first ``k`` with ``score[b, k] > thresholds[k]``.
 * ``check`` (cascade): candidate ``k``'s answer is kept when the executable check passes on it.
 
 Executable checks are registered by name (:func:`register_check`, :func:`get_check`; a plan names one,
-it never carries code). The interface, for whoever adds one (e.g. ``runtime/code_check.py`` registers
+it never carries code). The interface, for whoever adds one (e.g. ``runtime/routing/code_check.py`` registers
 ``python-doctest``)::
 
     @register_check("my-check")
@@ -33,7 +33,6 @@ The step writes ``state[output]`` (``[B, C]`` logits, each row the answering can
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
 from collections.abc import Callable
@@ -42,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError, PlanError
-from dyncompile.plan import STEP_SCHEMAS, load_subplan
-from dyncompile.runtime.executor import CompiledModel, StepHandler, known_step_kinds, register_step
-from dyncompile.runtime.exit_rule import exit_fires, softmax
+from dyncompile.plan import STEP_SCHEMAS
+from dyncompile.runtime.registry import StepHandler, register_step
+from dyncompile.runtime.rules.exit_rule import exit_fires, softmax
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ __all__ = ["CHECKS", "RoutedStep", "get_check", "register_check"]
 
 CHECKS: dict[str, Callable[[dict, dict], bool]] = {}
 #: modules that register checks on import, by check name (imported on first use)
-_CHECK_MODULES = {"python-doctest": "dyncompile.runtime.code_check"}
+_CHECK_MODULES = {"python-doctest": "dyncompile.runtime.routing.code_check"}
 
 
 def register_check(name: str) -> Callable:
@@ -81,30 +80,20 @@ def get_check(name: str) -> Callable[[dict, dict], bool]:
     return fn
 
 
-def _sub_context(ctx, plan):
-    sub = copy.copy(ctx)  # same provider, threads, optimisation level and session options
-    sub.plan = plan
-    sub._sessions = {}
-    return sub
-
-
 class RoutedStep(StepHandler):
-    """Shared part of ``cascade`` and ``route``: the candidates as loaded :class:`CompiledModel` objects."""
+    """Shared part of ``cascade`` and ``route``: the candidates as loaded models (``CompiledModel``)."""
 
     takes_text = True  # fed the raw inputs ({"texts": [...]}) — every candidate tokenizes with its own tokenizer
 
     def __init__(self, step, ctx) -> None:
+        """Load every candidate as a model and resolve the rule's check."""
         super().__init__(step, ctx)
         p = step.typed or STEP_SCHEMAS[self.kind](step.params, f"{self.kind} step")
         self.params = p
         self.rule = p.rule
         self.output = p.output
         self.names = [c.name for c in p.candidates]
-        kinds = known_step_kinds()
-        self.models: list[CompiledModel] = []
-        for c in p.candidates:
-            sub = load_subplan(ctx.plan, c, known_step_kinds=kinds)
-            self.models.append(CompiledModel(sub, _sub_context(ctx, sub)))
+        self.models = [ctx.load_candidate(c) for c in p.candidates]
         self.task = p.candidates[0].task
         self.per_row = [(m.plan.policy.get("early_exit") or {}).get("lowering") == "if" for m in self.models]
         self.check = get_check(self.rule.check) if self.rule.kind == "check" else None
@@ -116,11 +105,13 @@ class RoutedStep(StepHandler):
         """Candidate ``k``'s probabilities on ``rows`` of the batch ``texts``.
 
         An If-lowered early-exit candidate decides one exit per batch; it runs row by row so that every row
-        gets the per-row decision its calibration (at batch 1) measured."""
+        gets the per-row decision its calibration (at batch 1) measured.
+        """
         bs = 1 if self.per_row[k] else max(1, len(rows))
         return self.models[k].predict_proba([texts[i] for i in rows], batch_size=bs)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Answer each text with the first candidate the rule accepts (or the one the router picks)."""
         texts = state.get("texts")
         if texts is None:
             raise DataError(f"a {self.kind} plan takes texts; call it on texts (or `dyncompile run PLAN --text ...`)")
@@ -156,9 +147,11 @@ class RoutedStep(StepHandler):
         return state
 
     def assign(self, texts: list[str]) -> np.ndarray | None:
+        """The candidate per row chosen before any runs (None: a cascade decides as it goes)."""
         return None
 
     def accepts(self, k: int, texts: list[str], probs: np.ndarray) -> np.ndarray:
+        """Which rows' answers of candidate ``k`` the rule keeps."""
         if self.rule.kind == "confidence":
             return exit_fires(probs.astype(np.float64), self.rule.thresholds[k], self.rule.criterion)
         labels = self.models[k].plan.labels or [str(i) for i in range(probs.shape[1])]
@@ -182,15 +175,14 @@ class RoutedStep(StepHandler):
         stops = getattr(self.check, "stop_sequences", None)  # e.g. python-doctest: end of the function
         if stops and "stop" not in kwargs:
             kwargs["stop"] = list(stops)
-        for k, m in enumerate(self.models):
+        last = len(self.models) - 1
+        for k, m in enumerate(self.models[:last]):
             res = m.generate(prompt, **kwargs)
-            if k == len(self.models) - 1:
-                return k, res, checks
             ok = bool(self.check(record, {"text": res.text, "token_ids": list(res.token_ids)}))
             checks.append(ok)
             if ok:
                 return k, res, checks
-        raise AssertionError("unreachable")  # pragma: no cover
+        return last, self.models[last].generate(prompt, **kwargs), checks
 
 
 @register_step("cascade")
@@ -219,7 +211,7 @@ class RouteStep(RoutedStep):
         self.shared = []
         for m in self.models:
             t = m.plan.tokenizer
-            same = (m.encoder is not None and t is not None and m.plan.files[t["file"]].sha256 == tok
+            same = (getattr(m.task_api, "encoder", None) is not None and t is not None and m.plan.files[t["file"]].sha256 == tok
                     and {k: t.get(k) for k in ("max_length", "padding")} == spec)
             self.shared.append(same)
         self._feeds: dict[str, np.ndarray] | None = None
@@ -252,8 +244,3 @@ class RouteStep(RoutedStep):
         s = self.scores(texts)
         fires = np.concatenate([s > self.thresholds[None, :], np.ones((len(texts), 1), bool)], axis=1)
         return fires.argmax(axis=1)
-
-
-def probs_of(state: dict[str, Any], output: str) -> np.ndarray:
-    """Class probabilities from a routed step's output (log-probabilities)."""
-    return softmax(np.asarray(state[output], np.float64))

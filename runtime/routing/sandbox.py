@@ -21,7 +21,7 @@ Reading world-readable files is not prevented.
 
 Sketch: the parent starts a small launcher (``python -I -S -c _LAUNCHER``) in a new session, with the program
 on stdin. The launcher builds the namespaces and mounts, forks; the child (PID 1 of the new PID namespace)
-drops to the sandbox uid, sets its parent-death signal and the limits, and ``execv``\\ s ``python -I -S
+drops to the sandbox uid, sets its parent-death signal and the limits, and ``execv``-s ``python -I -S
 main.py`` in the private working directory. stdout/stderr go to temporary files (bounded by ``RLIMIT_FSIZE``)
 that the parent reads back. On a wall-clock timeout the parent asks the launcher (SIGTERM) to kill the program and wait
 until its PID namespace is empty, then kills the launcher's process group; the program's parent-death
@@ -77,9 +77,11 @@ class SandboxResult:
 
     @property
     def ok(self) -> bool:
+        """The program exited 0 within its time limit."""
         return self.returncode == 0 and not self.timed_out
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 
@@ -269,10 +271,13 @@ def _world_executable(path: str) -> bool:
 
 
 def sandbox_python() -> str:
-    """The interpreter the program runs on: this one, unless the sandbox uid could not execute it (a
+    """The interpreter the program runs on.
+
+    This one, unless the sandbox uid could not execute it (a
     Python under root's home when running as root), then the first world-executable ``python3`` on
     ``/usr/bin:/bin:/usr/local/bin`` of the same major.minor version, else this one (and the run fails
-    with code 126, saying why)."""
+    with code 126, saying why).
+    """
     if os.geteuid() != 0 or _world_executable(sys.executable):
         return sys.executable
     want = f"python{sys.version_info.major}.{sys.version_info.minor}"

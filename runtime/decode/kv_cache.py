@@ -1,7 +1,7 @@
 """A decoder's KV cache for batch-1 generation: one ORT session plus its past tensors, with rollback.
 
 :class:`KVDecoder` drives one KV-cache decoder graph as a plan's decoder spec describes it (see
-:mod:`dyncompile.runtime.generate` for the JSON form): it keeps the cache as arrays (or ORT values bound by
+:mod:`dyncompile.runtime.decode.generate` for the JSON form): it keeps the cache as arrays (or ORT values bound by
 IOBinding), feeds ``attention_mask`` / ``position_ids`` for batch 1, and rolls back rejected draft tokens by
 masking them (default) or slicing the past tensors. :class:`SessionTimer` adds up the seconds spent inside
 ORT calls per model role. The ``generate`` and ``speculative_generate`` steps share both.
@@ -18,7 +18,7 @@ import numpy as np
 
 from dyncompile.errors import PlanError
 from dyncompile.plan import DecoderSpec, KVEntry
-from dyncompile.runtime.draft_tree import DraftTree
+from dyncompile.runtime.decode.draft_tree import DraftTree
 
 __all__ = ["BIAS_NEG", "KVDecoder", "SessionTimer"]
 
@@ -35,14 +35,17 @@ class SessionTimer:
     """Accumulates seconds spent inside ORT ``run`` calls, per model role."""
 
     def __init__(self) -> None:
+        """Start with no time recorded."""
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
     def add(self, role: str, dt: float) -> None:
+        """Add ``dt`` seconds to ``role``."""
         self.seconds[role] = self.seconds.get(role, 0.0) + dt
         self.calls[role] = self.calls.get(role, 0) + 1
 
     def reset(self) -> None:
+        """Forget the recorded times."""
         self.seconds.clear()
         self.calls.clear()
 
@@ -82,6 +85,7 @@ class KVDecoder:
 
     def __init__(self, session, spec: DecoderSpec, *, role: str = "target", timer: SessionTimer | None = None,
                  io_binding: bool = False, rollback: str = "mask", kv_buffer: str | None = None) -> None:
+        """Drive ``session`` as described by ``spec`` (``role`` names it in the timer)."""
         self.session = session
         self.spec = spec
         self.role = role
@@ -132,8 +136,10 @@ class KVDecoder:
         self.set_kv_buffer(kv_buffer)
 
     def set_rollback(self, rollback: str) -> None:
-        """Roll back by ``"mask"`` or ``"copy"`` (see the class docstring); ``"copy"`` for a graph without a mask or
-        bias input and position ids, which cannot express holes."""
+        """Roll back by ``"mask"`` or ``"copy"`` (see the class docstring).
+
+        ``"copy"`` for a graph without a mask or bias input and position ids, which cannot express holes.
+        """
         if rollback not in ("mask", "copy"):
             raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
         self.rollback = rollback if (self.mask_name or self.bias_name) and self.pos_name else "copy"
@@ -162,6 +168,7 @@ class KVDecoder:
         return np.zeros([1, *dims], self.dtype)
 
     def reset(self) -> None:
+        """Empty the cache (a new prompt)."""
         self.length = self.slots = 0
         self._mask[:] = 1
         if self.shared:  # the buffers are kept (the next call overwrites them from slot 0)
@@ -233,8 +240,10 @@ class KVDecoder:
         self._compact_if_due()
 
     def _compact_if_due(self) -> None:
-        """Compact once masked slots exceed a quarter of the cache (at once for ``rollback="copy"``, which a shared
-        buffer does not need: its rollback is a move of the end)."""
+        """Compact once masked slots exceed a quarter of the cache.
+
+        At once for ``rollback="copy"``, which a shared buffer does not need: its rollback is a move of the end.
+        """
         if (self.rollback == "copy" and not self.shared) or self.slots - self.length > max(32, self.slots // 4):
             self.compact()
 
@@ -260,7 +269,8 @@ class KVDecoder:
         """Use ``other``'s past tensors ``indices`` (aligned with this decoder's kv entries) and its slot mask.
 
         Concat caches share the tensors (neither side writes them); a shared buffer is copied (``other`` writes
-        its buffers in place, and so would this decoder)."""
+        its buffers in place, and so would this decoder).
+        """
         if self.shared or other.shared:
             arrays = other._arrays()
             src = [arrays[j] for j in indices]
@@ -321,9 +331,11 @@ class KVDecoder:
         return feeds
 
     def keep_path(self, n: int, keep: Sequence[int]) -> None:
-        """After a ``forward`` of ``n`` tree nodes, keep only the nodes ``keep`` (indices among those ``n``, in
-        increasing order: an accepted root-to-node path) in the cache; the others are dropped (masked, or
-        gathered out along the sequence axis with ``rollback="copy"``)."""
+        """After a ``forward`` of ``n`` tree nodes, keep only the nodes ``keep`` in the cache.
+
+        ``keep``: indices among those ``n``, in increasing order (an accepted root-to-node path); the others are
+        dropped (masked, or gathered out along the sequence axis with ``rollback="copy"``).
+        """
         keep = sorted(int(k) for k in keep)
         if keep == list(range(len(keep))):  # a prefix: the plain rollback
             self.truncate(self.length - n + len(keep))
@@ -343,9 +355,11 @@ class KVDecoder:
         self._compact_if_due()
 
     def forward_visible(self, ids: Sequence[int], positions: Sequence[int], visible: np.ndarray) -> np.ndarray:
-        """Logits of ``ids`` at ``positions``, token ``i`` attending to the slots where ``visible[i]`` (bool
-        ``[n, slots + n]``) is true; needs :attr:`supports_trees`. The cache grows by ``n`` (every slot stays
-        valid: roll back with :meth:`truncate`)."""
+        """Logits of ``ids`` at ``positions``, token ``i`` attending to the slots where ``visible[i]`` is true.
+
+        ``visible``: bool ``[n, slots + n]``; needs :attr:`supports_trees`. The cache grows by ``n`` (every slot stays
+        valid: roll back with :meth:`truncate`).
+        """
         if not self.supports_trees:
             raise PlanError(f"the {self.role} model has no 4-D attention bias input")
         return self.forward(ids, _visible=(np.asarray(visible, bool), np.asarray(positions, np.int64)))
@@ -385,8 +399,10 @@ class KVDecoder:
         return logits
 
     def _run(self, ids_arr: np.ndarray, aux: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None) -> None:
-        """One session call on ``ids_arr`` ``[1, n]`` plus ``aux`` / ``extra`` feeds on top of the cache; fills
-        :attr:`last_outputs` (batch dim dropped) and grows the cache by ``n``."""
+        """One session call on ``ids_arr`` ``[1, n]`` plus ``aux`` / ``extra`` feeds on top of the cache.
+
+        Fills :attr:`last_outputs` (batch dim dropped) and grows the cache by ``n``.
+        """
         n = ids_arr.shape[1]
         feeds = {self.spec.input_ids: ids_arr, **aux, **(extra or {})}
         if self.keep_name and self.keep_name not in feeds:

@@ -1,4 +1,4 @@
-"""The early-exit rule in numpy: when does a row stop at an exit? (A leaf module: numpy only.)
+"""The early-exit rule in numpy: when does a row stop at an exit? A leaf module: numpy only.
 
 One implementation for everybody who needs the decision in numpy: threshold calibration
 (:mod:`dyncompile.passes.early_exit.calibrate`) optimises it, the staged runtime step
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 CRITERIA = ("entropy", "maxprob", "patience")
-#: The learned exit policy's criterion: scores from :mod:`dyncompile.runtime.exit_policy`, no closed form here.
+#: The learned exit policy's criterion: scores from :mod:`dyncompile.runtime.rules.exit_policy`, no closed form here.
 LEARNED = "learned"
 
 
@@ -92,7 +92,7 @@ def streak_ok(pred: np.ndarray, patience: int) -> np.ndarray:
 def exit_scores(exit_probs: np.ndarray, criterion: str, patience: int = 2, policy=None) -> np.ndarray:
     """Confidence scores ``[E, N]`` (float64; larger = more confident; ``-inf`` = may not exit here).
 
-    Criterion ``learned``: the scores of ``policy`` (a :class:`dyncompile.runtime.exit_policy.ExitPolicy`),
+    Criterion ``learned``: the scores of ``policy`` (a :class:`dyncompile.runtime.rules.exit_policy.ExitPolicy`),
     compared with the thresholds as they are (the exit fires when ``score > threshold``).
     """
     p = np.asarray(exit_probs)

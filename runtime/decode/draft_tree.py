@@ -11,7 +11,7 @@ the root-to-``i`` path alone. A chain of ``g`` drafts is the tree ``parents = [-
 The first child of a node is its drafter's preferred continuation (the *main chain* follows first
 children); :meth:`main_chain_length` lets the tree controller tell what the extra branches bought.
 
-Verification (:mod:`dyncompile.runtime.speculative`):
+Verification (:mod:`dyncompile.runtime.decode.speculative`):
 
 * greedy — :func:`accept_greedy`: from the root, step to the child whose token equals the target's argmax
   at the current node, while there is one; the next token is the argmax at the last accepted node. The
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dyncompile.runtime.sampling import sample_from
+from dyncompile.runtime.rules.sampling import sample_from
 
 __all__ = ["DraftTree", "accept_greedy", "accept_sampling"]
 
@@ -51,6 +51,7 @@ class DraftTree:
     qs: list[np.ndarray | None] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        """Check that the parent list describes a tree rooted at node 0."""
         if len(self.tokens) != len(self.parents) or not self.tokens:
             raise ValueError(f"a draft tree needs one parent per token and a root, got {self.tokens}, {self.parents}")
         if self.parents[0] != -1:
@@ -90,6 +91,7 @@ class DraftTree:
         return i
 
     def child_with(self, node: int, token: int) -> int | None:
+        """The child of ``node`` that holds ``token``, or None."""
         for c in self.children[node]:
             if self.tokens[c] == token:
                 return c
@@ -97,6 +99,7 @@ class DraftTree:
 
     # --- shape -----------------------------------------------------------------------------------
     def __len__(self) -> int:
+        """Number of nodes."""
         return len(self.tokens)
 
     @property
@@ -106,10 +109,12 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
+        """Depth of the deepest node."""
         return max(self.depth)
 
     @property
     def is_chain(self) -> bool:
+        """True when every node's parent is the node before it (a plain draft chain)."""
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def main_chain_length(self) -> int:
@@ -139,8 +144,11 @@ class DraftTree:
         return a
 
     def attention(self, past_valid: np.ndarray, neg: float) -> np.ndarray:
-        """Additive attention bias ``[1, 1, n, past + n]`` (float32): 0 where node ``i`` may attend, ``neg``
-        elsewhere; ``past_valid`` (bool ``[past]``) marks the cache slots that hold the sequence."""
+        """Additive attention bias ``[1, 1, n, past + n]`` (float32).
+
+        0 where node ``i`` may attend, ``neg`` elsewhere; ``past_valid`` (bool ``[past]``) marks the cache slots
+        that hold the sequence.
+        """
         n = len(self.tokens)
         past = past_valid.shape[0]
         bias = np.full((1, 1, n, past + n), neg, dtype=np.float32)
@@ -154,8 +162,11 @@ class DraftTree:
 
 
 def accept_greedy(tree: DraftTree, logits: np.ndarray) -> tuple[list[int], int]:
-    """``(path, next_token)``: the longest root-to-node path whose tokens are the target's argmax at their
-    parent (``logits`` ``[n, vocab]``, one row per node), and the argmax at the path's last node."""
+    """Greedy acceptance of a tree: ``(path, next_token)``.
+
+    The longest root-to-node path whose tokens are the target's argmax at their parent (``logits``
+    ``[n, vocab]``, one row per node), and the argmax at the path's last node.
+    """
     picks = np.argmax(logits, axis=-1)
     path = [0]
     while True:
@@ -166,8 +177,11 @@ def accept_greedy(tree: DraftTree, logits: np.ndarray) -> tuple[list[int], int]:
 
 
 def accept_sampling(tree: DraftTree, p: np.ndarray, rng: np.random.Generator) -> tuple[list[int], int]:
-    """``(path, next_token)`` by multi-round speculative sampling over each node's children (module
-    docstring); ``p`` ``[n, vocab]`` the target's probabilities at each node (float64, rows sum to 1)."""
+    """Sampled acceptance of a tree: ``(path, next_token)``.
+
+    Multi-round speculative sampling over each node's children (module docstring); ``p`` ``[n, vocab]`` the
+    target's probabilities at each node (float64, rows sum to 1).
+    """
     path = [0]
     while True:
         node = path[-1]

@@ -2,7 +2,7 @@
 
 Classifier-free guidance as in Stable Diffusion / diffusers: the U-Net runs on the batch
 ``[uncond; cond]`` (the null prompt's text states first) and the two halves are combined as
-``eps = eps_uncond + s * (eps_cond - eps_uncond)``. The scheduler (:mod:`dyncompile.runtime.schedulers`)
+``eps = eps_uncond + s * (eps_cond - eps_uncond)``. The scheduler (:mod:`dyncompile.runtime.rules.schedulers`)
 steps the sample. Used by the runtime's ``diffusion_denoise`` step and by the step-saver pass's
 calibration (which must see exactly what the runtime will do).
 
@@ -79,6 +79,7 @@ class StopRule:
     min_steps: int = 1
 
     def to_dict(self) -> dict[str, Any]:
+        """The rule in its plan form."""
         return {"kind": "x0_change", "threshold": self.threshold, "max_steps": self.max_steps, "min_steps": self.min_steps}
 
 
@@ -95,11 +96,12 @@ class Denoiser:
 
     Args:
         unet: ``f(sample, timestep, encoder_hidden_states) -> model output`` (an ORT session wrapper).
-        scheduler: a :mod:`~dyncompile.runtime.schedulers` scheduler.
+        scheduler: a :mod:`~dyncompile.runtime.rules.schedulers` scheduler.
         crop: output crop (for the stop rule's change measure and the uint8 image).
     """
 
     def __init__(self, unet: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], scheduler, crop=None) -> None:
+        """Sample with ``unet`` and ``scheduler``; ``crop`` is the output crop."""
         self.unet = unet
         self.scheduler = scheduler
         self.crop = crop

@@ -1,9 +1,12 @@
-"""``dyncompile route``: compile a routed plan (cascade or learned router) over candidate plans.
+"""The routed-plan compiler behind ``dyncompile route`` / ``dyncompile.route``.
 
-The driver runs each candidate plan on the calibration rows (the runtime executor, which passes may not
-import), measures each candidate's batch-1 cost on the chosen provider (interleaved, medians), then fits and
-certifies the rule with :mod:`dyncompile.passes.routing` (the early-exit certifier) and writes the
-self-contained routed plan folder. Python API: :func:`route` (``dyncompile.route``).
+The driver runs each candidate plan on the calibration rows, measures each candidate's batch-1 cost on the
+chosen provider (interleaved, medians, under the session config every ``dyncompile.load`` session gets),
+then fits and certifies the rule with :mod:`dyncompile.passes.routing` (the early-exit certifier) and writes
+the self-contained routed plan folder. Running a plan needs the runtime executor, which passes may not
+import: the caller injects it — ``load`` (a plan loader such as :func:`dyncompile.runtime.load`) and
+``get_check`` (the executable-check lookup, :func:`dyncompile.runtime.routing.route.get_check`);
+``dyncompile.route`` passes both.
 
 For candidates that cannot be run here (e.g. decoders whose correctness needs hidden tests), calibrate from
 per-row arrays with :func:`dyncompile.passes.routing.calibrate_check` and write the plan with
@@ -25,13 +28,13 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError, PlanError
+from dyncompile.runtime.providers import session_config_entries
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RouteResult", "candidate_probs", "load_candidates", "measure_costs", "route", "router_features", "write_fitted"]
 
 RULES = ("confidence", "learned", "check")
-BENCH_SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 
 
 class RouteResult:
@@ -65,9 +68,8 @@ def _name(path: Path, used: set[str]) -> str:
     return name
 
 
-def load_candidates(dirs: Sequence[str | Path], provider: str = "cpu", session_config=None) -> list:
-    """Load every candidate plan (all plan checks) and check they do one task with one label set."""
-    import dyncompile
+def load_candidates(dirs: Sequence[str | Path], load: Callable[..., Any], provider: str = "cpu") -> list:
+    """Load every candidate plan with ``load`` (all plan checks) and check they do one task with one label set."""
     from dyncompile.plan import is_plan_dir
 
     if len(dirs) < 2:
@@ -78,8 +80,8 @@ def load_candidates(dirs: Sequence[str | Path], provider: str = "cpu", session_c
             raise DataError(f"candidate {d} does not exist; give plan folders made by `dyncompile MODEL -o DIR`")
         if Path(d).is_dir() and not is_plan_dir(d):
             raise PlanError(f"candidate {d} is not a plan folder (no readable plan.json); compile the model first")
-        m = dyncompile.load(d, provider=provider, session_config=session_config)
-        if m.routed is not None:
+        m = load(d, provider=provider)
+        if any(s.kind in ("cascade", "route") for s in m.plan.steps):
             raise DataError(f"candidate {d} is itself a routed plan; give its candidates instead")
         models.append(m)
     tasks = {m.plan.task for m in models}
@@ -196,10 +198,14 @@ def route(
     ridge: float = 30.0,
     outputs: dict[str, np.ndarray] | None = None,
     progress: bool = True,
+    load: Callable[..., Any],
+    get_check: Callable[[str], Callable[[dict, dict], bool]],
 ) -> RouteResult:
     """Compile a routed plan over ``candidates`` (plan folders, cheapest first) calibrated on ``calib``.
 
     Args:
+        load: ``load(plan_dir, provider=...)`` -> a loaded plan (``dyncompile.runtime.load``).
+        get_check: executable check by name (``dyncompile.runtime.routing.route.get_check``).
         rule: ``confidence`` (cascade on the candidates' own confidence), ``learned`` (a router reads the input
             first) or ``check`` (cascade on the executable check ``check``).
         criterion: entropy or maxprob (confidence rule).
@@ -224,7 +230,7 @@ def route(
     calib = Path(calib)
     if not calib.is_file():
         raise DataError(f"calibration data {calib} not found; give a JSONL file with 'text' (and 'label') per row")
-    models = load_candidates(candidates, provider, BENCH_SESSION_CONFIG)
+    models = load_candidates(candidates, load, provider)
     used: set[str] = set()
     names = [_name(Path(c), used) for c in candidates]
     task = models[0].plan.task
@@ -238,7 +244,7 @@ def route(
     labels = models[0].plan.labels
     ref_model = models[-1]
     if reference is not None and Path(reference).resolve() not in [Path(c).resolve() for c in candidates]:
-        ref_model = load_candidates([reference, candidates[-1]], provider, BENCH_SESSION_CONFIG)[0]
+        ref_model = load_candidates([reference, candidates[-1]], load, provider)[0]
 
     fns = {n: (lambda t, m=m: m.predict_proba([t], batch_size=1)) for n, m in zip(names, models)}
     if task == "text-generation":
@@ -296,7 +302,8 @@ def route(
                                   confidence=conf, ridge=ridge, seed=seed)
             build_router_onnx(fit.router, table, router_path)
         else:
-            fit = _calibrate_check(models, names, rows, texts, task, check, judge, y if task == "text-classification" else None,
+            fit = _calibrate_check(models, names, rows, texts, task, get_check(check) if check else None,
+                                   get_check(judge) if judge else None, y if task == "text-classification" else None,
                                    ms, ref_ms, budget, conf, seed, progress)
         cand_specs = [{"name": n, "plan_dir": Path(c), "cost": {"ms": round(float(x), 4), "provider": provider, "batch": 1,
                                                                  "source": source}}
@@ -314,7 +321,7 @@ def _router_fn(router_path: Path, tok_path: Path, tok_spec: dict) -> Callable[[s
     from dyncompile.runtime.text import TextEncoder
 
     so = ort.SessionOptions()
-    for k, v in BENCH_SESSION_CONFIG.items():
+    for k, v in session_config_entries().items():
         so.add_session_config_entry(k, v)
     sess = ort.InferenceSession(str(router_path), so, providers=["CPUExecutionProvider"])
     enc = TextEncoder(tok_path, max_length=tok_spec.get("max_length", 512), padding=tok_spec.get("padding", "longest"))
@@ -326,13 +333,11 @@ def _router_fn(router_path: Path, tok_path: Path, tok_spec: dict) -> Callable[[s
     return fn
 
 
-def _calibrate_check(models, names, rows, texts, task, check, judge, y, ms, ref_ms, budget, conf, seed, progress=True):
+def _calibrate_check(models, names, rows, texts, task, chk, jd, y, ms, ref_ms, budget, conf, seed, progress=True):
     from dyncompile.passes.routing import calibrate_check
-    from dyncompile.runtime.route import get_check
 
-    if not check:
+    if chk is None:
         raise DataError("--rule check needs --check NAME (a registered executable check, e.g. python-doctest)")
-    chk = get_check(check)
     if task == "text-classification":
         if y is None:
             raise DataError("--rule check on classifiers needs a 'label' on every calibration row to score answers")
@@ -346,10 +351,9 @@ def _calibrate_check(models, names, rows, texts, task, check, judge, y, ms, ref_
                             for t, p in zip(texts, o)] for o in outs[:-1]], bool)
         correct = np.array([o.argmax(-1) == y for o in outs], bool)
     else:
-        if not judge:
+        if jd is None:
             raise DataError("--rule check on decoders needs --judge NAME: a registered check that says whether an "
                             "answer is right (e.g. the hidden tests), to measure quality against the budget")
-        jd = get_check(judge)
         from tqdm.auto import tqdm
 
         passes_l, correct_l = [], []

@@ -15,10 +15,10 @@ drive them without looking at the graphs again (the runtime never re-derives wha
 ``generation`` config: ``eos_token_ids``, ``bos_token_id``, ``max_length`` (positions the model supports),
 ``chat_template`` (optional).
 
-:class:`~dyncompile.runtime.kv_cache.KVDecoder` keeps one decoder's cache (:mod:`dyncompile.runtime.kv_cache`),
-:mod:`dyncompile.runtime.sampling` picks tokens from logits, :class:`~dyncompile.runtime.text.TextCodec`
+:class:`~dyncompile.runtime.decode.kv_cache.KVDecoder` keeps one decoder's cache (:mod:`dyncompile.runtime.decode.kv_cache`),
+:mod:`dyncompile.runtime.rules.sampling` picks tokens from logits, :class:`~dyncompile.runtime.text.TextCodec`
 turns text into ids and back. The ``generate`` step (target-only plans) and the ``speculative_generate`` step
-(:mod:`dyncompile.runtime.speculative`) share them. :func:`generate` (``CompiledModel.generate``) is the
+(:mod:`dyncompile.runtime.decode.speculative`) share them. :func:`generate` (``CompiledModel.generate``) is the
 Python entry point.
 """
 
@@ -32,11 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.errors import DataError
+from dyncompile.errors import DataError, PlanError
 from dyncompile.plan import STEP_SCHEMAS, DecoderSpec, GenerationConfig, KVEntry  # noqa: F401  (schema; re-exported)
-from dyncompile.runtime.executor import StepHandler, register_step
-from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
-from dyncompile.runtime.sampling import probs_from_logits, sample_from
+from dyncompile.runtime.decode.kv_cache import KVDecoder, SessionTimer
+from dyncompile.runtime.registry import (
+    StepHandler,
+    TaskAPI,
+    first_line,
+    is_ort_error,
+    register_step,
+    register_task,
+)
+from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 from dyncompile.runtime.text import ChatTemplateError, TextCodec, render_chat
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "GenerateStep",
+    "GenerationAPI",
     "KVEntry",
     "PromptError",
     "check_generation_args",
@@ -87,10 +95,12 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens per second of generation."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
+        """Accepted share of the drafted tokens (None without drafts)."""
         return self.accepted / self.drafted if self.drafted else None
 
     @property
@@ -105,6 +115,7 @@ class GenerationStats:
 
     @property
     def overhead_seconds(self) -> float:
+        """Seconds spent outside the target and drafter sessions."""
         return max(0.0, self.seconds - self.target_seconds - self.drafter_seconds)
 
     @property
@@ -113,6 +124,7 @@ class GenerationStats:
         return 1e3 * self.overhead_seconds / max(1, self.rounds + 1)
 
     def to_dict(self) -> dict[str, Any]:
+        """The statistics as a JSON-ready dict, derived rates included."""
         d = dataclasses.asdict(self)
         d["draft_lengths"] = {str(k): v for k, v in sorted(self.draft_lengths.items())}
         for k in ("tokens_per_s", "acceptance_rate", "tokens_per_target_call", "mean_accepted_per_round",
@@ -126,12 +138,15 @@ class GenerationStats:
 
 @dataclasses.dataclass
 class GenerationResult:
+    """A generation: the text (None without a tokenizer), the new token ids, the prompt ids and the statistics."""
+
     text: str | None
     token_ids: list[int]
     prompt_ids: list[int]
     stats: GenerationStats
 
     def __repr__(self) -> str:
+        """One line: new tokens, speed and the text's start."""
         s = self.stats
         acc = f", acceptance={s.acceptance_rate:.2f}" if s.acceptance_rate is not None else ""
         return (
@@ -144,6 +159,7 @@ class GenerationResult:
 
 
 def check_generation_args(max_new_tokens: Any, sample: bool, temperature: Any) -> tuple[int, float]:
+    """Check ``max_new_tokens`` (an integer >= 1) and ``temperature`` (> 0 when sampling); returns both."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise PromptError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if max_new_tokens <= 0:
@@ -204,7 +220,8 @@ def decode_target_only(
 ) -> list[int]:
     """Plain autoregressive decoding with the target alone (the reference speculative decoding must match).
 
-    ``stop_when(out)`` (optional) ends the generation after the token that makes it true (stop strings)."""
+    ``stop_when(out)`` (optional) ends the generation after the token that makes it true (stop strings).
+    """
     target.reset()
     eos_set = set(eos)
     budget = max_new_tokens if max_length is None else min(max_new_tokens, max_length - len(prompt_ids))
@@ -243,6 +260,7 @@ class GenerateStep(StepHandler):
     """
 
     def __init__(self, step, ctx) -> None:
+        """Open the target decoder's session and read the plan's tokenizer."""
         super().__init__(step, ctx)
         # params validated against the plan schema (plan.STEP_SCHEMAS) when the plan loaded
         self.params = step.typed or STEP_SCHEMAS[step.kind](step.params, f"{step.kind} step")
@@ -255,6 +273,7 @@ class GenerateStep(StepHandler):
         self.codec: TextCodec | None = TextCodec.from_plan(ctx.plan)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Run one forward pass of the decoder on the arrays in ``state`` (``run_feeds``)."""
         sess = self.target.session
         names = [i.name for i in sess.get_inputs()]
         outs = [o.name for o in sess.get_outputs()]
@@ -267,6 +286,7 @@ class GenerateStep(StepHandler):
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, sample: bool, temperature: float,
                      rng: np.random.Generator, speculative: bool = True, **options) -> tuple[list[int], GenerationStats]:
+        """Decode up to ``max_new_tokens`` after ``prompt_ids`` with the target alone; returns the ids and statistics."""
         del speculative  # target-only
         stop_when = options.pop("stop_when", None)
         io_binding = options.pop("io_binding", None)
@@ -348,3 +368,38 @@ def generate(
     text = codec.decode(out) if codec is not None else None
     compiled.last_info = {"generation": stats.to_dict()}
     return GenerationResult(text, out, ids, stats)
+
+
+@register_task("text-generation")
+class GenerationAPI(TaskAPI):
+    """Decoder plans: :meth:`generate` (``CompiledModel.generate``).
+
+    Args:
+        model: the loaded plan.
+    """
+
+    def __init__(self, model: Any) -> None:
+        """Find the step that takes the raw prompt (routed plans), if any."""
+        super().__init__(model)
+        # a step fed the raw prompt (routed plans of decoders): it picks the candidate that answers
+        self.text_step = next((h for h in model.handlers if getattr(h, "takes_text", False)), None)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        """Continue ``prompt`` (see :func:`generate` for the keyword arguments).
+
+        Routed plans of decoders: the answering candidate's result; ``model.last_info`` names the candidate
+        (and the executable check's verdicts); ``record=`` passes extra input fields to the check.
+        """
+        try:
+            if self.text_step is not None:
+                k, res, checks = self.text_step.generate(prompt, **kwargs)
+                self.model.last_info = {"candidate": self.text_step.names[k], "candidate_index": k, "checks": checks}
+                return res
+            return generate(self.model, prompt, **kwargs)
+        except Exception as e:
+            if not is_ort_error(e):
+                raise
+            raise PlanError(
+                f"ONNX Runtime failed generating with plan {self.model.plan.directory}: {first_line(e)}; the plan and "
+                "its ONNX files disagree — recompile"
+            ) from None

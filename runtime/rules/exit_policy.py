@@ -37,8 +37,10 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def policy_features(probs: np.ndarray, prev_probs: np.ndarray | None) -> np.ndarray:
-    """Features ``[N, F]`` (float64, order :data:`POLICY_FEATURES`) of one exit from its probabilities
-    ``[N, C]`` and the previous exit's (``None`` for the first exit)."""
+    """Features ``[N, F]`` (float64, order :data:`POLICY_FEATURES`) of one exit.
+
+    From its probabilities ``[N, C]`` and the previous exit's (``None`` for the first exit).
+    """
     p = np.asarray(probs, np.float64)
     q = p if prev_probs is None else np.asarray(prev_probs, np.float64)
     top = -np.sort(-p, axis=-1)
@@ -66,6 +68,7 @@ class ExitPolicy:
 
     @property
     def num_exits(self) -> int:
+        """Number of exits the policy decides at."""
         return len(self.weights)
 
     def score(self, e: int, probs: np.ndarray, prev_probs: np.ndarray | None) -> np.ndarray:
@@ -81,11 +84,13 @@ class ExitPolicy:
         return np.stack([self.score(e, p[e], p[e - 1] if e > 0 else None) for e in range(p.shape[0])])
 
     def to_dict(self) -> dict[str, Any]:
+        """The policy in its plan form."""
         return {"format": LEARNED_POLICY_FORMAT, "features": list(POLICY_FEATURES), "weights": self.weights,
                 "biases": self.biases, "info": self.info}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExitPolicy:
+        """The policy from its plan form (PlanError when it is not one)."""
         if not isinstance(d, dict) or d.get("format") != LEARNED_POLICY_FORMAT:
             raise ValueError(f"not a learned exit policy (expected format {LEARNED_POLICY_FORMAT!r})")
         if list(d.get("features", [])) != list(POLICY_FEATURES):

@@ -3,7 +3,7 @@
 The drafter graph (built by the ``eagle-drafter`` pass) maps ``(token_{t+1}, feature_t)`` to the predicted
 ``feature_{t+1}`` and draft logits for token ``t+2``; it keeps its own one-layer KV cache, indexed by target
 position. The target's plan exposes its ``features`` output (the final norm's input), which the target's
-:class:`~dyncompile.runtime.kv_cache.KVDecoder` fetches on every call (``extra_outputs``).
+:class:`~dyncompile.runtime.decode.kv_cache.KVDecoder` fetches on every call (``extra_outputs``).
 
 Bookkeeping (``F`` = the target's true features by position, ``T = len(seq) - 1`` positions known):
 
@@ -42,8 +42,8 @@ import numpy as np
 
 from dyncompile.errors import PlanError
 from dyncompile.plan import DecoderSpec
-from dyncompile.runtime.draft_tree import DraftTree
-from dyncompile.runtime.drafters import (
+from dyncompile.runtime.decode.draft_tree import DraftTree
+from dyncompile.runtime.decode.drafters import (
     Drafter,
     TreeBudget,
     Verification,
@@ -51,7 +51,7 @@ from dyncompile.runtime.drafters import (
     pick_draft_token,
     top_alternatives,
 )
-from dyncompile.runtime.kv_cache import KVDecoder, SessionTimer
+from dyncompile.runtime.decode.kv_cache import KVDecoder, SessionTimer
 
 __all__ = ["EagleDecoder", "EagleDrafter"]
 
@@ -61,6 +61,7 @@ class EagleDecoder(KVDecoder):
 
     def __init__(self, session, spec: DecoderSpec, *, feature_input: str, hidden_output: str,
                  timer: SessionTimer | None = None, rollback: str = "mask") -> None:
+        """Wrap the EAGLE head's session: ``feature_input`` reads target features, ``hidden_output`` gives its own."""
         super().__init__(session, spec, role="drafter", timer=timer, io_binding=False, rollback=rollback)
         self.feature_input = feature_input
         self.hidden_output = hidden_output
@@ -75,7 +76,8 @@ class EagleDecoder(KVDecoder):
         position ``length + depth[i]`` and attends to the valid cache and its ancestors among the ``n`` only;
         with ``visible`` (bool ``[n, slots + n]``) and ``positions``, row ``i`` attends exactly to the slots where
         ``visible[i]`` is true (a tree grown one depth per call). Both need :attr:`supports_trees` (the drafter
-        graph's 4-D attention bias input); every new slot stays valid: roll back with :meth:`truncate`."""
+        graph's 4-D attention bias input); every new slot stays valid: roll back with :meth:`truncate`.
+        """
         ids_arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         n = ids_arr.shape[1]
         if (tree is not None or visible is not None) and not self.supports_trees:
@@ -92,10 +94,12 @@ class EagleDecoder(KVDecoder):
 
 
 class EagleDrafter(Drafter):
+    """EAGLE drafting: the head extends the target's features to propose tokens (chains or trees)."""
+
     name = "eagle"
-    uses_model = True
 
     def __init__(self, decoder: EagleDecoder, *, features: str, vocab: np.ndarray | None = None) -> None:
+        """Draft with ``decoder`` from the target output ``features`` (``vocab`` maps a reduced draft vocabulary)."""
         self.decoder = decoder
         self.features = features
         self.vocab = None if vocab is None else np.asarray(vocab, dtype=np.int64)
@@ -104,6 +108,7 @@ class EagleDrafter(Drafter):
         self.true_len = 0  # drafter cache positions computed from true features
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new prompt: clear the head's cache."""
         self.decoder.reset()
         self.known = self.true_len = 0
 
@@ -125,6 +130,7 @@ class EagleDrafter(Drafter):
         return f
 
     def after_prefill(self, target: KVDecoder) -> None:
+        """Store the target's prefill features for the head's next step."""
         self._store(self._features_of(target.last_outputs))
 
     def after_verify(self, v: Verification) -> None:
@@ -136,10 +142,13 @@ class EagleDrafter(Drafter):
         self.decoder.truncate(min(self.decoder.length, self.true_len))
 
     def propose_tree(self, seq, budget: TreeBudget, *, sample, temperature, rng, vocab_size) -> DraftTree:
-        """Greedy, on a drafter graph with the bias input: the EAGLE-2 tree (:meth:`_expand`, module docstring).
+        """A draft tree within ``budget``.
+
+        Greedy, on a drafter graph with the bias input: the EAGLE-2 tree (:meth:`_expand`, module docstring).
         Greedy on an older drafter graph: the drafter's chain plus, at each depth, its next-best tokens as sibling
         leaves (shallow depths first, up to ``max_nodes``). Sampling: the chain of :meth:`propose`. The target
-        verifies the tree in one call."""
+        verifies the tree in one call.
+        """
         if sample or budget.branching <= 1:
             return super().propose_tree(seq, budget, sample=sample, temperature=temperature, rng=rng,
                                         vocab_size=vocab_size)
@@ -170,8 +179,11 @@ class EagleDrafter(Drafter):
         return logits, hid
 
     def _expand(self, seq, budget: TreeBudget, vocab_size: int) -> DraftTree:
-        """The EAGLE-2 tree (module docstring): best-first expansion by cumulative draft log-probability, one
-        drafter call per depth on the ``branching`` best frontier nodes, then the ``max_nodes`` best nodes."""
+        """The EAGLE-2 tree (module docstring).
+
+        Best-first expansion by cumulative draft log-probability, one drafter call per depth on the
+        ``branching`` best frontier nodes, then the ``max_nodes`` best nodes.
+        """
         dec = self.decoder
         logits, hid = self._catch_up(seq)
 
@@ -181,6 +193,7 @@ class EagleDrafter(Drafter):
         return grow_tree(dec, seq[-1], logits[-1], budget, self.vocab, vocab_size, call, hidden=hid[-1])
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        """Draft up to ``n`` tokens after ``seq`` with the head."""
         if n <= 0:
             return [], ([] if sample else None)
         tokens, qs, _ = self._chain(seq, n, sample, temperature, rng, vocab_size)

@@ -12,10 +12,10 @@ for ``s`` tokens in one call relative to one token. The speedup over the target 
 ``v`` comes from a table measured at compile time (``{1: 1.0, 2: 1.1, 4: 1.3, 9: 1.8}``): linear
 interpolation inside it, the line through its first and last points beyond it, and ``1 + slope (s - 1)``
 when there is no table. The passes use this to choose a drafter (``split-drafter``'s projection), the
-runtime to choose each round's draft length (:class:`dyncompile.runtime.speculative.DraftController`):
+runtime to choose each round's draft length (:class:`dyncompile.runtime.decode.speculative.DraftController`):
 one model, so the projection is what the runtime then does.
 
-Draft trees (:mod:`dyncompile.runtime.draft_tree`) verify a main chain of ``gamma`` drafts plus ``b`` branch
+Draft trees (:mod:`dyncompile.runtime.decode.draft_tree`) verify a main chain of ``gamma`` drafts plus ``b`` branch
 nodes in one call of ``gamma + 1 + b`` tokens. With ``g`` the tokens one branch node has bought on average
 (measured while generating), a round yields about ``E(alpha, gamma) + g b`` tokens for
 ``gamma c + b c_b + v(gamma + 1 + b)``; :func:`best_tree_extra` picks ``b`` on the measured curve ``v``.
@@ -90,8 +90,10 @@ def round_rate(alpha: float, gamma: int, draft_cost: float, verify: float) -> fl
 def best_draft_length(
     alpha: float, draft_cost: float, verify: Callable[[int], float], lengths: Iterable[int]
 ) -> tuple[float, int]:
-    """``(rate, gamma)`` of the draft length in ``lengths`` with the highest :func:`round_rate` (the first of
-    equals); ``verify(s)`` is the cost of an ``s``-token verification. ``(0.0, 0)`` for no lengths."""
+    """``(rate, gamma)`` of the draft length in ``lengths`` with the highest :func:`round_rate`.
+
+    The first of equals; ``verify(s)`` is the cost of an ``s``-token verification. ``(0.0, 0)`` for no lengths.
+    """
     best, best_g = 0.0, 0
     for g in lengths:
         r = round_rate(alpha, g, draft_cost, verify(g + 1))
@@ -103,8 +105,11 @@ def best_draft_length(
 def projected_speedup(
     alpha: float, cost: float, verify: Mapping[int, float], max_draft: int
 ) -> tuple[float, int]:
-    """``(speedup, best draft length >= 1)`` over the target alone, for a drafter accepted with probability
-    ``alpha`` at ``cost`` target steps per draft token; ``verify[s]`` = time of s tokens / time of 1."""
+    """``(speedup, best draft length >= 1)`` over the target alone.
+
+    For a drafter accepted with probability ``alpha`` at ``cost`` target steps per draft token;
+    ``verify[s]`` = time of s tokens / time of 1.
+    """
     return best_draft_length(alpha, cost, lambda s: verify_cost(s, verify), range(1, max_draft + 1))
 
 
@@ -112,9 +117,11 @@ def best_tree_extra(
     alpha: float, gamma: int, draft_cost: float, branch_cost: float, gain_per_node: float,
     verify: Callable[[int], float], extras: Iterable[int],
 ) -> tuple[float, int]:
-    """``(rate, b)``: the number of branch nodes ``b`` in ``extras`` beside a main chain of ``gamma`` drafts with
-    the highest ``(E(alpha, gamma) + gain_per_node b) / (gamma draft_cost + b branch_cost + v(gamma + 1 + b))``
-    (the first of equals)."""
+    """``(rate, b)``: the best number of branch nodes ``b`` in ``extras`` beside a main chain of ``gamma`` drafts.
+
+    The one with the highest ``(E(alpha, gamma) + gain_per_node b) / (gamma draft_cost + b branch_cost + v(gamma + 1 + b))``
+    (the first of equals).
+    """
     base = expected_tokens(alpha, gamma)
     best, best_b = -1.0, 0
     for b in extras:

@@ -1,0 +1,47 @@
+"""PNG writing for generated images (no imaging library needed)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from dyncompile.errors import DataError
+
+__all__ = ["save_png"]
+
+
+def save_png(path: str | Path, image: np.ndarray) -> Path:
+    """Write a uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` image as PNG, atomically (no imaging library needed)."""
+    path = Path(path)
+    img = np.ascontiguousarray(image, np.uint8)
+    if img.ndim == 2:
+        color, rows = 0, img
+    elif img.ndim == 3 and img.shape[2] == 3:
+        color, rows = 2, img.reshape(img.shape[0], -1)
+    else:
+        raise DataError(f"cannot write an image of shape {img.shape} as PNG")
+    h, w = img.shape[:2]
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    raw = b"".join(b"\x00" + rows[i].tobytes() for i in range(h))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    if not path.parent.is_dir():
+        raise DataError(f"cannot write {path}: folder {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(png)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

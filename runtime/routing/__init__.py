@@ -1,0 +1,1 @@
+"""Routed plans: the ``cascade`` and ``route`` steps, the executable checks and their sandbox."""
