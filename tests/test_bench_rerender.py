@@ -75,7 +75,7 @@ PREDATES = {
 #: stored markdown with hand-written text around the rendered report: path -> why (the render must be inside it)
 ANNOTATED = {
     "quantized-early-exit-openvino-dynamic/quantized_early_exit.json":
-        "a hand-written preface says the run is superseded and why it is kept",
+        "a hand-written preface explains why the run is kept beside the newer one",
 }
 
 

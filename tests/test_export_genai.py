@@ -1,4 +1,4 @@
-"""Interop and peers (issue #15): ``dyncompile export-genai`` writes an onnxruntime-genai folder whose config maps
+"""Interop and peers: ``dyncompile export-genai`` writes an onnxruntime-genai folder whose config maps
 the plan's decoder IO exactly (CI, no peer needed), and onnxruntime-genai generates the plan's greedy tokens from
 it (needs the peer's environment: ``$DYNCOMPILE_PEER_VENVS/ortgenai``; skipped without it). ``dyncompile bench
 --peers`` runs its worker processes end to end (dyncompile workers only in CI) and refuses a missing peer cleanly.

