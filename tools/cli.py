@@ -62,6 +62,9 @@ def _compile_parser() -> argparse.ArgumentParser:
         "(default: %(default)s; `dyncompile passes` lists them)",
     )
     p.add_argument("-o", "--output", help="plan directory to create (default: MODEL_DIR/MODEL-compiled)")
+    p.add_argument("-O", "--opt-level", type=int, choices=[0, 1, 2], default=2,
+                   help="0: exactly --passes; 1, 2 (default): also the lowering passes that pay on --provider "
+                   "(`dyncompile passes` lists them)")
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
     p.add_argument("--verify", action="store_true", help="run the ONNX checker (full check) after every pass")
     p.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass as DIR/NNN_PassName.onnx.txt")
@@ -76,6 +79,8 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--confidence", help="probability that the budget holds on new data, e.g. 0.9 (default), "
                     "or 'none': uncertified, the budget is kept on the calibration rows only")
     ee.add_argument("--lowering", choices=["if", "staged", "auto"], help="If-graph or staged plan (default auto)")
+    ee.add_argument("--batch-sizes", help="batch sizes the plan will serve, e.g. 1,32: --lowering auto picks staged "
+                    "when one is > 1")
     ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
     ee.add_argument("--heads", choices=["fitted", "given"],
                     help="fitted (default): fit exit heads; given: use per-layer logits the graph already outputs")
@@ -116,7 +121,7 @@ def _cmd_compile(argv: list[str]) -> int:
     opts = {
         k: getattr(args, k)
         for k in ("calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider",
-                  "heads")
+                  "heads", "batch_sizes")
         if getattr(args, k) not in (None, False)
     }
     t0 = time.perf_counter()
@@ -130,6 +135,7 @@ def _cmd_compile(argv: list[str]) -> int:
         tokenizer=args.tokenizer,
         model_config=args.model_config,
         progress=not args.quiet,
+        opt_level=args.opt_level,
         **opts,
     )
     print(res.summary())
@@ -140,9 +146,11 @@ def _cmd_compile(argv: list[str]) -> int:
 def _cmd_passes(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="dyncompile passes", description="List the registered passes.").parse_args(argv)
     from dyncompile.passes import known_passes
+    from dyncompile.passes.presets import describe_presets
 
     for name, help_ in known_passes().items():
         print(f"  {name:<16} {help_}")
+    print("\n".join(describe_presets()))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -216,13 +217,23 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         logger.debug("moved %d initializers into the subgraphs that use them", moved)
 
 
-def choose_lowering(provider: str = "cpu") -> tuple[str, str]:
-    """EP-aware choice for ``--lowering auto``: ``(lowering, reason)`` from known provider capabilities."""
+def choose_lowering(provider: str = "cpu", batch_sizes: Sequence[int] = ()) -> tuple[str, str]:
+    """EP-aware choice for ``--lowering auto``: ``(lowering, reason)``.
+
+    From the batch sizes the plan will serve (``--batch-sizes``), then known provider capabilities. The If
+    graph exits only when every row of a batch passes its exit test, so a declared batch above 1 gets the staged
+    plan, which exits per row and compacts the batch, on every provider.
+    """
     from dyncompile.runtime.providers import PROVIDERS
 
     info = PROVIDERS.get(provider)
     if info is None:
         raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
+    if any(b > 1 for b in batch_sizes):
+        return "staged", (
+            f"declared batch sizes {','.join(map(str, batch_sizes))} include {max(batch_sizes)} > 1: an If graph exits "
+            "only when every row of the batch passes, staged exits per row and compacts the batch"
+        )
     if provider == "openvino":
         return "staged", (
             "OpenVINO EP (onnxruntime-openvino 1.24, OpenVINO 2025.4) fails session creation when an op inside an If "
@@ -237,6 +248,21 @@ def choose_lowering(provider: str = "cpu") -> tuple[str, str]:
             "states on the device, while staged exits would copy them to the host at every exit"
         )
     return "if", "CPU EP: If costs ~1.3 µs and skipped branches cost nothing; one self-contained graph deploys anywhere"
+
+
+def parse_batch_sizes(spec: str | int | None) -> tuple[int, ...]:
+    """``"1,32"`` -> ``(1, 32)``; ``None`` or empty -> ``()`` (nothing declared)."""
+    from dyncompile.errors import PassConfigError
+
+    if spec in (None, ""):
+        return ()
+    try:
+        sizes = tuple(int(x) for x in str(spec).replace(";", ",").split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(b < 1 for b in sizes):
+        raise PassConfigError(f"--batch-sizes must be positive integers like 1,32, got {spec!r}")
+    return sizes
 
 
 def _parse_exits(spec) -> list[int] | None:
@@ -265,12 +291,14 @@ def _make_early_exit(
     heads: str | None = None,
     budget_reference: str = "original",
     confidence: str | float | None = None,
+    batch_sizes: str | int | None = None,
 ):
     """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass.
 
     Options left at None take the compile's flags (``--budget``, ``--confidence``, ``--lowering``,
-    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``), then the defaults (budget 1.0 certified at
-    confidence 0.9, lowering auto, entropy, every layer, fitted heads).
+    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``, ``--batch-sizes``), then the defaults (budget 1.0
+    certified at confidence 0.9, lowering auto, entropy, every layer, fitted heads, no batch sizes declared).
+    ``lowering=auto`` picks staged when a declared batch size is above 1, else by provider.
     """
     from pathlib import Path
 
@@ -306,9 +334,10 @@ def _make_early_exit(
     if heads not in ("fitted", "given"):
         raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
     target = o.get("provider") or "cpu"
+    sizes = parse_batch_sizes(batch_sizes if batch_sizes is not None else o.get("batch_sizes"))
     if lowering == "auto":
         try:
-            lowering, reason = choose_lowering(target)
+            lowering, reason = choose_lowering(target, sizes)
         except ValueError as e:
             raise PassConfigError(str(e)) from None
     else:
