@@ -202,7 +202,7 @@ def resolve(
 
 def describe_presets() -> list[str]:
     """Lines for ``dyncompile passes``: the levels and the lowering each provider gets per technique."""
-    lines = ["optimization levels (-O, default %d):" % DEFAULT_OPT_LEVEL]
+    lines = [f"optimization levels (-O, default {DEFAULT_OPT_LEVEL}):"]
     lines += [f"  -O{level}  {what}" for level, what in OPT_LEVELS.items()]
     lines.append("presets per provider (inserted before the technique's passes; a named pass is not repeated):")
     for provider, techniques in PRESETS.items():
