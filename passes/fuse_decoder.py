@@ -37,6 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
+from dyncompile.passes._graph import const_array
 from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ __all__ = ["FuseDecoderPass"]
 
 _FUSION_DOMAIN = "ai.onnxruntime._fusion"
 _MS = "com.microsoft"
-
-
-def _const(v: ir.Value | None) -> np.ndarray | None:
-    if v is None or v.const_value is None:
-        return None
-    return v.const_value.numpy()
 
 
 def _rotary_source(cos4: ir.Value, model: ir.Model) -> tuple[np.ndarray, ir.Value] | str:
@@ -71,10 +66,10 @@ def _rotary_source(cos4: ir.Value, model: ir.Model) -> tuple[np.ndarray, ir.Valu
     if mul is None or mul.op_type != "Mul":
         return "rotary angles are not position * inv_freq"
     a, b = mul.inputs
-    inv = _const(b)
+    inv = const_array(b)
     pos = a
     if inv is None:
-        inv, pos = _const(a), b
+        inv, pos = const_array(a), b
     if inv is None or inv.ndim != 1 or inv.dtype != np.float32:
         return "inv_freq is not a float32 constant vector"
     # pos: Cast(Unsqueeze(... position_ids ...)) — walk back through shape-only ops to the graph input

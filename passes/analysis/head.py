@@ -7,13 +7,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.analysis._values import SHAPE_ONLY_OPS, attr_int, const_array, node_label
+from dyncompile.passes._graph import const_array
+from dyncompile.passes.analysis._values import SHAPE_ONLY_OPS, attr_int, node_label
 from dyncompile.passes.analysis.structure import HeadInfo
 
 if TYPE_CHECKING:
     from dyncompile.passes.analysis.layers import _Analyzer
 
 __all__ = ["describe_head", "pooling_of"]
+
+#: shape arithmetic reads small constants only (Slice bounds, Gather indices), never a weight
+SMALL = 64
 
 
 def describe_head(a: _Analyzer, order: list[ir.Node], boundary: int, cut: ir.Value | None) -> HeadInfo:
@@ -78,7 +82,7 @@ def pooling_of(node: ir.Node, rank: int, seq_axis: int) -> tuple[str | None, str
     if op == "Gather":
         axis = norm_axis(attr_int(node, "axis", 0) or 0)
         if axis == seq_axis and rank >= 3:
-            idx = const_array(node.inputs[1])
+            idx = const_array(node.inputs[1], SMALL)
             if idx is not None and idx.size == 1:
                 k = int(idx.reshape(-1)[0])
                 if k == 0:
@@ -89,9 +93,9 @@ def pooling_of(node: ir.Node, rank: int, seq_axis: int) -> tuple[str | None, str
             if idx is None:
                 return "last", f"Gather on axis {axis} (index computed from the inputs)"
     if op == "Slice":
-        starts = const_array(node.inputs[1])
-        ends = const_array(node.inputs[2])
-        axes = const_array(node.inputs[3]) if len(node.inputs) > 3 else None
+        starts = const_array(node.inputs[1], SMALL)
+        ends = const_array(node.inputs[2], SMALL)
+        axes = const_array(node.inputs[3], SMALL) if len(node.inputs) > 3 else None
         if starts is not None and ends is not None:
             axes_l = (
                 [norm_axis(int(a)) for a in axes.reshape(-1)]
@@ -107,7 +111,7 @@ def pooling_of(node: ir.Node, rank: int, seq_axis: int) -> tuple[str | None, str
                 if s == -1:
                     return "last", f"Slice [-1:] on axis {a}"
     if op in ("ReduceMean", "ReduceSum") and rank >= 3:
-        axes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        axes = const_array(node.inputs[1], SMALL) if len(node.inputs) > 1 else None
         if axes is None and "axes" in node.attributes:
             axes = np.asarray(node.attributes["axes"].value)
         if axes is not None and seq_axis in [norm_axis(int(a)) for a in axes.reshape(-1)]:

@@ -53,10 +53,10 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 import onnx_ir as ir
 
+from dyncompile.passes._graph import constant_node_tensor
 from dyncompile.passes.analysis._values import (
     NONDETERMINISTIC_OPS,
     SHAPE_ONLY_OPS,
-    constant_node_tensor,
     dtype_str,
     io_entry,
     node_inputs,

@@ -11,6 +11,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import backward_slice
 from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, default_opset
 from dyncompile.passes.early_exit.graph import NEVER_THRESHOLD, GraphBuilder
 
@@ -19,18 +20,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["InsertEarlyExitPass", "LOWERING_KEY"]
 
 LOWERING_KEY = _keys.EARLY_EXIT_LOWERING
-
-
-def _backward_slice(values: list[ir.Value], stop: set[ir.Node] | None = None) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [v.producer() for v in values if v.producer() is not None]
-    while stack:
-        n = stack.pop()
-        if n in seen or (stop and n in stop):
-            continue
-        seen.add(n)
-        stack.extend(v.producer() for v in n.inputs if v is not None and v.producer() is not None)
-    return seen
 
 
 class InsertEarlyExitPass(ir.passes.InPlacePass):
@@ -117,10 +106,10 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
             g.append(layer)
             g.outputs.append(layer.outputs[0])
             return
-        main_slice = _backward_slice([final])
+        main_slice = backward_slice([final])
         head_nodes = []
         for v in head_outs:
-            head_nodes.append([n for n in order if n in _backward_slice([v], stop=main_slice)])
+            head_nodes.append([n for n in order if n in backward_slice([v], stop=main_slice)])
         in_heads = {n for hn in head_nodes for n in hn}
         body = [n for n in order if n not in in_heads]
         values = ir.convenience.create_value_mapping(g)

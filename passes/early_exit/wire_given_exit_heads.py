@@ -11,6 +11,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from dyncompile.passes._graph import backward_slice
 from dyncompile.passes._infra import progress_bar
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.passes.early_exit.fit_exit_heads import (
@@ -25,18 +26,6 @@ from dyncompile.runtime.exit_rule import softmax
 logger = logging.getLogger(__name__)
 
 __all__ = ["WireGivenExitHeadsPass", "given_exit_outputs"]
-
-
-def _slice(v: ir.Value) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [v.producer()] if v.producer() is not None else []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(i.producer() for i in n.inputs if i is not None and i.producer() is not None)
-    return seen
 
 
 def given_exit_outputs(model: ir.Model) -> tuple[ir.Value, dict[int, ir.Value], int, dict[int, str]] | None:
@@ -56,7 +45,7 @@ def given_exit_outputs(model: ir.Model) -> tuple[ir.Value, dict[int, ir.Value], 
     producers = {layer.index: ir.convenience.create_value_mapping(model.graph)[layer.output_cut].producer() for layer in s.layers}
     depth = {}
     for v in outs:
-        sl = _slice(v)
+        sl = backward_slice([v])
         ks = [k for k, p in producers.items() if p in sl]
         depth[v.name] = (max(ks) if ks else 0, v)
     L = len(s.layers)

@@ -36,10 +36,11 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import backward_slice
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
 from dyncompile.passes.speculative.expose_features import FEATURES_OUTPUT, ExposeFeaturesPass
-from dyncompile.passes.speculative.split_drafter import _ancestors, drop_unused_pasts, trim_lm_head
+from dyncompile.passes.speculative.split_drafter import drop_unused_pasts, trim_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
     # outputs: logits, the predicted feature, the last layer's present pair
     logits_v = next(v for v in g.outputs if v.name == spec["logits"])
     h_out.name = HIDDEN_OUTPUT
-    keep_nodes = _ancestors([logits_v, h_out])
+    keep_nodes = backward_slice([logits_v, h_out])
     kept = [v for v in g.outputs if v is logits_v or (v.producer() in keep_nodes and v is not h_out)]
     g.outputs.clear()
     g.outputs.extend([*kept, h_out])

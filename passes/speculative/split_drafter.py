@@ -33,6 +33,7 @@ import onnx_ir.passes.common as common_passes
 
 from dyncompile.io import read_jsonl
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import backward_slice, const_array
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
@@ -62,30 +63,6 @@ MIN_CALIB_TOKENS = 64
 # ------------------------------------------------------------------------------------------- graph surgery
 
 
-def _ancestors(values: Sequence[ir.Value]) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [v.producer() for v in values if v is not None and v.producer() is not None]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for v in n.inputs:
-            if v is not None and v.producer() is not None and v.producer() not in seen:
-                stack.append(v.producer())
-        for attr in n.attributes.values():  # captured values of subgraphs
-            if attr.type == ir.AttributeType.GRAPH:
-                for sn in attr.value.all_nodes():
-                    for v in sn.inputs:
-                        if v is not None and v.producer() is not None and v.producer() not in seen:
-                            stack.append(v.producer())
-    return seen
-
-
-def _const_array(v: ir.Value) -> np.ndarray | None:
-    return v.const_value.numpy() if v is not None and v.const_value is not None else None
-
-
 def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     """Restrict the LM head producing ``logits_name`` to the tokens ``subset`` (in place).
 
@@ -112,7 +89,7 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     idx = np.asarray(subset, np.int64)
     if bias_node is not None:
         b = next((v for v in bias_node.inputs if v is not None and v.const_value is not None), None)
-        barr = _const_array(b)
+        barr = const_array(b)
         if barr is None or barr.shape[-1] < idx.max() + 1:
             return False
     if w.const_value is not None:
@@ -139,7 +116,7 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     if bias_node is not None:
         bi = next(i for i, v in enumerate(bias_node.inputs) if v is not None and v.const_value is not None)
         b = bias_node.inputs[bi]
-        newb = ir.val(f"{b.name}.subset", const_value=ir.tensor(np.ascontiguousarray(_const_array(b)[..., idx]),
+        newb = ir.val(f"{b.name}.subset", const_value=ir.tensor(np.ascontiguousarray(const_array(b)[..., idx]),
                                                                   name=f"{b.name}.subset"))
         g.register_initializer(newb)
         bias_node.replace_input_with(bi, newb)
@@ -218,7 +195,7 @@ def build_split_drafter(
     if new is not h_last:
         h_last.replace_all_uses_with(new)
     logits_v = next(v for v in g.outputs if v.name == logits)
-    keep_nodes = _ancestors([logits_v])
+    keep_nodes = backward_slice([logits_v])
     kept_outputs = [v for v in g.outputs if v is logits_v or (v.producer() in keep_nodes)]
     g.outputs.clear()
     g.outputs.extend(kept_outputs)
