@@ -218,11 +218,6 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         return f"FuseDecoderPass(max_positions={self.max_positions})"
 
     @staticmethod
-    def applies_to(model: ir.Model) -> str | None:
-        """None when the pass can try to fuse ``model``, else why it leaves it alone."""
-        return FuseDecoderPass._inspect(model)[0]
-
-    @staticmethod
     def _inspect(model: ir.Model) -> tuple[str | None, dict | None]:
         """(why the pass leaves ``model`` alone or None, ``model``'s decoder spec when it is a KV decoder)."""
         from dyncompile.passes.speculative.decoder_spec import decoder_spec

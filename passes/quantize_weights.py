@@ -25,7 +25,6 @@ from dyncompile.passes._infra import register_pass
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "QUANTIZED_KEY",
     "QuantizeDynamicInt8Pass",
     "QuantizeWeightsInt4Pass",
     "QuantizeWeightsInt8Pass",
@@ -34,8 +33,6 @@ __all__ = [
 ]
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
-#: Metadata key the quantization passes set (JSON: scheme and options): the model's numerics differ from its source.
-QUANTIZED_KEY = _keys.QUANTIZED
 #: ``keep_fp32`` groups the int8 pass understands.
 KEEP_FP32_GROUPS = ("ffn-out",)
 _GELU_OPS = {"Erf", "Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
@@ -178,7 +175,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         modified = _has_ops(new, INT8_OPS)
         if modified:
             _replace_contents(model, new)
-            model.metadata_props[QUANTIZED_KEY] = json.dumps(
+            model.metadata_props[_keys.QUANTIZED] = json.dumps(
                 {"scheme": "int8-dynamic", "per_channel": self.per_channel, "reduce_range": self.reduce_range,
                  "keep_fp32": list(self.keep_fp32), "fp32_matmuls_kept": len(exclude)}
             )
@@ -228,7 +225,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
         return targets, exclude
 
     def requires(self, model: ir.Model) -> None:
-        if QUANTIZED_KEY in model.metadata_props:
+        if _keys.QUANTIZED in model.metadata_props:
             return
         opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
         if opset < 13 and self._targets(model)[0]:
@@ -238,7 +235,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if QUANTIZED_KEY in model.metadata_props:
+        if _keys.QUANTIZED in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         g = model.graph
         targets, exclude = self._targets(model)
@@ -273,7 +270,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
             count += 1
         if not count:
             return ir.passes.PassResult(model, modified=False)
-        model.metadata_props[QUANTIZED_KEY] = json.dumps(
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
             {"scheme": "int8-weights-qdq", "per_channel": self.per_channel, "keep_fp32": list(self.keep_fp32),
              "fp32_matmuls_kept": len(exclude), "int8_matmuls": count}
         )
@@ -365,7 +362,7 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         modified = _has_ops(new, {"MatMulNBits"})
         if modified:
             _replace_contents(model, new)
-            model.metadata_props[QUANTIZED_KEY] = json.dumps(
+            model.metadata_props[_keys.QUANTIZED] = json.dumps(
                 {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric,
                  "accuracy_level": self.accuracy_level, "lm_head_bits": self.lm_head_bits if head is not None else 4}
             )

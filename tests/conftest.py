@@ -15,14 +15,9 @@ pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(autouse=True)
-def _checker_after_each_pass(monkeypatch, request):
-    """Every pipeline run inside a test checks the model after each pass (opt out: @pytest.mark.no_check)."""
-    if request.node.get_closest_marker("no_check") is None:
-        monkeypatch.setenv("DYNCOMPILE_CHECK", "each")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "no_check: do not run the ONNX checker after each pass")
+def _checker_after_each_pass(monkeypatch):
+    """Every pipeline run inside a test checks the model after each pass."""
+    monkeypatch.setenv("DYNCOMPILE_CHECK", "each")
 
 
 @pytest.fixture(scope="session")
@@ -78,11 +73,6 @@ def mpnet():
 @pytest.fixture(scope="session")
 def movie_test_rows() -> list[dict]:
     return [json.loads(line) for line in (DATA / "movie-test.jsonl").read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="session")
-def movie_calib_path() -> Path:
-    return DATA / "movie-calib.jsonl"
 
 
 @pytest.fixture(scope="session")

@@ -162,10 +162,6 @@ class ExitHead:
     def in_features(self) -> int:
         return int(self.layers[0][0].shape[0])
 
-    @property
-    def num_classes(self) -> int:
-        return int(self.layers[-1][0].shape[1])
-
     def logits(self, features: np.ndarray) -> np.ndarray:
         """Logits ``[N, C]`` (float32) from pooled features ``[N, F]``."""
         x = np.asarray(features, np.float32)
@@ -180,10 +176,6 @@ class ExitHead:
     def predict_proba(self, features: np.ndarray) -> np.ndarray:
         """Class probabilities ``[N, C]`` (float32) from pooled features ``[N, F]``."""
         return softmax(self.logits(features)).astype(np.float32)
-
-    def predict_proba_hidden(self, hidden: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
-        """Class probabilities straight from the layer's hidden states ``[N, S, H]``."""
-        return self.predict_proba(pool_features(hidden, attention_mask, self.pooling))
 
     def to_dict(self, encoding: str = "base64") -> dict[str, Any]:
         """JSON-able description; ``encoding="base64"`` (compact, exact) or ``"list"`` (nested lists, exact)."""

@@ -12,14 +12,13 @@ import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
 from dyncompile.passes._graph import backward_slice
-from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, default_opset
+from dyncompile.passes.early_exit.fit_exit_heads import default_opset
 from dyncompile.passes.early_exit.graph import NEVER_THRESHOLD, GraphBuilder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InsertEarlyExitPass", "LOWERING_KEY"]
+__all__ = ["InsertEarlyExitPass"]
 
-LOWERING_KEY = _keys.EARLY_EXIT_LOWERING
 
 
 class InsertEarlyExitPass(ir.passes.InPlacePass):
@@ -56,7 +55,7 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         return f"InsertEarlyExitPass(lowering={self.lowering!r}, provider={self.provider!r})"
 
     def requires(self, model: ir.Model) -> None:
-        if EARLY_EXIT_KEY not in model.metadata_props:
+        if _keys.EARLY_EXIT not in model.metadata_props:
             raise ir.passes.PreconditionError(
                 "no exit heads to lower: run FitExitHeadsPass first (the 'early-exit' pass does both)"
             )
@@ -64,23 +63,23 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
     def ensures(self, model: ir.Model) -> None:
         if self.lowering == "if":
             names = [v.name for v in model.graph.outputs]
-            if names[:1] != [json.loads(model.metadata_props[EARLY_EXIT_KEY])["final_output"]] or "exit_layer" not in names:
+            if names[:1] != [json.loads(model.metadata_props[_keys.EARLY_EXIT])["final_output"]] or "exit_layer" not in names:
                 raise ir.passes.PostconditionError(f"If lowering must output (logits, exit_layer), got {names}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if LOWERING_KEY in model.metadata_props:
+        if _keys.EARLY_EXIT_LOWERING in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
-        meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+        meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
         model.metadata_props[_keys.EARLY_EXIT_LOWERING_CHOICE] = json.dumps(
             {"lowering": self.lowering, "provider": self.provider, "reason": self.reason}
         )
         if self.lowering == "staged":
-            model.metadata_props[LOWERING_KEY] = "staged"
+            model.metadata_props[_keys.EARLY_EXIT_LOWERING] = "staged"
             model.metadata_props[_keys.EMITTER] = "early_exit_staged"
             model.metadata_props[_keys.TASK] = "text-classification"
             return ir.passes.PassResult(model, modified=True)
         self._lower_if(model, meta)
-        model.metadata_props[LOWERING_KEY] = "if"
+        model.metadata_props[_keys.EARLY_EXIT_LOWERING] = "if"
         model.metadata_props[_keys.TASK] = "text-classification"
         common_passes.NameFixPass()(model)
         common_passes.TopologicalSortPass()(model)

@@ -11,12 +11,12 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from dyncompile.passes import _keys
 from dyncompile.passes._graph import backward_slice
 from dyncompile.passes._infra import progress_bar
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.passes.early_exit.fit_exit_heads import (
     EARLY_EXIT_FORMAT,
-    EARLY_EXIT_KEY,
     MIN_CALIB_ROWS,
     calibrate_exits,
     exits_to_keep,
@@ -85,7 +85,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
         return f"WireGivenExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, criterion={self.criterion!r})"
 
     def requires(self, model: ir.Model) -> None:
-        if EARLY_EXIT_KEY in model.metadata_props:
+        if _keys.EARLY_EXIT in model.metadata_props:
             return
         if len(self.texts) < MIN_CALIB_ROWS:
             raise ir.passes.PreconditionError(
@@ -98,7 +98,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if EARLY_EXIT_KEY in model.metadata_props:
+        if _keys.EARLY_EXIT in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         import onnxruntime as ort
 
@@ -150,5 +150,5 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
             "calibration": {k: v for k, v in cal.to_dict().items() if k != "thresholds"}
             | {"thresholds_all_exits": dict(zip(map(str, exits), thresholds)), "rows": len(self.texts)},
         }
-        model.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
+        model.metadata_props[_keys.EARLY_EXIT] = json.dumps(meta)
         return ir.passes.PassResult(model, modified=True)

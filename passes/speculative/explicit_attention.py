@@ -22,9 +22,8 @@ from dyncompile.passes._infra import CompileContext, register_pass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXPLICIT_ATTENTION_KEY", "ExposeAttentionMaskPass", "find_attention_bias"]
+__all__ = ["ExposeAttentionMaskPass", "find_attention_bias"]
 
-EXPLICIT_ATTENTION_KEY = _keys.EXPLICIT_ATTENTION
 
 _WEIGHT_OPS = frozenset({"MatMul", "Gemm", "MatMulNBits", "MatMulInteger", "Conv", "Attention", "MultiHeadAttention",
                          "GroupQueryAttention"})
@@ -158,7 +157,7 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
         if not mask.uses():
             g.inputs.remove(mask)
             removed.append(self.mask_input)
-        model.metadata_props[EXPLICIT_ATTENTION_KEY] = json.dumps(
+        model.metadata_props[_keys.EXPLICIT_ATTENTION] = json.dumps(
             {"input": self.input_name, "replaced": replaced, "removed_inputs": removed}, sort_keys=True
         )
         logger.info("explicit-attention: %r now comes from input %r (removed inputs %s)", replaced, self.input_name,
@@ -166,7 +165,7 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
-        if EXPLICIT_ATTENTION_KEY in model.metadata_props and self.input_name not in {v.name for v in model.graph.inputs}:
+        if _keys.EXPLICIT_ATTENTION in model.metadata_props and self.input_name not in {v.name for v in model.graph.inputs}:
             raise ir.passes.PostconditionError(f"explicit-attention: no {self.input_name!r} input after the pass")
 
 

@@ -43,9 +43,6 @@ from dyncompile.runtime.cost_model import projected_speedup, verify_slope
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "SPLIT_DRAFTER_KEY",
-    "SPLIT_DRAFTER_META",
-    "VOCAB_META",
     "SplitDrafterPass",
     "build_split_drafter",
     "drop_unused_pasts",
@@ -53,10 +50,7 @@ __all__ = [
     "trim_lm_head",
 ]
 
-SPLIT_DRAFTER_KEY = _keys.SPLIT_DRAFTER
 SPLIT_DRAFTER_FORMAT = "dyncompile.split_drafter/v1"
-SPLIT_DRAFTER_META = _keys.SPLIT_DRAFTER_MODEL
-VOCAB_META = _keys.SPLIT_DRAFTER_VOCAB
 MIN_CALIB_TOKENS = 64
 
 
@@ -322,8 +316,8 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         return s
 
     def requires(self, model: ir.Model) -> None:
-        if SPLIT_DRAFTER_KEY in model.metadata_props:
-            if SPLIT_DRAFTER_META not in model.meta:
+        if _keys.SPLIT_DRAFTER in model.metadata_props:
+            if _keys.SPLIT_DRAFTER_MODEL not in model.meta:
                 raise DrafterError(
                     "this model already records a split drafter, but its graph is not in memory (drafters are never "
                     "saved inside the target); compile from the original model"
@@ -347,7 +341,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
 
     # --- the pass --------------------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if SPLIT_DRAFTER_KEY in model.metadata_props:
+        if _keys.SPLIT_DRAFTER in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         t_start = time.perf_counter()
         s = self._structure(model)
@@ -446,15 +440,15 @@ class SplitDrafterPass(ir.passes.InPlacePass):
                             "eval_tokens": int(len(y_eval_top)), "chunk_len": self.chunk_len},
             "seconds": round(time.perf_counter() - t_start, 2),
         }
-        model.metadata_props[SPLIT_DRAFTER_KEY] = json.dumps(record)
-        model.meta[SPLIT_DRAFTER_META] = drafter
-        model.meta[VOCAB_META] = subset
+        model.metadata_props[_keys.SPLIT_DRAFTER] = json.dumps(record)
+        model.meta[_keys.SPLIT_DRAFTER_MODEL] = drafter
+        model.meta[_keys.SPLIT_DRAFTER_VOCAB] = subset
         logger.info("split-drafter: k=%d of %d layers, acceptance %.3f, projected %.2fx", k, num, best["acceptance"],
                     best["projected_speedup"])
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
-        if SPLIT_DRAFTER_META not in model.meta:
+        if _keys.SPLIT_DRAFTER_MODEL not in model.meta:
             raise ir.passes.PostconditionError("split-drafter left no drafter graph in model.meta")
 
     # --- helpers ---------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ share of calibration prompts.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -249,6 +248,3 @@ def calibrate_stop_rule(change: np.ndarray, traj_ssim: np.ndarray, tau: float, t
                        "target_not_met": True})
     return best
 
-
-def default_workers() -> int:
-    return max(1, (os.cpu_count() or 1))

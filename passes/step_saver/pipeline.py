@@ -39,10 +39,9 @@ from dyncompile.passes.emit import (
 from dyncompile.plan import Plan, Step, file_ref
 from dyncompile.runtime.schedulers import make_scheduler
 
-__all__ = ["PipelineFolder", "read_pipeline", "is_pipeline_dir", "pipeline_compile_inputs", "STEP_SAVER_META"]
+__all__ = ["PipelineFolder", "read_pipeline", "is_pipeline_dir", "pipeline_compile_inputs"]
 
 INDEX = "model_index.json"
-STEP_SAVER_META = _keys.STEP_SAVER
 SD_DEFAULTS = {
     "text_encoder_output": "last_hidden_state",
     "tokenizer_max_length": 77,
@@ -190,7 +189,7 @@ def emit_diffusion(model: ir.Model, req: EmitRequest) -> Plan:
         shutil.copyfile(pipe.vae_decoder, out / "vae_decoder" / "model.onnx")
         files["vae_decoder"] = file_ref(out, "vae_decoder/model.onnx", "vae_decoder")
         denoise["vae_decoder"] = {"file": "vae_decoder", "scaling_factor": float(conv["vae_scaling_factor"])}
-    meta = model.metadata_props.get(STEP_SAVER_META)
+    meta = model.metadata_props.get(_keys.STEP_SAVER)
     if meta:
         ss = json.loads(meta)
         steps.append(Step("predict_steps", ss["head"]))
