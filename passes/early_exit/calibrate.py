@@ -35,6 +35,7 @@ __all__ = [
     "CALIBRATION_FORMAT",
     "CRITERIA",
     "Calibration",
+    "Cascade",
     "calibrate_exits",
     "calibrate_thresholds",
     "exit_decisions",
@@ -150,7 +151,7 @@ def fit_combiner(log_t: np.ndarray, log_e: np.ndarray, labels: np.ndarray, ridge
     return softmax(phi @ theta)
 
 
-class _Cascade:
+class Cascade:
     """Exact evaluation and coordinate-wise optimisation of per-exit confidence thresholds.
 
     Works in 'confidence' space: exit e fires when score[e, n] > tc[e] (tc = +inf: never; the last
@@ -298,7 +299,7 @@ def calibrate_thresholds(
         ref = final_pred
     warnings = _budget_warnings(budget, n)
     gains, required = _constraints(p, final, ref, labels is not None, budget)
-    cas = _Cascade(exit_scores(p, criterion, patience), gains, required, cost)
+    cas = Cascade(exit_scores(p, criterion, patience), gains, required, cost)
     best_tc = _search(cas, warnings)
     cal = Calibration(
         thresholds=thresholds_from_confidence(best_tc, criterion, c), criterion=criterion, patience=int(patience),
@@ -394,7 +395,7 @@ def _constraints(
     return np.stack(gains), np.array(required)
 
 
-def _search(cas: _Cascade, warnings: list[str]) -> np.ndarray:
+def _search(cas: Cascade, warnings: list[str]) -> np.ndarray:
     """The cheapest feasible confidence thresholds found (``+inf`` everywhere when nothing is feasible)."""
     never = np.full(cas.n_exits, np.inf)
     best_tc = never

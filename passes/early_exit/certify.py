@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.passes.early_exit.calibrate import _Cascade
+from dyncompile.passes.early_exit.calibrate import Cascade
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.runtime.exit_policy import POLICY_FEATURES, ExitPolicy, policy_features
 from dyncompile.runtime.exit_rule import exit_scores, first_exit, thresholds_from_confidence
@@ -253,7 +253,7 @@ def threshold_path(
     rows, highest first, duplicates and "no exit at all" dropped. Uses only the rows given (the path part).
     """
     cost = np.asarray(costs, np.float64)
-    cas = _Cascade(np.asarray(scores, np.float64), -np.asarray(losses, np.float64)[None], np.array([-np.inf]), cost)
+    cas = Cascade(np.asarray(scores, np.float64), -np.asarray(losses, np.float64)[None], np.array([-np.inf]), cost)
     never = np.full(len(cost), np.inf)
     n = scores.shape[1]
     never_cost = cas.evaluate(never)[0]
