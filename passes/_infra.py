@@ -450,8 +450,10 @@ def in_memory_weight_bytes(model: ir.Model) -> int:
 
 
 def _weights_as_inputs(proto, min_bytes: int = 1 << 20) -> None:
-    """Turn the large in-memory initializers of ``proto`` into graph inputs of the same type and shape, so a
-    model past protobuf's limit can still be checked (node rules, types and shapes; not the weight values)."""
+    """Turn the large in-memory initializers of ``proto`` into graph inputs of the same type and shape.
+
+    So a model past protobuf's limit can still be checked (node rules, types and shapes; not the weight values).
+    """
     import onnx
 
     keep = []

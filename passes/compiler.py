@@ -32,11 +32,13 @@ __all__ = ["CompileResult", "compile_model"]
 
 @dataclasses.dataclass
 class CompileResult:
+    """What a compile produced: the plan directory, the plan and the pipeline's per-pass record."""
     plan_dir: Path
     plan: Plan
     pipeline: PipelineResult
 
     def summary(self) -> str:
+        """Lines for the CLI: the plan file, each pass's time and ``modified``, the plan's files."""
         lines = [f"plan written to {self.plan_dir}/plan.json ({self.plan.format})"]
         for rec in self.pipeline.records:
             lines.append(f"  {rec.name:<28} {rec.seconds:7.2f} s  modified={rec.modified}")

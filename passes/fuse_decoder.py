@@ -236,6 +236,7 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         return None, spec
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         why, spec = self._inspect(model)
         if why is not None:
             logger.info("fuse-decoder: nothing to do: %s", why)

@@ -151,6 +151,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}, op_types={list(self.op_types)}{keep})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _has_ops(model, INT8_OPS):
             return ir.passes.PassResult(model, modified=False)
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -225,6 +226,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
         return targets, exclude
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.QUANTIZED in model.metadata_props:
             return
         opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
@@ -235,6 +237,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.QUANTIZED in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         g = model.graph
@@ -335,6 +338,7 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _has_ops(model, {"MatMulNBits"}):
             return ir.passes.PassResult(model, modified=False)
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer

@@ -72,8 +72,10 @@ def describe_head(a: _Analyzer, order: list[ir.Node], boundary: int, cut: ir.Val
 
 
 def pooling_of(node: ir.Node, rank: int, seq_axis: int) -> tuple[str | None, str]:
-    """``(pooling, description)`` of one node reading a rank-``rank`` tensor: ``"cls"``, ``"last"``,
-    ``"mean"``, or ``None`` when the node does not reduce ``seq_axis``."""
+    """``(pooling, description)`` of one node reading a rank-``rank`` tensor.
+
+    ``pooling`` is ``"cls"``, ``"last"``, ``"mean"``, or ``None`` when the node does not reduce ``seq_axis``.
+    """
     op = node.op_type
 
     def norm_axis(a: int) -> int:

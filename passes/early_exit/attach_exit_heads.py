@@ -112,6 +112,7 @@ class AttachExitHeadsPass(ir.passes.InPlacePass):
         return f"AttachExitHeadsPass(exits={sorted(self.heads)}, criterion={self.criterion!r})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.EARLY_EXIT in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         attach_exit_heads(

@@ -89,15 +89,18 @@ class Calibration:
 
     @property
     def num_exits(self) -> int:
+        """Number of exits, the last (the full model) included."""
         return len(self.thresholds)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able record (with its format tag), as stored in a plan."""
         d = dataclasses.asdict(self)
         d["format"] = CALIBRATION_FORMAT
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        """Read a record written by :meth:`to_dict`; :class:`CalibrationError` for anything else."""
         if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
             raise CalibrationError(f"not an exit calibration (expected format {CALIBRATION_FORMAT!r})")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -170,10 +173,12 @@ class Cascade:
         self.order = [np.argsort(-scores[e], kind="stable") for e in range(self.n_exits)]
 
     def evaluate(self, tc: np.ndarray) -> tuple[float, np.ndarray]:
+        """``(total cost, totals [M])`` of the thresholds ``tc`` on these rows."""
         ex = first_exit(self.scores, tc)
         return float(self.costs[ex].sum()), self.gains[:, ex, self.cols].sum(axis=1)
 
     def feasible(self, totals: np.ndarray) -> np.ndarray:
+        """Whether ``totals`` ``[M]`` (or each column of ``[M, K]``) meets every constraint."""
         return np.all(totals >= self.required[:, None] - 1e-9, axis=0) if totals.ndim == 2 else bool(
             np.all(totals >= self.required - 1e-9)
         )
@@ -214,8 +219,11 @@ class Cascade:
         )
 
     def ascend(self, tc: np.ndarray, lam: float | None, max_sweeps: int = 30) -> np.ndarray:
-        """Coordinate ascent. lam given: maximise -cost + lam * total[0] (unconstrained).
-        lam None: minimise cost subject to every constraint (tc must start feasible)."""
+        """Coordinate ascent over the thresholds, from ``tc``.
+
+        ``lam`` given: maximise ``-cost + lam * total[0]`` (unconstrained). ``lam`` None: minimise cost subject
+        to every constraint (``tc`` must start feasible).
+        """
         tc = tc.copy()
         for _ in range(max_sweeps):
             changed = False

@@ -234,8 +234,11 @@ _first_exit = first_exit
 
 
 def smooth_risk(policy: ExitPolicy, exit_probs: np.ndarray, losses: np.ndarray) -> np.ndarray:
-    """``[E, N]`` expected disagreement ``1 - sigmoid(score)`` of a fitted :class:`ExitPolicy` (the last
-    exit: its observed loss). Up to a factor, the expected loss — all a path needs to order settings."""
+    """``[E, N]`` expected disagreement ``1 - sigmoid(score)`` of a fitted :class:`ExitPolicy`.
+
+    The last exit gets its observed loss. Up to a factor this is the expected loss: all a path needs to
+    order settings.
+    """
     s = policy.scores(exit_probs)
     risk = 1.0 / (1.0 + np.exp(np.clip(s, -50, 50)))
     risk[-1] = losses[-1]
@@ -300,8 +303,10 @@ fit_logistic = _fit_logistic  # public name (passes/routing fits its router head
 
 
 def fit_exit_policy(exit_probs: np.ndarray, reference_pred: np.ndarray, ridge: float = 1.0) -> ExitPolicy:
-    """Per exit (all but the last), a ridge logistic regression of ``1[exit answer == reference answer]``
-    on :data:`~dyncompile.runtime.exit_policy.POLICY_FEATURES`; standardisation folded into the weights.
+    """Fit the learned exit policy: per exit but the last, a ridge logistic regression of agreement.
+
+    The target is ``1[exit answer == reference answer]``, the features
+    :data:`~dyncompile.runtime.exit_policy.POLICY_FEATURES`; standardisation is folded into the weights.
 
     Exits where every row agrees (or none does) get a constant score (the log-odds, clipped).
     """
@@ -388,16 +393,19 @@ class Certificate:
     seed: int
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able record (with its format tag), as stored in a plan."""
         return {"format": CERTIFICATE_FORMAT, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Certificate:
+        """Read a record written by :meth:`to_dict`; :class:`CalibrationError` for anything else."""
         if not isinstance(d, dict) or d.get("format") != CERTIFICATE_FORMAT:
             raise CalibrationError(f"not an exit certificate (expected format {CERTIFICATE_FORMAT!r})")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def describe(self) -> str:
+        """One line for people (see :func:`describe_certificate`)."""
         return describe_certificate(self.to_dict())
 
 
@@ -480,8 +488,10 @@ def certify_scores(
     seed: int = 0,
     path_risk: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Certificate, list[dict[str, Any]]]:
-    """The generic LTT step on stored per-row arrays: ``scores``/``losses`` ``[E, N]`` (exit fires when
-    ``score > threshold``; the last exit always stops), ``costs`` ``[E]``.
+    """The generic Learn-then-Test step on stored per-row arrays.
+
+    ``scores``/``losses`` are ``[E, N]`` (exit fires when ``score > threshold``; the last exit always stops),
+    ``costs`` ``[E]``.
 
     ``path_risk`` ``[E, N]``: a smooth per-row risk estimate to build the path on (default: ``losses``;
     the observed 0/1 losses of a few hundred rows make a path that jumps straight to aggressive settings).
@@ -579,6 +589,7 @@ def certify_exits(
         budget: points (accuracy drop, or disagreement rate without labels).
         confidence: ``1 - delta``, or ``None`` for the uncertified (in-sample) mode.
         criterion: ``entropy``, ``maxprob``, ``patience`` or ``learned`` (policy fitted on the path rows).
+        patience: consecutive agreeing exits the ``patience`` criterion needs.
         split: fraction of rows that build the path (and fit the learned policy); the rest certify.
         seed: of the stratified split.
         method: ``betting`` or ``bernstein``.
@@ -656,8 +667,10 @@ def certified_calibration(
     seed: int = 0,
     method: str = "betting",
 ) -> tuple[CertifiedExits, dict[str, Any]]:
-    """:func:`certify_exits` for head exits + the full model as the last exit (costs ``k / L``), and the
-    ``calibration`` record the early-exit pass writes into the plan."""
+    """:func:`certify_exits` for head exits + the full model as the last exit (costs ``k / L``).
+
+    Also returns the ``calibration`` record the early-exit pass writes into the plan.
+    """
     exit_probs = np.concatenate([np.asarray(oof_probs, np.float32), np.asarray(teacher, np.float32)[None]])
     costs = [k / num_layers for k in exits] + [1.0]
     res = certify_exits(
@@ -685,8 +698,10 @@ def certified_calibration(
 
 
 def policy_metadata(policy: ExitPolicy, exits: Sequence[int], keep: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """Per kept exit layer: ``{"weights", "bias", "prev_head"}`` for the ``dyncompile.early_exit`` metadata
-    (``prev_head``: the previous exit's head output, ``None`` for the first exit)."""
+    """Per kept exit layer: ``{"weights", "bias", "prev_head"}`` for the ``dyncompile.early_exit`` metadata.
+
+    ``prev_head`` is the previous exit's head output, ``None`` for the first exit.
+    """
     out = {}
     for j in keep:
         out[exits[j]] = {

@@ -74,6 +74,7 @@ def _add_learned_scores(model: ir.Model, meta: dict) -> dict[str, str]:
 
 @register_emitter("early_exit_staged")
 def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
+    """Cut the lowered graph into segment graphs at its exits and write the staged early-exit plan."""
     meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
     g = model.graph
     values = ir.convenience.create_value_mapping(g)

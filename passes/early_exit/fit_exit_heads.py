@@ -154,6 +154,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         return out
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.EARLY_EXIT in model.metadata_props:
             return
         self._classifier_output(model)
@@ -179,6 +180,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             )
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
         outputs = {v.name for v in model.graph.outputs}
         for e in meta["exits"]:
@@ -188,6 +190,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
     # --- the pass -------------------------------------------------------------------------------
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.EARLY_EXIT in model.metadata_props:
             logger.info("model already has exit heads; nothing to do")
             return ir.passes.PassResult(model, modified=False)
@@ -376,6 +379,7 @@ def find_exit_cuts(model: ir.Model, cuts: dict[int, str] | None = None) -> tuple
 
 
 def classifier_output(model: ir.Model) -> ir.Value:
+    """The classifier's one output besides exit heads, or a PreconditionError."""
     outs = [v for v in model.graph.outputs if not v.name.startswith("exit_logits_")]
     if len(outs) != 1:
         raise ir.passes.PreconditionError(

@@ -160,6 +160,7 @@ class ExitHead:
 
     @property
     def in_features(self) -> int:
+        """Width of the pooled features the head reads."""
         return int(self.layers[0][0].shape[0])
 
     def logits(self, features: np.ndarray) -> np.ndarray:
@@ -193,6 +194,7 @@ class ExitHead:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExitHead:
+        """Read a head written by :meth:`to_dict`; :class:`CalibrationError` for anything else."""
         if not isinstance(d, dict) or d.get("format") != HEAD_FORMAT:
             raise CalibrationError(
                 f"not an exit head description (format {d.get('format') if isinstance(d, dict) else type(d)!r}, "

@@ -55,18 +55,21 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         return f"InsertEarlyExitPass(lowering={self.lowering!r}, provider={self.provider!r})"
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.EARLY_EXIT not in model.metadata_props:
             raise ir.passes.PreconditionError(
                 "no exit heads to lower: run FitExitHeadsPass first (the 'early-exit' pass does both)"
             )
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         if self.lowering == "if":
             names = [v.name for v in model.graph.outputs]
             if names[:1] != [json.loads(model.metadata_props[_keys.EARLY_EXIT])["final_output"]] or "exit_layer" not in names:
                 raise ir.passes.PostconditionError(f"If lowering must output (logits, exit_layer), got {names}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.EARLY_EXIT_LOWERING in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])

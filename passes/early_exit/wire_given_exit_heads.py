@@ -85,6 +85,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
         return f"WireGivenExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, criterion={self.criterion!r})"
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.EARLY_EXIT in model.metadata_props:
             return
         if len(self.texts) < MIN_CALIB_ROWS:
@@ -98,6 +99,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.EARLY_EXIT in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         import onnxruntime as ort

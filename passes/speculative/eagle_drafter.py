@@ -195,6 +195,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
         return f"EagleDrafterPass(head_dir={str(self.head_dir)!r})"
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.EAGLE in model.metadata_props:
             if _keys.EAGLE_MODEL not in model.meta:
                 raise DrafterError("this model records an EAGLE drafter but its graph is not in memory (drafters are "
@@ -204,6 +205,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
         load_head(self.head_dir)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.EAGLE in model.metadata_props and _keys.EAGLE_MODEL in model.meta:
             return ir.passes.PassResult(model, modified=False)
         arrays, info, sha = load_head(self.head_dir)
@@ -227,6 +229,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         if _keys.EAGLE_MODEL not in model.meta:
             raise ir.passes.PostconditionError("the EAGLE drafter did not reach model.meta")
 

@@ -93,6 +93,7 @@ def _share_weights(drafter: ir.Model, target: ir.Model, saved_target_path: Path)
 
 @register_emitter("speculative")
 def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
+    """Write the target, its drafter and the speculative-generation plan that runs them."""
     rec = json.loads(model.metadata_props[_keys.SPECULATIVE])
     d = rec["drafter"]
     out = req.out_dir

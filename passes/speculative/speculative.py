@@ -169,6 +169,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         return drafter, json.loads(model.metadata_props[_keys.SPLIT_DRAFTER])
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         target = decoder_spec(model, "model", what="target model")
         if self.tree and not (target.get("attention_bias") and target.get("position_ids")):
             raise DrafterError(
@@ -279,8 +280,11 @@ class SpeculativePass(ir.passes.InPlacePass):
         }
 
     def _measured_costs(self, model: ir.Model, target: dict[str, Any]) -> dict[str, Any]:
-        """The draft policy's timed entries: the target's verification costs, an external drafter's step cost
-        (0 for prompt lookup). Kept from the last run while the graphs are the ones timed then."""
+        """The draft policy's timed entries.
+
+        The target's verification costs and an external drafter's step cost (0 for prompt lookup), kept from the
+        last run while the graphs are the ones timed then.
+        """
         external = isinstance(self.drafter, ir.Model)
         # the verification cost curve up to the largest tree (root included) or the longest chain (+ its bonus token)
         sizes = _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
@@ -298,6 +302,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         return costs
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if self.tree and isinstance(self.drafter, ir.Model):
             # an external drafter expands its tree one depth per call: it gets the 4-D attention bias input too
             ExposeAttentionMaskPass()(self.drafter)
@@ -325,14 +330,17 @@ class SpeculativePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         rec = json.loads(model.metadata_props[_keys.SPECULATIVE])
         if rec["drafter"]["kind"] in ("model", "eagle") and _keys.DRAFTER_MODEL not in model.meta:
             raise ir.passes.PostconditionError("the drafter graph did not reach model.meta")
 
 
 def call_shape_dependent_ops(model: ir.Model) -> str | None:
-    """Describe the ops whose numerics depend on the number of rows in a call (None if there are none):
-    MatMulNBits with int8 compute (``accuracy_level`` 4) and dynamic int8 quantization of activations."""
+    """Describe the ops whose numerics depend on the number of rows in a call (None if there are none).
+
+    Those are MatMulNBits with int8 compute (``accuracy_level`` 4) and dynamic int8 quantization of activations.
+    """
     found: dict[str, int] = {}
     for node in model.graph.all_nodes():
         if node.op_type == "MatMulNBits":

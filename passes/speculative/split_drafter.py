@@ -316,6 +316,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         return s
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.SPLIT_DRAFTER in model.metadata_props:
             if _keys.SPLIT_DRAFTER_MODEL not in model.meta:
                 raise DrafterError(
@@ -341,6 +342,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
 
     # --- the pass --------------------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.SPLIT_DRAFTER in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         t_start = time.perf_counter()
@@ -448,6 +450,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         if _keys.SPLIT_DRAFTER_MODEL not in model.meta:
             raise ir.passes.PostconditionError("split-drafter left no drafter graph in model.meta")
 

@@ -219,8 +219,10 @@ def calibrate_offset(cv_log2: np.ndarray, ssim_grid: np.ndarray, grid: list[int]
 
 
 def stop_outcomes(change: np.ndarray, rule: StopRule) -> np.ndarray:
-    """Step at which the rule stops each row, from the per-step x0 changes of its max_steps run
-    (exactly :meth:`Denoiser.sample`'s rule: first k in [min_steps, max_steps) with change < threshold)."""
+    """Step at which the rule stops each row, from the per-step x0 changes of its max_steps run.
+
+    Exactly :meth:`Denoiser.sample`'s rule: the first k in [min_steps, max_steps) with change < threshold.
+    """
     n, k_max = change.shape
     stop = np.full(n, k_max)
     for i in range(n):

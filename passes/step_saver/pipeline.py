@@ -56,6 +56,7 @@ SD_DEFAULTS = {
 
 @dataclasses.dataclass
 class PipelineFolder:
+    """A diffusers-style pipeline folder: its index and the files of each component."""
     root: Path
     index: dict[str, Any]
     text_encoder: Path
@@ -67,6 +68,7 @@ class PipelineFolder:
 
 
 def is_pipeline_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a pipeline folder (a directory with the pipeline index)."""
     return Path(path).is_dir() and (Path(path) / INDEX).is_file()
 
 
@@ -122,8 +124,10 @@ def read_pipeline(root: str | Path) -> PipelineFolder:
 
 
 def pipeline_compile_inputs(root: str | Path, output_dir, options: dict[str, Any]):
-    """For :func:`~dyncompile.passes.compiler.compile_model`: the U-Net to run the passes on, the default
-    output directory and the options (with ``pipeline_dir``) for a pipeline folder input."""
+    """The compile inputs of a pipeline folder, for :func:`~dyncompile.passes.compiler.compile_model`.
+
+    The U-Net to run the passes on, the default output directory and the options (with ``pipeline_dir``).
+    """
     pipe = read_pipeline(root)
     out = Path(output_dir) if output_dir else pipe.root.parent / f"{pipe.root.name}-compiled"
     if out.resolve() == pipe.root.resolve() or pipe.root.resolve() in out.resolve().parents:

@@ -138,6 +138,7 @@ class StepSaverPass(ir.passes.InPlacePass):
         return runs, rows, {"split": "train", "noise": "numpy"}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         old = model.metadata_props.get(_keys.STEP_SAVER)
         if old and json.loads(old).get("fingerprint") == self._fingerprint():
             return ir.passes.PassResult(model, modified=False)
