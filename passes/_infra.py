@@ -287,33 +287,47 @@ def _convert_option(pass_name: str, opt: PassOption, text: str) -> Any:
 _NO_VALUE = object()
 
 
+def _as_none(text: str, low: str) -> Any:
+    return None if low in ("none", "null") else _NO_VALUE
+
+
+def _as_bool(text: str, low: str) -> Any:
+    return low == "true" if low in ("true", "false") else _NO_VALUE
+
+
+def _as_int(text: str, low: str) -> Any:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return _NO_VALUE
+
+
+def _as_float(text: str, low: str) -> Any:
+    try:
+        v = float(text.strip())
+    except ValueError:
+        return _NO_VALUE
+    return v if math.isfinite(v) else _NO_VALUE
+
+
+def _as_str(text: str, low: str) -> Any:
+    return text.strip() or _NO_VALUE
+
+
+_CONVERTERS: dict[Any, Callable[[str, str], Any]] = {
+    type(None): _as_none, bool: _as_bool, int: _as_int, float: _as_float, str: _as_str,
+}
+
+
 def _convert_text(choices: tuple[Any, ...], text: str, low: str) -> Any:
+    """``text`` as the first of the types ``choices`` it reads as, else ``_NO_VALUE``."""
     for c in choices:
-        if c is type(None):
-            if low in ("none", "null"):
-                return None
-        elif typing.get_origin(c) is typing.Literal:
-            for lit in typing.get_args(c):
-                if str(lit) == text.strip():
-                    return lit
-        elif c is bool:
-            if low in ("true", "false"):
-                return low == "true"
-        elif c is int:
-            try:
-                return int(text.strip())
-            except ValueError:
-                pass
-        elif c is float:
-            try:
-                v = float(text.strip())
-            except ValueError:
-                continue
-            if math.isfinite(v):
-                return v
-        elif c is str:
-            if text.strip():
-                return text.strip()
+        if typing.get_origin(c) is typing.Literal:
+            value = next((lit for lit in typing.get_args(c) if str(lit) == text.strip()), _NO_VALUE)
+        else:
+            value = _CONVERTERS[c](text, low) if c in _CONVERTERS else _NO_VALUE
+        if value is not _NO_VALUE:
+            return value
     return _NO_VALUE
 
 

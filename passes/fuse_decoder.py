@@ -85,6 +85,32 @@ def _rotary_source(cos4: ir.Value, model: ir.Model) -> tuple[np.ndarray, ir.Valu
     return inv, pos
 
 
+def _gqa_layout(model: ir.Model, q_bshd: ir.Value, k_bshd: ir.Value, pasts: tuple[ir.Value, ir.Value],
+                cos4: ir.Value, mask: ir.Value, ropes: tuple[ir.Value, ir.Value]) -> tuple:
+    """``(heads, kv heads, head size, (inv_freq, position_ids))`` of a matched attention, or ``(reason, value)``."""
+    for name, v in (("query", q_bshd), ("key", k_bshd)):
+        if v.shape is None or len(v.shape) != 4 or not all(isinstance(d, int) for d in v.shape[2:]):
+            return f"{name} heads/head size are not static", v
+    h, dh = q_bshd.shape[2], q_bshd.shape[3]
+    hkv = k_bshd.shape[2]
+    if k_bshd.shape[3] != dh or h % hkv:
+        return "query/key head layout is not grouped-query attention", k_bshd
+    for pv in pasts:
+        if pv not in model.graph.inputs:
+            return "past key/value is not a graph input", pv
+    src = _rotary_source(cos4, model)
+    if isinstance(src, str):
+        return src, cos4
+    if src[0].shape[0] * 2 != dh:
+        return "rotary covers part of the head (partial rotary is not fused)", cos4
+    if mask.shape is None or len(mask.shape) != 4 or mask.dtype != ir.DataType.FLOAT:
+        return "attention mask is not a float 4-D additive mask", mask
+    for rope in ropes:
+        if rope.producer().attributes.get_int("interleaved", 0) != 0:
+            return "interleaved rotary is not fused", rope
+    return h, hkv, dh, src
+
+
 def _gqa_rule(max_positions: int, input_ids: ir.Value):
     from onnxscript.rewriter import pattern
 
@@ -113,28 +139,10 @@ def _gqa_rule(max_positions: int, input_ids: ir.Value):
 
         def check(self, context, q_bshd, k_bshd, past_k, past_v, cos4, mask, attn, q_rot, k_rot, **_):
             r = pattern.MatchResult()
-            for name, v in (("query", q_bshd), ("key", k_bshd)):
-                if v.shape is None or len(v.shape) != 4 or not all(isinstance(d, int) for d in v.shape[2:]):
-                    return r.fail(f"{name} heads/head size are not static", v)
-            h, dh = q_bshd.shape[2], q_bshd.shape[3]
-            hkv = k_bshd.shape[2]
-            if k_bshd.shape[3] != dh or h % hkv:
-                return r.fail("query/key head layout is not grouped-query attention", k_bshd)
-            for pv in (past_k, past_v):
-                if pv not in context.model.graph.inputs:
-                    return r.fail("past key/value is not a graph input", pv)
-            src = _rotary_source(cos4, context.model)
-            if isinstance(src, str):
-                return r.fail(src, cos4)
-            if src[0].shape[0] * 2 != dh:
-                return r.fail("rotary covers part of the head (partial rotary is not fused)", cos4)
-            if mask.shape is None or len(mask.shape) != 4 or mask.dtype != ir.DataType.FLOAT:
-                return r.fail("attention mask is not a float 4-D additive mask", mask)
-            for rope in (q_rot, k_rot):
-                if rope.producer().attributes.get_int("interleaved", 0) != 0:
-                    return r.fail("interleaved rotary is not fused", rope)
-            self._h, self._hkv, self._dh = h, hkv, dh
-            self._inv, self._pos = src
+            found = _gqa_layout(context.model, q_bshd, k_bshd, (past_k, past_v), cos4, mask, (q_rot, k_rot))
+            if isinstance(found[0], str):
+                return r.fail(*found)
+            self._h, self._hkv, self._dh, (self._inv, self._pos) = found
             scale = attn.producer().attributes.get_float("scale", None)
             self._scale = scale
             return r
