@@ -58,13 +58,20 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.passes.early_exit.calibrate import Cascade
+from dyncompile.passes.early_exit.calibrate import (
+    LEARNED_ALWAYS,
+    Cascade,
+    calibrate_against_reference,
+    criterion_thresholds,
+    exit_decisions,
+)
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.runtime.exit_policy import POLICY_FEATURES, ExitPolicy, policy_features
-from dyncompile.runtime.exit_rule import exit_scores, first_exit, thresholds_from_confidence
+from dyncompile.runtime.exit_rule import exit_scores, first_exit
 
 __all__ = [
     "CERTIFICATE_FORMAT",
+    "LEARNED_ALWAYS",
     "UCB_METHODS",
     "Certificate",
     "CertificationError",
@@ -87,8 +94,6 @@ __all__ = [
 CERTIFICATE_FORMAT = "dyncompile.exit_certificate/v1"
 DEFAULT_SPLIT = 0.3
 DEFAULT_CONFIDENCE = 0.9
-#: "always fires" for the learned criterion's logit score, finite so that plans stay strict JSON.
-LEARNED_ALWAYS = -1e30
 
 
 class CertificationError(CalibrationError):
@@ -438,6 +443,7 @@ class CertifiedExits:
     policy: ExitPolicy | None
     exit_histogram: list[int]
     path: list[dict[str, Any]]
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def parse_confidence(value: Any) -> float | None:
@@ -555,13 +561,6 @@ def certify_scores(
     return tc, cert, summary
 
 
-def _to_criterion_thresholds(tc: np.ndarray, criterion: str, n_classes: int) -> list[float | None]:
-    if criterion != "learned":
-        return thresholds_from_confidence(tc, criterion, n_classes)
-    return [None if (e == len(tc) - 1 or t == np.inf) else (LEARNED_ALWAYS if t == -np.inf else float(t))
-            for e, t in enumerate(tc)]
-
-
 def certify_exits(
     exit_probs: np.ndarray,
     final_probs: np.ndarray,
@@ -620,9 +619,10 @@ def certify_exits(
         raise CalibrationError(f"labels must have shape ({n},), got {y.shape}")
     mode = "agreement" if y is None else "labels"
     strata = ref_pred if y is None else y
-    if confidence is None:  # uncertified: path and choice on every row (a plain in-sample calibration)
-        a, b = np.arange(n), np.random.default_rng(seed).permutation(n)
-    elif path_rows is None:
+    if confidence is None:  # uncertified: the in-sample calibration of every early-exit compile
+        return _uncertified(p, final, y, costs, budget=budget, criterion=criterion, patience=patience,
+                            reference_probs=reference_probs, ref_pred=ref_pred, seed=seed, split=split)
+    if path_rows is None:
         a, b = _split(n, split, seed, strata)
     else:
         a = np.sort(np.asarray(path_rows, np.int64))
@@ -646,9 +646,33 @@ def certify_exits(
     )
     ex = _first_exit(scores, tc)  # every calibration row (the drift guard's reference histogram)
     return CertifiedExits(
-        thresholds=_to_criterion_thresholds(tc, criterion, c), criterion=criterion, certificate=cert, policy=policy,
+        thresholds=criterion_thresholds(tc, criterion, c), criterion=criterion, certificate=cert, policy=policy,
         exit_histogram=np.bincount(ex, minlength=n_exits).astype(int).tolist(), path=summary,
     )
+
+
+def _uncertified(p: np.ndarray, final: np.ndarray, y: np.ndarray | None, costs: Sequence[float], *, budget: float,
+                 criterion: str, patience: int, reference_probs: np.ndarray | None, ref_pred: np.ndarray, seed: int,
+                 split: float) -> CertifiedExits:
+    """``confidence=None``: the in-sample calibration, reported as a certificate that certifies nothing.
+
+    :func:`~dyncompile.passes.early_exit.calibrate.calibrate_against_reference` on every row (the learned
+    criterion's policy is fitted on every row too): one search for every uncertified early-exit decision.
+    """
+    policy = fit_exit_policy(p, ref_pred) if criterion == "learned" else None
+    cal = calibrate_against_reference(p, final, y, costs, budget=budget, criterion=criterion, patience=patience,
+                                      reference_probs=reference_probs, policy=policy)
+    ex = exit_decisions(p, cal, policy)
+    n = p.shape[1]
+    observed = exit_losses(p, ref_pred, y)[ex, np.arange(n)].mean()
+    cert = Certificate(
+        mode="agreement" if y is None else "labels", confidence=None, delta=None, budget=float(budget), rows=n,
+        path_rows=n, method="none", certified=False, observed=round(100 * float(observed), 4), bound=None, point=-1,
+        path_length=0, safest_bound=None, expected_speedup=round(cal.expected_speedup, 4), split=float(split),
+        seed=int(seed),
+    )
+    return CertifiedExits(thresholds=cal.thresholds, criterion=criterion, certificate=cert, policy=policy,
+                          exit_histogram=cal.exit_histogram, path=[], warnings=list(cal.warnings))
 
 
 def certified_calibration(
@@ -680,7 +704,7 @@ def certified_calibration(
     c = res.certificate
     record = {
         "format": "dyncompile.exit_calibration/v1",
-        "method": "learn-then-test" if confidence is not None else "uncertified path (plug-in)",
+        "method": "learn-then-test" if confidence is not None else "in-sample (uncertified)",
         "criterion": criterion,
         "budget": float(budget),
         "metric": "accuracy" if labels is not None else "agreement",
@@ -688,7 +712,7 @@ def certified_calibration(
         "expected_speedup": c.expected_speedup,
         "observed_loss": c.observed,
         "exit_histogram": res.exit_histogram,
-        "warnings": [],
+        "warnings": res.warnings,
         "n_rows": int(exit_probs.shape[1]),
         "thresholds_all_exits": dict(zip(map(str, exits), res.thresholds[:-1])),
         "rows": int(exit_probs.shape[1]),
