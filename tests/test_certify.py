@@ -165,13 +165,15 @@ def test_uncertified_mode_is_named_so_and_keeps_the_budget_in_sample():
 
 @pytest.mark.parametrize("with_labels", [True, False])
 def test_uncertified_learned_criterion_keeps_the_budget_in_sample(with_labels):
-    """The learned criterion without a certificate goes through the same in-sample search as the others: the
-    budget holds on the calibration rows, in both modes, and the policy's decisions give the histogram."""
+    """The early-exit pass's learned criterion without a certificate goes through the in-sample search the other
+    criteria use: the budget holds on the calibration rows, in both modes, and the policy's decisions give the
+    histogram."""
     from dyncompile.passes.early_exit.calibrate import Calibration, exit_decisions
+    from dyncompile.passes.early_exit.certify import uncertified_exits
 
     p, final, y = _synthetic(2000, seed=11)
     labels = y if with_labels else None
-    res = certify_exits(p, final, labels, COSTS[: p.shape[0]], budget=2.0, confidence=None, criterion="learned")
+    res = uncertified_exits(p, final, labels, COSTS[: p.shape[0]], budget=2.0, criterion="learned")
     assert res.policy is not None and res.certificate.confidence is None and not res.certificate.certified
     assert res.certificate.observed <= 2.0 and res.certificate.expected_speedup > 1.0
     cal = Calibration(thresholds=res.thresholds, criterion="learned", patience=2, costs=COSTS, budget=2.0,

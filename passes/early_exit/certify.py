@@ -89,6 +89,7 @@ __all__ = [
     "parse_confidence",
     "stratified_split",
     "threshold_path",
+    "uncertified_exits",
 ]
 
 CERTIFICATE_FORMAT = "dyncompile.exit_certificate/v1"
@@ -619,10 +620,9 @@ def certify_exits(
         raise CalibrationError(f"labels must have shape ({n},), got {y.shape}")
     mode = "agreement" if y is None else "labels"
     strata = ref_pred if y is None else y
-    if confidence is None:  # uncertified: the in-sample calibration of every early-exit compile
-        return _uncertified(p, final, y, costs, budget=budget, criterion=criterion, patience=patience,
-                            reference_probs=reference_probs, ref_pred=ref_pred, seed=seed, split=split)
-    if path_rows is None:
+    if confidence is None:  # uncertified: path and choice on every row (a plain in-sample calibration)
+        a, b = np.arange(n), np.random.default_rng(seed).permutation(n)
+    elif path_rows is None:
         a, b = _split(n, split, seed, strata)
     else:
         a = np.sort(np.asarray(path_rows, np.int64))
@@ -651,14 +651,17 @@ def certify_exits(
     )
 
 
-def _uncertified(p: np.ndarray, final: np.ndarray, y: np.ndarray | None, costs: Sequence[float], *, budget: float,
-                 criterion: str, patience: int, reference_probs: np.ndarray | None, ref_pred: np.ndarray, seed: int,
-                 split: float) -> CertifiedExits:
-    """``confidence=None``: the in-sample calibration, reported as a certificate that certifies nothing.
+def uncertified_exits(p: np.ndarray, final: np.ndarray, labels: np.ndarray | None, costs: Sequence[float], *,
+                      budget: float, criterion: str, patience: int = 2, reference_probs: np.ndarray | None = None
+                      ) -> CertifiedExits:
+    """The early-exit pass's ``--confidence none``: the in-sample calibration, as a certificate of nothing.
 
     :func:`~dyncompile.passes.early_exit.calibrate.calibrate_against_reference` on every row (the learned
-    criterion's policy is fitted on every row too): one search for every uncertified early-exit decision.
+    criterion's policy is fitted on every row too): the one search for every uncertified early-exit decision.
+    Arguments as :func:`certify_exits`.
     """
+    y = None if labels is None else np.asarray(labels).astype(np.int64)
+    ref_pred = np.asarray(final if reference_probs is None else reference_probs).argmax(-1)
     policy = fit_exit_policy(p, ref_pred) if criterion == "learned" else None
     cal = calibrate_against_reference(p, final, y, costs, budget=budget, criterion=criterion, patience=patience,
                                       reference_probs=reference_probs, policy=policy)
@@ -668,8 +671,7 @@ def _uncertified(p: np.ndarray, final: np.ndarray, y: np.ndarray | None, costs: 
     cert = Certificate(
         mode="agreement" if y is None else "labels", confidence=None, delta=None, budget=float(budget), rows=n,
         path_rows=n, method="none", certified=False, observed=round(100 * float(observed), 4), bound=None, point=-1,
-        path_length=0, safest_bound=None, expected_speedup=round(cal.expected_speedup, 4), split=float(split),
-        seed=int(seed),
+        path_length=0, safest_bound=None, expected_speedup=round(cal.expected_speedup, 4), split=0.0, seed=0,
     )
     return CertifiedExits(thresholds=cal.thresholds, criterion=criterion, certificate=cert, policy=policy,
                           exit_histogram=cal.exit_histogram, path=[], warnings=list(cal.warnings))
@@ -697,10 +699,14 @@ def certified_calibration(
     """
     exit_probs = np.concatenate([np.asarray(oof_probs, np.float32), np.asarray(teacher, np.float32)[None]])
     costs = [k / num_layers for k in exits] + [1.0]
-    res = certify_exits(
-        exit_probs, teacher, labels, costs, budget=budget, confidence=confidence, criterion=criterion, patience=patience,
-        split=split, seed=seed, method=method, reference_probs=reference_probs,
-    )
+    if confidence is None:
+        res = uncertified_exits(exit_probs, np.asarray(teacher), labels, costs, budget=budget, criterion=criterion,
+                                patience=patience, reference_probs=reference_probs)
+    else:
+        res = certify_exits(
+            exit_probs, teacher, labels, costs, budget=budget, confidence=confidence, criterion=criterion,
+            patience=patience, split=split, seed=seed, method=method, reference_probs=reference_probs,
+        )
     c = res.certificate
     record = {
         "format": "dyncompile.exit_calibration/v1",
