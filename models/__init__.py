@@ -61,7 +61,6 @@ __all__ = [
     "RecipeInfo",
     "build_model",
     "default_assets_dir",
-    "get_recipe",
     "list_models",
     "model_dir",
     "model_home",
@@ -196,11 +195,6 @@ _RECIPES: dict[str, _Recipe] = {
 def list_models() -> list[RecipeInfo]:
     """All recipes, in a stable order."""
     return [r.info for r in _RECIPES.values()]
-
-
-def get_recipe(name: str) -> RecipeInfo:
-    """RecipeInfo of one recipe; RecipeError listing the known names if there is none."""
-    return _lookup(name).info
 
 
 def _lookup(name: str) -> _Recipe:

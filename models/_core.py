@@ -117,17 +117,6 @@ def require_asset(assets_dir: str | os.PathLike | None, folder: str, files: tupl
 # --------------------------------------------------------------------------------------------- hashing
 
 
-def sha256_zip_member(zf: zipfile.ZipFile, member: str, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with zf.open(member) as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
 # --------------------------------------------------------------------------------------------- downloads
 
 

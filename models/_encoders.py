@@ -57,11 +57,11 @@ FALLBACK_TEXTS = [
 
 def calib_texts(assets: Path, limit: int | None = None) -> tuple[list[str], str]:
     """Real sentences for checks: ``<assets>/../data/sentiment/movie-calib.jsonl`` (the calibration split)."""
-    from dyncompile.models._export import read_jsonl_texts
+    from dyncompile.io import read_jsonl
 
     path = assets.parent / "data" / "sentiment" / "movie-calib.jsonl"
     if path.is_file():
-        return read_jsonl_texts(path, limit), str(path)
+        return [r["text"] for r in read_jsonl(path, limit=limit)], str(path)
     logger.warning(
         "calibration split %s not found; checking on %d built-in sentences", path, len(FALLBACK_TEXTS)
     )

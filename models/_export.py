@@ -6,7 +6,6 @@ Imports torch / transformers / onnxruntime lazily (inside functions): they are t
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
@@ -255,13 +254,3 @@ def verify_tokenizer(
     return {"texts": len(texts), "fields": list(fields), "max_length": max_length, "identical": True}
 
 
-def read_jsonl_texts(path: Path, limit: int | None = None) -> list[str]:
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                out.append(json.loads(line)["text"])
-                if limit is not None and len(out) >= limit:
-                    break
-    return out

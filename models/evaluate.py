@@ -7,11 +7,11 @@ Used by the tests and by benchmarks that need the quality figure next to a speed
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from dyncompile.io import read_jsonl
 from dyncompile.models._core import ModelArtifacts, RecipeError
 
 logger = logging.getLogger("dyncompile.models")
@@ -32,14 +32,8 @@ class Accuracy:
 
 def read_labelled(path: str | Path) -> tuple[list[str], list[int]]:
     """Texts and integer labels of a JSONL split (fields ``text`` and ``label``)."""
-    texts, labels = [], []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                texts.append(row["text"])
-                labels.append(int(row["label"]))
-    return texts, labels
+    rows = read_jsonl(path)
+    return [r["text"] for r in rows], [int(r["label"]) for r in rows]
 
 
 def load_tokenizer(art: ModelArtifacts, *, pad_to: int | None = None):

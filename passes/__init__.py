@@ -3,6 +3,8 @@
 Importing this package registers every built-in pass and plan emitter. Layout:
 
 * ``_infra`` — registry and pipeline runner (checking, timing, IR dumps belong here, not in passes);
+* ``presets`` — optimization levels: the EP-aware lowering passes a compile inserts (``-O``), as data;
+* ``_graph`` — graph helpers every pass shares (backward slices through subgraph captures, constant reads);
 * ``compiler`` — the compile driver behind :func:`dyncompile.compile`;
 * ``emit`` — turns the final graph into a plan (emitters per technique);
 * ``early_exit/`` — exit heads, their fitting and calibration, the exit rule, the lowering passes;

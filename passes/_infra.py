@@ -41,6 +41,10 @@ __all__ = [
     "register_pass",
     "parse_pass_spec",
     "build_passes",
+    "build_pipeline",
+    "is_pass_list",
+    "must_precede",
+    "split_spec",
     "run_pipeline",
     "known_passes",
     "check_model",
@@ -283,33 +287,47 @@ def _convert_option(pass_name: str, opt: PassOption, text: str) -> Any:
 _NO_VALUE = object()
 
 
+def _as_none(text: str, low: str) -> Any:
+    return None if low in ("none", "null") else _NO_VALUE
+
+
+def _as_bool(text: str, low: str) -> Any:
+    return low == "true" if low in ("true", "false") else _NO_VALUE
+
+
+def _as_int(text: str, low: str) -> Any:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return _NO_VALUE
+
+
+def _as_float(text: str, low: str) -> Any:
+    try:
+        v = float(text.strip())
+    except ValueError:
+        return _NO_VALUE
+    return v if math.isfinite(v) else _NO_VALUE
+
+
+def _as_str(text: str, low: str) -> Any:
+    return text.strip() or _NO_VALUE
+
+
+_CONVERTERS: dict[Any, Callable[[str, str], Any]] = {
+    type(None): _as_none, bool: _as_bool, int: _as_int, float: _as_float, str: _as_str,
+}
+
+
 def _convert_text(choices: tuple[Any, ...], text: str, low: str) -> Any:
+    """``text`` as the first of the types ``choices`` it reads as, else ``_NO_VALUE``."""
     for c in choices:
-        if c is type(None):
-            if low in ("none", "null"):
-                return None
-        elif typing.get_origin(c) is typing.Literal:
-            for lit in typing.get_args(c):
-                if str(lit) == text.strip():
-                    return lit
-        elif c is bool:
-            if low in ("true", "false"):
-                return low == "true"
-        elif c is int:
-            try:
-                return int(text.strip())
-            except ValueError:
-                pass
-        elif c is float:
-            try:
-                v = float(text.strip())
-            except ValueError:
-                continue
-            if math.isfinite(v):
-                return v
-        elif c is str:
-            if text.strip():
-                return text.strip()
+        if typing.get_origin(c) is typing.Literal:
+            value = next((lit for lit in typing.get_args(c) if str(lit) == text.strip()), _NO_VALUE)
+        else:
+            value = _CONVERTERS[c](text, low) if c in _CONVERTERS else _NO_VALUE
+        if value is not _NO_VALUE:
+            return value
     return _NO_VALUE
 
 
@@ -330,6 +348,27 @@ def _check_order(names: list[str]) -> None:
                 )
 
 
+def is_pass_list(spec: object) -> bool:
+    """Whether ``spec`` is a non-empty list of pass instances (the Python API's alternative to a spec string)."""
+    return not isinstance(spec, str) and bool(spec) and all(isinstance(p, ir.passes.PassBase) for p in spec)
+
+
+def split_spec(spec: str | Sequence[str]) -> list[tuple[str, dict[str, str]]]:
+    """``[(name, {key: raw text})]`` of a pipeline spec; names are checked against the registry."""
+    _load_builtin_passes()
+    parsed = _split_spec(spec)
+    known = ", ".join(sorted(PASS_REGISTRY))
+    for name, _ in parsed:
+        if name not in PASS_REGISTRY:
+            raise PassConfigError(f"unknown pass {name!r}; known passes: {known}")
+    return parsed
+
+
+def must_precede(first: str, second: str) -> bool:
+    """Whether the registry orders pass ``first`` before pass ``second`` when both are in one pipeline."""
+    return second in PASS_REGISTRY[first].before or first in PASS_REGISTRY[second].after
+
+
 def build_passes(
     spec: str | Sequence[str] | Sequence[ir.passes.PassBase], context: CompileContext | None = None
 ) -> list[ir.passes.PassBase]:
@@ -340,10 +379,20 @@ def build_passes(
     (``after``/``before``) and required compile inputs are checked before any factory runs. ``spec`` may
     also be a list of pass instances (Python API), used as given.
     """
+    if is_pass_list(spec):
+        return list(spec)
+    return [p for _, made in build_pipeline(spec, context) for p in made]
+
+
+def build_pipeline(
+    spec: str | Sequence[str], context: CompileContext | None = None
+) -> list[tuple[str, list[ir.passes.PassBase]]]:
+    """Like :func:`build_passes`, but per spec entry: ``[(name, [its pass instances])]``.
+
+    One registered name may stand for several passes (``early-exit`` = fit heads + lower), hence a list.
+    """
     _load_builtin_passes()
     context = context or CompileContext()
-    if not isinstance(spec, str) and spec and all(isinstance(p, ir.passes.PassBase) for p in spec):
-        return list(spec)
     parsed = _split_spec(spec)
     known = ", ".join(sorted(PASS_REGISTRY))
     for name, _ in parsed:
@@ -365,12 +414,11 @@ def build_passes(
             flags = ", ".join("--" + r.replace("_", "-") for r in missing)
             raise PassConfigError(f"pass {name!r} needs {flags} (see `dyncompile --help`)")
         calls.append((entry, opts))
-    passes = []
+    out = []
     for entry, opts in calls:
         made = entry.factory(context, **opts)
-        # A registered name may stand for several passes (e.g. early-exit = fit heads + lower).
-        passes.extend(made if isinstance(made, list | tuple) else [made])
-    return passes
+        out.append((entry.name, list(made) if isinstance(made, list | tuple) else [made]))
+    return out
 
 
 class _NoBar:
@@ -404,13 +452,6 @@ class PipelineResult:
     modified: bool
     records: list[PassRecord]
 
-    def result_of(self, pass_type: type) -> ir.passes.PassResult | None:
-        """The last result produced by a pass of ``pass_type`` (for pass statistics)."""
-        for rec in reversed(self.records):
-            if rec.result is not None and rec.name == pass_type.__name__:
-                return rec.result
-        return None
-
 
 #: in-memory weight bytes above which a model cannot be serialized as one protobuf message (the 2 GB limit)
 PROTO_LIMIT = 1_900_000_000
@@ -423,8 +464,10 @@ def in_memory_weight_bytes(model: ir.Model) -> int:
 
 
 def _weights_as_inputs(proto, min_bytes: int = 1 << 20) -> None:
-    """Turn the large in-memory initializers of ``proto`` into graph inputs of the same type and shape, so a
-    model past protobuf's limit can still be checked (node rules, types and shapes; not the weight values)."""
+    """Turn the large in-memory initializers of ``proto`` into graph inputs of the same type and shape.
+
+    So a model past protobuf's limit can still be checked (node rules, types and shapes; not the weight values).
+    """
     import onnx
 
     keep = []
@@ -472,7 +515,8 @@ def check_model(model: ir.Model, *, full_check: bool = True) -> None:
 
 
 def _pass_name(p: ir.passes.PassBase) -> str:
-    return type(p).__name__
+    # a wrapper (e.g. an opt-level preset guard) records the name of the pass it runs
+    return type(getattr(p, "wrapped", p)).__name__
 
 
 def run_pipeline(

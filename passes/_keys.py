@@ -1,5 +1,7 @@
-"""Every ``dyncompile.*`` key passes write into a model: ``metadata_props`` (strings, saved with the ONNX
-file) and ``model.meta`` (in-memory objects handed from one pass to the next or to the plan emitter).
+"""Every ``dyncompile.*`` key passes write into a model.
+
+Two kinds: ``metadata_props`` (strings, saved with the ONNX file) and ``model.meta`` (in-memory objects handed
+from one pass to the next or to the plan emitter).
 
 One module, so that a reader finds every key a pass may leave behind, and a new key is declared once
 (``tests/test_metadata_keys.py`` fails on a ``"dyncompile.…"`` literal in ``passes/`` that is not here).

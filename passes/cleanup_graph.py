@@ -41,6 +41,7 @@ class CleanupGraphPass(ir.passes.InPlacePass):
         return ps
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         modified = False
         for p in self._passes():
             modified |= p(model).modified

@@ -21,8 +21,9 @@ from dyncompile.io import (
     sha256_file,
     temp_files_inside,
 )
-from dyncompile.passes import CompileContext, PipelineResult, _keys, build_passes, run_pipeline
+from dyncompile.passes import CompileContext, PipelineResult, _keys, run_pipeline
 from dyncompile.passes.emit import EmitRequest, emit_plan
+from dyncompile.passes.presets import DEFAULT_OPT_LEVEL, EffectivePipeline, resolve
 from dyncompile.plan import Plan, load_plan, save_plan
 
 logger = logging.getLogger(__name__)
@@ -31,11 +32,13 @@ __all__ = ["CompileResult", "compile_model"]
 
 @dataclasses.dataclass
 class CompileResult:
+    """What a compile produced: the plan directory, the plan and the pipeline's per-pass record."""
     plan_dir: Path
     plan: Plan
     pipeline: PipelineResult
 
     def summary(self) -> str:
+        """Lines for the CLI: the plan file, each pass's time and ``modified``, the plan's files."""
         lines = [f"plan written to {self.plan_dir}/plan.json ({self.plan.format})"]
         for rec in self.pipeline.records:
             lines.append(f"  {rec.name:<28} {rec.seconds:7.2f} s  modified={rec.modified}")
@@ -55,6 +58,7 @@ def compile_model(
     tokenizer: str | Path | None = None,
     model_config: str | Path | None = None,
     progress: bool = True,
+    opt_level: int = DEFAULT_OPT_LEVEL,
     **options: Any,
 ) -> CompileResult:
     """Compile ``model_path`` with the pass pipeline ``passes`` into the plan directory ``output_dir``.
@@ -70,6 +74,8 @@ def compile_model(
         tokenizer: ``tokenizer.json`` to bundle (default: the one beside the model, if any).
         model_config: ``dyncompile-model.json`` (default: the one beside the model, if any).
         progress: show progress bars on long work.
+        opt_level: 0 runs exactly ``passes``; 1 and 2 (default) also insert the lowering passes that pay on
+            ``provider`` for this kind of model (:mod:`dyncompile.passes.presets`; the plan records them).
         **options: pass inputs such as ``calib=``, ``budget=``, ``drafter=`` (see ``dyncompile --help``).
     """
     model_path = Path(model_path)
@@ -98,7 +104,8 @@ def compile_model(
         check_tokenizer_file(tok_path)
     context = CompileContext(model_path=model_path, model_config=cfg, options=dict(options), progress=progress,
                              tokenizer=tok_path if tok_path.is_file() else None)
-    pass_list = build_passes(passes, context)  # unknown names and options, bad order: fail here, before loading
+    pipeline = resolve(passes, context, opt_level)  # unknown names and options, bad order: fail here, before loading
+    pass_list = pipeline.build(context)
     model = load_input_model(model_path)
     check_runnable_ops(model, model_path)
     source_sha = sha256_file(model_path)
@@ -106,13 +113,14 @@ def compile_model(
         # temp copies made by passes (quantizers) go inside the staging folder, never anonymous in /tmp
         with temp_files_inside(tmp / ".work"):
             result = run_pipeline(pass_list, model, check="each" if verify else None, dump_dir=dump_ir)
-            plan = _emit(result, model_path, cfg, tok_path, source_sha, pass_list, options, tmp)
+            plan = _emit(result, model_path, cfg, tok_path, source_sha, pass_list, options, tmp, pipeline)
     plan.directory = out
     logger.info("wrote plan %s", out / "plan.json")
     return CompileResult(out, plan, result)
 
 
-def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_list, options, tmp: Path) -> Plan:
+def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_list, options, tmp: Path,
+          pipeline: EffectivePipeline) -> Plan:
     task = result.model.metadata_props.get(_keys.TASK) or cfg.get("task") or "unknown"
     tok_spec = None
     if tok_path.is_file():
@@ -127,6 +135,7 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
             "source": {"path": str(model_path.resolve()), "sha256": source_sha},
             "model_config": {k: cfg[k] for k in ("name", "family", "num_layers", "hidden_size") if k in cfg},
             "passes": [repr(p) for p in pass_list],
+            "pipeline": pipeline.provenance(),
             "pass_seconds": {r.name: round(r.seconds, 4) for r in result.records},
             "dyncompile": __version__,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -145,7 +154,8 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
 
 
 COMPILE_OPTIONS = frozenset(
-    {"calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads"}
+    {"calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads",
+     "batch_sizes"}
 )
 """Keyword options of :func:`compile_model` (the CLI's pass flags); anything else is an error."""
 

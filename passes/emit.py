@@ -57,6 +57,7 @@ PLAN_EMITTERS: dict[str, Callable[[ir.Model, EmitRequest], Plan]] = {}
 
 
 def register_emitter(name: str):
+    """Register ``fn(model, request) -> Plan`` as the plan emitter ``name``."""
     def deco(fn):
         PLAN_EMITTERS[name] = fn
         return fn
@@ -108,6 +109,7 @@ def _dims(shape) -> list[int | str | None]:
 
 
 def io_signature(graph: ir.Graph) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Name, dtype and dims of the graph's inputs and outputs, for the plan."""
     def sig(v):
         return {"name": v.name, "dtype": str(v.dtype) if v.dtype is not None else None, "shape": _dims(v.shape)}
 
@@ -168,6 +170,7 @@ def early_exit_policy(model: ir.Model) -> dict[str, Any]:
 
 
 def emit_plan(model: ir.Model, req: EmitRequest) -> Plan:
+    """The plan of the compiled ``model``, from the emitter a pass named (else the first default rule that fits)."""
     name = model.metadata_props.get(_keys.EMITTER)
     if name is None:  # e.g. a decoder with KV cache gets a generation plan (`dyncompile run PLAN --prompt ...`)
         name = next((n for rule in DEFAULT_EMITTER_RULES if (n := rule(model, req)) is not None), "single")

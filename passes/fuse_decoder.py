@@ -37,6 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
+from dyncompile.passes._graph import const_array
 from dyncompile.passes._infra import register_pass
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ __all__ = ["FuseDecoderPass"]
 
 _FUSION_DOMAIN = "ai.onnxruntime._fusion"
 _MS = "com.microsoft"
-
-
-def _const(v: ir.Value | None) -> np.ndarray | None:
-    if v is None or v.const_value is None:
-        return None
-    return v.const_value.numpy()
 
 
 def _rotary_source(cos4: ir.Value, model: ir.Model) -> tuple[np.ndarray, ir.Value] | str:
@@ -71,10 +66,10 @@ def _rotary_source(cos4: ir.Value, model: ir.Model) -> tuple[np.ndarray, ir.Valu
     if mul is None or mul.op_type != "Mul":
         return "rotary angles are not position * inv_freq"
     a, b = mul.inputs
-    inv = _const(b)
+    inv = const_array(b)
     pos = a
     if inv is None:
-        inv, pos = _const(a), b
+        inv, pos = const_array(a), b
     if inv is None or inv.ndim != 1 or inv.dtype != np.float32:
         return "inv_freq is not a float32 constant vector"
     # pos: Cast(Unsqueeze(... position_ids ...)) — walk back through shape-only ops to the graph input
@@ -88,6 +83,32 @@ def _rotary_source(cos4: ir.Value, model: ir.Model) -> tuple[np.ndarray, ir.Valu
     if pos is None or pos.name != "position_ids" or pos not in model.graph.inputs:
         return "rotary positions do not come from the position_ids input"
     return inv, pos
+
+
+def _gqa_layout(model: ir.Model, q_bshd: ir.Value, k_bshd: ir.Value, pasts: tuple[ir.Value, ir.Value],
+                cos4: ir.Value, mask: ir.Value, ropes: tuple[ir.Value, ir.Value]) -> tuple:
+    """``(heads, kv heads, head size, (inv_freq, position_ids))`` of a matched attention, or ``(reason, value)``."""
+    for name, v in (("query", q_bshd), ("key", k_bshd)):
+        if v.shape is None or len(v.shape) != 4 or not all(isinstance(d, int) for d in v.shape[2:]):
+            return f"{name} heads/head size are not static", v
+    h, dh = q_bshd.shape[2], q_bshd.shape[3]
+    hkv = k_bshd.shape[2]
+    if k_bshd.shape[3] != dh or h % hkv:
+        return "query/key head layout is not grouped-query attention", k_bshd
+    for pv in pasts:
+        if pv not in model.graph.inputs:
+            return "past key/value is not a graph input", pv
+    src = _rotary_source(cos4, model)
+    if isinstance(src, str):
+        return src, cos4
+    if src[0].shape[0] * 2 != dh:
+        return "rotary covers part of the head (partial rotary is not fused)", cos4
+    if mask.shape is None or len(mask.shape) != 4 or mask.dtype != ir.DataType.FLOAT:
+        return "attention mask is not a float 4-D additive mask", mask
+    for rope in ropes:
+        if rope.producer().attributes.get_int("interleaved", 0) != 0:
+            return "interleaved rotary is not fused", rope
+    return h, hkv, dh, src
 
 
 def _gqa_rule(max_positions: int, input_ids: ir.Value):
@@ -118,28 +139,10 @@ def _gqa_rule(max_positions: int, input_ids: ir.Value):
 
         def check(self, context, q_bshd, k_bshd, past_k, past_v, cos4, mask, attn, q_rot, k_rot, **_):
             r = pattern.MatchResult()
-            for name, v in (("query", q_bshd), ("key", k_bshd)):
-                if v.shape is None or len(v.shape) != 4 or not all(isinstance(d, int) for d in v.shape[2:]):
-                    return r.fail(f"{name} heads/head size are not static", v)
-            h, dh = q_bshd.shape[2], q_bshd.shape[3]
-            hkv = k_bshd.shape[2]
-            if k_bshd.shape[3] != dh or h % hkv:
-                return r.fail("query/key head layout is not grouped-query attention", k_bshd)
-            for pv in (past_k, past_v):
-                if pv not in context.model.graph.inputs:
-                    return r.fail("past key/value is not a graph input", pv)
-            src = _rotary_source(cos4, context.model)
-            if isinstance(src, str):
-                return r.fail(src, cos4)
-            if src[0].shape[0] * 2 != dh:
-                return r.fail("rotary covers part of the head (partial rotary is not fused)", cos4)
-            if mask.shape is None or len(mask.shape) != 4 or mask.dtype != ir.DataType.FLOAT:
-                return r.fail("attention mask is not a float 4-D additive mask", mask)
-            for rope in (q_rot, k_rot):
-                if rope.producer().attributes.get_int("interleaved", 0) != 0:
-                    return r.fail("interleaved rotary is not fused", rope)
-            self._h, self._hkv, self._dh = h, hkv, dh
-            self._inv, self._pos = src
+            found = _gqa_layout(context.model, q_bshd, k_bshd, (past_k, past_v), cos4, mask, (q_rot, k_rot))
+            if isinstance(found[0], str):
+                return r.fail(*found)
+            self._h, self._hkv, self._dh, (self._inv, self._pos) = found
             scale = attn.producer().attributes.get_float("scale", None)
             self._scale = scale
             return r
@@ -223,11 +226,6 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         return f"FuseDecoderPass(max_positions={self.max_positions})"
 
     @staticmethod
-    def applies_to(model: ir.Model) -> str | None:
-        """None when the pass can try to fuse ``model``, else why it leaves it alone."""
-        return FuseDecoderPass._inspect(model)[0]
-
-    @staticmethod
     def _inspect(model: ir.Model) -> tuple[str | None, dict | None]:
         """(why the pass leaves ``model`` alone or None, ``model``'s decoder spec when it is a KV decoder)."""
         from dyncompile.passes.speculative.decoder_spec import decoder_spec
@@ -246,6 +244,7 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         return None, spec
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         why, spec = self._inspect(model)
         if why is not None:
             logger.info("fuse-decoder: nothing to do: %s", why)

@@ -1,14 +1,11 @@
-"""``matmul-to-conv``: run a decoder's constant-weight MatMuls as 1x1 Convs, which ONNX Runtime's CPU EP executes
-with its blocked (NCHWc) pointwise-convolution kernels instead of its SGEMM.
+"""``matmul-to-conv``: run a decoder's constant-weight MatMuls as 1x1 Convs (ONNX Runtime's x86 CPU EP).
 
 Why: at batch 1 a decoder step multiplies a few rows (1 token; ``k + 1`` when verifying ``k`` drafts) by every
-weight, and is bound by streaming the weights from memory. ONNX Runtime's fp32 SGEMM (MLAS) does not overlap
-that stream with the arithmetic of a few rows: on the 2-core AVX-512 machine of the README, Qwen2.5-Coder-0.5B
-took ~83 ms to verify 9 tokens where OpenVINO took ~75, at the same ~52 ms for one token. The CPU EP's NCHWc
-transformer (x86 with AVX2/AVX-512, graph optimization level ``all``) runs a 1x1 Conv with another kernel, over a
-blocked copy of the weight, that does overlap them: paired against the MatMul graph the decode step took
-0.89x, calls on 2 / 5 / 9 tokens 0.93x / 0.95x / 0.86x, on 17 tokens 0.99x, and prefill 1.03-1.06x on ~500-token
-prompts (the cost of ORT's NCHWc reorders). README, Peers, tenth and eleventh sessions.
+weight, and is bound by streaming the weights from memory. ONNX Runtime's fp32 SGEMM (MLAS) does not overlap that
+stream with the arithmetic of a few rows. The CPU EP's NCHWc transformer (x86 with AVX2/AVX-512, graph
+optimization level ``all``) runs a 1x1 Conv with its blocked pointwise-convolution kernel, over a blocked copy of
+the weight, which does overlap them: decode and verification steps get faster, while long prompts pay for ORT's
+NCHWc reorders. The paired measurements are in ``bench-results/decoder-graphs/`` and ``bench-results/peers/``.
 
 * Scope: the main graph's standard-domain ``MatMul`` nodes whose first input is an activation of known rank 3,
   ``[batch, seq, K]`` (exports carry the shapes; run shape inference first on a graph without them), and whose
@@ -18,11 +15,10 @@ prompts (the cost of ORT's NCHWc reorders). README, Peers, tenth and eleventh se
 * Rewrite: ``Y = MatMul(X, W)`` -> ``Y = Squeeze(Transpose(Conv(Transpose(Unsqueeze(X, [1]), [0, 3, 1, 2]),
   W^T[N, K, 1, 1]), [0, 2, 3, 1]), [1])``: ``X`` is read as an NHWC image ``[batch, 1, seq, K]`` and the Conv runs
   over ``[batch, K, 1, seq]``, so the sequence is the Conv's width, which is what the pointwise kernel walks along
-  (as the height it was 1.09x slower on a 300-token prompt). Written with these 4-D NHWC <-> NCHW Transposes, ONNX
+  (as the height it was slower on long prompts). Written with these 4-D NHWC <-> NCHW Transposes, ONNX
   Runtime folds both into its NCHWc reorders (``ReorderInput`` / ``ReorderOutput`` with ``channels_last=1``), so no
-  Transpose of the lowering itself runs; with rank-3 Transposes around an Unsqueeze it ran every one of them
-  (1-3.5 % of a 500-token prefill). The weight is stored transposed in place of the old one (the
-  same bytes); ``Y`` keeps its name, type and shape.
+  Transpose of the lowering itself runs (rank-3 Transposes around an Unsqueeze all ran). The weight is stored
+  transposed in place of the old one (the same bytes); ``Y`` keeps its name, type and shape.
 * Invariants: graph inputs and outputs unchanged; each output element is the same dot product reduced in another
   order, so outputs match within float round-off (tested <= 1e-5 in ORT with ``ORT_DISABLE_ALL`` and with every
   optimization on). Greedy speculative decoding stays token-identical to the same plan's target alone, since
@@ -30,7 +26,7 @@ prompts (the cost of ORT's NCHWc reorders). README, Peers, tenth and eleventh se
 * Order: last before ``speculative`` (which then times verification on the lowered graph): after the passes that
   find MatMuls by pattern (``fuse-decoder``, ``pack-matmuls``, ``trim-logits``'s LM head, ``quantize-int4``,
   ``eagle-drafter``, ``split-drafter``). A CPU-EP lowering: on other EPs (and ARM CPUs, which have no NCHWc
-  kernels) a 1x1 Conv is at best as fast as the MatMul, so leave the pass out there.
+  kernels) a 1x1 Conv is at best as fast as the MatMul, so the ``-O2`` preset inserts it for the CPU EP only.
 """
 
 from __future__ import annotations
@@ -66,6 +62,7 @@ class MatMulToConvPass(ir.passes.InPlacePass):
         return f"{type(self).__name__}()"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         graph = model.graph
         nodes = [n for n in graph if _lowerable(n)]
         if not nodes:

@@ -128,8 +128,11 @@ class PackMatMulsPass(ir.passes.InPlacePass):
 
     @staticmethod
     def _biases(nodes: list[ir.Node], outputs: set) -> list[tuple[ir.Node, ir.Value]] | None:
-        """The ``(Add(y_i, b_i), b_i)`` after each MatMul (``b_i`` a constant ``[N_i]`` vector, ``y_i`` read by
-        nothing else), or ``None`` when any MatMul lacks one (then the biases stay where they are)."""
+        """The ``(Add(y_i, b_i), b_i)`` after each MatMul, or ``None`` when any MatMul lacks one.
+
+        ``b_i`` is a constant ``[N_i]`` vector and ``y_i`` is read by nothing else; with ``None`` the biases stay
+        where they are.
+        """
         adds = []
         for n in nodes:
             uses = list(n.outputs[0].uses())
@@ -145,6 +148,7 @@ class PackMatMulsPass(ir.passes.InPlacePass):
         return adds
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         groups = self._groups(model)
         if not groups:
             return ir.passes.PassResult(model, modified=False)

@@ -25,7 +25,6 @@ from dyncompile.passes._infra import register_pass
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "QUANTIZED_KEY",
     "QuantizeDynamicInt8Pass",
     "QuantizeWeightsInt4Pass",
     "QuantizeWeightsInt8Pass",
@@ -34,8 +33,6 @@ __all__ = [
 ]
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
-#: Metadata key the quantization passes set (JSON: scheme and options): the model's numerics differ from its source.
-QUANTIZED_KEY = _keys.QUANTIZED
 #: ``keep_fp32`` groups the int8 pass understands.
 KEEP_FP32_GROUPS = ("ffn-out",)
 _GELU_OPS = {"Erf", "Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
@@ -154,6 +151,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}, op_types={list(self.op_types)}{keep})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _has_ops(model, INT8_OPS):
             return ir.passes.PassResult(model, modified=False)
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -178,7 +176,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         modified = _has_ops(new, INT8_OPS)
         if modified:
             _replace_contents(model, new)
-            model.metadata_props[QUANTIZED_KEY] = json.dumps(
+            model.metadata_props[_keys.QUANTIZED] = json.dumps(
                 {"scheme": "int8-dynamic", "per_channel": self.per_channel, "reduce_range": self.reduce_range,
                  "keep_fp32": list(self.keep_fp32), "fp32_matmuls_kept": len(exclude)}
             )
@@ -228,7 +226,8 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
         return targets, exclude
 
     def requires(self, model: ir.Model) -> None:
-        if QUANTIZED_KEY in model.metadata_props:
+        """Refuse a model the pass cannot work on, with what to do about it."""
+        if _keys.QUANTIZED in model.metadata_props:
             return
         opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
         if opset < 13 and self._targets(model)[0]:
@@ -238,7 +237,8 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if QUANTIZED_KEY in model.metadata_props:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _keys.QUANTIZED in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         g = model.graph
         targets, exclude = self._targets(model)
@@ -273,7 +273,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
             count += 1
         if not count:
             return ir.passes.PassResult(model, modified=False)
-        model.metadata_props[QUANTIZED_KEY] = json.dumps(
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
             {"scheme": "int8-weights-qdq", "per_channel": self.per_channel, "keep_fp32": list(self.keep_fp32),
              "fp32_matmuls_kept": len(exclude), "int8_matmuls": count}
         )
@@ -338,6 +338,7 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _has_ops(model, {"MatMulNBits"}):
             return ir.passes.PassResult(model, modified=False)
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -365,7 +366,7 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         modified = _has_ops(new, {"MatMulNBits"})
         if modified:
             _replace_contents(model, new)
-            model.metadata_props[QUANTIZED_KEY] = json.dumps(
+            model.metadata_props[_keys.QUANTIZED] = json.dumps(
                 {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric,
                  "accuracy_level": self.accuracy_level, "lm_head_bits": self.lm_head_bits if head is not None else 4}
             )

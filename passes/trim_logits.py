@@ -66,6 +66,7 @@ class TrimLogitsPass(ir.passes.InPlacePass):
         return f"{type(self).__name__}()"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         graph = model.graph
         if any(v.name == LOGITS_TO_KEEP for v in graph.inputs):
             return ir.passes.PassResult(model, modified=False)

@@ -26,6 +26,7 @@ class VerifyModelPass(ir.passes.InPlacePass):
         return f"VerifyModelPass(full_check={self.full_check})"
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         g = model.graph
         if not g.outputs:
             raise ir.passes.PreconditionError("the main graph has no outputs")
@@ -43,6 +44,7 @@ class VerifyModelPass(ir.passes.InPlacePass):
                 seen.add(v.name)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         check_model(model, full_check=self.full_check)
         return ir.passes.PassResult(model, modified=False)
 

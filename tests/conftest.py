@@ -15,14 +15,9 @@ pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(autouse=True)
-def _checker_after_each_pass(monkeypatch, request):
-    """Every pipeline run inside a test checks the model after each pass (opt out: @pytest.mark.no_check)."""
-    if request.node.get_closest_marker("no_check") is None:
-        monkeypatch.setenv("DYNCOMPILE_CHECK", "each")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "no_check: do not run the ONNX checker after each pass")
+def _checker_after_each_pass(monkeypatch):
+    """Every pipeline run inside a test checks the model after each pass."""
+    monkeypatch.setenv("DYNCOMPILE_CHECK", "each")
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +57,7 @@ def smollm2_fast_plan(smollm2, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("smol_fast")
     return compile_model(smollm2.onnx_path, "explicit-attention,fuse-decoder,pack-matmuls,trim-logits,speculative{tree=true,tree_nodes=8}",
-                         root / "plan", drafter="prompt-lookup", progress=False).plan_dir
+                         root / "plan", drafter="prompt-lookup", progress=False, opt_level=0).plan_dir
 
 
 @pytest.fixture(scope="session")
@@ -78,11 +73,6 @@ def mpnet():
 @pytest.fixture(scope="session")
 def movie_test_rows() -> list[dict]:
     return [json.loads(line) for line in (DATA / "movie-test.jsonl").read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="session")
-def movie_calib_path() -> Path:
-    return DATA / "movie-calib.jsonl"
 
 
 @pytest.fixture(scope="session")

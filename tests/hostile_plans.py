@@ -88,10 +88,12 @@ def generate_plan(model_path: Path, out: Path, *, speculative: bool = False) -> 
     """A ``generate`` plan (or ``speculative_generate`` with prompt lookup) of a tiny decoder."""
     import dyncompile
 
+    # -O0: the plain export's graph (export-genai refuses the -O2 lowering's extra inputs)
     if speculative:
-        dyncompile.compile(model_path, "speculative{measure=false}", out, drafter="prompt-lookup", progress=False)
+        dyncompile.compile(model_path, "speculative{measure=false}", out, drafter="prompt-lookup", progress=False,
+                           opt_level=0)
     else:
-        dyncompile.compile(model_path, "verify,cleanup", out, progress=False)
+        dyncompile.compile(model_path, "verify,cleanup", out, progress=False, opt_level=0)
     return out
 
 

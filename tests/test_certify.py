@@ -163,6 +163,28 @@ def test_uncertified_mode_is_named_so_and_keeps_the_budget_in_sample():
     assert "NOT certified" in describe_certificate(c.to_dict())
 
 
+@pytest.mark.parametrize("with_labels", [True, False])
+def test_uncertified_learned_criterion_keeps_the_budget_in_sample(with_labels):
+    """The early-exit pass's learned criterion without a certificate goes through the in-sample search the other
+    criteria use: the budget holds on the calibration rows, in both modes, and the policy's decisions give the
+    histogram."""
+    from dyncompile.passes.early_exit.calibrate import Calibration, exit_decisions
+    from dyncompile.passes.early_exit.certify import uncertified_exits
+
+    p, final, y = _synthetic(2000, seed=11)
+    labels = y if with_labels else None
+    res = uncertified_exits(p, final, labels, COSTS[: p.shape[0]], budget=2.0, criterion="learned")
+    assert res.policy is not None and res.certificate.confidence is None and not res.certificate.certified
+    assert res.certificate.observed <= 2.0 and res.certificate.expected_speedup > 1.0
+    cal = Calibration(thresholds=res.thresholds, criterion="learned", patience=2, costs=COSTS, budget=2.0,
+                      metric="accuracy", expected_speedup=0.0, expected_accuracy=None, baseline_accuracy=None,
+                      expected_agreement=0.0, exit_histogram=[])
+    ex = exit_decisions(p, cal, res.policy)
+    assert np.bincount(ex, minlength=p.shape[0]).tolist() == res.exit_histogram
+    losses = exit_losses(p, final.argmax(-1), labels)
+    assert 100 * losses[ex, np.arange(p.shape[1])].mean() == pytest.approx(res.certificate.observed, abs=1e-3)
+
+
 def test_certificate_round_trip_and_description():
     p, final, y = _synthetic(2000, seed=10)
     c = certify_exits(p, final, y, COSTS[: p.shape[0]], budget=2.0).certificate

@@ -18,10 +18,11 @@ def plans(smollm2, module_tmp):
     from dyncompile.passes.compiler import compile_model
 
     root = module_tmp("dq")
-    fp32 = compile_model(smollm2.onnx_path, RECIPE, root / "fp32", progress=False).plan_dir
+    fp32 = compile_model(smollm2.onnx_path, RECIPE, root / "fp32", progress=False, opt_level=0).plan_dir
     int4 = compile_model(smollm2.onnx_path, f"{RECIPE},quantize-int4{{lm_head_bits=4}}", root / "int4",
-                         progress=False).plan_dir
-    head8 = compile_model(smollm2.onnx_path, f"{RECIPE},quantize-int4", root / "head8", progress=False).plan_dir  # default
+                         progress=False, opt_level=0).plan_dir
+    head8 = compile_model(smollm2.onnx_path, f"{RECIPE},quantize-int4", root / "head8", progress=False,
+                          opt_level=0).plan_dir  # default
     return {name: dyncompile.load(d, threads=2) for name, d in (("fp32", fp32), ("int4", int4), ("head8", head8))}
 
 
@@ -93,7 +94,7 @@ def test_an_8_bit_lm_head_is_closer_to_fp32(tmp_path):
     vocab = 512
     src = write_decoder_dir(tmp_path / "src", tiny_decoder(num_layers=2, vocab=vocab, seed=0), eos=vocab + 1)
     write_word_tokenizer(tmp_path / "src", vocab)
-    dirs = {name: compile_model(src, passes, tmp_path / name, progress=False).plan_dir
+    dirs = {name: compile_model(src, passes, tmp_path / name, progress=False, opt_level=0).plan_dir
             for name, passes in (("fp32", "verify"), ("head4", "quantize-int4{lm_head_bits=4}"),
                                  ("head8", "quantize-int4"), ("head0", "quantize-int4{lm_head_bits=0}"))}
     b4, b8, b0 = (_bits(dirs[k]) for k in ("head4", "head8", "head0"))

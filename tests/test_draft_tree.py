@@ -335,12 +335,14 @@ def test_kv_cache_keeps_only_the_accepted_path(tree_models, rollback):
 
 def test_tree_on_a_plan_without_explicit_attention_is_refused(tmp_path):
     t = write_decoder_dir(tmp_path / "t", tiny_decoder(num_layers=1, vocab=VOCAB, seed=0), eos=EOS_UNUSED)
-    pl = compile_model(t, "speculative{measure=false}", tmp_path / "pl", drafter="prompt-lookup").plan_dir
+    # -O0: exactly the passes named (-O2 would insert explicit-attention itself)
+    pl = compile_model(t, "speculative{measure=false}", tmp_path / "pl", drafter="prompt-lookup", opt_level=0).plan_dir
     m = dyncompile.load(pl)
     with pytest.raises(PromptError, match="explicit-attention"):
         m.generate(PROMPTS[0], max_new_tokens=4, tree=True)
     with pytest.raises(DrafterError, match="explicit-attention"):
-        compile_model(t, "speculative{tree=true,measure=false}", tmp_path / "pl2", drafter="prompt-lookup")
+        compile_model(t, "speculative{tree=true,measure=false}", tmp_path / "pl2", drafter="prompt-lookup",
+                      opt_level=0)
     m2 = dyncompile.load(compile_model(t, "explicit-attention,speculative{tree=true,measure=false}", tmp_path / "pl3",
                                        drafter="prompt-lookup").plan_dir)
     with pytest.raises(PromptError, match="tree"):

@@ -19,7 +19,8 @@ SESSION = {"session.intra_op.allow_spinning": "0"}
 @pytest.fixture(scope="module")
 def smol_pl_tree(smollm2, module_tmp):
     root = module_tmp("smol_trees")
-    return compile_model(smollm2.onnx_path, TREE, root / "pl", drafter="prompt-lookup", progress=False).plan_dir
+    return compile_model(smollm2.onnx_path, TREE, root / "pl", drafter="prompt-lookup", progress=False,
+                         opt_level=0).plan_dir
 
 
 def _identical_chain_and_tree(m, kind):
@@ -46,6 +47,6 @@ def test_split_drafter_chain_and_tree_token_identical(smollm2, tmp_path):
     calib = tmp_path / "calib.py"
     calib.write_text("\n\n".join((STDLIB / f).read_text() for f in ("heapq.py", "string.py")))
     plan = compile_model(smollm2.onnx_path, "split-drafter{layers=20,min_speedup=0,max_tokens=1024}," + TREE,
-                         tmp_path / "split", calib=str(calib), progress=False).plan_dir
+                         tmp_path / "split", calib=str(calib), progress=False, opt_level=0).plan_dir
     sizes = _identical_chain_and_tree(dyncompile.load(plan, session_config=SESSION), "split")
     assert max(sizes) > 8  # the chain plus top-k sibling leaves

@@ -101,7 +101,7 @@ def eagle_plan(smollm2, tiny_head, module_tmp):
     root = module_tmp("eagle_plan")
     res = compile_model(smollm2.onnx_path,
                         f"eagle-drafter{{head={tiny_head}}},explicit-attention,speculative{{tree=true,measure=false}}",
-                        root / "plan", progress=False)
+                        root / "plan", progress=False, opt_level=0)
     return res.plan_dir
 
 

@@ -34,7 +34,7 @@ def fused_plan(smollm2, module_tmp):
     """fuse-decoder then the speculative pass (prompt lookup): one compile gives the fused graph and a chain plan."""
     root = module_tmp("fuse")
     return compile_model(smollm2.onnx_path, "fuse-decoder,speculative", root / "plan", drafter="prompt-lookup",
-                         progress=False).plan_dir
+                         progress=False, opt_level=0).plan_dir
 
 
 def _ops(model: ir.Model) -> collections.Counter:

@@ -11,8 +11,9 @@ from helpers import DATA, assert_clean_error, ort_session, run_cli
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
+from dyncompile.passes import _keys
 from dyncompile.passes.early_exit import WireGivenExitHeadsPass
-from dyncompile.passes.early_exit.attach_exit_heads import EARLY_EXIT_KEY, attach_exit_heads
+from dyncompile.passes.early_exit.attach_exit_heads import attach_exit_heads
 from dyncompile.passes.early_exit.heads import ExitHead
 
 BUDGET = 5.0  # points: 10 of the 200 calibration rows
@@ -26,7 +27,7 @@ def _deebert_model(minilm, tmp_path):
     heads = {k: ExitHead("cls", [(rng.standard_normal((256, 2)).astype(np.float32), np.zeros(2, np.float32), "none")])
              for k in cuts}
     attach_exit_heads(m, heads=heads, cuts=cuts, thresholds={k: None for k in cuts}, num_layers=4)
-    del m.metadata_props[EARLY_EXIT_KEY]  # a plain graph with extra outputs, as a DeeBERT export would be
+    del m.metadata_props[_keys.EARLY_EXIT]  # a plain graph with extra outputs, as a DeeBERT export would be
     for v in m.graph.outputs[1:]:
         v.name = v.name.replace("exit_logits_", "deebert_layer_")
     d = tmp_path / "deebert"

@@ -11,9 +11,8 @@ from helpers import EE_FEEDS, EE_LAYERS, lower_if, ort_session, tolerance, with_
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
-from dyncompile.passes import InsertEarlyExitPass, run_pipeline
+from dyncompile.passes import InsertEarlyExitPass, _keys, run_pipeline
 from dyncompile.passes.early_exit import AttachExitHeadsPass, FitExitHeadsPass
-from dyncompile.passes.early_exit.attach_exit_heads import EARLY_EXIT_KEY
 from dyncompile.passes.early_exit.calibrate import Calibration, exit_decisions
 from dyncompile.passes.emit import EmitRequest, emit_plan
 from dyncompile.plan import save_plan
@@ -182,7 +181,7 @@ def test_attach_pass_adds_numpy_exact_heads_and_is_idempotent():
     for k, h in ((1, h1), (3, h3)):  # the ONNX head computes what the numpy head computes
         want = heads[k].logits(pool_features(h, FEEDS["attention_mask"], heads[k].pooling))
         np.testing.assert_allclose(out[f"exit_logits_{k}"], want, rtol=0, atol=1e-4)
-    meta = json.loads(m.metadata_props[EARLY_EXIT_KEY])
+    meta = json.loads(m.metadata_props[_keys.EARLY_EXIT])
     assert meta["final_output"] == "logits" and meta["num_layers"] == LAYERS
     assert [(e["layer"], e["cut"]) for e in meta["exits"]] == [(1, cuts[1]), (3, cuts[3])]
     assert attach(m).modified is False

@@ -12,8 +12,8 @@ from helpers import ort_session, random_token_feeds, tolerance
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
-from dyncompile.passes import InsertEarlyExitPass, run_pipeline
-from dyncompile.passes.early_exit.attach_exit_heads import EARLY_EXIT_KEY, attach_exit_heads
+from dyncompile.passes import InsertEarlyExitPass, _keys, run_pipeline
+from dyncompile.passes.early_exit.attach_exit_heads import attach_exit_heads
 from dyncompile.passes.early_exit.graph import GraphBuilder
 from dyncompile.passes.early_exit.heads import ExitHead
 from dyncompile.passes.emit import EmitRequest, emit_plan
@@ -49,7 +49,7 @@ def with_learned(thresholds: dict[int, float | None]) -> ir.Model:
     }
     attach_exit_heads(m, heads=heads, cuts=cuts, thresholds={k: thresholds.get(k) for k in EXITS}, num_layers=LAYERS,
                       criterion="learned", policies=policies)
-    meta = json.loads(m.metadata_props[EARLY_EXIT_KEY])
+    meta = json.loads(m.metadata_props[_keys.EARLY_EXIT])
     assert [e["policy"]["prev_head"] for e in meta["exits"]] == [None, "exit_logits_1", "exit_logits_2"]
     return m
 

@@ -85,8 +85,9 @@ def test_packed_smollm2_decoder_matches_the_fused_one(smollm2_model_path, tmp_pa
     import dyncompile
     from dyncompile.runtime.executor import load
 
-    dyncompile.compile(smollm2_model_path, passes="fuse-decoder", output_dir=tmp_path / "fused")
-    dyncompile.compile(smollm2_model_path, passes="fuse-decoder,pack-matmuls", output_dir=tmp_path / "packed")
+    dyncompile.compile(smollm2_model_path, passes="fuse-decoder", output_dir=tmp_path / "fused", opt_level=0)
+    dyncompile.compile(smollm2_model_path, passes="fuse-decoder,pack-matmuls", output_dir=tmp_path / "packed",
+                       opt_level=0)
     m = onnx.load(str(tmp_path / "packed" / "model.onnx"), load_external_data=False)
     splits = [n for n in m.graph.node if n.op_type == "Split"]
     assert len(splits) == 30
@@ -147,7 +148,7 @@ def fused_smollm2(smollm2_model_path, module_tmp):
     from dyncompile.passes.compiler import compile_model
 
     out = module_tmp("fused_smol") / "plan"
-    compile_model(smollm2_model_path, "explicit-attention,fuse-decoder", out, progress=False)
+    compile_model(smollm2_model_path, "explicit-attention,fuse-decoder", out, progress=False, opt_level=0)
     return onnx.load(str(out / "model.onnx"))  # weights in memory
 
 

@@ -11,7 +11,7 @@ from helpers import DATA, ort_session, random_token_feeds
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
-from dyncompile.passes import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass, run_pipeline
+from dyncompile.passes import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass, _keys, run_pipeline
 
 
 def _ops(m: ir.Model) -> set[str]:
@@ -222,7 +222,7 @@ def _gelu_mlp() -> ir.Model:
 
 
 def test_int8_keep_fp32_ffn_out_and_quantized_metadata():
-    from dyncompile.passes.quantize_weights import QUANTIZED_KEY, gelu_fed_matmuls
+    from dyncompile.passes.quantize_weights import gelu_fed_matmuls
 
     assert gelu_fed_matmuls(_gelu_mlp()) == ["fc2"]
     assert gelu_fed_matmuls(tiny_encoder_classifier()) == []  # Relu blocks: nothing is GELU-fed
@@ -231,7 +231,7 @@ def test_int8_keep_fp32_ffn_out_and_quantized_metadata():
     assert res.modified
     mms = [n for n in m.graph if n.op_type == "MatMul"]
     assert len(mms) == 1 and mms[0].inputs[1].name == "w2" and "MatMulInteger" in _ops(m)
-    meta = json.loads(m.metadata_props[QUANTIZED_KEY])
+    meta = json.loads(m.metadata_props[_keys.QUANTIZED])
     assert meta["keep_fp32"] == ["ffn-out"] and meta["fp32_matmuls_kept"] == 1
 
     from dyncompile.errors import PassConfigError
@@ -281,7 +281,7 @@ def test_int8_early_exit_pipeline_budget_is_against_the_fp32_original(minilm, tm
 
 
 def test_int8_qdq_weights_structure_numerics_idempotence():
-    from dyncompile.passes.quantize_weights import QUANTIZED_KEY, QuantizeWeightsInt8Pass
+    from dyncompile.passes.quantize_weights import QuantizeWeightsInt8Pass
 
     feeds = random_token_feeds(batch=ROWS)
     ref = ort_session(tiny_encoder_classifier()).run(None, feeds)[0]
@@ -291,7 +291,7 @@ def test_int8_qdq_weights_structure_numerics_idempotence():
     assert len(mms) == 9 and all(n.inputs[1].producer().op_type == "DequantizeLinear" for n in mms)
     assert all(m.graph.node(m.graph.index(n) - 1).op_type == "DequantizeLinear" for n in mms)  # right before its MatMul
     assert not any(k.startswith("layer0.w1") and not k.endswith((".int8", ".scale", ".zero")) for k in m.graph.initializers)
-    assert json.loads(m.metadata_props[QUANTIZED_KEY])["scheme"] == "int8-weights-qdq"
+    assert json.loads(m.metadata_props[_keys.QUANTIZED])["scheme"] == "int8-weights-qdq"
     assert QuantizeWeightsInt8Pass()(m).modified is False
     got = ort_session(m).run(None, feeds)[0]
     rel_step, matmuls = _weight_step_error(tiny_encoder_classifier(), 127)  # one scale per output channel
@@ -326,7 +326,7 @@ def test_int8_qdq_weights_refuses_opset_below_13_before_touching_the_model():
     left exactly as it was (no initializer added, no node inserted, no metadata)."""
     from onnx_ir.passes import PreconditionError
 
-    from dyncompile.passes.quantize_weights import QUANTIZED_KEY, QuantizeWeightsInt8Pass
+    from dyncompile.passes.quantize_weights import QuantizeWeightsInt8Pass
 
     m = tiny_encoder_classifier()
     m.opset_imports[""] = 12
@@ -335,5 +335,5 @@ def test_int8_qdq_weights_refuses_opset_below_13_before_touching_the_model():
         QuantizeWeightsInt8Pass()(m)
     assert ir.to_proto(m).SerializeToString() == before
     # nothing to do at opset 12 is not an error: a model already quantized is left alone, as before
-    m.metadata_props[QUANTIZED_KEY] = "{}"
+    m.metadata_props[_keys.QUANTIZED] = "{}"
     assert QuantizeWeightsInt8Pass()(m).modified is False

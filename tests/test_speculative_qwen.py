@@ -31,7 +31,8 @@ def _build(name):
 def qwen_plan(module_tmp):
     target, draft = _build(TARGET), _build(DRAFT)
     out = module_tmp("qwen") / "spec"
-    res = compile_model(target.onnx_path, "speculative", out, drafter=str(draft.onnx_path), progress=False)
+    res = compile_model(target.onnx_path, "speculative", out, drafter=str(draft.onnx_path), progress=False,
+                        opt_level=0)
     return res.plan_dir
 
 

@@ -34,8 +34,9 @@ def smol_plans(smollm2, module_tmp):
     calib = root / "calib.py"
     calib.write_text("\n\n".join((STDLIB / f).read_text() for f in ("heapq.py", "string.py")))
     split = compile_model(smollm2.onnx_path, "split-drafter{min_speedup=0,max_tokens=1024},speculative",
-                          root / "split", calib=str(calib), progress=False)
-    pl = compile_model(smollm2.onnx_path, "speculative", root / "pl", drafter="prompt-lookup", progress=False)
+                          root / "split", calib=str(calib), progress=False, opt_level=0)
+    pl = compile_model(smollm2.onnx_path, "speculative", root / "pl", drafter="prompt-lookup", progress=False,
+                       opt_level=0)
     return {"split": split.plan_dir, "prompt-lookup": pl.plan_dir}
 
 

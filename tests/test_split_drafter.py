@@ -13,13 +13,10 @@ import pytest
 from helpers import ort_session
 
 from dyncompile.models.synthetic_decoder import tiny_decoder
-from dyncompile.passes import run_pipeline
+from dyncompile.passes import _keys, run_pipeline
 from dyncompile.passes.analysis.layers import analyze_model
 from dyncompile.passes.speculative import DrafterError
 from dyncompile.passes.speculative.split_drafter import (
-    SPLIT_DRAFTER_KEY,
-    SPLIT_DRAFTER_META,
-    VOCAB_META,
     SplitDrafterPass,
     trim_lm_head,
 )
@@ -60,7 +57,7 @@ def _run(k=2, **kw):
 def test_structure_and_checker():
     model, _, res = _run(k=2)
     assert res.modified
-    drafter = model.meta[SPLIT_DRAFTER_META]
+    drafter = model.meta[_keys.SPLIT_DRAFTER_MODEL]
     names_in = [v.name for v in drafter.graph.inputs]
     assert names_in == ["input_ids", "attention_mask", "position_ids", "past_key_values.0.key",
                         "past_key_values.0.value", "past_key_values.1.key", "past_key_values.1.value"]
@@ -72,7 +69,7 @@ def test_structure_and_checker():
     assert not any(name.startswith(("layers.2.", "layers.3.")) for name in drafter.graph.initializers)
     assert analyze_model(drafter).num_layers == 2
     check_model(drafter)  # ONNX checker, full check
-    rec = json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
+    rec = json.loads(model.metadata_props[_keys.SPLIT_DRAFTER])
     assert rec["layers"] == 2 and rec["num_layers"] == L and rec["share_kv"] == [0, 1, 2, 3]
     assert rec["calibration"]["tokens"] == 900 and rec["vocab_size"] is None  # 64 tokens: no trimming
     # the target graph is untouched
@@ -84,7 +81,7 @@ def test_structure_and_checker():
 def test_drafter_numerics_and_shared_kv():
     """drafter(x) == lm_head(LN(h_k @ W + b)) with h_k the target's layer-k output; its KV == the target's."""
     model, _, _ = _run(k=2)
-    drafter = model.meta[SPLIT_DRAFTER_META]
+    drafter = model.meta[_keys.SPLIT_DRAFTER_MODEL]
     w = drafter.graph.initializers["split_drafter.bridge.weight"].const_value.numpy()
     b = drafter.graph.initializers["split_drafter.bridge.bias"].const_value.numpy()
     w_lm = drafter.graph.initializers["lm_head.weight"].const_value.numpy()
@@ -111,21 +108,21 @@ def test_drafter_numerics_and_shared_kv():
 
 def test_bridge_none_is_the_plain_early_exit():
     model, _, _ = _run(k=3, bridge="none")
-    drafter = model.meta[SPLIT_DRAFTER_META]
+    drafter = model.meta[_keys.SPLIT_DRAFTER_MODEL]
     assert "split_drafter.bridge.weight" not in drafter.graph.initializers
-    assert json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])["bridge"] == {"kind": "none"}
+    assert json.loads(model.metadata_props[_keys.SPLIT_DRAFTER])["bridge"] == {"kind": "none"}
 
 
 def test_vocabulary_trimming():
     model, _, _ = _run(k=2, vocab=16)
-    drafter = model.meta[SPLIT_DRAFTER_META]
-    subset = model.meta[VOCAB_META]
+    drafter = model.meta[_keys.SPLIT_DRAFTER_MODEL]
+    subset = model.meta[_keys.SPLIT_DRAFTER_VOCAB]
     assert len(subset) == 16 and list(subset) == sorted(subset)
     assert drafter.graph.outputs[0].shape[-1] == 16
     full, _, _ = _run(k=2)
     ids = [1, 2, 3, 4, 5]
     a = ort_session(drafter).run(["logits"], _feeds(ids, range(2)))[0]
-    b = ort_session(full.meta[SPLIT_DRAFTER_META]).run(["logits"], _feeds(ids, range(2)))[0]
+    b = ort_session(full.meta[_keys.SPLIT_DRAFTER_MODEL]).run(["logits"], _feeds(ids, range(2)))[0]
     np.testing.assert_allclose(a, b[..., subset], rtol=RTOL, atol=ATOL)
     check_model(drafter)
 
@@ -158,7 +155,7 @@ def test_choose_k_and_refuse():
     model = tiny_decoder(num_layers=L, vocab=VOCAB, seed=0)
     p = SplitDrafterPass(_calib(), min_speedup=0.0, progress=False)
     p(model)
-    rec = json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
+    rec = json.loads(model.metadata_props[_keys.SPLIT_DRAFTER])
     assert [c["layers"] for c in rec["candidates"]] == [1, 2, 3]
     best = max(rec["candidates"], key=lambda c: c["projected_speedup"])
     assert rec["layers"] == best["layers"] and rec["projected_speedup"] == best["projected_speedup"]

@@ -63,6 +63,9 @@ def _compile_parser() -> argparse.ArgumentParser:
         "(default: %(default)s; `dyncompile passes` lists them)",
     )
     p.add_argument("-o", "--output", help="plan directory to create (default: MODEL_DIR/MODEL-compiled)")
+    p.add_argument("-O", "--opt-level", type=int, choices=[0, 1, 2], default=2,
+                   help="0: exactly --passes; 1, 2 (default): also the lowering passes that pay on --provider "
+                   "(`dyncompile passes` lists them)")
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
     p.add_argument("--verify", action="store_true", help="run the ONNX checker (full check) after every pass")
     p.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass as DIR/NNN_PassName.onnx.txt")
@@ -77,6 +80,8 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--confidence", help="probability that the budget holds on new data, e.g. 0.9 (default), "
                     "or 'none': uncertified, the budget is kept on the calibration rows only")
     ee.add_argument("--lowering", choices=["if", "staged", "auto"], help="If-graph or staged plan (default auto)")
+    ee.add_argument("--batch-sizes", help="batch sizes the plan will serve, e.g. 1,32: --lowering auto picks staged "
+                    "when one is > 1")
     ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
     ee.add_argument("--heads", choices=["fitted", "given"],
                     help="fitted (default): fit exit heads; given: use per-layer logits the graph already outputs")

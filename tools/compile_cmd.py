@@ -9,7 +9,7 @@ __all__ = ["compile_command", "passes_command"]
 
 #: compile options that are forwarded to the passes when given (the parser's pass-option arguments)
 PASS_OPTIONS = ("calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider",
-                "heads")
+                "heads", "batch_sizes")
 
 
 def compile_command(args: argparse.Namespace) -> int:
@@ -27,6 +27,7 @@ def compile_command(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         model_config=args.model_config,
         progress=not args.quiet,
+        opt_level=args.opt_level,
         **opts,
     )
     print(res.summary())
@@ -36,7 +37,9 @@ def compile_command(args: argparse.Namespace) -> int:
 
 def passes_command(args: argparse.Namespace) -> int:
     from dyncompile.passes import known_passes
+    from dyncompile.passes.presets import describe_presets
 
     for name, help_ in known_passes().items():
         print(f"  {name:<16} {help_}")
+    print("\n".join(describe_presets()))
     return 0

@@ -47,6 +47,11 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
         lines.append(f"source:  {src.get('path')} (sha256 {str(src.get('sha256'))[:12]}…)")
     if plan.provenance.get("passes"):
         lines.append("passes:  " + ", ".join(plan.provenance["passes"]))
+    pipe = plan.provenance.get("pipeline")
+    if isinstance(pipe, dict) and isinstance(pipe.get("passes"), list):
+        inserted = pipe.get("inserted") if isinstance(pipe.get("inserted"), list) else []
+        lines.append(f"pipeline (-O{pipe.get('opt_level')} on {pipe.get('provider')}): "
+                     f"{', '.join(map(str, pipe['passes']))}; inserted: {', '.join(map(str, inserted)) or 'none'}")
     return "\n".join(lines)
 
 

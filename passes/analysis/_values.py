@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
 NONDETERMINISTIC_OPS = frozenset(
@@ -85,40 +84,6 @@ def node_inputs(node: ir.Node) -> list[ir.Value]:
                 seen.add(v)
                 inputs.append(v)
     return inputs
-
-
-def constant_node_tensor(node: ir.Node) -> Any | None:
-    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
-        return None
-    attr = node.attributes.get("value")
-    if attr is not None and attr.type == ir.AttributeType.TENSOR:
-        return attr.value
-    return None
-
-
-def const_array(v: ir.Value | None, max_elements: int = 64) -> np.ndarray | None:
-    """Small constant value as numpy (initializer or Constant node), else None."""
-    if v is None:
-        return None
-    tensor = v.const_value
-    if tensor is None:
-        producer = v.producer()
-        if producer is None:
-            return None
-        tensor = constant_node_tensor(producer)
-        if tensor is None:
-            if producer is not None and producer.op_type == "Constant":
-                for key in ("value_int", "value_ints", "value_float", "value_floats"):
-                    attr = producer.attributes.get(key)
-                    if attr is not None:
-                        return np.asarray(attr.value)
-            return None
-    try:
-        if tensor.size > max_elements:
-            return None
-        return tensor.numpy()
-    except Exception:  # noqa: BLE001 - unreadable external data etc.
-        return None
 
 
 def attr_int(node: ir.Node, name: str, default: int | None = None) -> int | None:

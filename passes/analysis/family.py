@@ -177,6 +177,44 @@ def _first(table, signals: Signals) -> tuple[str, str]:
     raise AssertionError("the last row of a signature table always matches")  # pragma: no cover
 
 
+def _norm_of(layer_ops: collections.Counter) -> str | None:
+    """``rmsnorm`` / ``layernorm`` from a layer's op counts (fused ops or their spelled-out forms)."""
+    if any(op in RMS_NORM_OPS for op in layer_ops) or (
+        layer_ops["ReduceMean"]
+        and (layer_ops["Sqrt"] or layer_ops["Reciprocal"])
+        and not layer_ops["Sub"]
+        and not any(op in LAYER_NORM_OPS for op in layer_ops)
+    ):
+        return "rmsnorm"
+    if any(op in LAYER_NORM_OPS for op in layer_ops) or (layer_ops["ReduceMean"] and layer_ops["Sub"]):
+        return "layernorm"
+    return None
+
+
+def _activation_of(layer_ops: collections.Counter) -> str | None:
+    """The MLP activation from a layer's op counts."""
+    if layer_ops["Erf"] or layer_ops["Gelu"] or layer_ops["FastGelu"] or layer_ops["BiasGelu"]:
+        return "gelu"
+    if layer_ops["Sigmoid"] or layer_ops["Swish"]:
+        return "silu"
+    if layer_ops["Relu"]:
+        return "relu"
+    if layer_ops["Tanh"]:
+        return "gelu-tanh"
+    return None
+
+
+def _biases_of(a: _Analyzer, n: ir.Node) -> int:
+    """Constant biases of one projection: ``Add(MatMul(x, W), b)`` uses with a constant ``b``, or Gemm's ``C``."""
+    count = sum(
+        1
+        for out in n.outputs
+        for use in out.uses()
+        if use.node.op_type == "Add" and any(v is not None and v in a.const and v is not out for v in use.node.inputs)
+    )
+    return count + int(n.op_type == "Gemm" and len(n.inputs) > 2 and n.inputs[2] is not None)
+
+
 def collect_facts(
     a: _Analyzer, order: list[ir.Node], layers_nodes: list[list[ir.Node]], prefix_nodes: list[ir.Node]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -192,25 +230,9 @@ def collect_facts(
     all_ops = collections.Counter(n.op_type for n in order)
     layer = layers_nodes[0] if layers_nodes else [n for n in order if n in a.tainted_nodes]
     layer_ops = collections.Counter(n.op_type for n in layer)
-    # normalisation
-    if any(op in RMS_NORM_OPS for op in layer_ops) or (
-        layer_ops["ReduceMean"]
-        and (layer_ops["Sqrt"] or layer_ops["Reciprocal"])
-        and not layer_ops["Sub"]
-        and not any(op in LAYER_NORM_OPS for op in layer_ops)
-    ):
-        facts["norm"] = "rmsnorm"
-    elif any(op in LAYER_NORM_OPS for op in layer_ops) or (layer_ops["ReduceMean"] and layer_ops["Sub"]):
-        facts["norm"] = "layernorm"
-    # activation
-    if layer_ops["Erf"] or layer_ops["Gelu"] or layer_ops["FastGelu"] or layer_ops["BiasGelu"]:
-        facts["activation"] = "gelu"
-    elif layer_ops["Sigmoid"] or layer_ops["Swish"]:
-        facts["activation"] = "silu"
-    elif layer_ops["Relu"]:
-        facts["activation"] = "relu"
-    elif layer_ops["Tanh"]:
-        facts["activation"] = "gelu-tanh"
+    for key, value in (("norm", _norm_of(layer_ops)), ("activation", _activation_of(layer_ops))):
+        if value is not None:
+            facts[key] = value
     # projections: matrix products with a constant matrix (any size: small K/V projections of GQA count)
     projections = [
         n
@@ -219,19 +241,7 @@ def collect_facts(
         and any(v in a.const and v.shape is not None and len(v.shape) >= 2 for v in a.inputs_of[n])
     ]
     facts["matmuls_per_layer"] = len(projections)
-    # q/k/v biases: Add(MatMul(x, W), b) with a constant b
-    biased = 0
-    for n in projections:
-        for out in n.outputs:
-            for use in out.uses():
-                c = use.node
-                if c.op_type == "Add" and any(
-                    v is not None and v in a.const and v is not out for v in c.inputs
-                ):
-                    biased += 1
-        if n.op_type == "Gemm" and len(n.inputs) > 2 and n.inputs[2] is not None:
-            biased += 1
-    facts["biased_projections"] = biased
+    facts["biased_projections"] = sum(_biases_of(a, n) for n in projections)
     facts["rotary"] = bool(all_ops["Sin"] and all_ops["Cos"]) or any("Rotary" in op for op in all_ops)
     # KV cache: graph inputs concatenated inside the layers
     past_inputs = [
@@ -243,13 +253,10 @@ def collect_facts(
     ]
     facts["kv_cache_inputs"] = len(past_inputs)
     # causal mask: comparison of two computed (non-constant) index tensors, or Trilu
-    causal = bool(all_ops["Trilu"])
-    for n in order:
-        if n.op_type in COMPARE_OPS and n not in a.tainted_nodes:
-            if all(v is not None and v not in a.const for v in n.inputs):
-                causal = True
-                break
-    facts["causal_mask"] = causal
+    facts["causal_mask"] = bool(all_ops["Trilu"]) or any(
+        n.op_type in COMPARE_OPS and n not in a.tainted_nodes and all(v is not None and v not in a.const for v in n.inputs)
+        for n in order
+    )
     # embedding stage: gathers from constant tables with data-dependent indices
     gathers = [
         n
@@ -261,12 +268,8 @@ def collect_facts(
         and n.inputs[1] not in a.const
     ]
     facts["embedding_gathers"] = len(gathers)
-    vocab = None
-    for n in gathers:
-        if n in a.heavy_nodes:
-            shape = shape_tuple(n.inputs[0])
-            if shape and isinstance(shape[0], int):
-                vocab = shape[0] if vocab is None else max(vocab, shape[0])
+    rows = [shape_tuple(n.inputs[0]) for n in gathers if n in a.heavy_nodes]
+    vocab = max((s[0] for s in rows if s and isinstance(s[0], int)), default=None)
     facts["vocab_size"] = vocab
     token_type = any(
         n.inputs[0].const_value is not None

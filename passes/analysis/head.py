@@ -7,13 +7,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.analysis._values import SHAPE_ONLY_OPS, attr_int, const_array, node_label
+from dyncompile.passes._graph import const_array
+from dyncompile.passes.analysis._values import SHAPE_ONLY_OPS, attr_int, node_label
 from dyncompile.passes.analysis.structure import HeadInfo
 
 if TYPE_CHECKING:
     from dyncompile.passes.analysis.layers import _Analyzer
 
 __all__ = ["describe_head", "pooling_of"]
+
+#: shape arithmetic reads small constants only (Slice bounds, Gather indices), never a weight
+SMALL = 64
 
 
 def describe_head(a: _Analyzer, order: list[ir.Node], boundary: int, cut: ir.Value | None) -> HeadInfo:
@@ -68,53 +72,61 @@ def describe_head(a: _Analyzer, order: list[ir.Node], boundary: int, cut: ir.Val
 
 
 def pooling_of(node: ir.Node, rank: int, seq_axis: int) -> tuple[str | None, str]:
-    """``(pooling, description)`` of one node reading a rank-``rank`` tensor: ``"cls"``, ``"last"``,
-    ``"mean"``, or ``None`` when the node does not reduce ``seq_axis``."""
+    """``(pooling, description)`` of one node reading a rank-``rank`` tensor.
+
+    ``pooling`` is ``"cls"``, ``"last"``, ``"mean"``, or ``None`` when the node does not reduce ``seq_axis``.
+    """
     op = node.op_type
-
-    def norm_axis(a: int) -> int:
-        return a + rank if a < 0 else a
-
-    if op == "Gather":
-        axis = norm_axis(attr_int(node, "axis", 0) or 0)
-        if axis == seq_axis and rank >= 3:
-            idx = const_array(node.inputs[1])
-            if idx is not None and idx.size == 1:
-                k = int(idx.reshape(-1)[0])
-                if k == 0:
-                    return "cls", f"Gather index 0 on axis {axis}"
-                if k == -1:
-                    return "last", f"Gather index -1 on axis {axis}"
-                return "cls", f"Gather index {k} on axis {axis}"
-            if idx is None:
-                return "last", f"Gather on axis {axis} (index computed from the inputs)"
-    if op == "Slice":
-        starts = const_array(node.inputs[1])
-        ends = const_array(node.inputs[2])
-        axes = const_array(node.inputs[3]) if len(node.inputs) > 3 else None
-        if starts is not None and ends is not None:
-            axes_l = (
-                [norm_axis(int(a)) for a in axes.reshape(-1)]
-                if axes is not None
-                else list(range(starts.size))
-            )
-            for a, s, e in zip(axes_l, starts.reshape(-1), ends.reshape(-1), strict=False):
-                if a != seq_axis or rank < 3:
-                    continue
-                s, e = int(s), int(e)
-                if s == 0 and e == 1:
-                    return "cls", f"Slice [0:1] on axis {a}"
-                if s == -1:
-                    return "last", f"Slice [-1:] on axis {a}"
-    if op in ("ReduceMean", "ReduceSum") and rank >= 3:
-        axes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
-        if axes is None and "axes" in node.attributes:
-            axes = np.asarray(node.attributes["axes"].value)
-        if axes is not None and seq_axis in [norm_axis(int(a)) for a in axes.reshape(-1)]:
-            return "mean", f"{op} over axis {seq_axis}"
     if op == "GlobalAveragePool":
         return "mean", op
-    return None, op
+    rules = {"Gather": _gather_pooling, "Slice": _slice_pooling, "ReduceMean": _reduce_pooling,
+             "ReduceSum": _reduce_pooling}
+    found = rules[op](node, rank, seq_axis) if op in rules and rank >= 3 else None
+    return found or (None, op)
+
+
+def _norm_axis(a: int, rank: int) -> int:
+    return a + rank if a < 0 else a
+
+
+def _gather_pooling(node: ir.Node, rank: int, seq_axis: int) -> tuple[str, str] | None:
+    axis = _norm_axis(attr_int(node, "axis", 0) or 0, rank)
+    if axis != seq_axis:
+        return None
+    idx = const_array(node.inputs[1], SMALL)
+    if idx is None:
+        return "last", f"Gather on axis {axis} (index computed from the inputs)"
+    if idx.size != 1:
+        return None
+    k = int(idx.reshape(-1)[0])
+    return ("last" if k == -1 else "cls"), f"Gather index {k} on axis {axis}"
+
+
+def _slice_pooling(node: ir.Node, rank: int, seq_axis: int) -> tuple[str, str] | None:
+    starts = const_array(node.inputs[1], SMALL)
+    ends = const_array(node.inputs[2], SMALL)
+    axes = const_array(node.inputs[3], SMALL) if len(node.inputs) > 3 else None
+    if starts is None or ends is None:
+        return None
+    axes_l = [_norm_axis(int(a), rank) for a in axes.reshape(-1)] if axes is not None else list(range(starts.size))
+    for a, s, e in zip(axes_l, starts.reshape(-1), ends.reshape(-1), strict=False):
+        if a != seq_axis:
+            continue
+        s, e = int(s), int(e)
+        if s == 0 and e == 1:
+            return "cls", f"Slice [0:1] on axis {a}"
+        if s == -1:
+            return "last", f"Slice [-1:] on axis {a}"
+    return None
+
+
+def _reduce_pooling(node: ir.Node, rank: int, seq_axis: int) -> tuple[str, str] | None:
+    axes = const_array(node.inputs[1], SMALL) if len(node.inputs) > 1 else None
+    if axes is None and "axes" in node.attributes:
+        axes = np.asarray(node.attributes["axes"].value)
+    if axes is not None and seq_axis in [_norm_axis(int(a), rank) for a in axes.reshape(-1)]:
+        return "mean", f"{node.op_type} over axis {seq_axis}"
+    return None
 
 
 def _compress(parts: list[str], limit: int = 12) -> list[str]:

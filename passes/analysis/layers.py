@@ -1,5 +1,4 @@
-"""Graph analysis: find the repeated blocks (transformer layers) of an exported model and the cut tensors
-between them.
+"""Graph analysis: the repeated blocks (transformer layers) of an exported model and the cuts between them.
 
 Scope: the main graph of an ``ir.Model`` (nodes with subgraphs are treated as one unit, their captured
 outer values count as inputs); ``model.functions`` are not entered. The model is never mutated.
@@ -53,10 +52,10 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 import onnx_ir as ir
 
+from dyncompile.passes._graph import constant_node_tensor
 from dyncompile.passes.analysis._values import (
     NONDETERMINISTIC_OPS,
     SHAPE_ONLY_OPS,
-    constant_node_tensor,
     dtype_str,
     io_entry,
     node_inputs,
@@ -94,8 +93,10 @@ class _Segment:
 
 
 class _Analyzer:
-    """One analysis of one model: classify values, sweep for cut tensors, find the period, then hand the
-    result to the head and family passengers.
+    """One analysis of one model.
+
+    Classify values, sweep for cut tensors, find the period, then hand the result to the head and family
+    passengers.
 
     :meth:`run` is the only entry point; it fills these attributes on the way, which :mod:`.head` and
     :mod:`.family` read (the model itself is never mutated):

@@ -99,10 +99,12 @@ class ModelStructure:
 
     @property
     def has_layers(self) -> bool:
+        """Whether a repeated block (layers) was found."""
         return bool(self.layers)
 
     @property
     def num_layers(self) -> int:
+        """Number of layers found (0 when none)."""
         return len(self.layers)
 
     @property

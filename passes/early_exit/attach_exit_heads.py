@@ -16,9 +16,8 @@ from dyncompile.passes import _keys
 from dyncompile.passes.early_exit.graph import GraphBuilder
 from dyncompile.passes.early_exit.heads import ExitHead
 
-__all__ = ["EARLY_EXIT_FORMAT", "EARLY_EXIT_KEY", "AttachExitHeadsPass", "attach_exit_heads", "default_opset"]
+__all__ = ["EARLY_EXIT_FORMAT", "AttachExitHeadsPass", "attach_exit_heads", "default_opset"]
 
-EARLY_EXIT_KEY = _keys.EARLY_EXIT
 EARLY_EXIT_FORMAT = "dyncompile.early_exit/v1"
 
 
@@ -79,7 +78,7 @@ def attach_exit_heads(
         ],
         **(extra or {}),
     }
-    model.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
+    model.metadata_props[_keys.EARLY_EXIT] = json.dumps(meta)
 
 
 
@@ -113,7 +112,8 @@ class AttachExitHeadsPass(ir.passes.InPlacePass):
         return f"AttachExitHeadsPass(exits={sorted(self.heads)}, criterion={self.criterion!r})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if EARLY_EXIT_KEY in model.metadata_props:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _keys.EARLY_EXIT in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         attach_exit_heads(
             model, heads=self.heads, cuts=self.cuts, thresholds=self.thresholds, num_layers=self.num_layers,

@@ -22,6 +22,7 @@ import numpy as np
 from dyncompile.passes.early_exit.checks import CalibrationError, check_labels, check_probs, check_two_classes
 from dyncompile.runtime.rules.exit_rule import (
     CRITERIA,
+    LEARNED,
     exit_scores,
     first_exit,
     first_exits,
@@ -34,9 +35,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CALIBRATION_FORMAT",
     "CRITERIA",
+    "LEARNED_ALWAYS",
     "Calibration",
+    "Cascade",
+    "calibrate_against_reference",
     "calibrate_exits",
     "calibrate_thresholds",
+    "criterion_thresholds",
     "exit_decisions",
     "exit_scores",
     "fit_combiner",
@@ -44,6 +49,8 @@ __all__ = [
 ]
 
 CALIBRATION_FORMAT = "dyncompile.exit_calibration/v1"
+#: "always fires" for the learned criterion's logit score, finite so that plans stay strict JSON.
+LEARNED_ALWAYS = -1e30
 
 
 @dataclasses.dataclass
@@ -88,15 +95,18 @@ class Calibration:
 
     @property
     def num_exits(self) -> int:
+        """Number of exits, the last (the full model) included."""
         return len(self.thresholds)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able record (with its format tag), as stored in a plan."""
         d = dataclasses.asdict(self)
         d["format"] = CALIBRATION_FORMAT
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        """Read a record written by :meth:`to_dict`; :class:`CalibrationError` for anything else."""
         if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
             raise CalibrationError(f"not an exit calibration (expected format {CALIBRATION_FORMAT!r})")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -106,12 +116,30 @@ class Calibration:
             raise CalibrationError(f"exit calibration description is incomplete: {exc}") from exc
 
 
-def exit_decisions(exit_probs: np.ndarray, calibration: Calibration) -> np.ndarray:
+def criterion_thresholds(tc: np.ndarray, criterion: str, n_classes: int) -> list[float | None]:
+    """Confidence thresholds ``tc`` (``+inf`` = never) in the criterion's units; the last exit is ``None``.
+
+    The learned criterion compares its logit score as it is; "always" becomes :data:`LEARNED_ALWAYS`.
+    """
+    if criterion != LEARNED:
+        return thresholds_from_confidence(tc, criterion, n_classes)
+    return [None if (e == len(tc) - 1 or t == np.inf) else (LEARNED_ALWAYS if t == -np.inf else float(t))
+            for e, t in enumerate(tc)]
+
+
+def exit_decisions(exit_probs: np.ndarray, calibration: Calibration, policy=None) -> np.ndarray:
     """Exit index ``[N]`` (0-based) at which each row stops under ``calibration``.
 
     The rule calibration optimised (:func:`dyncompile.runtime.rules.exit_rule.first_exits`): first exit whose
-    test fires, else the last exit. Works for the runtime's reference check on new data as well.
+    test fires, else the last exit. Works for the runtime's reference check on new data as well. The
+    learned criterion needs its fitted ``policy`` (:class:`~dyncompile.runtime.rules.exit_policy.ExitPolicy`).
     """
+    if calibration.criterion == LEARNED:
+        p = np.asarray(exit_probs)
+        if policy is None:
+            raise CalibrationError("the learned criterion's exit decisions need its fitted exit policy")
+        tc = np.array([np.inf if t is None else float(t) for t in calibration.thresholds], np.float64)
+        return first_exit(exit_scores(p, LEARNED, policy=policy), tc).astype(np.int64)
     p = np.asarray(exit_probs)
     if p.ndim != 3 or p.shape[0] != calibration.num_exits:
         raise CalibrationError(
@@ -150,7 +178,7 @@ def fit_combiner(log_t: np.ndarray, log_e: np.ndarray, labels: np.ndarray, ridge
     return softmax(phi @ theta)
 
 
-class _Cascade:
+class Cascade:
     """Exact evaluation and coordinate-wise optimisation of per-exit confidence thresholds.
 
     Works in 'confidence' space: exit e fires when score[e, n] > tc[e] (tc = +inf: never; the last
@@ -169,10 +197,12 @@ class _Cascade:
         self.order = [np.argsort(-scores[e], kind="stable") for e in range(self.n_exits)]
 
     def evaluate(self, tc: np.ndarray) -> tuple[float, np.ndarray]:
+        """``(total cost, totals [M])`` of the thresholds ``tc`` on these rows."""
         ex = first_exit(self.scores, tc)
         return float(self.costs[ex].sum()), self.gains[:, ex, self.cols].sum(axis=1)
 
     def feasible(self, totals: np.ndarray) -> np.ndarray:
+        """Whether ``totals`` ``[M]`` (or each column of ``[M, K]``) meets every constraint."""
         return np.all(totals >= self.required[:, None] - 1e-9, axis=0) if totals.ndim == 2 else bool(
             np.all(totals >= self.required - 1e-9)
         )
@@ -213,8 +243,11 @@ class _Cascade:
         )
 
     def ascend(self, tc: np.ndarray, lam: float | None, max_sweeps: int = 30) -> np.ndarray:
-        """Coordinate ascent. lam given: maximise -cost + lam * total[0] (unconstrained).
-        lam None: minimise cost subject to every constraint (tc must start feasible)."""
+        """Coordinate ascent over the thresholds, from ``tc``.
+
+        ``lam`` given: maximise ``-cost + lam * total[0]`` (unconstrained). ``lam`` None: minimise cost subject
+        to every constraint (``tc`` must start feasible).
+        """
         tc = tc.copy()
         for _ in range(max_sweeps):
             changed = False
@@ -242,6 +275,7 @@ def calibrate_thresholds(
     budget: float,
     criterion: str = "entropy",
     patience: int = 2,
+    policy=None,
 ) -> Calibration:
     """Choose per-exit thresholds that save the most compute within an accuracy-drop budget.
 
@@ -278,13 +312,17 @@ def calibrate_thresholds(
         labels: ``[N]`` gold labels or ``None``.
         costs: ``[E]`` cumulative relative cost of stopping at each exit (full model = 1.0), e.g. ``k / L``.
         budget: max accuracy drop in percentage points (>= 0).
-        criterion: ``"entropy"``, ``"maxprob"`` or ``"patience"`` (see :mod:`dyncompile.runtime.rules.exit_rule`).
+        criterion: ``"entropy"``, ``"maxprob"``, ``"patience"`` (see :mod:`dyncompile.runtime.rules.exit_rule`) or
+            ``"learned"`` (with ``policy``).
         patience: consecutive agreeing exits required by ``"patience"`` (>= 1).
+        policy: the fitted :class:`~dyncompile.runtime.rules.exit_policy.ExitPolicy` whose scores the ``learned``
+            criterion thresholds.
 
     Raises:
         CalibrationError: empty input, budget < 0, a single label, mismatched shapes, bad probabilities or costs.
     """
-    p, final, cost, budget = _check_inputs(exit_probs, final_probs, costs, budget, criterion, patience)
+    p, final, cost, budget = _check_inputs(exit_probs, final_probs, costs, budget, criterion, patience,
+                                           learned=policy is not None)
     n_exits, n, c = p.shape
     final_pred = final.argmax(axis=1)
     if labels is not None:
@@ -298,23 +336,25 @@ def calibrate_thresholds(
         ref = final_pred
     warnings = _budget_warnings(budget, n)
     gains, required = _constraints(p, final, ref, labels is not None, budget)
-    cas = _Cascade(exit_scores(p, criterion, patience), gains, required, cost)
+    cas = Cascade(exit_scores(p, criterion, patience, policy=policy), gains, required, cost)
     best_tc = _search(cas, warnings)
     cal = Calibration(
-        thresholds=thresholds_from_confidence(best_tc, criterion, c), criterion=criterion, patience=int(patience),
+        thresholds=criterion_thresholds(best_tc, criterion, c), criterion=criterion, patience=int(patience),
         costs=cost.tolist(), budget=budget, metric="accuracy" if labels is not None else "agreement",
         expected_speedup=0.0, expected_accuracy=None,
         baseline_accuracy=float((final_pred == ref).mean() * 100) if labels is not None else None,
         expected_agreement=0.0, exit_histogram=[], warnings=warnings, n_rows=n,
     )
-    _report(cal, p, final_pred, ref if labels is not None else None)
+    _report(cal, p, final_pred, ref if labels is not None else None, policy)
     return cal
 
 
-def _check_inputs(exit_probs, final_probs, costs, budget, criterion: str, patience) -> tuple:
+def _check_inputs(exit_probs, final_probs, costs, budget, criterion: str, patience, learned: bool = False) -> tuple:
     """Validated ``(exit_probs [E, N, C], final_probs [N, C], costs [E] float64, budget float)``."""
-    if criterion not in CRITERIA:
-        raise CalibrationError(f"unknown criterion {criterion!r}; use one of {', '.join(CRITERIA)}")
+    allowed = (*CRITERIA, LEARNED) if learned else CRITERIA
+    if criterion not in allowed:
+        raise CalibrationError(f"unknown criterion {criterion!r}; use one of {', '.join(CRITERIA)}"
+                               + (" (learned needs its fitted exit policy)" if criterion == LEARNED else ""))
     if not isinstance(patience, int | np.integer) or isinstance(patience, bool) or patience < 1:
         raise CalibrationError(f"patience must be an int >= 1 (consecutive agreeing exits), got {patience!r}")
     try:
@@ -394,7 +434,7 @@ def _constraints(
     return np.stack(gains), np.array(required)
 
 
-def _search(cas: _Cascade, warnings: list[str]) -> np.ndarray:
+def _search(cas: Cascade, warnings: list[str]) -> np.ndarray:
     """The cheapest feasible confidence thresholds found (``+inf`` everywhere when nothing is feasible)."""
     never = np.full(cas.n_exits, np.inf)
     best_tc = never
@@ -435,12 +475,12 @@ def _search(cas: _Cascade, warnings: list[str]) -> np.ndarray:
     return best_tc
 
 
-def _report(cal: Calibration, p: np.ndarray, final_pred: np.ndarray, labels: np.ndarray | None) -> None:
+def _report(cal: Calibration, p: np.ndarray, final_pred: np.ndarray, labels: np.ndarray | None, policy=None) -> None:
     """Fill ``cal``'s expected figures on the calibration rows, through :func:`exit_decisions` itself."""
     n_exits, n, _ = p.shape
     cols = np.arange(n)
     pred = p.argmax(axis=2)
-    ex = exit_decisions(p, cal)
+    ex = exit_decisions(p, cal, policy)
     cost = np.asarray(cal.costs)
     cal.expected_speedup = float(1.0 / cost[ex].mean())
     cal.expected_agreement = float((pred[ex, cols] == final_pred).mean() * 100)
@@ -502,21 +542,45 @@ def calibrate_exits(
     criterion: str,
     patience: int,
     reference_probs: np.ndarray | None = None,
+    policy=None,
 ) -> Calibration:
     """Thresholds for the head exits (+ the full model as the last exit), costs ``k / L``.
+
+    See :func:`calibrate_against_reference` for ``reference_probs`` and ``policy``.
+    """
+    exit_probs = np.concatenate([oof_probs, teacher[None].astype(np.float32)])
+    costs = [k / num_layers for k in exits] + [1.0]
+    return calibrate_against_reference(exit_probs, teacher, labels, costs, budget=budget, criterion=criterion,
+                                       patience=patience, reference_probs=reference_probs, policy=policy)
+
+
+def calibrate_against_reference(
+    exit_probs: np.ndarray,
+    final_probs: np.ndarray,
+    labels: np.ndarray | None,
+    costs: Sequence[float],
+    *,
+    budget: float,
+    criterion: str,
+    patience: int = 2,
+    reference_probs: np.ndarray | None = None,
+    policy=None,
+) -> Calibration:
+    """The uncertified (in-sample) calibration: :func:`calibrate_thresholds`, with an optional reference model.
 
     ``reference_probs`` (e.g. the fp32 original's probabilities on the same rows, for an int8 model):
     ``budget`` is the total drop against that reference, and the exits get what the model leaves of it
     (:func:`reference_budget`); ``Calibration.budget`` stays the total, ``Calibration.reference`` says how
-    it was split.
+    it was split. ``policy``: the fitted exit policy of the ``learned`` criterion.
     """
-    exit_probs = np.concatenate([oof_probs, teacher[None].astype(np.float32)])
-    costs = [k / num_layers for k in exits] + [1.0]
+    exit_probs = np.asarray(exit_probs)
+    teacher = np.asarray(final_probs)
     info = None
     if reference_probs is not None:
         budget_total = float(budget)
         budget, info = reference_budget(budget_total, teacher, reference_probs, labels)
-    cal = calibrate_thresholds(exit_probs, teacher, labels, costs, budget=budget, criterion=criterion, patience=patience)
+    cal = calibrate_thresholds(exit_probs, teacher, labels, costs, budget=budget, criterion=criterion,
+                               patience=patience, policy=policy)
     if info is not None:
         cal.budget, cal.reference = budget_total, info
         if info["budget_exceeded"]:
@@ -525,7 +589,7 @@ def calibrate_exits(
                 f"calibration rows, more than the budget of {budget_total:g}: exits were calibrated with no budget left"
             )
         n = len(teacher)
-        pred = exit_probs[exit_decisions(exit_probs, cal), np.arange(n)].argmax(1)
+        pred = exit_probs[exit_decisions(exit_probs, cal, policy), np.arange(n)].argmax(1)
         ref_pred = np.asarray(reference_probs).argmax(1)
         info["expected_agreement_with_reference"] = round(float((pred == ref_pred).mean() * 100), 4)
         if labels is not None:

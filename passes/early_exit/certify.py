@@ -58,13 +58,20 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.passes.early_exit.calibrate import _Cascade
+from dyncompile.passes.early_exit.calibrate import (
+    LEARNED_ALWAYS,
+    Cascade,
+    calibrate_against_reference,
+    criterion_thresholds,
+    exit_decisions,
+)
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.runtime.rules.exit_policy import POLICY_FEATURES, ExitPolicy, policy_features
-from dyncompile.runtime.rules.exit_rule import exit_scores, first_exit, thresholds_from_confidence
+from dyncompile.runtime.rules.exit_rule import exit_scores, first_exit
 
 __all__ = [
     "CERTIFICATE_FORMAT",
+    "LEARNED_ALWAYS",
     "UCB_METHODS",
     "Certificate",
     "CertificationError",
@@ -82,13 +89,12 @@ __all__ = [
     "parse_confidence",
     "stratified_split",
     "threshold_path",
+    "uncertified_exits",
 ]
 
 CERTIFICATE_FORMAT = "dyncompile.exit_certificate/v1"
 DEFAULT_SPLIT = 0.3
 DEFAULT_CONFIDENCE = 0.9
-#: "always fires" for the learned criterion's logit score, finite so that plans stay strict JSON.
-LEARNED_ALWAYS = -1e30
 
 
 class CertificationError(CalibrationError):
@@ -234,8 +240,11 @@ _first_exit = first_exit
 
 
 def smooth_risk(policy: ExitPolicy, exit_probs: np.ndarray, losses: np.ndarray) -> np.ndarray:
-    """``[E, N]`` expected disagreement ``1 - sigmoid(score)`` of a fitted :class:`ExitPolicy` (the last
-    exit: its observed loss). Up to a factor, the expected loss — all a path needs to order settings."""
+    """``[E, N]`` expected disagreement ``1 - sigmoid(score)`` of a fitted :class:`ExitPolicy`.
+
+    The last exit gets its observed loss. Up to a factor this is the expected loss: all a path needs to
+    order settings.
+    """
     s = policy.scores(exit_probs)
     risk = 1.0 / (1.0 + np.exp(np.clip(s, -50, 50)))
     risk[-1] = losses[-1]
@@ -253,7 +262,7 @@ def threshold_path(
     rows, highest first, duplicates and "no exit at all" dropped. Uses only the rows given (the path part).
     """
     cost = np.asarray(costs, np.float64)
-    cas = _Cascade(np.asarray(scores, np.float64), -np.asarray(losses, np.float64)[None], np.array([-np.inf]), cost)
+    cas = Cascade(np.asarray(scores, np.float64), -np.asarray(losses, np.float64)[None], np.array([-np.inf]), cost)
     never = np.full(len(cost), np.inf)
     n = scores.shape[1]
     never_cost = cas.evaluate(never)[0]
@@ -300,8 +309,10 @@ fit_logistic = _fit_logistic  # public name (passes/routing fits its router head
 
 
 def fit_exit_policy(exit_probs: np.ndarray, reference_pred: np.ndarray, ridge: float = 1.0) -> ExitPolicy:
-    """Per exit (all but the last), a ridge logistic regression of ``1[exit answer == reference answer]``
-    on :data:`~dyncompile.runtime.rules.exit_policy.POLICY_FEATURES`; standardisation folded into the weights.
+    """Fit the learned exit policy: per exit but the last, a ridge logistic regression of agreement.
+
+    The target is ``1[exit answer == reference answer]``, the features
+    :data:`~dyncompile.runtime.rules.exit_policy.POLICY_FEATURES`; standardisation is folded into the weights.
 
     Exits where every row agrees (or none does) get a constant score (the log-odds, clipped).
     """
@@ -388,16 +399,19 @@ class Certificate:
     seed: int
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able record (with its format tag), as stored in a plan."""
         return {"format": CERTIFICATE_FORMAT, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Certificate:
+        """Read a record written by :meth:`to_dict`; :class:`CalibrationError` for anything else."""
         if not isinstance(d, dict) or d.get("format") != CERTIFICATE_FORMAT:
             raise CalibrationError(f"not an exit certificate (expected format {CERTIFICATE_FORMAT!r})")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def describe(self) -> str:
+        """One line for people (see :func:`describe_certificate`)."""
         return describe_certificate(self.to_dict())
 
 
@@ -430,6 +444,7 @@ class CertifiedExits:
     policy: ExitPolicy | None
     exit_histogram: list[int]
     path: list[dict[str, Any]]
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def parse_confidence(value: Any) -> float | None:
@@ -480,8 +495,10 @@ def certify_scores(
     seed: int = 0,
     path_risk: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Certificate, list[dict[str, Any]]]:
-    """The generic LTT step on stored per-row arrays: ``scores``/``losses`` ``[E, N]`` (exit fires when
-    ``score > threshold``; the last exit always stops), ``costs`` ``[E]``.
+    """The generic Learn-then-Test step on stored per-row arrays.
+
+    ``scores``/``losses`` are ``[E, N]`` (exit fires when ``score > threshold``; the last exit always stops),
+    ``costs`` ``[E]``.
 
     ``path_risk`` ``[E, N]``: a smooth per-row risk estimate to build the path on (default: ``losses``;
     the observed 0/1 losses of a few hundred rows make a path that jumps straight to aggressive settings).
@@ -545,13 +562,6 @@ def certify_scores(
     return tc, cert, summary
 
 
-def _to_criterion_thresholds(tc: np.ndarray, criterion: str, n_classes: int) -> list[float | None]:
-    if criterion != "learned":
-        return thresholds_from_confidence(tc, criterion, n_classes)
-    return [None if (e == len(tc) - 1 or t == np.inf) else (LEARNED_ALWAYS if t == -np.inf else float(t))
-            for e, t in enumerate(tc)]
-
-
 def certify_exits(
     exit_probs: np.ndarray,
     final_probs: np.ndarray,
@@ -579,6 +589,7 @@ def certify_exits(
         budget: points (accuracy drop, or disagreement rate without labels).
         confidence: ``1 - delta``, or ``None`` for the uncertified (in-sample) mode.
         criterion: ``entropy``, ``maxprob``, ``patience`` or ``learned`` (policy fitted on the path rows).
+        patience: consecutive agreeing exits the ``patience`` criterion needs.
         split: fraction of rows that build the path (and fit the learned policy); the rest certify.
         seed: of the stratified split.
         method: ``betting`` or ``bernstein``.
@@ -635,9 +646,35 @@ def certify_exits(
     )
     ex = _first_exit(scores, tc)  # every calibration row (the drift guard's reference histogram)
     return CertifiedExits(
-        thresholds=_to_criterion_thresholds(tc, criterion, c), criterion=criterion, certificate=cert, policy=policy,
+        thresholds=criterion_thresholds(tc, criterion, c), criterion=criterion, certificate=cert, policy=policy,
         exit_histogram=np.bincount(ex, minlength=n_exits).astype(int).tolist(), path=summary,
     )
+
+
+def uncertified_exits(p: np.ndarray, final: np.ndarray, labels: np.ndarray | None, costs: Sequence[float], *,
+                      budget: float, criterion: str, patience: int = 2, reference_probs: np.ndarray | None = None
+                      ) -> CertifiedExits:
+    """The early-exit pass's ``--confidence none``: the in-sample calibration, as a certificate of nothing.
+
+    :func:`~dyncompile.passes.early_exit.calibrate.calibrate_against_reference` on every row (the learned
+    criterion's policy is fitted on every row too): the one search for every uncertified early-exit decision.
+    Arguments as :func:`certify_exits`.
+    """
+    y = None if labels is None else np.asarray(labels).astype(np.int64)
+    ref_pred = np.asarray(final if reference_probs is None else reference_probs).argmax(-1)
+    policy = fit_exit_policy(p, ref_pred) if criterion == "learned" else None
+    cal = calibrate_against_reference(p, final, y, costs, budget=budget, criterion=criterion, patience=patience,
+                                      reference_probs=reference_probs, policy=policy)
+    ex = exit_decisions(p, cal, policy)
+    n = p.shape[1]
+    observed = exit_losses(p, ref_pred, y)[ex, np.arange(n)].mean()
+    cert = Certificate(
+        mode="agreement" if y is None else "labels", confidence=None, delta=None, budget=float(budget), rows=n,
+        path_rows=n, method="none", certified=False, observed=round(100 * float(observed), 4), bound=None, point=-1,
+        path_length=0, safest_bound=None, expected_speedup=round(cal.expected_speedup, 4), split=0.0, seed=0,
+    )
+    return CertifiedExits(thresholds=cal.thresholds, criterion=criterion, certificate=cert, policy=policy,
+                          exit_histogram=cal.exit_histogram, path=[], warnings=list(cal.warnings))
 
 
 def certified_calibration(
@@ -656,18 +693,24 @@ def certified_calibration(
     seed: int = 0,
     method: str = "betting",
 ) -> tuple[CertifiedExits, dict[str, Any]]:
-    """:func:`certify_exits` for head exits + the full model as the last exit (costs ``k / L``), and the
-    ``calibration`` record the early-exit pass writes into the plan."""
+    """:func:`certify_exits` for head exits + the full model as the last exit (costs ``k / L``).
+
+    Also returns the ``calibration`` record the early-exit pass writes into the plan.
+    """
     exit_probs = np.concatenate([np.asarray(oof_probs, np.float32), np.asarray(teacher, np.float32)[None]])
     costs = [k / num_layers for k in exits] + [1.0]
-    res = certify_exits(
-        exit_probs, teacher, labels, costs, budget=budget, confidence=confidence, criterion=criterion, patience=patience,
-        split=split, seed=seed, method=method, reference_probs=reference_probs,
-    )
+    if confidence is None:
+        res = uncertified_exits(exit_probs, np.asarray(teacher), labels, costs, budget=budget, criterion=criterion,
+                                patience=patience, reference_probs=reference_probs)
+    else:
+        res = certify_exits(
+            exit_probs, teacher, labels, costs, budget=budget, confidence=confidence, criterion=criterion,
+            patience=patience, split=split, seed=seed, method=method, reference_probs=reference_probs,
+        )
     c = res.certificate
     record = {
         "format": "dyncompile.exit_calibration/v1",
-        "method": "learn-then-test" if confidence is not None else "uncertified path (plug-in)",
+        "method": "learn-then-test" if confidence is not None else "in-sample (uncertified)",
         "criterion": criterion,
         "budget": float(budget),
         "metric": "accuracy" if labels is not None else "agreement",
@@ -675,7 +718,7 @@ def certified_calibration(
         "expected_speedup": c.expected_speedup,
         "observed_loss": c.observed,
         "exit_histogram": res.exit_histogram,
-        "warnings": [],
+        "warnings": res.warnings,
         "n_rows": int(exit_probs.shape[1]),
         "thresholds_all_exits": dict(zip(map(str, exits), res.thresholds[:-1])),
         "rows": int(exit_probs.shape[1]),
@@ -685,8 +728,10 @@ def certified_calibration(
 
 
 def policy_metadata(policy: ExitPolicy, exits: Sequence[int], keep: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """Per kept exit layer: ``{"weights", "bias", "prev_head"}`` for the ``dyncompile.early_exit`` metadata
-    (``prev_head``: the previous exit's head output, ``None`` for the first exit)."""
+    """Per kept exit layer: ``{"weights", "bias", "prev_head"}`` for the ``dyncompile.early_exit`` metadata.
+
+    ``prev_head`` is the previous exit's head output, ``None`` for the first exit.
+    """
     out = {}
     for j in keep:
         out[exits[j]] = {

@@ -33,6 +33,7 @@ def check_two_classes(y: np.ndarray, why: str) -> None:
 
 
 def check_labels(labels: Any, n: int, c: int, what: str = "labels") -> np.ndarray:
+    """``labels`` as int64 ``[N]`` class indices below ``c``, or a :class:`CalibrationError` naming ``what``."""
     y = np.asarray(labels)
     if y.shape != (n,):
         raise CalibrationError(f"{what} must have shape [N] = ({n},) to match the probabilities, got {y.shape}")
@@ -50,8 +51,11 @@ def check_labels(labels: Any, n: int, c: int, what: str = "labels") -> np.ndarra
 
 
 def check_fit_inputs(features, teacher_probs, labels) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
-    """``(features, teacher, labels)`` of an exit-head fit, checked: one finite ``[N, F]`` array per exit,
-    ``[N, C]`` teacher probabilities, ``[N]`` integer labels (or None) of at least two classes."""
+    """``(features, teacher, labels)`` of an exit-head fit, checked.
+
+    One finite ``[N, F]`` array per exit, ``[N, C]`` teacher probabilities, ``[N]`` integer labels (or None) of
+    at least two classes.
+    """
     feats = [np.asarray(f) for f in features]
     if not feats:
         raise CalibrationError("no exits: features is empty; pass one [N, F] array per exit")

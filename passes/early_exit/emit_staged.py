@@ -14,7 +14,7 @@ import logging
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY
+from dyncompile.passes import _keys
 from dyncompile.passes.emit import (
     EmitRequest,
     add_model_files,
@@ -74,7 +74,8 @@ def _add_learned_scores(model: ir.Model, meta: dict) -> dict[str, str]:
 
 @register_emitter("early_exit_staged")
 def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
-    meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+    """Cut the lowered graph into segment graphs at its exits and write the staged early-exit plan."""
+    meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
     g = model.graph
     values = ir.convenience.create_value_mapping(g)
     if any(values[e["cut"]].dtype is None for e in meta["exits"]):

@@ -99,6 +99,7 @@ class Standardisation:
     proj: np.ndarray | None
 
     def apply(self, x: np.ndarray) -> np.ndarray:
+        """Standardise (and project) the rows ``x``."""
         z = (x - self.mu) / self.sd
         if self.proj is not None:
             z = z @ self.proj
@@ -270,10 +271,12 @@ def fit_exit_heads(
         seed: all randomness (fold split, initialisation) derives from it; same seed, same heads.
         folds: K of the cross-fitting (>= 2). Total fits: ``E * (K + 1)``.
         progress: called as ``progress(done, total, message)`` after every fit.
+        activation: of the hidden layer: ``tanh``, ``relu`` or ``none``.
         alpha: target = ``alpha * teacher_T + (1 - alpha) * onehot(label)`` (ignored without labels).
         temperature: softens the teacher's probabilities before mixing (``T = 1``: as they are).
         l2: weight decay on the (standardised-input) weights.
-        steps, lr: full-batch Adam iterations and peak step size (cosine decay).
+        steps: full-batch Adam iterations.
+        lr: Adam's peak step size (cosine decay).
         pca_dim: hidden heads only — fit on the top ``pca_dim`` whitened principal components of the
             standardised features (folded into the first layer afterwards); ``None`` to fit on all.
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.early_exit.attach_exit_heads import (
     EARLY_EXIT_FORMAT,
-    EARLY_EXIT_KEY,
     attach_exit_heads,
     default_opset,
 )
@@ -36,14 +36,12 @@ from dyncompile.passes.early_exit.certify import (
 from dyncompile.passes.early_exit.fit import fit_exit_heads
 from dyncompile.passes.early_exit.heads import pool_features
 from dyncompile.passes.early_exit.newton import fit_exit_heads_newton
-from dyncompile.passes.quantize_weights import QUANTIZED_KEY
 from dyncompile.runtime.rules.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "EARLY_EXIT_FORMAT",
-    "EARLY_EXIT_KEY",
     "MIN_CALIB_ROWS",
     "FitExitHeadsPass",
     "calibrate_exits",
@@ -156,7 +154,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         return out
 
     def requires(self, model: ir.Model) -> None:
-        if EARLY_EXIT_KEY in model.metadata_props:
+        """Refuse a model the pass cannot work on, with what to do about it."""
+        if _keys.EARLY_EXIT in model.metadata_props:
             return
         self._classifier_output(model)
         if self.budget < 0:
@@ -181,7 +180,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             )
 
     def ensures(self, model: ir.Model) -> None:
-        meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+        """Check what the pass promises on its output."""
+        meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
         outputs = {v.name for v in model.graph.outputs}
         for e in meta["exits"]:
             if e["head_output"] not in outputs:
@@ -190,7 +190,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
     # --- the pass -------------------------------------------------------------------------------
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if EARLY_EXIT_KEY in model.metadata_props:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _keys.EARLY_EXIT in model.metadata_props:
             logger.info("model already has exit heads; nothing to do")
             return ir.passes.PassResult(model, modified=False)
         self._classifier_output(model)
@@ -236,7 +237,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         bar.close()
         clock.lap("fitting exit heads")
         reference_probs = None
-        if self.reference_model is not None and QUANTIZED_KEY in model.metadata_props:
+        if self.reference_model is not None and _keys.QUANTIZED in model.metadata_props:
             ref = self.reference_model
             ref = ir.load(ref) if not isinstance(ref, ir.Model) else ref
             _, reference_probs = collect_exit_features(
@@ -298,7 +299,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 "never_exit": self.never_exit,
                 "exit_stats": {
                     str(k): {
-                        "oof_accuracy": None if fit.oof_accuracy is None else fit.oof_accuracy[j],
+                        "oof_accuracy": fit.oof_accuracy[j],
                         "oof_agreement": fit.oof_agreement[j],
                     }
                     for j, k in enumerate(exits)
@@ -378,6 +379,7 @@ def find_exit_cuts(model: ir.Model, cuts: dict[int, str] | None = None) -> tuple
 
 
 def classifier_output(model: ir.Model) -> ir.Value:
+    """The classifier's one output besides exit heads, or a PreconditionError."""
     outs = [v for v in model.graph.outputs if not v.name.startswith("exit_logits_")]
     if len(outs) != 1:
         raise ir.passes.PreconditionError(

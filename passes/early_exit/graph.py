@@ -33,15 +33,18 @@ class GraphBuilder:
         self.initializers: list[ir.Value] = []
 
     def const(self, arr, name: str) -> ir.Value:
+        """A new initializer ``<prefix><name>`` holding ``arr``."""
         full = f"{self.prefix}{name}"
         v = ir.val(full, const_value=ir.tensor(np.asarray(arr), name=full))
         self.initializers.append(v)
         return v
 
     def op(self, op_type: str, inputs: Sequence[ir.Value | None], attributes=None) -> ir.Value:
+        """Record one node on the tape; its output."""
         return self.tape.op(op_type, list(inputs), attributes or {})
 
     def reduce(self, op_type: str, x: ir.Value, axes: list[int], keepdims: int, tag: str) -> ir.Value:
+        """A Reduce op with ``axes`` as an input or an attribute, as the opset wants."""
         input_axes = op_type == "ReduceSum" and self.opset >= 13 or self.opset >= 18
         if input_axes:
             return self.op(op_type, [x, self.const(np.array(axes, np.int64), f"axes_{tag}")], {"keepdims": keepdims})
@@ -57,6 +60,7 @@ class GraphBuilder:
         return self.op("Unsqueeze", [m, self.const(np.array([-1], np.int64), "mask_axes")])
 
     def pool(self, hidden: ir.Value, mask3: ir.Value | None, pooling: str) -> ir.Value:
+        """Pool ``hidden`` ``[B, S, H]`` to ``[B, F]`` the way the exit head was fitted (cls, mean, cls+mean)."""
         parts = []
         if pooling in ("cls", "cls+mean"):
             parts.append(self.op("Gather", [hidden, self.const(np.array(0, np.int64), "cls_index")], {"axis": 1}))

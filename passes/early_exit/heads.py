@@ -160,11 +160,8 @@ class ExitHead:
 
     @property
     def in_features(self) -> int:
+        """Width of the pooled features the head reads."""
         return int(self.layers[0][0].shape[0])
-
-    @property
-    def num_classes(self) -> int:
-        return int(self.layers[-1][0].shape[1])
 
     def logits(self, features: np.ndarray) -> np.ndarray:
         """Logits ``[N, C]`` (float32) from pooled features ``[N, F]``."""
@@ -180,10 +177,6 @@ class ExitHead:
     def predict_proba(self, features: np.ndarray) -> np.ndarray:
         """Class probabilities ``[N, C]`` (float32) from pooled features ``[N, F]``."""
         return softmax(self.logits(features)).astype(np.float32)
-
-    def predict_proba_hidden(self, hidden: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
-        """Class probabilities straight from the layer's hidden states ``[N, S, H]``."""
-        return self.predict_proba(pool_features(hidden, attention_mask, self.pooling))
 
     def to_dict(self, encoding: str = "base64") -> dict[str, Any]:
         """JSON-able description; ``encoding="base64"`` (compact, exact) or ``"list"`` (nested lists, exact)."""
@@ -201,6 +194,7 @@ class ExitHead:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExitHead:
+        """Read a head written by :meth:`to_dict`; :class:`CalibrationError` for anything else."""
         if not isinstance(d, dict) or d.get("format") != HEAD_FORMAT:
             raise CalibrationError(
                 f"not an exit head description (format {d.get('format') if isinstance(d, dict) else type(d)!r}, "

@@ -4,32 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
-from dyncompile.passes.early_exit.fit_exit_heads import EARLY_EXIT_KEY, default_opset
+from dyncompile.passes._graph import backward_slice
+from dyncompile.passes.early_exit.fit_exit_heads import default_opset
 from dyncompile.passes.early_exit.graph import NEVER_THRESHOLD, GraphBuilder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InsertEarlyExitPass", "LOWERING_KEY"]
+__all__ = ["InsertEarlyExitPass"]
 
-LOWERING_KEY = _keys.EARLY_EXIT_LOWERING
-
-
-def _backward_slice(values: list[ir.Value], stop: set[ir.Node] | None = None) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [v.producer() for v in values if v.producer() is not None]
-    while stack:
-        n = stack.pop()
-        if n in seen or (stop and n in stop):
-            continue
-        seen.add(n)
-        stack.extend(v.producer() for v in n.inputs if v is not None and v.producer() is not None)
-    return seen
 
 
 class InsertEarlyExitPass(ir.passes.InPlacePass):
@@ -66,31 +55,34 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         return f"InsertEarlyExitPass(lowering={self.lowering!r}, provider={self.provider!r})"
 
     def requires(self, model: ir.Model) -> None:
-        if EARLY_EXIT_KEY not in model.metadata_props:
+        """Refuse a model the pass cannot work on, with what to do about it."""
+        if _keys.EARLY_EXIT not in model.metadata_props:
             raise ir.passes.PreconditionError(
                 "no exit heads to lower: run FitExitHeadsPass first (the 'early-exit' pass does both)"
             )
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         if self.lowering == "if":
             names = [v.name for v in model.graph.outputs]
-            if names[:1] != [json.loads(model.metadata_props[EARLY_EXIT_KEY])["final_output"]] or "exit_layer" not in names:
+            if names[:1] != [json.loads(model.metadata_props[_keys.EARLY_EXIT])["final_output"]] or "exit_layer" not in names:
                 raise ir.passes.PostconditionError(f"If lowering must output (logits, exit_layer), got {names}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if LOWERING_KEY in model.metadata_props:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _keys.EARLY_EXIT_LOWERING in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
-        meta = json.loads(model.metadata_props[EARLY_EXIT_KEY])
+        meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
         model.metadata_props[_keys.EARLY_EXIT_LOWERING_CHOICE] = json.dumps(
             {"lowering": self.lowering, "provider": self.provider, "reason": self.reason}
         )
         if self.lowering == "staged":
-            model.metadata_props[LOWERING_KEY] = "staged"
+            model.metadata_props[_keys.EARLY_EXIT_LOWERING] = "staged"
             model.metadata_props[_keys.EMITTER] = "early_exit_staged"
             model.metadata_props[_keys.TASK] = "text-classification"
             return ir.passes.PassResult(model, modified=True)
         self._lower_if(model, meta)
-        model.metadata_props[LOWERING_KEY] = "if"
+        model.metadata_props[_keys.EARLY_EXIT_LOWERING] = "if"
         model.metadata_props[_keys.TASK] = "text-classification"
         common_passes.NameFixPass()(model)
         common_passes.TopologicalSortPass()(model)
@@ -116,10 +108,10 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
             g.append(layer)
             g.outputs.append(layer.outputs[0])
             return
-        main_slice = _backward_slice([final])
+        main_slice = backward_slice([final])
         head_nodes = []
         for v in head_outs:
-            head_nodes.append([n for n in order if n in _backward_slice([v], stop=main_slice)])
+            head_nodes.append([n for n in order if n in backward_slice([v], stop=main_slice)])
         in_heads = {n for hn in head_nodes for n in hn}
         body = [n for n in order if n not in in_heads]
         values = ir.convenience.create_value_mapping(g)
@@ -216,13 +208,23 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
         logger.debug("moved %d initializers into the subgraphs that use them", moved)
 
 
-def choose_lowering(provider: str = "cpu") -> tuple[str, str]:
-    """EP-aware choice for ``--lowering auto``: ``(lowering, reason)`` from known provider capabilities."""
+def choose_lowering(provider: str = "cpu", batch_sizes: Sequence[int] = ()) -> tuple[str, str]:
+    """EP-aware choice for ``--lowering auto``: ``(lowering, reason)``.
+
+    From the batch sizes the plan will serve (``--batch-sizes``), then known provider capabilities. The If
+    graph exits only when every row of a batch passes its exit test, so a declared batch above 1 gets the staged
+    plan, which exits per row and compacts the batch, on every provider.
+    """
     from dyncompile.runtime.providers import PROVIDERS
 
     info = PROVIDERS.get(provider)
     if info is None:
         raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
+    if any(b > 1 for b in batch_sizes):
+        return "staged", (
+            f"declared batch sizes {','.join(map(str, batch_sizes))} include {max(batch_sizes)} > 1: an If graph exits "
+            "only when every row of the batch passes, staged exits per row and compacts the batch"
+        )
     if provider == "openvino":
         return "staged", (
             "OpenVINO EP (onnxruntime-openvino 1.24, OpenVINO 2025.4) fails session creation when an op inside an If "
@@ -237,6 +239,21 @@ def choose_lowering(provider: str = "cpu") -> tuple[str, str]:
             "states on the device, while staged exits would copy them to the host at every exit"
         )
     return "if", "CPU EP: If costs ~1.3 µs and skipped branches cost nothing; one self-contained graph deploys anywhere"
+
+
+def parse_batch_sizes(spec: str | int | None) -> tuple[int, ...]:
+    """``"1,32"`` -> ``(1, 32)``; ``None`` or empty -> ``()`` (nothing declared)."""
+    from dyncompile.errors import PassConfigError
+
+    if spec in (None, ""):
+        return ()
+    try:
+        sizes = tuple(int(x) for x in str(spec).replace(";", ",").split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(b < 1 for b in sizes):
+        raise PassConfigError(f"--batch-sizes must be positive integers like 1,32, got {spec!r}")
+    return sizes
 
 
 def _parse_exits(spec) -> list[int] | None:
@@ -265,12 +282,14 @@ def _make_early_exit(
     heads: str | None = None,
     budget_reference: str = "original",
     confidence: str | float | None = None,
+    batch_sizes: str | int | None = None,
 ):
     """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass.
 
     Options left at None take the compile's flags (``--budget``, ``--confidence``, ``--lowering``,
-    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``), then the defaults (budget 1.0 certified at
-    confidence 0.9, lowering auto, entropy, every layer, fitted heads).
+    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``, ``--batch-sizes``), then the defaults (budget 1.0
+    certified at confidence 0.9, lowering auto, entropy, every layer, fitted heads, no batch sizes declared).
+    ``lowering=auto`` picks staged when a declared batch size is above 1, else by provider.
     """
     from pathlib import Path
 
@@ -306,9 +325,10 @@ def _make_early_exit(
     if heads not in ("fitted", "given"):
         raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
     target = o.get("provider") or "cpu"
+    sizes = parse_batch_sizes(batch_sizes if batch_sizes is not None else o.get("batch_sizes"))
     if lowering == "auto":
         try:
-            lowering, reason = choose_lowering(target)
+            lowering, reason = choose_lowering(target, sizes)
         except ValueError as e:
             raise PassConfigError(str(e)) from None
     else:

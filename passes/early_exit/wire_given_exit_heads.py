@@ -11,11 +11,12 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from dyncompile.passes import _keys
+from dyncompile.passes._graph import backward_slice
 from dyncompile.passes._infra import progress_bar
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.passes.early_exit.fit_exit_heads import (
     EARLY_EXIT_FORMAT,
-    EARLY_EXIT_KEY,
     MIN_CALIB_ROWS,
     calibrate_exits,
     exits_to_keep,
@@ -25,18 +26,6 @@ from dyncompile.runtime.rules.exit_rule import softmax
 logger = logging.getLogger(__name__)
 
 __all__ = ["WireGivenExitHeadsPass", "given_exit_outputs"]
-
-
-def _slice(v: ir.Value) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [v.producer()] if v.producer() is not None else []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(i.producer() for i in n.inputs if i is not None and i.producer() is not None)
-    return seen
 
 
 def given_exit_outputs(model: ir.Model) -> tuple[ir.Value, dict[int, ir.Value], int, dict[int, str]] | None:
@@ -56,7 +45,7 @@ def given_exit_outputs(model: ir.Model) -> tuple[ir.Value, dict[int, ir.Value], 
     producers = {layer.index: ir.convenience.create_value_mapping(model.graph)[layer.output_cut].producer() for layer in s.layers}
     depth = {}
     for v in outs:
-        sl = _slice(v)
+        sl = backward_slice([v])
         ks = [k for k, p in producers.items() if p in sl]
         depth[v.name] = (max(ks) if ks else 0, v)
     L = len(s.layers)
@@ -96,7 +85,8 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
         return f"WireGivenExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, criterion={self.criterion!r})"
 
     def requires(self, model: ir.Model) -> None:
-        if EARLY_EXIT_KEY in model.metadata_props:
+        """Refuse a model the pass cannot work on, with what to do about it."""
+        if _keys.EARLY_EXIT in model.metadata_props:
             return
         if len(self.texts) < MIN_CALIB_ROWS:
             raise ir.passes.PreconditionError(
@@ -109,7 +99,8 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if EARLY_EXIT_KEY in model.metadata_props:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _keys.EARLY_EXIT in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         import onnxruntime as ort
 
@@ -161,5 +152,5 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
             "calibration": {k: v for k, v in cal.to_dict().items() if k != "thresholds"}
             | {"thresholds_all_exits": dict(zip(map(str, exits), thresholds)), "rows": len(self.texts)},
         }
-        model.metadata_props[EARLY_EXIT_KEY] = json.dumps(meta)
+        model.metadata_props[_keys.EARLY_EXIT] = json.dumps(meta)
         return ir.passes.PassResult(model, modified=True)

@@ -38,6 +38,41 @@ def _static(d) -> int | None:
     return d if isinstance(d, int) else None
 
 
+def _kv_pairs(g: ir.Graph, inputs: dict[str, ir.Value]) -> dict[str, tuple[str, int]]:
+    """``{past input: (present output, concat axis)}``.
+
+    An output computed by ``Concat(past input, new)``, else the optimum / Hugging Face naming convention.
+    """
+    pairs: dict[str, tuple[str, int]] = {}
+    for out in g.outputs:
+        prod = out.producer()
+        if prod is None or prod.op_type != "Concat":
+            continue
+        for v in prod.inputs:
+            if v is not None and v.name in inputs and v.shape is not None and len(v.shape) == 4:
+                axis = prod.attributes.get_int("axis", 0)
+                pairs[v.name] = (out.name, axis % 4)
+    out_names = {v.name for v in g.outputs}
+    for name, v in inputs.items():
+        if name in pairs or v.shape is None or len(v.shape) != 4:
+            continue
+        for old, new in (("past_key_values.", "present."), ("past_key_values_", "present_"), ("past.", "present.")):
+            if name.startswith(old) and name.replace(old, new, 1) in out_names:
+                pairs[name] = (name.replace(old, new, 1), 2)
+    return pairs
+
+
+def _head_dims(v: ir.Value, axis: int, what: str) -> list[int]:
+    """The static dims of a past tensor other than batch and the sequence ``axis``, or a DrafterError."""
+    dims = [d for i, d in enumerate(v.shape) if i not in (0, axis)]
+    if any(_static(d) is None for d in dims):
+        raise DrafterError(
+            f"the {what}: past tensor {v.name!r} has shape {list(v.shape)}; its head dims must be static "
+            "numbers (e.g. [batch, 3, past, 64])"
+        )
+    return [int(d) for d in dims]
+
+
 def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: str = "",
                  extra_inputs: tuple[str, ...] = ()) -> dict[str, Any]:
     """How the runtime drives ``model``: input names, logits, and its (past, present) KV pairs.
@@ -56,23 +91,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
             f"the {what}{where} has no 'input_ids' input (inputs: {list(inputs)[:6]}); speculative decoding needs a "
             "causal LM exported from Hugging Face with input_ids / attention_mask / past_key_values"
         )
-    # KV pairs: an output computed by Concat(past input, new) — else the optimum/HF naming convention
-    pairs: dict[str, tuple[str, int]] = {}
-    for out in g.outputs:
-        prod = out.producer()
-        if prod is None or prod.op_type != "Concat":
-            continue
-        for v in prod.inputs:
-            if v is not None and v.name in inputs and v.shape is not None and len(v.shape) == 4:
-                axis = prod.attributes.get_int("axis", 0)
-                pairs[v.name] = (out.name, axis % 4)
-    out_names = {v.name for v in g.outputs}
-    for name, v in inputs.items():
-        if name in pairs or v.shape is None or len(v.shape) != 4:
-            continue
-        for old, new in (("past_key_values.", "present."), ("past_key_values_", "present_"), ("past.", "present.")):
-            if name.startswith(old) and name.replace(old, new, 1) in out_names:
-                pairs[name] = (name.replace(old, new, 1), 2)
+    pairs = _kv_pairs(g, inputs)
     if not pairs:
         raise DrafterError(
             f"the {what}{where} has no KV cache: no past_key_values inputs paired with present outputs "
@@ -102,13 +121,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
             continue
         present, axis = pairs[name]
         v = inputs[name]
-        dims = [d for i, d in enumerate(v.shape) if i not in (0, axis)]
-        if any(_static(d) is None for d in dims):
-            raise DrafterError(
-                f"the {what}{where}: past tensor {name!r} has shape {list(v.shape)}; its head dims must be static "
-                "numbers (e.g. [batch, 3, past, 64])"
-            )
-        kv.append({"past": name, "present": present, "axis": axis, "shape": [int(d) for d in dims]})
+        kv.append({"past": name, "present": present, "axis": axis, "shape": _head_dims(v, axis, f"{what}{where}")})
         dtype = v.dtype
     vocab = _static(logits.shape[-1]) if logits.shape is not None else None
     shared = _kv_shared(g, [inputs[e["past"]] for e in kv])

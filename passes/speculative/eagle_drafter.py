@@ -36,10 +36,11 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import backward_slice
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
 from dyncompile.passes.speculative.expose_features import FEATURES_OUTPUT, ExposeFeaturesPass
-from dyncompile.passes.speculative.split_drafter import _ancestors, drop_unused_pasts, trim_lm_head
+from dyncompile.passes.speculative.split_drafter import drop_unused_pasts, trim_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -84,33 +85,9 @@ def _match(fp: list[float], arr: np.ndarray, rtol: float = 1e-4) -> bool:
     return all(abs(x - y) <= rtol * max(1.0, abs(y)) for x, y in zip(got, fp))
 
 
-def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ir.Model:
-    """The drafter graph (see the module docstring); ``target`` is not modified."""
-    from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
-
-    spec = decoder_spec(target, "model", what="target model")
-    d = target.clone()
-    g = d.graph
-    for k in [k for k in d.metadata_props if k.startswith("dyncompile.")]:
-        del d.metadata_props[k]
-    s = analyze_model(d)
-    if not s.has_layers:
-        raise DrafterError(f"eagle-drafter needs a layered decoder; no repeated layer structure was found: {s.message}")
-    num = s.num_layers
-    cfg = info.get("target_config") or {}
-    if cfg.get("num_layers") not in (None, num):
-        raise DrafterError(f"the EAGLE head was trained for a {cfg['num_layers']}-layer target; this one has {num} layers")
-    values = ir.convenience.create_value_mapping(g)
-    emb, h_in, h_out = (values[s.cut_for_layer(k).name] for k in (0, num - 1, num))
-    hidden = int(h_out.shape[-1]) if h_out.shape is not None and isinstance(h_out.shape[-1], int) else None
-    w_fc = np.asarray(arrays["fc.weight"], np.float32)
-    if hidden is None or w_fc.shape != (hidden, 2 * hidden):
-        raise DrafterError(f"the EAGLE head's fc is {list(w_fc.shape)}, the target's hidden size is {hidden}; "
-                           "this head was trained for another model")
-
-    # swap the last layer's weights for the head's (matched by the fingerprint of the tensor each replaces)
-    layer_nodes = set(s.layers[-1].node_names)
-    params = dict(info.get("layer_params") or {})
+def _swap_layer_weights(g: ir.Graph, layer_nodes: set[str], params: dict[str, Any],
+                        arrays: Mapping[str, np.ndarray]) -> None:
+    """Give the last layer's nodes the head's weights, each matched by the fingerprint of the tensor it replaces."""
     todo = dict(params)
     for node in [n for n in g if n.name in layer_nodes]:
         for v in node.inputs:
@@ -138,6 +115,35 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
             "trained for another model (or another build of it); retrain with `dyncompile train-drafter`"
         )
 
+
+def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ir.Model:
+    """The drafter graph (see the module docstring); ``target`` is not modified."""
+    from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
+
+    spec = decoder_spec(target, "model", what="target model")
+    d = target.clone()
+    g = d.graph
+    for k in [k for k in d.metadata_props if k.startswith("dyncompile.")]:
+        del d.metadata_props[k]
+    s = analyze_model(d)
+    if not s.has_layers:
+        raise DrafterError(f"eagle-drafter needs a layered decoder; no repeated layer structure was found: {s.message}")
+    num = s.num_layers
+    cfg = info.get("target_config") or {}
+    if cfg.get("num_layers") not in (None, num):
+        raise DrafterError(f"the EAGLE head was trained for a {cfg['num_layers']}-layer target; this one has {num} layers")
+    values = ir.convenience.create_value_mapping(g)
+    emb, h_in, h_out = (values[s.cut_for_layer(k).name] for k in (0, num - 1, num))
+    hidden = int(h_out.shape[-1]) if h_out.shape is not None and isinstance(h_out.shape[-1], int) else None
+    w_fc = np.asarray(arrays["fc.weight"], np.float32)
+    if hidden is None or w_fc.shape != (hidden, 2 * hidden):
+        raise DrafterError(f"the EAGLE head's fc is {list(w_fc.shape)}, the target's hidden size is {hidden}; "
+                           "this head was trained for another model")
+
+    # swap the last layer's weights for the head's (matched by the fingerprint of the tensor each replaces)
+    layer_nodes = set(s.layers[-1].node_names)
+    _swap_layer_weights(g, layer_nodes, dict(info.get("layer_params") or {}), arrays)
+
     # x = [embedding(ids), features] @ fc.W^T + fc.b replaces the last layer's input
     f_in = ir.Value(name=FEATURE_INPUT, shape=ir.Shape(["batch", "seq", hidden]), type=ir.TensorType(ir.DataType.FLOAT))
     g.inputs.append(f_in)
@@ -161,7 +167,7 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
     # outputs: logits, the predicted feature, the last layer's present pair
     logits_v = next(v for v in g.outputs if v.name == spec["logits"])
     h_out.name = HIDDEN_OUTPUT
-    keep_nodes = _ancestors([logits_v, h_out])
+    keep_nodes = backward_slice([logits_v, h_out])
     kept = [v for v in g.outputs if v is logits_v or (v.producer() in keep_nodes and v is not h_out)]
     g.outputs.clear()
     g.outputs.extend([*kept, h_out])
@@ -194,6 +200,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
         return f"EagleDrafterPass(head_dir={str(self.head_dir)!r})"
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.EAGLE in model.metadata_props:
             if _keys.EAGLE_MODEL not in model.meta:
                 raise DrafterError("this model records an EAGLE drafter but its graph is not in memory (drafters are "
@@ -203,6 +210,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
         load_head(self.head_dir)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _keys.EAGLE in model.metadata_props and _keys.EAGLE_MODEL in model.meta:
             return ir.passes.PassResult(model, modified=False)
         arrays, info, sha = load_head(self.head_dir)
@@ -226,6 +234,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         if _keys.EAGLE_MODEL not in model.meta:
             raise ir.passes.PostconditionError("the EAGLE drafter did not reach model.meta")
 

@@ -27,8 +27,6 @@ from dyncompile.passes.emit import (
     save_model,
 )
 from dyncompile.passes.speculative.decoder_spec import decoder_spec, generation_config, is_kv_decoder
-from dyncompile.passes.speculative.speculative import DRAFTER_META, SPECULATIVE_KEY
-from dyncompile.passes.speculative.split_drafter import SPLIT_DRAFTER_KEY, VOCAB_META
 from dyncompile.plan import FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
@@ -43,7 +41,7 @@ def _decoder_gets_generate(model: ir.Model, req: EmitRequest) -> str | None:
 
 
 def _generation(model: ir.Model, req: EmitRequest) -> dict[str, Any]:
-    rec = model.metadata_props.get(SPECULATIVE_KEY)
+    rec = model.metadata_props.get(_keys.SPECULATIVE)
     if rec:
         return json.loads(rec).get("generation") or {}
     cfg = getattr(req, "model_config", None) or {}
@@ -95,7 +93,8 @@ def _share_weights(drafter: ir.Model, target: ir.Model, saved_target_path: Path)
 
 @register_emitter("speculative")
 def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
-    rec = json.loads(model.metadata_props[SPECULATIVE_KEY])
+    """Write the target, its drafter and the speculative-generation plan that runs them."""
+    rec = json.loads(model.metadata_props[_keys.SPECULATIVE])
     d = rec["drafter"]
     out = req.out_dir
     files: dict[str, FileRef] = {}
@@ -110,7 +109,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     else:
         add_model_files(files, "model", save_model(model, out, "model.onnx", "main"))
     if d["kind"] == "model":
-        drafter: ir.Model = model.meta[DRAFTER_META]
+        drafter: ir.Model = model.meta[_keys.DRAFTER_MODEL]
         spec = dict(d["decoder"])
         spec.pop("vocab_size", None)
         spec["model"] = "drafter"
@@ -123,7 +122,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
         else:
             add_model_files(files, "drafter", save_model(drafter, out, "drafter.onnx", "drafter"))
         vocab_key = None
-        subset = model.meta.get(VOCAB_META) if split else None
+        subset = model.meta.get(_keys.SPLIT_DRAFTER_VOCAB) if split else None
         if subset is not None:
             np.save(out / "drafter_vocab.npy", np.asarray(subset, np.int64))
             files["drafter_vocab"] = file_ref(out, "drafter_vocab.npy", "vocab_map")
@@ -146,7 +145,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     if d.get("tokenizer_check"):
         policy["speculative"]["tokenizer_check"] = d["tokenizer_check"]
     if split:
-        policy["split_drafter"] = json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
+        policy["split_drafter"] = json.loads(model.metadata_props[_keys.SPLIT_DRAFTER])
     return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
                 policy=policy, provenance=req.provenance)
 

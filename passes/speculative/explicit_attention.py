@@ -22,9 +22,8 @@ from dyncompile.passes._infra import CompileContext, register_pass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXPLICIT_ATTENTION_KEY", "ExposeAttentionMaskPass", "find_attention_bias"]
+__all__ = ["ExposeAttentionMaskPass", "find_attention_bias"]
 
-EXPLICIT_ATTENTION_KEY = _keys.EXPLICIT_ATTENTION
 
 _WEIGHT_OPS = frozenset({"MatMul", "Gemm", "MatMulNBits", "MatMulInteger", "Conv", "Attention", "MultiHeadAttention",
                          "GroupQueryAttention"})
@@ -65,8 +64,10 @@ def _dtype_of(bias: ir.Value) -> ir.DataType:
 
 
 def find_attention_bias(model: ir.Model, mask_input: str = "attention_mask") -> ir.Value | None:
-    """The additive attention bias every layer adds to its scores before the Softmax, computed from the graph
-    input ``mask_input`` alone (no weights), shared by all layers; ``None`` when there is no such value."""
+    """The additive attention bias every layer adds to its scores before the Softmax, or ``None``.
+
+    The bias must be computed from the graph input ``mask_input`` alone (no weights) and shared by all layers.
+    """
     g = model.graph
     if mask_input not in {v.name for v in g.inputs}:
         return None
@@ -129,6 +130,7 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
         return f"ExposeAttentionMaskPass(input_name={self.input_name!r})"
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         names = {v.name for v in model.graph.inputs}
         if self.position_input not in names and find_attention_bias(model, self.mask_input) is not None:
             raise ir.passes.PreconditionError(
@@ -138,6 +140,7 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         g = model.graph
         if self.input_name in {v.name for v in g.inputs}:
             logger.info("explicit-attention: %r is already an input; nothing to do", self.input_name)
@@ -158,7 +161,7 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
         if not mask.uses():
             g.inputs.remove(mask)
             removed.append(self.mask_input)
-        model.metadata_props[EXPLICIT_ATTENTION_KEY] = json.dumps(
+        model.metadata_props[_keys.EXPLICIT_ATTENTION] = json.dumps(
             {"input": self.input_name, "replaced": replaced, "removed_inputs": removed}, sort_keys=True
         )
         logger.info("explicit-attention: %r now comes from input %r (removed inputs %s)", replaced, self.input_name,
@@ -166,7 +169,8 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
-        if EXPLICIT_ATTENTION_KEY in model.metadata_props and self.input_name not in {v.name for v in model.graph.inputs}:
+        """Check what the pass promises on its output."""
+        if _keys.EXPLICIT_ATTENTION in model.metadata_props and self.input_name not in {v.name for v in model.graph.inputs}:
             raise ir.passes.PostconditionError(f"explicit-attention: no {self.input_name!r} input after the pass")
 
 

@@ -50,6 +50,7 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
         return "ExposeFeaturesPass()"
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         names = {v.name for v in model.graph.outputs}
         if FEATURES_OUTPUT in names:
             return
@@ -58,6 +59,7 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
             raise DrafterError(f"the graph already has an input or initializer named {FEATURES_OUTPUT!r}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         g = model.graph
         if any(v.name == FEATURES_OUTPUT for v in g.outputs):
             return ir.passes.PassResult(model, modified=False)
@@ -70,6 +72,7 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
+        """Check what the pass promises on its output."""
         if not any(v.name == FEATURES_OUTPUT for v in model.graph.outputs):
             raise ir.passes.PostconditionError("no features output")
 

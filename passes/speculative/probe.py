@@ -44,10 +44,12 @@ _PACKED_WEIGHT_DTYPES = (ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT4,
 
 
 def session_for(model: ir.Model):
-    """An ORT CPU session on ``model`` as it is in memory; weights stored as external data are read from
-    the folder they were loaded from. A model holding more rewritten weights than one protobuf message can carry
+    """An ORT CPU session on ``model`` as it is in memory.
+
+    Weights stored as external data are read from the folder they were loaded from. A model holding more rewritten weights than one protobuf message can carry
     (past 2 GB, e.g. ``pack-matmuls`` on a 1.5B decoder) is written to a temporary folder (external data) and
-    opened from there; the folder goes once the session holds the weights."""
+    opened from there; the folder goes once the session holds the weights.
+    """
     import tempfile
 
     import onnxruntime as ort
@@ -78,8 +80,10 @@ def session_for(model: ir.Model):
 
 
 def prefill_feeds(spec: dict[str, Any], ids: Sequence[int], past=None, past_len: int = 0) -> dict[str, np.ndarray]:
-    """Feeds of a decoder (``spec`` from :func:`decoder_spec`) for the tokens ``ids`` on top of ``past``
-    (the present tensors of an earlier call holding ``past_len`` tokens) or on an empty cache."""
+    """Feeds of a decoder (``spec`` from :func:`decoder_spec`) for the tokens ``ids``.
+
+    On top of ``past`` (the present tensors of an earlier call holding ``past_len`` tokens) or on an empty cache.
+    """
     n = len(ids)
     feeds = {spec["input_ids"]: np.asarray([ids], np.int64)}
     if spec.get("logits_to_keep"):  # trim-logits: every row
@@ -127,8 +131,10 @@ def measure_step_times(sess, spec, chunk: Sequence[int], sizes: Sequence[int], r
 
 
 def relative_verify_costs(times: dict[int, float]) -> dict[int, float]:
-    """Step times by tokens per call -> cost relative to one token, kept monotone (verifying more tokens never
-    costs less)."""
+    """Step times by tokens per call -> cost relative to one token.
+
+    Kept monotone: verifying more tokens never costs less.
+    """
     costs, run = {}, 1.0
     for s_ in sorted(times):
         run = costs[s_] = round(max(run, times[s_] / times[1]), 4)
@@ -146,9 +152,11 @@ def _probe_chunk(spec: dict[str, Any]) -> list[int]:
 
 def target_verify_costs(model: ir.Model, spec: dict[str, Any], sizes: Sequence[int] = (1, 2, 4, 9)
                         ) -> tuple[dict[str, float], float]:
-    """Verification cost of s tokens relative to one on this machine (the runtime's draft-length model), keyed
-    by ``str(s)`` as the plan stores it, and the seconds of one target decode step. Draft trees measure the
-    curve further (``sizes`` up to the largest tree)."""
+    """Verification cost of s tokens relative to one on this machine, and the seconds of one decode step.
+
+    The costs are the runtime's draft-length model, keyed by ``str(s)`` as the plan stores them. Draft trees measure the
+    curve further (``sizes`` up to the largest tree).
+    """
     times = measure_step_times(session_for(model), spec, _probe_chunk(spec), sorted({1, *sizes}))
     costs = relative_verify_costs(times)
     logger.info("speculative: target step %.1f ms; verification cost by tokens %s", times[1] * 1e3, costs)
@@ -164,9 +172,11 @@ def drafter_step_seconds(drafter: ir.Model, target_spec: dict[str, Any]) -> floa
 
 
 def weight_reads(model: ir.Model) -> int:
-    """Bytes of the weight matrices a decode step reads in full: float matrices and the packed integer
-    weights of quantized ops (MatMulNBits, MatMulInteger), so that an int4 drafter is costed at its real
-    size; embedding tables read by Gather only are left out."""
+    """Bytes of the weight matrices a decode step reads in full.
+
+    Float matrices and the packed integer weights of quantized ops (MatMulNBits, MatMulInteger), so that an int4 drafter is costed at its real
+    size; embedding tables read by Gather only are left out.
+    """
     total = 0
     for v in model.graph.initializers.values():
         t = v.const_value

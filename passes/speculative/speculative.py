@@ -47,19 +47,13 @@ from dyncompile.passes.speculative.decoder_spec import (
 )
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.probe import drafter_step_seconds, target_verify_costs, weight_reads
-from dyncompile.passes.speculative.split_drafter import SPLIT_DRAFTER_KEY, SPLIT_DRAFTER_META, VOCAB_META
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DRAFTER_META", "PROMPT_LOOKUP", "SPECULATIVE_KEY", "SpeculativePass", "call_shape_dependent_ops"]
+__all__ = ["PROMPT_LOOKUP", "SpeculativePass", "call_shape_dependent_ops"]
 
-SPECULATIVE_KEY = _keys.SPECULATIVE
 SPECULATIVE_FORMAT = "dyncompile.speculative/v1"
-#: ``model.meta`` key of the drafter ``ir.Model`` (external or split), read by the plan emitter
-DRAFTER_META = _keys.DRAFTER_MODEL
 PROMPT_LOOKUP = "prompt-lookup"
-#: ``model.meta`` key of the costs timed by the last run, with what they were timed on (in memory only)
-MEASURED_META = _keys.SPECULATIVE_MEASURED
 #: the draft-policy entries that are timed on this machine
 MEASURED_KEYS = ("verify_cost", "draft_cost", "draft_cost_source")
 
@@ -161,20 +155,21 @@ class SpeculativePass(ir.passes.InPlacePass):
         return f"SpeculativePass(drafter={kind!r}, draft={self.draft}{tree})"
 
     def _split(self, model: ir.Model) -> tuple[ir.Model, dict[str, Any]]:
-        if SPLIT_DRAFTER_KEY not in model.metadata_props:
+        if _keys.SPLIT_DRAFTER not in model.metadata_props:
             raise DrafterError(
                 "speculative needs a drafter: give --drafter DRAFT.onnx (a smaller model with the same tokenizer), "
                 "--drafter prompt-lookup, or run split-drafter first (--passes split-drafter,speculative --calib TEXT)"
             )
-        drafter = model.meta.get(SPLIT_DRAFTER_META)
+        drafter = model.meta.get(_keys.SPLIT_DRAFTER_MODEL)
         if drafter is None:
             raise DrafterError(
                 "this model records a split drafter but the drafter graph is not in memory (it never is after saving); "
                 "compile from the original model with --passes split-drafter,speculative"
             )
-        return drafter, json.loads(model.metadata_props[SPLIT_DRAFTER_KEY])
+        return drafter, json.loads(model.metadata_props[_keys.SPLIT_DRAFTER])
 
     def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
         target = decoder_spec(model, "model", what="target model")
         if self.tree and not (target.get("attention_bias") and target.get("position_ids")):
             raise DrafterError(
@@ -192,7 +187,7 @@ class SpeculativePass(ir.passes.InPlacePass):
                 "compute), quantize only the drafter, or pass speculative{allow_inexact_target=true} to accept "
                 "near-tie differences"
             )
-        if self.drafter is not None and SPLIT_DRAFTER_KEY in model.metadata_props:
+        if self.drafter is not None and _keys.SPLIT_DRAFTER in model.metadata_props:
             raise DrafterError(
                 "two drafters: split-drafter built one from the target and --drafter names another "
                 f"({self.drafter_source or self.drafter}); drop one of them"
@@ -210,7 +205,7 @@ class SpeculativePass(ir.passes.InPlacePass):
             drafter, _ = self._split(model)
             spec = decoder_spec(drafter, "drafter", what="split drafter")
         tv, dv = target["vocab_size"], spec["vocab_size"]
-        split_vocab = self.drafter is None and model.meta.get(VOCAB_META) is not None
+        split_vocab = self.drafter is None and model.meta.get(_keys.SPLIT_DRAFTER_VOCAB) is not None
         if tv is not None and dv is not None and tv != dv and not split_vocab:
             raise DrafterError(
                 f"vocabulary size mismatch: the target's logits have {tv} entries, the drafter's "
@@ -285,13 +280,16 @@ class SpeculativePass(ir.passes.InPlacePass):
         }
 
     def _measured_costs(self, model: ir.Model, target: dict[str, Any]) -> dict[str, Any]:
-        """The draft policy's timed entries: the target's verification costs, an external drafter's step cost
-        (0 for prompt lookup). Kept from the last run while the graphs are the ones timed then."""
+        """The draft policy's timed entries.
+
+        The target's verification costs and an external drafter's step cost (0 for prompt lookup), kept from the
+        last run while the graphs are the ones timed then.
+        """
         external = isinstance(self.drafter, ir.Model)
         # the verification cost curve up to the largest tree (root included) or the longest chain (+ its bonus token)
         sizes = _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
         timed_on = (_fingerprint(model), _fingerprint(self.drafter) if external else PROMPT_LOOKUP, tuple(sizes))
-        last = model.meta.get(MEASURED_META)
+        last = model.meta.get(_keys.SPECULATIVE_MEASURED)
         if last is not None and last[0] == timed_on:
             logger.info("speculative: the graphs are the ones timed by the last run; keeping its costs")
             return dict(last[1])
@@ -300,10 +298,11 @@ class SpeculativePass(ir.passes.InPlacePass):
         if external:
             costs["draft_cost"] = round(drafter_step_seconds(self.drafter, target) / t1, 4)
             costs["draft_cost_source"] = "measured (drafter step / target step, this machine)"
-        model.meta[MEASURED_META] = (timed_on, dict(costs))
+        model.meta[_keys.SPECULATIVE_MEASURED] = (timed_on, dict(costs))
         return costs
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if self.tree and isinstance(self.drafter, ir.Model):
             # an external drafter expands its tree one depth per call: it gets the 4-D attention bias input too
             ExposeAttentionMaskPass()(self.drafter)
@@ -314,31 +313,34 @@ class SpeculativePass(ir.passes.InPlacePass):
         record = self._record(model)
         text = json.dumps(record, sort_keys=True)
         props = model.metadata_props
-        modified = props.get(SPECULATIVE_KEY) != text or props.get(_keys.EMITTER) != "speculative"
-        props[SPECULATIVE_KEY] = text
+        modified = props.get(_keys.SPECULATIVE) != text or props.get(_keys.EMITTER) != "speculative"
+        props[_keys.SPECULATIVE] = text
         props[_keys.EMITTER] = "speculative"
         props[_keys.TASK] = "text-generation"
         if isinstance(self.drafter, ir.Model):
-            model.meta[DRAFTER_META] = self.drafter
+            model.meta[_keys.DRAFTER_MODEL] = self.drafter
         elif self.drafter is None and _keys.EAGLE in model.metadata_props:
-            model.meta[DRAFTER_META] = model.meta[_keys.EAGLE_MODEL][0]
+            model.meta[_keys.DRAFTER_MODEL] = model.meta[_keys.EAGLE_MODEL][0]
         elif self.drafter is None:
-            model.meta[DRAFTER_META] = self._split(model)[0]
+            model.meta[_keys.DRAFTER_MODEL] = self._split(model)[0]
         else:
-            model.meta.pop(DRAFTER_META, None)
+            model.meta.pop(_keys.DRAFTER_MODEL, None)
         logger.info("speculative: drafter %s, draft policy %s", record["drafter"].get("name", record["drafter"]["kind"]),
                     record["draft"])
         return ir.passes.PassResult(model, modified=modified)
 
     def ensures(self, model: ir.Model) -> None:
-        rec = json.loads(model.metadata_props[SPECULATIVE_KEY])
-        if rec["drafter"]["kind"] in ("model", "eagle") and DRAFTER_META not in model.meta:
+        """Check what the pass promises on its output."""
+        rec = json.loads(model.metadata_props[_keys.SPECULATIVE])
+        if rec["drafter"]["kind"] in ("model", "eagle") and _keys.DRAFTER_MODEL not in model.meta:
             raise ir.passes.PostconditionError("the drafter graph did not reach model.meta")
 
 
 def call_shape_dependent_ops(model: ir.Model) -> str | None:
-    """Describe the ops whose numerics depend on the number of rows in a call (None if there are none):
-    MatMulNBits with int8 compute (``accuracy_level`` 4) and dynamic int8 quantization of activations."""
+    """Describe the ops whose numerics depend on the number of rows in a call (None if there are none).
+
+    Those are MatMulNBits with int8 compute (``accuracy_level`` 4) and dynamic int8 quantization of activations.
+    """
     found: dict[str, int] = {}
     for node in model.graph.all_nodes():
         if node.op_type == "MatMulNBits":

@@ -33,6 +33,7 @@ import onnx_ir.passes.common as common_passes
 
 from dyncompile.io import read_jsonl
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import backward_slice, const_array
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
@@ -42,9 +43,6 @@ from dyncompile.runtime.rules.cost_model import projected_speedup, verify_slope
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "SPLIT_DRAFTER_KEY",
-    "SPLIT_DRAFTER_META",
-    "VOCAB_META",
     "SplitDrafterPass",
     "build_split_drafter",
     "drop_unused_pasts",
@@ -52,38 +50,11 @@ __all__ = [
     "trim_lm_head",
 ]
 
-SPLIT_DRAFTER_KEY = _keys.SPLIT_DRAFTER
 SPLIT_DRAFTER_FORMAT = "dyncompile.split_drafter/v1"
-SPLIT_DRAFTER_META = _keys.SPLIT_DRAFTER_MODEL
-VOCAB_META = _keys.SPLIT_DRAFTER_VOCAB
 MIN_CALIB_TOKENS = 64
 
 
 # ------------------------------------------------------------------------------------------- graph surgery
-
-
-def _ancestors(values: Sequence[ir.Value]) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [v.producer() for v in values if v is not None and v.producer() is not None]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for v in n.inputs:
-            if v is not None and v.producer() is not None and v.producer() not in seen:
-                stack.append(v.producer())
-        for attr in n.attributes.values():  # captured values of subgraphs
-            if attr.type == ir.AttributeType.GRAPH:
-                for sn in attr.value.all_nodes():
-                    for v in sn.inputs:
-                        if v is not None and v.producer() is not None and v.producer() not in seen:
-                            stack.append(v.producer())
-    return seen
-
-
-def _const_array(v: ir.Value) -> np.ndarray | None:
-    return v.const_value.numpy() if v is not None and v.const_value is not None else None
 
 
 def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
@@ -112,7 +83,7 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     idx = np.asarray(subset, np.int64)
     if bias_node is not None:
         b = next((v for v in bias_node.inputs if v is not None and v.const_value is not None), None)
-        barr = _const_array(b)
+        barr = const_array(b)
         if barr is None or barr.shape[-1] < idx.max() + 1:
             return False
     if w.const_value is not None:
@@ -139,7 +110,7 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     if bias_node is not None:
         bi = next(i for i, v in enumerate(bias_node.inputs) if v is not None and v.const_value is not None)
         b = bias_node.inputs[bi]
-        newb = ir.val(f"{b.name}.subset", const_value=ir.tensor(np.ascontiguousarray(_const_array(b)[..., idx]),
+        newb = ir.val(f"{b.name}.subset", const_value=ir.tensor(np.ascontiguousarray(const_array(b)[..., idx]),
                                                                   name=f"{b.name}.subset"))
         g.register_initializer(newb)
         bias_node.replace_input_with(bi, newb)
@@ -218,7 +189,7 @@ def build_split_drafter(
     if new is not h_last:
         h_last.replace_all_uses_with(new)
     logits_v = next(v for v in g.outputs if v.name == logits)
-    keep_nodes = _ancestors([logits_v])
+    keep_nodes = backward_slice([logits_v])
     kept_outputs = [v for v in g.outputs if v is logits_v or (v.producer() in keep_nodes)]
     g.outputs.clear()
     g.outputs.extend(kept_outputs)
@@ -345,8 +316,9 @@ class SplitDrafterPass(ir.passes.InPlacePass):
         return s
 
     def requires(self, model: ir.Model) -> None:
-        if SPLIT_DRAFTER_KEY in model.metadata_props:
-            if SPLIT_DRAFTER_META not in model.meta:
+        """Refuse a model the pass cannot work on, with what to do about it."""
+        if _keys.SPLIT_DRAFTER in model.metadata_props:
+            if _keys.SPLIT_DRAFTER_MODEL not in model.meta:
                 raise DrafterError(
                     "this model already records a split drafter, but its graph is not in memory (drafters are never "
                     "saved inside the target); compile from the original model"
@@ -370,7 +342,8 @@ class SplitDrafterPass(ir.passes.InPlacePass):
 
     # --- the pass --------------------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if SPLIT_DRAFTER_KEY in model.metadata_props:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _keys.SPLIT_DRAFTER in model.metadata_props:
             return ir.passes.PassResult(model, modified=False)
         t_start = time.perf_counter()
         s = self._structure(model)
@@ -469,15 +442,16 @@ class SplitDrafterPass(ir.passes.InPlacePass):
                             "eval_tokens": int(len(y_eval_top)), "chunk_len": self.chunk_len},
             "seconds": round(time.perf_counter() - t_start, 2),
         }
-        model.metadata_props[SPLIT_DRAFTER_KEY] = json.dumps(record)
-        model.meta[SPLIT_DRAFTER_META] = drafter
-        model.meta[VOCAB_META] = subset
+        model.metadata_props[_keys.SPLIT_DRAFTER] = json.dumps(record)
+        model.meta[_keys.SPLIT_DRAFTER_MODEL] = drafter
+        model.meta[_keys.SPLIT_DRAFTER_VOCAB] = subset
         logger.info("split-drafter: k=%d of %d layers, acceptance %.3f, projected %.2fx", k, num, best["acceptance"],
                     best["projected_speedup"])
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
-        if SPLIT_DRAFTER_META not in model.meta:
+        """Check what the pass promises on its output."""
+        if _keys.SPLIT_DRAFTER_MODEL not in model.meta:
             raise ir.passes.PostconditionError("split-drafter left no drafter graph in model.meta")
 
     # --- helpers ---------------------------------------------------------------------------------

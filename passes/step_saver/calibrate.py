@@ -22,7 +22,6 @@ share of calibration prompts.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -220,8 +219,10 @@ def calibrate_offset(cv_log2: np.ndarray, ssim_grid: np.ndarray, grid: list[int]
 
 
 def stop_outcomes(change: np.ndarray, rule: StopRule) -> np.ndarray:
-    """Step at which the rule stops each row, from the per-step x0 changes of its max_steps run
-    (exactly :meth:`Denoiser.sample`'s rule: first k in [min_steps, max_steps) with change < threshold)."""
+    """Step at which the rule stops each row, from the per-step x0 changes of its max_steps run.
+
+    Exactly :meth:`Denoiser.sample`'s rule: the first k in [min_steps, max_steps) with change < threshold.
+    """
     n, k_max = change.shape
     stop = np.full(n, k_max)
     for i in range(n):
@@ -249,6 +250,3 @@ def calibrate_stop_rule(change: np.ndarray, traj_ssim: np.ndarray, tau: float, t
                        "target_not_met": True})
     return best
 
-
-def default_workers() -> int:
-    return max(1, (os.cpu_count() or 1))

@@ -44,6 +44,7 @@ def ssim(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def frechet(f1: np.ndarray, f2: np.ndarray) -> float:
+    """Fréchet distance between the Gaussians fitted to two feature sets (rows are samples)."""
     f1 = np.asarray(f1, np.float64)
     f2 = np.asarray(f2, np.float64)
     m1, m2 = f1.mean(0), f2.mean(0)

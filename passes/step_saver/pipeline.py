@@ -39,10 +39,9 @@ from dyncompile.passes.emit import (
 from dyncompile.plan import Plan, Step, file_ref
 from dyncompile.runtime.rules.schedulers import make_scheduler
 
-__all__ = ["PipelineFolder", "read_pipeline", "is_pipeline_dir", "pipeline_compile_inputs", "STEP_SAVER_META"]
+__all__ = ["PipelineFolder", "read_pipeline", "is_pipeline_dir", "pipeline_compile_inputs"]
 
 INDEX = "model_index.json"
-STEP_SAVER_META = _keys.STEP_SAVER
 SD_DEFAULTS = {
     "text_encoder_output": "last_hidden_state",
     "tokenizer_max_length": 77,
@@ -57,6 +56,7 @@ SD_DEFAULTS = {
 
 @dataclasses.dataclass
 class PipelineFolder:
+    """A diffusers-style pipeline folder: its index and the files of each component."""
     root: Path
     index: dict[str, Any]
     text_encoder: Path
@@ -68,6 +68,7 @@ class PipelineFolder:
 
 
 def is_pipeline_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a pipeline folder (a directory with the pipeline index)."""
     return Path(path).is_dir() and (Path(path) / INDEX).is_file()
 
 
@@ -123,8 +124,10 @@ def read_pipeline(root: str | Path) -> PipelineFolder:
 
 
 def pipeline_compile_inputs(root: str | Path, output_dir, options: dict[str, Any]):
-    """For :func:`~dyncompile.passes.compiler.compile_model`: the U-Net to run the passes on, the default
-    output directory and the options (with ``pipeline_dir``) for a pipeline folder input."""
+    """The compile inputs of a pipeline folder, for :func:`~dyncompile.passes.compiler.compile_model`.
+
+    The U-Net to run the passes on, the default output directory and the options (with ``pipeline_dir``).
+    """
     pipe = read_pipeline(root)
     out = Path(output_dir) if output_dir else pipe.root.parent / f"{pipe.root.name}-compiled"
     if out.resolve() == pipe.root.resolve() or pipe.root.resolve() in out.resolve().parents:
@@ -190,7 +193,7 @@ def emit_diffusion(model: ir.Model, req: EmitRequest) -> Plan:
         shutil.copyfile(pipe.vae_decoder, out / "vae_decoder" / "model.onnx")
         files["vae_decoder"] = file_ref(out, "vae_decoder/model.onnx", "vae_decoder")
         denoise["vae_decoder"] = {"file": "vae_decoder", "scaling_factor": float(conv["vae_scaling_factor"])}
-    meta = model.metadata_props.get(STEP_SAVER_META)
+    meta = model.metadata_props.get(_keys.STEP_SAVER)
     if meta:
         ss = json.loads(meta)
         steps.append(Step("predict_steps", ss["head"]))

@@ -29,9 +29,10 @@ import onnx_ir as ir
 
 from dyncompile.errors import DataError, PassConfigError
 from dyncompile.io import sha256_file
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import register_pass
 from dyncompile.passes.step_saver import calibrate as cal
-from dyncompile.passes.step_saver.pipeline import STEP_SAVER_META, read_pipeline
+from dyncompile.passes.step_saver.pipeline import read_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,8 @@ class StepSaverPass(ir.passes.InPlacePass):
         return runs, rows, {"split": "train", "noise": "numpy"}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        old = model.metadata_props.get(STEP_SAVER_META)
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        old = model.metadata_props.get(_keys.STEP_SAVER)
         if old and json.loads(old).get("fingerprint") == self._fingerprint():
             return ir.passes.PassResult(model, modified=False)
         pipe = read_pipeline(self.pipeline_dir)
@@ -175,7 +177,7 @@ class StepSaverPass(ir.passes.InPlacePass):
                 "fit": fit, "predicted_cv": pred_rep, "online": rule_rep,
             },
         }
-        model.metadata_props[STEP_SAVER_META] = json.dumps(record)
+        model.metadata_props[_keys.STEP_SAVER] = json.dumps(record)
         logger.info("step-saver: predicted %s, online %s, default %s", pred_rep, rule_rep, policy)
         return ir.passes.PassResult(model, modified=True)
 

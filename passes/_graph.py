@@ -1,0 +1,99 @@
+"""Graph helpers the passes share: backward slices and constant reads (one copy of each).
+
+* :func:`backward_slice`: the nodes a set of values depends on, *including* through values that a subgraph
+  (an ``If`` branch, a ``Loop`` body) captures from an enclosing graph: a node whose branch reads an outer value
+  depends on that value's producer even though the value is no input of the node itself.
+* :func:`const_array`: a constant's value as numpy, from an initializer / ``const_value`` or a ``Constant`` node,
+  optionally only when it is small (shape arithmetic reads ``Slice`` starts and ``Gather`` indices, never weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["backward_slice", "captured_values", "const_array", "constant_node_tensor"]
+
+
+def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            yield attr.value
+        elif attr.type == ir.AttributeType.GRAPHS:
+            yield from attr.value
+
+
+def captured_values(node: ir.Node) -> list[ir.Value]:
+    """Values that ``node``'s subgraphs (nested ones included) read from outside themselves."""
+    out: list[ir.Value] = []
+    for sub in _subgraphs(node):
+        inner = {id(sub)}
+        nodes = list(ir.traversal.RecursiveGraphIterator(sub))
+        for n in nodes:
+            inner.update(id(g) for g in _subgraphs(n))
+        for n in nodes:
+            for v in n.inputs:
+                p = v.producer() if v is not None else None
+                if p is not None and id(p.graph) not in inner:
+                    out.append(v)
+    return out
+
+
+def backward_slice(values: Iterable[ir.Value | None], stop: set[ir.Node] | None = None) -> set[ir.Node]:
+    """The nodes ``values`` depend on (their producers, transitively), not entering ``stop``.
+
+    Dependencies run through node inputs and through values a node's subgraphs capture from an enclosing graph.
+    Only nodes of the graphs that hold ``values`` (and of enclosing graphs) are returned, never subgraph nodes.
+    """
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in values if v is not None and v.producer() is not None]
+    while stack:
+        n = stack.pop()
+        if n in seen or (stop and n in stop):
+            continue
+        seen.add(n)
+        for v in (*n.inputs, *captured_values(n)):
+            if v is not None and v.producer() is not None and v.producer() not in seen:
+                stack.append(v.producer())
+    return seen
+
+
+def constant_node_tensor(node: ir.Node) -> ir.TensorProtocol | None:
+    """The tensor of a standard-domain ``Constant`` node with a ``value`` attribute, else ``None``."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        return None
+    attr = node.attributes.get("value")
+    if attr is not None and attr.type == ir.AttributeType.TENSOR:
+        return attr.value
+    return None
+
+
+def const_array(v: ir.Value | None, max_elements: int | None = None) -> np.ndarray | None:
+    """The value of constant ``v`` as numpy, or ``None`` when it is not a (readable) constant.
+
+    Reads an initializer or other ``const_value``, a ``Constant`` node's ``value`` tensor or its scalar / list
+    attributes. With ``max_elements``, larger tensors give ``None`` without being read.
+    """
+    if v is None:
+        return None
+    tensor = v.const_value
+    if tensor is None:
+        producer = v.producer()
+        if producer is None:
+            return None
+        tensor = constant_node_tensor(producer)
+        if tensor is None:
+            if producer.op_type == "Constant":
+                for key in ("value_int", "value_ints", "value_float", "value_floats"):
+                    attr = producer.attributes.get(key)
+                    if attr is not None:
+                        return np.asarray(attr.value)
+            return None
+    try:
+        if max_elements is not None and tensor.size > max_elements:
+            return None
+        return tensor.numpy()
+    except Exception:  # noqa: BLE001 - unreadable external data etc.
+        return None
