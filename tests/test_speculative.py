@@ -23,7 +23,7 @@ from dyncompile.passes.speculative.probe import weight_reads
 from dyncompile.plan import GenerationConfig
 from dyncompile.runtime.decode.generate import PromptError
 from dyncompile.runtime.decode.speculative import DraftController
-from dyncompile.runtime.drift import chi2_sf
+from dyncompile.runtime.rules.chi2 import chi2_sf
 from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 VOCAB = 16
