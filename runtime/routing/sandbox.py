@@ -88,11 +88,12 @@ class SandboxResult:
     wall_s: float
     isolation: dict[str, Any]
     unavailable: str = ""
+    oom_kills: int = 0
 
     @property
     def ok(self) -> bool:
-        """The program ran isolated and exited 0 within its time limit."""
-        return not self.unavailable and self.returncode == 0 and not self.timed_out
+        """The program ran isolated, exited 0 within its time limit, and none of its processes hit the memory limit."""
+        return not self.unavailable and self.returncode == 0 and not self.timed_out and not self.oom_kills
 
     def to_dict(self) -> dict[str, Any]:
         """The result as a JSON-ready dict."""
@@ -263,6 +264,22 @@ def _cgroup_pids(d: str) -> list[int]:
         return []
 
 
+def _oom_kills(dirs: list[str]) -> int:
+    """How many processes the memory limit killed (v2 ``memory.events``, v1 ``memory.oom_control``)."""
+    n = 0
+    for d in dirs:
+        for name in ("memory.events", "memory.oom_control"):
+            try:
+                with open(os.path.join(d, name)) as f:
+                    for line in f:
+                        k, _, v = line.partition(" ")
+                        if k == "oom_kill":
+                            n += int(v)
+            except (OSError, ValueError):
+                pass
+    return n
+
+
 def _remove_cgroups(dirs: list[str]) -> None:
     """Kill every process left in ``dirs`` and remove them (only cgroups this module created)."""
     for d in dirs:
@@ -331,7 +348,17 @@ def _bwrap_argv(bwrap: str, opts: frozenset[str], lim: SandboxLimits, fds: tuple
     if "--size" in opts:
         argv += ["--size", str(int(lim.tmpfs_mb) << 20)]
     argv += ["--tmpfs", "/tmp", "--dir", _WORKDIR, "--perms", "0644", "--file", str(program_fd), _WORKDIR + "/main.py",
-             "--chdir", _WORKDIR, "--seccomp", str(seccomp_fd),
+             "--chdir", _WORKDIR]
+    # the directories bwrap made for the binds, and the root: not writable (no capability overrides it)
+    made = {"/"} | {os.path.dirname(b) for b in binds}
+    for b in binds:
+        d = os.path.dirname(b)
+        while d not in ("/", ""):
+            made.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(made, key=len, reverse=True):
+        argv += ["--chmod", "0555", d]
+    argv += ["--seccomp", str(seccomp_fd),
              "--", python, "-I", "-S", "-B", "-c", _STUB.replace("{fd}", str(started_fd))]
     return argv
 
@@ -362,7 +389,7 @@ def _prepare() -> tuple[str, frozenset[str], bytes, dict[str, Any]]:
     bpf = seccomp_filter()
     iso = {"tool": version, "bwrap": bwrap,
            "namespaces": ["user", "net", "mount", "pid", "ipc", "uts", "cgroup"], "fresh_proc": True,
-           "no_new_privs": True, "caps": "none", "seccomp": True, "userns_disabled": "--disable-userns" in opts}
+           "no_new_privs": True, "caps": "none", "uid": 65534, "seccomp": True, "userns_disabled": "--disable-userns" in opts}
     return bwrap, opts, bpf, iso
 
 
@@ -425,6 +452,7 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
             timed_out = True
             proc.kill()  # bwrap; --die-with-parent takes the namespace's init, and so every process in it
             proc.wait()
+        oom = _oom_kills(cgroups)
         _remove_cgroups(cgroups)  # whatever is left (a daemon after a normal exit too)
         cgroups = []
         started = os.read(r_fd, 1) == b"1"
@@ -436,7 +464,7 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         if rc is not None and rc > 128 and not timed_out:
             rc = -(rc - 128)  # bwrap exits 128+N when the program died of signal N
         return SandboxResult(rc, _tail(out_path, lim.max_output_chars), stderr, timed_out,
-                             time.perf_counter() - t0, iso)
+                             time.perf_counter() - t0, iso, oom_kills=oom)
     finally:
         _remove_cgroups(cgroups)
         for fd in fds:
