@@ -116,3 +116,68 @@ def test_registered_as_python_doctest_and_reads_raw_text(problems):
     # a raw continuation (as a cascade of generate steps hands it over): cut at the next top-level def
     assert check(rec, {"text": p["canonical_solution"] + "\n\ndef unrelated():\n    return 1 / 0\n"}) is True
     assert check(rec, {"text": "    return None\n\nprint(truncate_number(3.5))\n"}) is False
+
+
+# -- forgery: the code under check must not be able to write its own verdict -------------------------------
+
+_PROMPT = 'def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n\n    add(1, 1) == 2\n    """\n'
+_FORGE_MARKER = (
+    "    return None\n"
+    "import json, os, re\n"
+    "_m = re.search(r'@@dyncompile-check-[0-9a-f]+@@', open(__file__ if '__file__' in dir() else 'main.py').read())\n"
+    "print(_m.group() + json.dumps([[True, '5'], [True, '2']]), flush=True)\n"
+    "os._exit(0)\n"
+)
+
+
+def test_forgery_reading_its_own_result_marker_fails():
+    assert check_examples(_PROMPT, "add", "    return a + b\n").passed  # the honest one passes
+    o = check_examples(_PROMPT, "add", _FORGE_MARKER)
+    assert not o.passed
+
+
+def test_forgery_object_equal_to_everything_fails():
+    o = check_examples(_PROMPT, "add", "    class A:\n        def __eq__(self, other):\n            return True\n"
+                                       "        __hash__ = None\n    return A()\n")
+    assert not o.passed and o.n_passed == 0
+
+
+def test_forgery_int_subclass_equal_to_everything_fails():
+    o = check_examples(_PROMPT, "add", "    class I(int):\n        def __eq__(self, other):\n            return True\n"
+                                       "        __hash__ = int.__hash__\n    return I(0)\n")
+    assert not o.passed and o.n_passed == 0  # what comes out is a plain 0 (its JSON), and 0 != 5
+
+
+def test_forgery_patching_the_serializer_fails():
+    o = check_examples(_PROMPT, "add", "    return None\nimport json\n"
+                                       "json.dumps = lambda *a, **k: '[[true, \"5\"], [true, \"2\"]]'\n")
+    assert not o.passed and o.n_passed == 0
+
+
+def test_forgery_patching_print_and_stdout_fails():
+    o = check_examples(_PROMPT, "add", "    return None\nimport builtins, sys\n"
+                                       "builtins.print = lambda *a, **k: sys.stdout.write('')\n"
+                                       "builtins.repr = lambda x: '5'\nbuiltins.isinstance = lambda *a: True\n")
+    assert not o.passed and o.n_passed == 0
+
+
+@pytest.mark.parametrize("line", ["[1]", "[[true]]", "{}", "[[true, 1, 2]]", "not json", "[" * 100000, "null"])
+def test_malformed_result_line_is_a_fail_not_a_crash(line):
+    completion = ("    return None\nimport os, re\n"
+                  "_m = re.search(r'@@dyncompile-check-[0-9a-f]+@@', open('main.py').read())\n"
+                  f"print(_m.group() + {line!r}, flush=True)\nos._exit(0)\n")
+    o = check_examples(_PROMPT, "add", completion)
+    assert not o.passed and o.n_passed == 0
+
+
+def test_no_sandbox_gives_no_verdict_and_the_cascade_escalates(monkeypatch, caplog):
+    from dyncompile.runtime.routing import sandbox
+
+    def missing():
+        raise OSError("bubblewrap is not installed")
+
+    monkeypatch.setattr(sandbox, "_prepare", missing)
+    o = check_examples(_PROMPT, "add", "    return a + b\n")
+    assert not o.passed and o.verdict is None and "bubblewrap is not installed" in o.unavailable
+    assert python_doctest({"prompt": _PROMPT, "entry_point": "add"}, {"completion": "    return a + b\n"}) is False
+    assert "not run" in caplog.text
