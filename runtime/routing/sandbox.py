@@ -455,7 +455,11 @@ def run_python(program: str, limits: SandboxLimits | None = None) -> SandboxResu
         oom = _oom_kills(cgroups)
         _remove_cgroups(cgroups)  # whatever is left (a daemon after a normal exit too)
         cgroups = []
-        started = os.read(r_fd, 1) == b"1"
+        os.set_blocking(r_fd, False)  # a writer that survived the cgroup kill must not hang us
+        try:
+            started = os.read(r_fd, 1) == b"1"
+        except BlockingIOError:
+            started = False
         stderr = _tail(err_path, lim.max_output_chars)
         if not started and not timed_out:
             why = stderr.strip().splitlines()[-1] if stderr.strip() else f"bwrap exited {proc.returncode}"
