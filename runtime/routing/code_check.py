@@ -16,6 +16,12 @@ value must be a Python literal):
 
 Floats compare with a relative tolerance of 1e-6 (``6.00`` matches ``6.0``).
 
+The verdict is computed here, never by the code under check: the sandboxed program only reports the values
+the calls returned (plain builtin types, as tagged JSON after a per-run nonce); this process parses that one
+line strictly and compares with type-checked equality. A missing, repeated or malformed line fails. When the
+sandbox cannot run (:attr:`CheckOutcome.unavailable`) there is no verdict and the check returns ``False``:
+a cascade escalates. Threat model: SECURITY.md.
+
 The check is registered as ``python-doctest`` in the route framework's check registry
 (:func:`dyncompile.runtime.routing.route.register_check`) and has its signature ``check(input_record, output) -> bool``:
 ``input_record`` has ``prompt`` and ``entry_point`` (a HumanEval problem, hidden tests ignored),
