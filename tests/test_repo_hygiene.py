@@ -27,7 +27,7 @@ MACHINE_PATH = re.compile(
 #: (file, exact text) pairs that are not a build machine's path: reviewed one by one.
 PATH_ALLOWED: set[tuple[str, str]] = {
     # the sandbox's own working folder on the private tmpfs it mounts (inside the namespace, not the host)
-    ("runtime/sandbox.py", "/tmp/work"),
+    ("runtime/routing/sandbox.py", "/tmp/work"),
 }
 
 HISTORY = re.compile(

@@ -16,6 +16,12 @@ value must be a Python literal):
 
 Floats compare with a relative tolerance of 1e-6 (``6.00`` matches ``6.0``).
 
+The verdict is computed here, never by the code under check: the sandboxed program only reports the values
+the calls returned (plain builtin types, as tagged JSON after a per-run nonce); this process parses that one
+line strictly and compares with type-checked equality. A missing, repeated or malformed line fails. When the
+sandbox cannot run (:attr:`CheckOutcome.unavailable`) there is no verdict and the check returns ``False``:
+a cascade escalates. Threat model: SECURITY.md.
+
 The check is registered as ``python-doctest`` in the route framework's check registry
 (:func:`dyncompile.runtime.routing.route.register_check`) and has its signature ``check(input_record, output) -> bool``:
 ``input_record`` has ``prompt`` and ``entry_point`` (a HumanEval problem, hidden tests ignored),
@@ -29,6 +35,7 @@ import ast
 import dataclasses
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -202,50 +209,170 @@ def extract_examples(prompt: str, entry_point: str) -> list[Example]:
     return examples
 
 
-# The harness appended to prompt + completion. Each example runs under try/except; results go to stdout as
-# one JSON line after a per-run nonce, so an early exit(0) in the completion never reads as a pass.
-_HARNESS = '''
+# The program run in the sandbox. It captures what it needs before any code under check runs, executes
+# prompt + completion in a namespace of their own, calls each example and writes, after a per-run nonce, one
+# JSON line of the *values* (a tagged tree of plain builtin types; never a verdict). The parent parses that line
+# strictly and compares with the expected values itself (:func:`_decode`, :func:`_same`): an object whose
+# ``__eq__`` is always true has no JSON form, a patched ``json``/``print``/``repr`` only changes what the program
+# reports, and reporting the expected values is no more than returning them (hard-coding the examples, which no
+# example-based check can tell from a right answer).
+_PROGRAM = r"""
+import json as _j, os as _o
+_S = (type, isinstance, len, str, repr, float.__repr__, int.__repr__, _j.JSONEncoder(allow_nan=False).encode,
+      _o.write, BaseException, Exception, list, tuple, set, frozenset, dict, bool, int, float, complex, bytes,
+      sorted, eval, exec, compile, bytes.hex)
+del _j, _o
 
-def __dyncompile_check():
-    import json as _json, math as _math
-    def _eq(a, b):
-        if isinstance(a, float) or isinstance(b, float):
-            try:
-                return _math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
-            except (TypeError, ValueError):
-                return False
-        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-            return type(a) is type(b) and len(a) == len(b) and all(_eq(x, y) for x, y in zip(a, b))
-        try:
-            return bool(a == b)
-        except Exception:
-            return False
-    _results = []
-    for _call, _expected, _literal in {cases}:
-        try:
-            _got = eval(_call)
-            if _literal:
-                _ok = _eq(_got, eval(_expected))
-            else:
-                _ok = repr(_got) == _expected or str(_got) == _expected
-            _results.append([bool(_ok), repr(_got)[:200]])
-        except BaseException as _e:
-            _results.append([False, "raised " + type(_e).__name__ + ": " + str(_e)[:200]])
-    print({nonce!r} + _json.dumps(_results))
+def _run(src, calls, nonce, cap, S=_S):
+    (T, I, L, STR, R, FR, IR, enc, write, BE, EX, LI, TU, SE, FS, DI, BO, IN, FL, CO, BY,
+     SORT, EV, EXE, COMP, HEX) = S
 
-__dyncompile_check()
-'''
+    def tree(v, depth):
+        t = T(v)
+        if depth > 64:
+            raise EX("nested too deep")
+        if v is None:
+            return ["none"]
+        if t is BO:
+            return ["bool", v]
+        if t is IN:
+            return ["int", IR(v)]
+        if t is FL:
+            return ["float", FR(v)]
+        if t is CO:
+            return ["complex", FR(v.real), FR(v.imag)]
+        if t is STR:
+            return ["str", STR.__str__(v)]
+        if t is BY:
+            return ["bytes", HEX(v)]
+        if t is LI or t is TU or t is SE or t is FS:
+            return [{LI: "list", TU: "tuple", SE: "set", FS: "frozenset"}[t], [tree(x, depth + 1) for x in v]]
+        if t is DI:
+            return ["dict", [[tree(k, depth + 1), tree(x, depth + 1)] for k, x in DI.items(v)]]
+        raise EX("not a plain value: " + t.__name__)
+
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    EXE(COMP(src, "candidate.py", "exec"), ns)
+    out = []
+    for c in calls:
+        try:
+            v = EV(c, ns)
+        except BE as e:
+            out.append(["raised", STR.__str__(T(e).__name__)[:100]])
+            continue
+        try:
+            out.append(["value", tree(v, 0)])
+        except BE as e:
+            out.append(["unusable", STR.__str__(T(v).__name__)[:100]])
+    line = enc(out)
+    if L(line) > cap:
+        line = enc([["unusable", "too large"] for _ in calls])
+    write(1, (nonce + line + "\n").encode())
+
+_run(%(src)r, %(calls)r, %(nonce)r, %(cap)d)
+"""
+
+#: the longest result line read back (characters); longer values are reported as unusable
+MAX_RESULT_CHARS = 100_000
 
 
 def build_example_program(prompt: str, completion: str, examples: list[Example], nonce: str) -> str:
-    """The program that runs ``prompt + completion``, then every example, and prints the results as one JSON line after ``nonce``."""
-    cases = [(e.call, e.expected, e.literal) for e in examples]
-    return prompt + completion + "\n" + _HARNESS.format(cases=repr(cases), nonce=nonce)
+    """The program that runs ``prompt + completion``, calls every example and prints their values (one JSON line after ``nonce``)."""
+    return _PROGRAM % {"src": prompt + completion + "\n", "calls": tuple(e.call for e in examples), "nonce": nonce,
+                       "cap": MAX_RESULT_CHARS}
+
+
+_ATOMS: dict[str, tuple[type, ...]] = {"bool": (bool,), "str": (str,)}
+
+
+def _decode(node: Any, depth: int = 0) -> Any:
+    """A value from its tagged JSON tree; raises ``ValueError`` on anything but the exact shapes ``_PROGRAM`` writes."""
+    if depth > 64 or type(node) is not list or not node or type(node[0]) is not str:
+        raise ValueError("malformed value")
+    tag, args = node[0], node[1:]
+    if tag == "none" and not args:
+        return None
+    if len(args) == 1 and tag in _ATOMS:
+        if type(args[0]) not in _ATOMS[tag]:
+            raise ValueError(f"malformed {tag}")
+        return args[0]
+    if len(args) == 1 and type(args[0]) is str and tag in ("int", "float", "bytes"):
+        conv = {"int": int, "float": float, "bytes": bytes.fromhex}[tag]
+        if tag == "int" and len(args[0]) > 4300:
+            raise ValueError("int too long")
+        return conv(args[0])
+    if tag == "complex" and len(args) == 2 and all(type(a) is str for a in args):
+        return complex(float(args[0]), float(args[1]))
+    if len(args) == 1 and type(args[0]) is list and tag in ("list", "tuple", "set", "frozenset"):
+        items = [_decode(x, depth + 1) for x in args[0]]
+        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
+    if tag == "dict" and len(args) == 1 and type(args[0]) is list:
+        pairs = args[0]
+        if not all(type(p) is list and len(p) == 2 for p in pairs):
+            raise ValueError("malformed dict")
+        return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in pairs}
+    raise ValueError(f"malformed value (tag {tag!r})")
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Type-checked equality of two plain values: numbers (bool apart) with a float tolerance, containers of the same type."""
+    num = (int, float)
+    if type(got) in num and type(want) in num and (type(got) is float or type(want) is float):
+        return math.isclose(float(got), float(want), rel_tol=1e-6, abs_tol=1e-9)
+    if type(got) is not type(want):
+        return False
+    if type(got) in (list, tuple):
+        return len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want))
+    if type(got) is dict:
+        return got.keys() == want.keys() and all(_same(got[k], want[k]) for k in got)
+    return bool(got == want)  # plain builtins only (rebuilt here, in this process)
+
+
+def _judge(entry: Any, ex: Example) -> list[Any]:
+    """``[ok, description]`` for one example's reported ``entry``; raises ``ValueError`` when malformed."""
+    if type(entry) is not list or not entry or type(entry[0]) is not str:
+        raise ValueError("malformed entry")
+    kind = entry[0]
+    if kind in ("raised", "unusable") and len(entry) == 2 and type(entry[1]) is str:
+        return [False, ("raised " if kind == "raised" else "not a plain value: ") + entry[1][:200]]
+    if kind != "value" or len(entry) != 2:
+        raise ValueError("malformed entry")
+    got = _decode(entry[1])
+    if ex.literal:
+        ok = _same(got, ast.literal_eval(ex.expected))
+    else:
+        ok = repr(got) == ex.expected or (type(got) is str and got == ex.expected)
+    return [bool(ok), repr(got)[:200]]
+
+
+def _read_results(stdout: str, nonce: str, exs: list[Example]) -> tuple[list[list[Any]], str]:
+    """The per-example ``[ok, description]`` from the program's output, or ``([], why)`` if there is no valid one."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(nonce)]
+    if len(lines) != 1:
+        return [], f"{len(lines)} result lines (want exactly 1)"
+    body = lines[0][len(nonce):]
+    if len(body) > MAX_RESULT_CHARS + 100:
+        return [], "result line too long"
+    try:
+        entries = json.loads(body, parse_constant=_reject_constant)
+        if type(entries) is not list or len(entries) != len(exs):
+            raise ValueError("wrong number of results")
+        return [_judge(en, ex) for en, ex in zip(entries, exs)], ""
+    except (ValueError, TypeError, RecursionError, MemoryError, SyntaxError, OverflowError) as e:
+        return [], f"malformed result line: {str(e)[:200]}"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a result line")
 
 
 @dataclasses.dataclass
 class CheckOutcome:
-    """Result of checking one completion against its prompt's examples."""
+    """Result of checking one completion against its prompt's examples.
+
+    ``unavailable`` is non-empty when the sandbox could not run the code (it was not run at all): the check
+    has no verdict (:attr:`verdict` is ``None``) and ``passed`` is ``False``, so a cascade escalates.
+    """
 
     passed: bool
     n_examples: int
@@ -255,36 +382,41 @@ class CheckOutcome:
     returncode: int | None
     timed_out: bool
     error: str = ""
+    unavailable: str = ""
+
+    @property
+    def verdict(self) -> bool | None:
+        """``passed``, or ``None`` when the code could not be run isolated (no verdict)."""
+        return None if self.unavailable else self.passed
 
     def to_dict(self) -> dict[str, Any]:
         """The result as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 
-DEFAULT_LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=10, memory_mb=1024)
+DEFAULT_LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=10, memory_mb=1024, max_output_chars=MAX_RESULT_CHARS + 20_000)
 
 
 def check_examples(prompt: str, entry_point: str, completion: str, *, limits: SandboxLimits | None = None,
                    examples: list[Example] | None = None) -> CheckOutcome:
-    """Run ``prompt + completion`` against the prompt's own examples in the sandbox."""
+    """Run ``prompt + completion`` against the prompt's own examples in the sandbox; the verdict is computed here."""
     t0 = time.perf_counter()
     exs = extract_examples(prompt, entry_point) if examples is None else examples
     if not exs:
         return CheckOutcome(False, 0, 0, [], time.perf_counter() - t0, None, False, "no examples in the prompt")
     nonce = "@@dyncompile-check-" + secrets.token_hex(8) + "@@"
     res: SandboxResult = run_python(build_example_program(prompt, completion, exs, nonce), limits or DEFAULT_LIMITS)
-    per: list[list[Any]] = []
-    for line in res.stdout.splitlines():
-        if line.startswith(nonce):
-            try:
-                per = json.loads(line[len(nonce):])
-            except ValueError:
-                per = []
+    if res.unavailable:
+        return CheckOutcome(False, len(exs), 0, [], time.perf_counter() - t0, None, False,
+                            "no verdict: the sandbox is unavailable", unavailable=res.unavailable)
+    per, why = _read_results(res.stdout, nonce, exs)
     n_passed = sum(1 for ok, _ in per if ok)
-    passed = bool(per) and len(per) == len(exs) and n_passed == len(exs) and res.ok
+    passed = bool(per) and n_passed == len(exs) and res.ok
     err = ""
     if not per:
-        err = ("timed out" if res.timed_out else f"exit {res.returncode}: " + res.stderr.strip()[-300:])
+        err = ("timed out" if res.timed_out else why + f"; exit {res.returncode}: " + res.stderr.strip()[-300:])
+    elif res.oom_kills:
+        err = "hit the memory limit"
     return CheckOutcome(passed, len(exs), n_passed, per, time.perf_counter() - t0, res.returncode, res.timed_out, err)
 
 
@@ -304,7 +436,10 @@ def python_doctest(input_record: dict[str, Any], output: dict[str, Any], *, no_e
     if not extract_examples(prompt, entry):
         return bool(no_examples_policy)
     completion = output["completion"] if "completion" in output else truncate_completion(output.get("text") or "")[0]
-    return check_examples(prompt, entry, completion).passed
+    outcome = check_examples(prompt, entry, completion)
+    if outcome.unavailable:  # no verdict: never keep an answer nothing vouched for
+        logger.warning("python-doctest: no verdict, escalating (%s)", outcome.unavailable)
+    return outcome.passed
 
 
 #: the answers this check reads end at the function: a routed decoder cascade generates with these stop strings
