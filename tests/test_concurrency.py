@@ -62,42 +62,39 @@ def _diffusion_plan(out: Path) -> Path:
     The U-Net's prediction depends on the sample, the timestep and the prompt's states, so that prompts take
     different step counts under the online stop rule and the predicted policy.
     """
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    import onnx_ir as ir
 
     from dyncompile.models.synthetic_decoder import write_word_tokenizer
     from dyncompile.plan import Plan, Step, file_ref, save_plan
 
     out.mkdir(parents=True)
     vocab, dim, length = 32, 2, 8
-    rng = np.random.default_rng(5)
-    emb = rng.standard_normal((vocab, dim)).astype(np.float32)
-    te = helper.make_graph(
-        [helper.make_node("Gather", ["emb", "input_ids"], ["last_hidden_state"])], "te",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", length])],
-        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["b", length, dim])],
-        [numpy_helper.from_array(emb, "emb")])
-    unet = helper.make_graph(
-        [
-            helper.make_node("ReduceMean", ["states"], ["pooled"], axes=[1, 2], keepdims=1),  # [n, 1, 1]
-            helper.make_node("Unsqueeze", ["pooled", "ax3"], ["pooled4"]),  # [n, 1, 1, 1]
-            helper.make_node("Cast", ["timestep"], ["tf"], to=TensorProto.FLOAT),
-            helper.make_node("Reshape", ["tf", "shape4"], ["t4"]),
-            helper.make_node("Mul", ["t4", "tscale"], ["tt"]),
-            helper.make_node("Mul", ["sample", "pooled4"], ["sp"]),
-            helper.make_node("Mul", ["sp", "sscale"], ["a"]),
-            helper.make_node("Add", ["a", "tt"], ["out_sample"]),
-        ], "unet",
-        [helper.make_tensor_value_info("sample", TensorProto.FLOAT, ["n", 1, 8, 8]),
-         helper.make_tensor_value_info("timestep", TensorProto.INT64, ["n"]),
-         helper.make_tensor_value_info("states", TensorProto.FLOAT, ["n", length, dim])],
-        [helper.make_tensor_value_info("out_sample", TensorProto.FLOAT, ["n", 1, 8, 8])],
-        [numpy_helper.from_array(np.array([3], np.int64), "ax3"),
-         numpy_helper.from_array(np.array([-1, 1, 1, 1], np.int64), "shape4"),
-         numpy_helper.from_array(np.array(2e-4, np.float32), "tscale"),
-         numpy_helper.from_array(np.array(0.8, np.float32), "sscale")])
-    for name, g in (("te.onnx", te), ("unet.onnx", unet)):
-        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), out / name)
+    F = ir.DataType.FLOAT
+
+    def const(arr, name, inits):
+        v = ir.val(name, const_value=ir.tensor(np.asarray(arr), name=name))
+        inits.append(v)
+        return v
+
+    def save(file, tape, inputs, output, name, shape, inits):
+        output.name, output.dtype, output.shape = name, F, ir.Shape(shape)
+        graph = ir.Graph(inputs, [output], nodes=tape.nodes, initializers=inits, opset_imports={"": 18})
+        ir.save(ir.Model(graph, ir_version=10), out / file)
+
+    tape, inits = ir.tape.Tape(), []
+    ids = ir.val("input_ids", ir.DataType.INT64, ir.Shape(["b", length]))
+    emb = const(np.random.default_rng(5).standard_normal((vocab, dim)).astype(np.float32), "emb", inits)
+    save("te.onnx", tape, [ids], tape.op("Gather", [emb, ids]), "last_hidden_state", ["b", length, dim], inits)
+    tape, inits = ir.tape.Tape(), []
+    sample = ir.val("sample", F, ir.Shape(["n", 1, 8, 8]))
+    timestep = ir.val("timestep", ir.DataType.INT64, ir.Shape(["n"]))
+    states = ir.val("states", F, ir.Shape(["n", length, dim]))
+    pooled = tape.op("Reshape", [tape.op("ReduceMean", [states, const(np.array([1, 2], np.int64), "axes", inits)]),
+                                 const(np.array([-1, 1, 1, 1], np.int64), "shape4", inits)])
+    tt = tape.op("Reshape", [tape.op("Cast", [timestep], {"to": F}), const(np.array([-1, 1, 1, 1], np.int64), "shape4t", inits)])
+    eps = tape.op("Add", [tape.op("Mul", [tape.op("Mul", [sample, pooled]), const(np.float32(0.8), "sscale", inits)]),
+                          tape.op("Mul", [tt, const(np.float32(2e-4), "tscale", inits)])])
+    save("unet.onnx", tape, [sample, timestep, states], eps, "unet_out", ["n", 1, 8, 8], inits)
     write_word_tokenizer(out, vocab)
     files = {key: file_ref(out, rel, key) for key, rel in
              (("text_encoder", "te.onnx"), ("unet", "unet.onnx"), ("tokenizer", "tokenizer.json"))}
