@@ -64,7 +64,9 @@ class ClassifierAPI(TaskAPI):
             from dyncompile.runtime.text import TextEncoder
 
             self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
-        self._exit_log: list[np.ndarray] = []  # per-row exit layers seen since load (drift guard)
+        # per-row exit layers seen since load (drift guard): one compact array grown by doubling, 4 bytes a row
+        self._exit_log = np.zeros(1024, np.int32)
+        self._exit_rows = 0
         self._batch_level_rows = 0  # rows whose exit was decided per batch (If graph, batch > 1)
         self._log_lock = threading.Lock()  # calls from several threads add to the log
 
@@ -109,10 +111,20 @@ class ClassifierAPI(TaskAPI):
         rows = np.broadcast_to(raw, (n,)).copy()
         with self._log_lock:
             if raw.size == n:  # one exit decision per row: what the drift guard compares
-                self._exit_log.append(rows)
+                self._append_exits(rows)
             else:
                 self._batch_level_rows += n
         return rows
+
+    def _append_exits(self, rows: np.ndarray) -> None:
+        """Add a batch's per-row exits to the log (the caller holds the log lock)."""
+        end = self._exit_rows + len(rows)
+        if end > len(self._exit_log):
+            grown = np.zeros(max(end, 2 * len(self._exit_log)), np.int32)
+            grown[: self._exit_rows] = self._exit_log[: self._exit_rows]
+            self._exit_log = grown
+        self._exit_log[self._exit_rows : end] = rows
+        self._exit_rows = end
 
     def classify(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
         """One :class:`Prediction` per text (label, score, probabilities, exit layer, answering candidate)."""
@@ -140,12 +152,13 @@ class ClassifierAPI(TaskAPI):
     def exit_layers_seen(self) -> np.ndarray:
         """Per-row exit layers of every row this model classified since load (or :meth:`reset_exit_log`)."""
         with self._log_lock:
-            return np.concatenate(self._exit_log) if self._exit_log else np.zeros(0, np.int64)
+            return self._exit_log[: self._exit_rows].astype(np.int64)
 
     def reset_exit_log(self) -> None:
         """Forget the exit layers seen so far."""
         with self._log_lock:
-            self._exit_log.clear()
+            self._exit_log = np.zeros(1024, np.int32)
+            self._exit_rows = 0
             self._batch_level_rows = 0
 
     def drift_report(self, exit_layers: Any = None, **kwargs: Any) -> Any:
