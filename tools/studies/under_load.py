@@ -19,7 +19,7 @@ with word texts (the report says which).
     python -m dyncompile.tools.studies.under_load --out bench-results/under-load   # ~5-10 min on MiniLM
     python -m dyncompile.tools.studies.under_load --render bench-results/under-load/report.json
     python -m dyncompile.tools.studies.under_load --threads 2 --processes 2 --calls 200 --decoder-calls 20 \\
-        --rounds 1 --out /tmp/under-load-smoke          # a check that it runs (minutes -> seconds)
+        --rounds 1 --out $TMPDIR/under-load-smoke          # a check that it runs (minutes -> seconds)
 """
 
 from __future__ import annotations
