@@ -311,7 +311,11 @@ def check_output_dir(out_dir: str | Path, *, force: bool = False, protect: tuple
 
 
 def _mark(folder: Path) -> None:
-    (folder / STAGING_MARK).write_text(f"{os.getpid()} {os.uname().nodename if hasattr(os, 'uname') else ''}\n")
+    # written aside and renamed into place: a kill -9 mid-write must not leave an empty mark, which
+    # clean_stale_staging cannot read (no pid) and would then never remove
+    part = folder / (STAGING_MARK + ".part")
+    part.write_text(f"{os.getpid()} {os.uname().nodename if hasattr(os, 'uname') else ''}\n")
+    os.replace(part, folder / STAGING_MARK)
 
 
 def _alive(pid: int) -> bool:

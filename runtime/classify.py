@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,8 +64,11 @@ class ClassifierAPI(TaskAPI):
             from dyncompile.runtime.text import TextEncoder
 
             self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
-        self._exit_log: list[np.ndarray] = []  # per-row exit layers seen since load (drift guard)
+        # per-row exit layers seen since load (drift guard): one compact array grown by doubling, 4 bytes a row
+        self._exit_log = np.zeros(1024, np.int32)
+        self._exit_rows = 0
         self._batch_level_rows = 0  # rows whose exit was decided per batch (If graph, batch > 1)
+        self._log_lock = threading.Lock()  # calls from several threads add to the log
 
     def encode(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         """Token arrays of ``texts`` for the plan's inputs (the plan's tokenizer)."""
@@ -78,6 +82,10 @@ class ClassifierAPI(TaskAPI):
 
     def predict_proba(self, texts: Sequence[str] | str, batch_size: int = 32) -> np.ndarray:
         """Class probabilities ``[N, C]``; ``model.last_info['exit_layer']`` holds per-row exits if any."""
+        return self._predict(texts, batch_size)[0]
+
+    def _predict(self, texts: Sequence[str] | str, batch_size: int) -> tuple[np.ndarray, dict[str, Any]]:
+        """Probabilities and this call's per-row extras (exit layers, candidates), also set as ``last_info``."""
         if isinstance(texts, str):
             texts = [texts]
         if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
@@ -94,27 +102,38 @@ class ClassifierAPI(TaskAPI):
         info: dict[str, Any] = {"exit_layer": np.concatenate(exits) if exits else None}
         if cands:
             info["candidate"] = np.concatenate(cands)
-        self.model.last_info = info
-        return np.concatenate(probs) if probs else np.zeros((0, len(self.model.plan.labels or [])))
+        self.model.last_info = info  # per thread (CompiledModel.last_info)
+        return (np.concatenate(probs) if probs else np.zeros((0, len(self.model.plan.labels or []))), info)
 
     def _log_exits(self, exit_layer: Any, n: int) -> np.ndarray:
         """Per-row exits of a batch of ``n`` rows (an If graph gives one for the whole batch); logs per-row ones."""
         raw = np.asarray(exit_layer).reshape(-1)
         rows = np.broadcast_to(raw, (n,)).copy()
-        if raw.size == n:  # one exit decision per row: what the drift guard compares
-            self._exit_log.append(rows)
-        else:
-            self._batch_level_rows += n
+        with self._log_lock:
+            if raw.size == n:  # one exit decision per row: what the drift guard compares
+                self._append_exits(rows)
+            else:
+                self._batch_level_rows += n
         return rows
+
+    def _append_exits(self, rows: np.ndarray) -> None:
+        """Add a batch's per-row exits to the log (the caller holds the log lock)."""
+        end = self._exit_rows + len(rows)
+        if end > len(self._exit_log):
+            grown = np.zeros(max(end, 2 * len(self._exit_log)), np.int32)
+            grown[: self._exit_rows] = self._exit_log[: self._exit_rows]
+            self._exit_log = grown
+        self._exit_log[self._exit_rows : end] = rows
+        self._exit_rows = end
 
     def classify(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
         """One :class:`Prediction` per text (label, score, probabilities, exit layer, answering candidate)."""
         if self.model.plan.task != "text-classification":
             raise self._unsupported("classify", "classifiers (text-classification plans)")
-        probs = self.predict_proba(texts, batch_size=batch_size)
+        probs, info = self._predict(texts, batch_size)  # this call's extras, whatever other threads do meanwhile
         labels = self.model.plan.labels or [str(i) for i in range(probs.shape[1])]
-        exits = self.model.last_info.get("exit_layer")
-        cands = self.model.last_info.get("candidate")
+        exits = info.get("exit_layer")
+        cands = info.get("candidate")
         names = getattr(self.text_step, "names", None)
         out = []
         for i, p in enumerate(probs):
@@ -132,12 +151,15 @@ class ClassifierAPI(TaskAPI):
 
     def exit_layers_seen(self) -> np.ndarray:
         """Per-row exit layers of every row this model classified since load (or :meth:`reset_exit_log`)."""
-        return np.concatenate(self._exit_log) if self._exit_log else np.zeros(0, np.int64)
+        with self._log_lock:
+            return self._exit_log[: self._exit_rows].astype(np.int64)
 
     def reset_exit_log(self) -> None:
         """Forget the exit layers seen so far."""
-        self._exit_log.clear()
-        self._batch_level_rows = 0
+        with self._log_lock:
+            self._exit_log = np.zeros(1024, np.int32)
+            self._exit_rows = 0
+            self._batch_level_rows = 0
 
     def drift_report(self, exit_layers: Any = None, **kwargs: Any) -> Any:
         """Do the rows seen so far exit like the calibration rows did? (early-exit plans).

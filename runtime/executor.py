@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,10 @@ class CompiledModel:
     registers (:func:`~dyncompile.runtime.registry.register_task`, held in :attr:`task_api`); a method the
     plan's task does not have raises one :class:`DataError` naming the task.
 
+    Threads: one loaded model may be called from several threads at once. :attr:`last_info` is per thread
+    (what the calling thread's last call reported); generation on one plan runs one call at a time (its
+    KV caches and drafter state belong to the step; other threads wait), everything else runs concurrently.
+
     Args:
         plan: the loaded plan.
         ctx: sessions and options for the plan's files.
@@ -178,8 +183,17 @@ class CompiledModel:
             if cls is None:
                 raise PlanError(f"unknown step kind {step.kind!r}; this runtime knows: {', '.join(sorted(STEP_HANDLERS))}")
             self.handlers.append(cls(step, ctx))
-        self.last_info: dict[str, Any] = {}
+        self._local = threading.local()
         self.task_api = task_api_for(plan.task)(self)
+
+    @property
+    def last_info(self) -> dict[str, Any]:
+        """What the calling thread's last task call reported (exit layers, candidate, generation statistics)."""
+        return getattr(self._local, "info", {})
+
+    @last_info.setter
+    def last_info(self, info: dict[str, Any]) -> None:
+        self._local.info = info
 
     @property
     def provider(self) -> str:

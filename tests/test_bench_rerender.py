@@ -35,6 +35,7 @@ OWNERS: list[tuple[str, str]] = [
     ("stepsaver/composition/*.json", "dyncompile.tools.studies.diffusion_plans"),
     ("quantized-*/*.json", "dyncompile.tools.studies.quantized_early_exit"),
     ("route-sentiment/*.json", "dyncompile.tools.bench.routed"),
+    ("under-load/*.json", "dyncompile.tools.studies.under_load"),
 ]
 
 #: JSON files that are not JSON + markdown report pairs: path -> what they are

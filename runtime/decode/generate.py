@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -267,6 +268,8 @@ class GenerateStep(StepHandler):
         self.target_spec = self.params.target
         self.gen = self.params.generation
         self.timer = SessionTimer()
+        # the KV caches, drafter state and timer belong to this step: one generation at a time (other threads wait)
+        self.lock = threading.RLock()
         self.target = KVDecoder(ctx.session(self.target_spec.model), self.target_spec, timer=self.timer,
                                 io_binding=self.params.io_binding, rollback=self.params.rollback)
         # the plan's tokenizer for prompts and generated text, read at load from the hash-checked bytes
@@ -342,6 +345,7 @@ def generate(
         seed: seed of the sampling RNG.
         chat: wrap the prompt in the model's chat template (a user turn + the assistant prefix).
         speculative: ``False`` runs the plan's target alone (the reference), in the same sessions.
+            Calls from several threads on one loaded plan run one after the other (the step's KV caches).
         stop: stop strings: generation ends once the decoded continuation contains one (the text is not cut;
             a speculative round may run past it by the tokens that round accepted). Needs the plan's tokenizer.
         **options: speculative runtime options, e.g. ``draft_length=4``, ``adaptive=False``, ``max_draft=8``.
@@ -363,8 +367,9 @@ def generate(
             raise PromptError("stop strings need the plan's tokenizer; this plan has none")
         stops = tuple(stop)
         options["stop_when"] = lambda out: any(x in codec.decode(out) for x in stops)
-    out, stats = handler.generate_ids(ids, max_new_tokens, sample=bool(sample), temperature=temperature, rng=rng,
-                                      speculative=speculative, **options)
+    with handler.lock:  # the step's KV caches and drafter serve one generation at a time
+        out, stats = handler.generate_ids(ids, max_new_tokens, sample=bool(sample), temperature=temperature, rng=rng,
+                                          speculative=speculative, **options)
     text = codec.decode(out) if codec is not None else None
     compiled.last_info = {"generation": stats.to_dict()}
     return GenerationResult(text, out, ids, stats)

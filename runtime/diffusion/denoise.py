@@ -150,8 +150,10 @@ class Denoiser:
         active = np.arange(n)
         prev_x0 = None
         traj, changes = [], []
+        calls = 0  # this call's U-Net calls (the counters on self add up every call, from every thread)
         for k, t in enumerate(timesteps, start=1):
             eps = self._guided(x, t, ctx[active], null_ctx, guidance_scale)
+            calls += 1
             x, x0 = self.scheduler.step(eps, t, x, num_steps)
             change = np.full(n, np.nan)
             if prev_x0 is not None:
@@ -174,7 +176,7 @@ class Denoiser:
             prev_x0 = x0
         if len(active):
             out[active] = x
-        res: dict[str, Any] = {"samples": out, "steps": steps, "change": np.array(changes)}
+        res: dict[str, Any] = {"samples": out, "steps": steps, "change": np.array(changes), "unet_calls": calls}
         if keep_x0:
             res["x0"] = np.stack(traj)
         return res

@@ -169,10 +169,11 @@ class DiffusionDenoiseStep(StepHandler):
         policy = self._policy(state)
         samples = np.empty((n, *shape), np.float32)
         steps = np.zeros(n, np.int64)
-        calls0 = self.denoiser.unet_calls
+        calls = 0  # this call's, from the samplers' results (the denoiser is shared by concurrent calls)
         if policy == "online":
             r = self.denoiser.sample(ctx_, null_ctx, noise, 0, scale, stop_rule=self.stop_rule)
             samples[:], steps[:] = r["samples"], r["steps"]
+            calls += r["unet_calls"]
         else:
             if policy == "predicted":
                 want = np.asarray(state["predicted_steps"], np.int64)
@@ -183,6 +184,7 @@ class DiffusionDenoiseStep(StepHandler):
                 rows = np.flatnonzero(want == k)
                 r = self.denoiser.sample(ctx_[rows], null_ctx, noise[rows], int(k), scale)
                 samples[rows], steps[rows] = r["samples"], r["steps"]
+                calls += r["unet_calls"]
         if self.vae is not None:
             name_in = self.vae.get_inputs()[0].name
             samples = self.vae.run(None, {name_in: samples / np.float32(self.p.vae_decoder.scaling_factor)})[0]
@@ -190,5 +192,5 @@ class DiffusionDenoiseStep(StepHandler):
         state["images"] = to_uint8(samples, self.p.output_crop)
         state["steps"] = steps
         state["policy"] = policy
-        state["unet_calls"] = self.denoiser.unet_calls - calls0
+        state["unet_calls"] = calls
         return state

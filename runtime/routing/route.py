@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -214,17 +215,17 @@ class RouteStep(RoutedStep):
             same = (getattr(m.task_api, "encoder", None) is not None and t is not None and m.plan.files[t["file"]].sha256 == tok
                     and {k: t.get(k) for k in ("max_length", "padding")} == spec)
             self.shared.append(same)
-        self._feeds: dict[str, np.ndarray] | None = None
+        self._local = threading.local()  # the router's encoding of the calling thread's batch (``feeds``)
 
     def scores(self, texts: list[str]) -> np.ndarray:
         """``[B, K-1]`` router scores (larger: the cheaper candidate is more likely right)."""
         feeds = self.encoder(texts)
-        self._feeds = feeds
+        self._local.feeds = feeds
         out = self.router.run([self.rule.router_output], {n: feeds[n] for n in self.router_inputs})[0]
         return np.asarray(out, np.float64).reshape(len(texts), -1)
 
     def _probs(self, k: int, texts: list[str], rows: np.ndarray) -> np.ndarray:
-        feeds, m = self._feeds, self.models[k]
+        feeds, m = getattr(self._local, "feeds", None), self.models[k]
         if not self.shared[k] or feeds is None or (self.per_row[k] and len(rows) > 1):
             return super()._probs(k, texts, rows)
         sub = {n: feeds[n][rows] for n in m.input_names if n in feeds}
@@ -238,7 +239,7 @@ class RouteStep(RoutedStep):
         try:
             return super().run(state)
         finally:
-            self._feeds = None
+            self._local.feeds = None
 
     def assign(self, texts: list[str]) -> np.ndarray:
         s = self.scores(texts)
