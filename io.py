@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -225,6 +226,32 @@ STAGING_MARK = ".dyncompile-staging"
 ``.OUT.old-*``): ``pid host``; stale ones (their process is gone) are removed by the next compile."""
 
 _PLAN_FORMAT_PREFIX = "dyncompile.plan/"
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_cost_problem(data: bytes, *, max_items: int = 200_000, max_string: int = 1 << 20) -> str | None:
+    """What makes JSON ``data`` costly to parse (too many values and keys, a too-long string), or None.
+
+    Counted on the raw bytes before parsing (strings stripped, then separators and openers counted): linear,
+    one copy at most, so a file under a size cap cannot cost seconds and a gigabyte to parse.
+    """
+    longest = 0
+    pieces = []
+    pos = 0
+    for m in _JSON_STRING.finditer(data):
+        longest = max(longest, m.end() - m.start() - 2)
+        pieces.append(data[pos:m.start()])
+        pos = m.end()
+        if len(pieces) > max_items:
+            break
+    pieces.append(data[pos:])
+    bare = b"".join(pieces)
+    items = len(pieces) + bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+    if items > max_items:
+        return f"more than {max_items} JSON items (values and keys; a real plan has a few thousand)"
+    if longest > max_string:
+        return f"a JSON string of {longest} characters (at most {max_string})"
+    return None
 
 
 def _plan_names(path: Path) -> set[str] | None:
@@ -233,7 +260,10 @@ def _plan_names(path: Path) -> set[str] | None:
     try:
         if not pj.is_file() or pj.stat().st_size > 16 * 2**20:
             return None
-        raw = json.loads(pj.read_bytes().decode("utf-8"))
+        data = pj.read_bytes()
+        if json_cost_problem(data):
+            return None
+        raw = json.loads(data.decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(raw, dict) or not str(raw.get("format", "")).startswith(_PLAN_FORMAT_PREFIX):

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from dyncompile.errors import PlanError
-from dyncompile.io import sha256_file
+from dyncompile.io import json_cost_problem, sha256_file
 from dyncompile.plan._core import (
     PLAN_FILENAME,
     PLAN_FORMAT,
@@ -37,8 +37,11 @@ from dyncompile.plan.routing import Candidate, RoutedParams
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_JSON_ITEMS",
+    "MAX_JSON_STRING",
     "MAX_PLAN_BYTES",
     "SUPPORTED_FORMATS",
+    "check_json_cost",
     "is_plan_dir",
     "load_plan",
     "load_subplan",
@@ -48,6 +51,8 @@ __all__ = [
 SUPPORTED_FORMATS = (PLAN_FORMAT,)
 MAX_PLAN_BYTES = 16 * 2**20  # a real plan is a few kB (a split drafter's record: tens of kB)
 MAX_DEPTH = 32  # nesting of JSON containers; real plans reach 6
+MAX_JSON_ITEMS = 200_000  # values + keys in plan.json; a real plan has a few thousand (a step-saver head: ~2k floats)
+MAX_JSON_STRING = 1 << 20  # characters of one string (a chat template: a few kB)
 
 
 # ------------------------------------------------------------------------------------------- plan.json's schema
@@ -129,6 +134,7 @@ def _read_plan_json(path: Path) -> dict[str, Any]:
     data = path.read_bytes()
     if data[:1] != b"{" and data.lstrip()[:1] != b"{":
         raise PlanError(f"{path} is not a plan (plan.json is a JSON object); recompile the model")
+    check_json_cost(data, path)
     try:
         raw = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -142,14 +148,27 @@ def _read_plan_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+def check_json_cost(data: bytes, where: Path | str) -> None:
+    """Refuse JSON whose parse would cost far more than any plan's, before parsing it (:func:`dyncompile.io.json_cost_problem`).
+
+    Raises:
+        PlanError: more than :data:`MAX_JSON_ITEMS` values and keys, or a string over :data:`MAX_JSON_STRING`.
+    """
+    problem = json_cost_problem(data, max_items=MAX_JSON_ITEMS, max_string=MAX_JSON_STRING)
+    if problem:
+        raise PlanError(f"{where}: {problem}; this is not a plan dyncompile wrote")
+
+
 def is_plan_dir(path: str | Path) -> bool:
     """True when ``path`` is a directory holding a ``plan.json`` of a format this dyncompile writes."""
     p = Path(path) / PLAN_FILENAME
     try:
         if not p.is_file() or p.stat().st_size > MAX_PLAN_BYTES:
             return False
-        raw = json.loads(p.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = p.read_bytes()
+        check_json_cost(data, p)
+        raw = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError, PlanError):
         return False
     return isinstance(raw, dict) and raw.get("format") in SUPPORTED_FORMATS
 
