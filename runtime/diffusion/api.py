@@ -59,7 +59,7 @@ def _check_request(prompts, steps, guidance, policy) -> list[str]:
     if guidance is not None:
         if (isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance)
                 or not 1 <= guidance <= MAX_GUIDANCE):
-            raise DataError(f"guidance={guidance!r}: the guidance scale must be in [1, {MAX_GUIDANCE:g}] (1 = no "
+            raise DataError(f"guidance={guidance!r}: the guidance scale must be >= 1 and <= {MAX_GUIDANCE:g} (1 = no "
                             "classifier-free guidance; diffusion models use 1.5-15, larger saturates the image)")
     if policy is not None and policy not in POLICIES:
         raise DataError(f"policy={policy!r}: choose one of {', '.join(POLICIES)}")
