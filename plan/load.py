@@ -313,6 +313,23 @@ def _check_labels_and_tokenizer(path: Path, spec: _PlanSpec, files: dict[str, Fi
         raise PlanError(f"{path}: tokenizer.file {spec.tokenizer.file!r} names no file of the plan ({', '.join(files)})")
 
 
+def _check_provenance(path: Path, prov: dict[str, Any]) -> None:
+    """The provenance fields the tools read (source, calib, passes, tool, dyncompile) have their recorded types."""
+    for key in ("source", "calib"):
+        rec = prov.get(key)
+        if rec is None:
+            continue
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(k, ""), str) for k in ("path", "sha256")):
+            raise PlanError(f"{path}: provenance.{key} must be an object with string 'path' and 'sha256', got "
+                            f"{_short(rec)}")
+    passes = prov.get("passes")
+    if passes is not None and (not isinstance(passes, list) or not all(isinstance(p, str) for p in passes)):
+        raise PlanError(f"{path}: provenance.passes must be a list of strings, got {_short(passes)}")
+    for key in ("tool", "dyncompile"):
+        if prov.get(key) is not None and not isinstance(prov[key], str):
+            raise PlanError(f"{path}: provenance.{key} must be a string, got {_short(prov[key])}")
+
+
 def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_kinds=None) -> Plan:
     """Load and validate ``plan_dir/plan.json`` against the plan schema; read and hash-check every file.
 
@@ -345,6 +362,7 @@ def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_ki
         raise PlanError(f"{path}: 'steps' must be a non-empty list")
     steps = [_load_step(path, i, s, spec, files, known_step_kinds) for i, s in enumerate(spec.steps)]
     _check_policy(path, spec)
+    _check_provenance(path, spec.provenance)
     _check_labels_and_tokenizer(path, spec, files)
     return Plan(
         task=spec.task,
