@@ -185,6 +185,7 @@ def _images_api():
     ({"guidance": 101.0}, "guidance"),
     ({"steps": 10, "policy": "predicted"}, "--steps"),
     ({"steps": 10, "policy": "online"}, "--steps"),
+    ({"seed": -1}, "seed"),
 ])
 def test_diffusion_request_out_of_range_is_refused(kwargs, needle):
     with pytest.raises(DataError, match=needle):
@@ -433,3 +434,9 @@ def test_no_pickle_anywhere():
         if re.search(r"^\s*(import pickle|from pickle|import cPickle|import dill|import joblib)", src, re.M):
             bad.append(f"{path.relative_to(root)}: imports a pickle module")
     assert not bad, bad
+
+
+def test_negative_sampling_seed_is_one_error(built, capsys):
+    rc, _, err = run_cli(capsys, "run", built["gen"], "--prompt", "w3", "--sample", "--seed", "-1",
+                         "--max-new-tokens", "2")
+    assert_clean_error(rc, err, "seed")

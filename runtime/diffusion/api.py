@@ -110,6 +110,8 @@ def _generate_images(
     seeds = [int(seed) + i for i in range(len(prompts))] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
     if len(seeds) != len(prompts):
         raise DataError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    if any(not 0 <= s < 2**63 for s in seeds):
+        raise DataError(f"seeds must be non-negative integers below 2**63, got {seeds[:4]}")
     if policy == "fixed" and steps is None:
         steps = None  # the plan's num_inference_steps
     state: dict[str, Any] = {
