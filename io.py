@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -225,15 +226,44 @@ STAGING_MARK = ".dyncompile-staging"
 ``.OUT.old-*``): ``pid host``; stale ones (their process is gone) are removed by the next compile."""
 
 _PLAN_FORMAT_PREFIX = "dyncompile.plan/"
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
-def _plan_names(path: Path) -> set[str] | None:
-    """Top-level names a plan directory may hold (plan.json + its files), or None if ``path`` is no plan."""
+def json_cost_problem(data: bytes, *, max_items: int = 200_000, max_string: int = 1 << 20) -> str | None:
+    """What makes JSON ``data`` costly to parse (too many values and keys, a too-long string), or None.
+
+    Counted on the raw bytes before parsing (strings stripped, then separators and openers counted): linear,
+    one copy at most, so a file under a size cap cannot cost seconds and a gigabyte to parse.
+    """
+    longest = 0
+    pieces = []
+    pos = 0
+    for m in _JSON_STRING.finditer(data):
+        longest = max(longest, m.end() - m.start() - 2)
+        pieces.append(data[pos:m.start()])
+        pos = m.end()
+        if len(pieces) > max_items:
+            break
+    pieces.append(data[pos:])
+    bare = b"".join(pieces)
+    items = len(pieces) + bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+    if items > max_items:
+        return f"more than {max_items} JSON items (values and keys; a real plan has a few thousand)"
+    if longest > max_string:
+        return f"a JSON string of {longest} characters (at most {max_string})"
+    return None
+
+
+def _plan_parts(path: Path) -> tuple[set[str], list[str]] | None:
+    """(files plan.json names, sub-plan folders of a routed plan) of the plan directory ``path``, or None if no plan."""
     pj = path / "plan.json"
     try:
-        if not pj.is_file() or pj.stat().st_size > 16 * 2**20:
+        if pj.is_symlink() or not pj.is_file() or pj.stat().st_size > 16 * 2**20:
             return None
-        raw = json.loads(pj.read_bytes().decode("utf-8"))
+        data = pj.read_bytes()
+        if json_cost_problem(data):
+            return None
+        raw = json.loads(data.decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(raw, dict) or not str(raw.get("format", "")).startswith(_PLAN_FORMAT_PREFIX):
@@ -242,17 +272,61 @@ def _plan_names(path: Path) -> set[str] | None:
     files = raw.get("files") if isinstance(raw.get("files"), dict) else {}
     for fr in files.values():
         if isinstance(fr, dict):
-            for rel in [fr.get("path"), *(fr.get("external_data") or [])]:
+            extra = fr.get("external_data")
+            for rel in [fr.get("path"), *(extra if isinstance(extra, list) else [])]:
                 if isinstance(rel, str) and rel:
-                    names.add(rel.split("/", 1)[0])
+                    names.add(rel)
+    subs = []
     steps = raw.get("steps") if isinstance(raw.get("steps"), list) else []
     for st in steps:  # a routed plan's sub-plan folders (cascade / route steps)
         cands = st.get("candidates") if isinstance(st, dict) and st.get("kind") in ("cascade", "route") else None
         for c in cands if isinstance(cands, list) else []:
             rel = c.get("plan") if isinstance(c, dict) else None
             if isinstance(rel, str) and rel:
-                names.add(rel.split("/", 1)[0])
-    return names
+                subs.append(rel)
+    return names, subs
+
+
+def _norm(rel: str) -> str | None:
+    """``rel`` as a clean relative POSIX path, or None if it leaves its folder."""
+    parts = [p for p in rel.replace("\\", "/").split("/") if p not in ("", ".")]
+    return None if not parts or ".." in parts or rel.startswith("/") else "/".join(parts)
+
+
+def _stray_entries(path: Path, depth: int = 0) -> list[str] | None:
+    """What in plan directory ``path`` its plan.json does not name (recursing into sub-plans); None if no plan."""
+    parts = _plan_parts(path)
+    if parts is None:
+        return None
+    named = {n for n in map(_norm, parts[0]) if n}
+    subs = [n for n in map(_norm, parts[1]) if n]
+    stray: list[str] = []
+    for sub in subs:
+        inner = _stray_entries(path / sub, depth + 1) if depth < 4 and (path / sub).is_dir() else None
+        if inner is None and os.path.lexists(path / sub):
+            stray.append(sub)
+        stray.extend(f"{sub}/{x}" for x in inner or [])
+    keep_dirs = {"/".join(n.split("/")[:i]) for n in [*named, *subs] for i in range(1, n.count("/") + 1)}
+    seen = 0
+    for root, dirs, files in os.walk(path):
+        rel_root = os.path.relpath(root, path).replace(os.sep, "/")
+        rel_root = "" if rel_root == "." else rel_root + "/"
+        for d in list(dirs):
+            rel = rel_root + d
+            if rel in subs or os.path.islink(os.path.join(root, d)):
+                dirs.remove(d)  # checked above / a link is never walked into
+                if rel not in subs:
+                    stray.append(rel)
+            elif rel not in keep_dirs:
+                dirs.remove(d)
+                stray.append(rel)
+        for f in files:
+            seen += 1
+            if rel_root + f not in named:
+                stray.append(rel_root + f)
+        if seen > 100_000 or len(stray) > 100:
+            break
+    return stray
 
 
 def check_output_dir(out_dir: str | Path, *, force: bool = False, protect: tuple[str | Path, ...] = ()) -> Path:
@@ -261,12 +335,22 @@ def check_output_dir(out_dir: str | Path, *, force: bool = False, protect: tuple
     Without ``force`` the directory must not exist. With ``force`` it may exist only as an empty directory
     or a dyncompile plan directory (a ``plan.json`` of this format and nothing but the files it names);
     never the working directory or one of its ancestors, never a folder holding a ``protect``ed path (the
-    input model and its data), never a symlink.
+    input model and its data), never a symlink, and never a directory with anything its plan.json does not name
+    (sub-plans checked the same way). An output inside a ``protect``ed directory is refused even without
+    ``force``: an input is never written into.
 
     Raises:
         OutputExistsError: any of the above.
     """
     out = Path(os.path.abspath(Path(out_dir).expanduser()))
+    real_out = out.resolve()
+    for p in protect:
+        pr = Path(p).expanduser().resolve()
+        if pr.is_dir() and pr in real_out.parents:
+            raise OutputExistsError(
+                f"output directory {out} is inside {pr} (an input of this command); an input is never written "
+                "into — choose an -o outside it"
+            )
     if not os.path.lexists(out):
         return out
     if not force:
@@ -294,14 +378,13 @@ def check_output_dir(out_dir: str | Path, *, force: bool = False, protect: tuple
     entries = sorted(e.name for e in out.iterdir())
     if not entries:
         return out
-    allowed = _plan_names(out)
-    if allowed is None:
+    stray = _stray_entries(out)
+    if stray is None:
         raise OutputExistsError(
             f"output directory {out} exists and is not a dyncompile plan (no plan.json of this format; it holds "
             f"{', '.join(entries[:3])}{'…' if len(entries) > 3 else ''}); --force replaces only a plan directory or "
             "an empty one — choose another -o"
         )
-    stray = [e for e in entries if e not in allowed]
     if stray:
         raise OutputExistsError(
             f"output directory {out} is a plan but also holds {', '.join(stray[:3])}, which the plan does not name; "

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from dyncompile.errors import PlanError
-from dyncompile.io import sha256_file
+from dyncompile.io import json_cost_problem, sha256_file
 from dyncompile.plan._core import (
     PLAN_FILENAME,
     PLAN_FORMAT,
@@ -37,8 +37,11 @@ from dyncompile.plan.routing import Candidate, RoutedParams
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_JSON_ITEMS",
+    "MAX_JSON_STRING",
     "MAX_PLAN_BYTES",
     "SUPPORTED_FORMATS",
+    "check_json_cost",
     "is_plan_dir",
     "load_plan",
     "load_subplan",
@@ -48,6 +51,8 @@ __all__ = [
 SUPPORTED_FORMATS = (PLAN_FORMAT,)
 MAX_PLAN_BYTES = 16 * 2**20  # a real plan is a few kB (a split drafter's record: tens of kB)
 MAX_DEPTH = 32  # nesting of JSON containers; real plans reach 6
+MAX_JSON_ITEMS = 200_000  # values + keys in plan.json; a real plan has a few thousand (a step-saver head: ~2k floats)
+MAX_JSON_STRING = 1 << 20  # characters of one string (a chat template: a few kB)
 
 
 # ------------------------------------------------------------------------------------------- plan.json's schema
@@ -129,6 +134,7 @@ def _read_plan_json(path: Path) -> dict[str, Any]:
     data = path.read_bytes()
     if data[:1] != b"{" and data.lstrip()[:1] != b"{":
         raise PlanError(f"{path} is not a plan (plan.json is a JSON object); recompile the model")
+    check_json_cost(data, path)
     try:
         raw = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -142,14 +148,27 @@ def _read_plan_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+def check_json_cost(data: bytes, where: Path | str) -> None:
+    """Refuse JSON whose parse would cost far more than any plan's, before parsing it (:func:`dyncompile.io.json_cost_problem`).
+
+    Raises:
+        PlanError: more than :data:`MAX_JSON_ITEMS` values and keys, or a string over :data:`MAX_JSON_STRING`.
+    """
+    problem = json_cost_problem(data, max_items=MAX_JSON_ITEMS, max_string=MAX_JSON_STRING)
+    if problem:
+        raise PlanError(f"{where}: {problem}; this is not a plan dyncompile wrote")
+
+
 def is_plan_dir(path: str | Path) -> bool:
     """True when ``path`` is a directory holding a ``plan.json`` of a format this dyncompile writes."""
     p = Path(path) / PLAN_FILENAME
     try:
         if not p.is_file() or p.stat().st_size > MAX_PLAN_BYTES:
             return False
-        raw = json.loads(p.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = p.read_bytes()
+        check_json_cost(data, p)
+        raw = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError, PlanError):
         return False
     return isinstance(raw, dict) and raw.get("format") in SUPPORTED_FORMATS
 
@@ -294,6 +313,23 @@ def _check_labels_and_tokenizer(path: Path, spec: _PlanSpec, files: dict[str, Fi
         raise PlanError(f"{path}: tokenizer.file {spec.tokenizer.file!r} names no file of the plan ({', '.join(files)})")
 
 
+def _check_provenance(path: Path, prov: dict[str, Any]) -> None:
+    """The provenance fields the tools read (source, calib, passes, tool, dyncompile) have their recorded types."""
+    for key in ("source", "calib"):
+        rec = prov.get(key)
+        if rec is None:
+            continue
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(k, ""), str) for k in ("path", "sha256")):
+            raise PlanError(f"{path}: provenance.{key} must be an object with string 'path' and 'sha256', got "
+                            f"{_short(rec)}")
+    passes = prov.get("passes")
+    if passes is not None and (not isinstance(passes, list) or not all(isinstance(p, str) for p in passes)):
+        raise PlanError(f"{path}: provenance.passes must be a list of strings, got {_short(passes)}")
+    for key in ("tool", "dyncompile"):
+        if prov.get(key) is not None and not isinstance(prov[key], str):
+            raise PlanError(f"{path}: provenance.{key} must be a string, got {_short(prov[key])}")
+
+
 def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_kinds=None) -> Plan:
     """Load and validate ``plan_dir/plan.json`` against the plan schema; read and hash-check every file.
 
@@ -326,6 +362,7 @@ def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_ki
         raise PlanError(f"{path}: 'steps' must be a non-empty list")
     steps = [_load_step(path, i, s, spec, files, known_step_kinds) for i, s in enumerate(spec.steps)]
     _check_policy(path, spec)
+    _check_provenance(path, spec.provenance)
     _check_labels_and_tokenizer(path, spec, files)
     return Plan(
         task=spec.task,

@@ -141,14 +141,167 @@ def _raise_exception(message: str):
     raise ChatTemplateError(f"the plan's chat template refused the conversation: {_one_line(message)}")
 
 
+#: bounds on what a plan's chat template may make the runtime do (real HF templates: a few kB, a few hundred
+#: traced lines, outputs of the prompt's size plus a few hundred characters)
+MAX_TEMPLATE_CHARS = 256 * 1024  # the template's source
+MAX_TEMPLATE_STEPS = 200_000  # Python lines the compiled template executes (loop iterations, macro calls)
+MAX_TEMPLATE_SECONDS = 2.0  # wall-clock time of one render
+MAX_TEMPLATE_OUTPUT = 1 << 20  # characters a template may add beyond the conversation it is given (and any value)
+_TEMPLATE_FILE = "<template>"
+
+
+class _Limits:
+    """The budget of one render: steps, a deadline and the largest value (characters or items) allowed."""
+
+    def __init__(self, prompt_chars: int) -> None:
+        """A fresh budget for a render over a conversation of ``prompt_chars`` characters."""
+        import time
+
+        self.steps = 0
+        self.deadline = time.monotonic() + MAX_TEMPLATE_SECONDS
+        self.max_size = MAX_TEMPLATE_OUTPUT + 2 * prompt_chars
+
+    def refuse(self, what: str) -> None:
+        """Stop the render: ``what`` is over its limit."""
+        raise ChatTemplateError(f"the plan's chat template exceeded a limit ({what}); {_FIX}")
+
+    def check_size(self, value: Any, what: str) -> Any:
+        """``value`` unless it is a string or container larger than the limit."""
+        if _size(value, self.max_size) > self.max_size:
+            self.refuse(f"{what} larger than {self.max_size} characters or items")
+        return value
+
+
+def _size(v: Any, cap: int) -> int:
+    """Characters of a string, or items plus characters of a container one level deep (stops past ``cap``)."""
+    from jinja2.utils import Namespace
+
+    if isinstance(v, str | bytes):
+        return len(v)
+    if isinstance(v, Namespace):
+        v = object.__getattribute__(v, "_Namespace__attrs")
+    if isinstance(v, dict):
+        v = list(v.values())
+    if isinstance(v, list | tuple):
+        total = len(v)
+        for x in v:
+            if total > cap:
+                break
+            total += len(x) if isinstance(x, str | bytes) else 0
+        return total
+    return 0
+
+
+_LIMITS: Any = None  # set per render on the rendering thread (threading.local)
+
+
+def _limits() -> _Limits | None:
+    return getattr(_LIMITS, "value", None)
+
+
+def _estimate_binop(op: str, a: Any, b: Any, cap: int) -> bool:
+    """True when ``a op b`` is cheap to compute and small (checked before computing it)."""
+    if op == "*":
+        for seq, n in ((a, b), (b, a)):
+            if isinstance(seq, str | bytes | list | tuple) and isinstance(n, int):
+                return max(n, 0) * max(_size(seq, cap), 1) <= cap
+        if isinstance(a, int) and isinstance(b, int):
+            return a.bit_length() + b.bit_length() <= 8 * cap
+        return True
+    if op == "**":
+        if isinstance(a, int) and isinstance(b, int):
+            return b <= 0 or abs(a) <= 1 or max(a.bit_length(), 1) * b <= 8 * cap
+        return not (isinstance(b, int | float) and abs(b) > 10_000)
+    if op == "+" and isinstance(a, str | bytes | list | tuple):
+        return _size(a, cap) + _size(b, cap) <= cap
+    if op == "%" and isinstance(a, str):
+        import re
+
+        return not re.search(r"%[-+ #0]*(\*|\d{5,})|\.(\*|\d{5,})", a)
+    return True
+
+
+def _check_call_args(args: Sequence[Any], kwargs: dict[str, Any], lim: _Limits) -> None:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_TEMPLATE_OUTPUT:
+            lim.refuse(f"an argument of {v} (at most {MAX_TEMPLATE_OUTPUT})")
+
+
+def _check_replace(name: str, value: Any, args: Sequence[Any], lim: _Limits) -> None:
+    if name == "replace" and isinstance(value, str) and len(args) >= 2 and isinstance(args[1], str) and args[0]:
+        if value.count(str(args[0])) * len(args[1]) > lim.max_size:
+            lim.refuse("a replace() result too large")
+
+
+def _bounded_filter(name: str, f):
+    """``f`` with its integer arguments and its result checked against the render's limits.
+
+    The wrapper takes the context (``pass_context``), which also keeps Jinja2 from running the filter at compile
+    time on constant arguments (outside the limits).
+    """
+    from jinja2.utils import _PassArg, pass_context
+
+    passed = _PassArg.from_obj(f)
+
+    @pass_context
+    def run(context, *args, **kwargs):
+        lim = _limits()
+        if lim is not None:
+            _check_call_args(args, kwargs, lim)
+            if args:
+                _check_replace(name, args[0], args[1:], lim)
+        if passed is _PassArg.context:
+            args = (context, *args)
+        elif passed is _PassArg.eval_context:
+            args = (context.eval_ctx, *args)
+        elif passed is _PassArg.environment:
+            args = (context.environment, *args)
+        out = f(*args, **kwargs)
+        return out if lim is None else lim.check_size(out, f"the {name} filter's result")
+
+    run.__name__ = getattr(f, "__name__", name)
+    return run
+
+
+def _bounded_environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The sandbox with sizes checked on every call, filter and operator that can make a large value."""
+
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            lim = _limits()
+            if lim is not None and not _estimate_binop(operator, left, right, lim.max_size):
+                lim.refuse(f"the {operator!r} operator would make a value too large")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
+            lim = _limits()
+            if lim is not None:
+                _check_call_args(args, kwargs, lim)
+                owner = getattr(__obj, "__self__", None)
+                _check_replace(getattr(__obj, "__name__", ""), owner, args, lim)
+            out = super().call(__context, __obj, *args, **kwargs)
+            return out if lim is None else lim.check_size(out, "a call's result")
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, optimized=False)  # no constant folding at compile time
+    env.filters = {k: _bounded_filter(k, f) for k, f in env.filters.items()}
+    return env
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_template(template: str):
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(
+            f"the plan's chat template is {len(template)} characters, over the limit of {MAX_TEMPLATE_CHARS}; {_FIX}"
+        )
     # The plan is data: no attribute of a Python internal, no mutation of what is passed in (as transformers
-    # renders HF chat templates).
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # renders HF chat templates), and bounded work (_Limits).
+    env = _bounded_environment()
     env.globals["raise_exception"] = _raise_exception
     try:
         return env.from_string(template)
@@ -156,6 +309,53 @@ def _compiled_template(template: str):
         raise ChatTemplateError(
             f"the plan's chat template is not valid Jinja2 (line {e.lineno}: {_one_line(e.message)}); {_FIX}"
         ) from None
+
+
+def _tracer(lim: _Limits):
+    """A ``sys.settrace`` function that counts the template's lines and checks time and local values' sizes."""
+    import time
+
+    def local(frame, event, arg):
+        if event == "line":
+            lim.steps += 1
+            if lim.steps > MAX_TEMPLATE_STEPS:
+                lim.refuse(f"more than {MAX_TEMPLATE_STEPS} steps")
+            if time.monotonic() > lim.deadline:
+                lim.refuse(f"rendering took more than {MAX_TEMPLATE_SECONDS:g} s")
+            for v in frame.f_locals.values():
+                lim.check_size(v, "a value")
+        return local
+
+    def on_call(frame, event, arg):
+        return local if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    return on_call
+
+
+def _render_bounded(compiled, prompt: str) -> str:
+    """Render ``compiled`` on one user turn within :class:`_Limits` (steps, time, value and output sizes)."""
+    import sys
+    import threading
+
+    global _LIMITS
+    if _LIMITS is None:
+        _LIMITS = threading.local()
+    lim = _Limits(len(prompt))
+    parts: list[str] = []
+    total = 0
+    previous = sys.gettrace()
+    _LIMITS.value = lim
+    sys.settrace(_tracer(lim))
+    try:
+        for chunk in compiled.generate(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True):
+            total += len(chunk)
+            if total > lim.max_size:
+                lim.refuse(f"output longer than {lim.max_size} characters")
+            parts.append(chunk)
+    finally:
+        sys.settrace(previous)
+        _LIMITS.value = None
+    return "".join(parts)
 
 
 def render_chat(template: str | None, prompt: str) -> str:
@@ -173,12 +373,16 @@ def render_chat(template: str | None, prompt: str) -> str:
         raise ChatTemplateError("chat=True needs jinja2 (pip install jinja2)") from None
     compiled = _compiled_template(template)
     try:
-        return compiled.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return _render_bounded(compiled, prompt)
     except ChatTemplateError:
         raise
     except jinja2.sandbox.SecurityError as e:
         raise ChatTemplateError(
             f"the plan's chat template tried an unsafe operation, refused ({_one_line(e)}); {_FIX}"
+        ) from None
+    except (MemoryError, RecursionError) as e:
+        raise ChatTemplateError(
+            f"the plan's chat template exceeded a limit ({type(e).__name__}); {_FIX}"
         ) from None
     except Exception as e:  # noqa: BLE001 - any failure of the plan's template is the plan's problem
         raise ChatTemplateError(

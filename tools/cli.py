@@ -153,6 +153,7 @@ def _run_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-only", action="store_true", help="run the plan's target alone (no drafter)")
     d = p.add_argument_group("text to image (diffusion plans: --prompt TEXT --seed N -o OUT.png)")
     d.add_argument("-o", "--output", help="PNG to write (several prompts: OUT-0.png, OUT-1.png, ...)")
+    d.add_argument("--force", action="store_true", help="replace existing PNG files (-o); without it they are refused")
     d.add_argument("--steps", type=int, help="fixed number of denoising steps (default: the plan's step policy)")
     d.add_argument("--guidance", type=float, help="classifier-free guidance scale, >= 1 (default: the plan's)")
     d.add_argument("--policy", choices=["fixed", "predicted", "online"], help="step policy (default: the plan's)")

@@ -152,11 +152,12 @@ def genai_config(plan, *, max_draft_tokens: int | None = None, adaptive_k: int |
         "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0}}
     if step.kind == "speculative_generate":
         d, pol = p.drafter, p.draft
-        k = int(max_draft_tokens or min(max(pol.initial, 1), GENAI_MAX_K))
+        # 0 is a value, not "the default": only None means the plan's initial draft length
+        k = int(max_draft_tokens) if max_draft_tokens is not None else min(max(pol.initial, 1), GENAI_MAX_K)
         if not 1 <= k <= GENAI_MAX_K:
             raise DataError(f"--max-draft-tokens must be 1..{GENAI_MAX_K} (onnxruntime-genai's bounds), got {k}")
         spec: dict[str, Any] = {"max_draft_tokens": k}
-        if adaptive_k:
+        if adaptive_k is not None:
             if not 1 <= adaptive_k <= GENAI_MAX_K:
                 raise DataError(f"--genai-adaptive-k must be 1..{GENAI_MAX_K}, got {adaptive_k}")
             spec["min_adaptive_k"] = int(adaptive_k)
@@ -187,6 +188,9 @@ def genai_config(plan, *, max_draft_tokens: int | None = None, adaptive_k: int |
             notes.append(NOT_CARRIED["adaptive"].format(min=pol.min, max=pol.max, k=k))
         notes.append(NOT_CARRIED["timing"])
         config["speculative"] = spec
+    elif max_draft_tokens is not None or adaptive_k is not None:
+        raise DataError("--max-draft-tokens and --genai-adaptive-k apply to speculative plans; this plan generates with "
+                        "its target alone — drop them")
     if p.rollback != "mask" or p.io_binding:
         notes.append(NOT_CARRIED["rollback"].format(rollback=p.rollback, io_binding=p.io_binding))
     return config, notes

@@ -245,6 +245,11 @@ def route(
     ref_model = models[-1]
     if reference is not None and Path(reference).resolve() not in [Path(c).resolve() for c in candidates]:
         ref_model = load_candidates([reference, candidates[-1]], load, provider)[0]
+    from dyncompile.io import check_output_dir
+
+    # the output rules of `dyncompile MODEL --force`, before any measuring: the inputs (candidates, reference,
+    # calib) are never replaced or written into
+    check_output_dir(output_dir, force=force, protect=(*candidates, *([reference] if reference else []), calib))
 
     fns = {n: (lambda t, m=m: m.predict_proba([t], batch_size=1)) for n, m in zip(names, models)}
     if task == "text-generation":
@@ -395,5 +400,5 @@ def write_fitted(output_dir, fit, candidates: list[dict], *, budget: float, refe
         prov["calib"] = {"path": str(Path(calib).resolve()), "sha256": sha256_file(calib)}
     kind = "route" if fit.kind == "learned" else "cascade"
     out = write_routed_plan(output_dir, kind=kind, candidates=candidates, rule=rule, policy=policy, router=router,
-                            provenance=prov, force=force)
+                            provenance=prov, force=force, protect=(reference,) if reference else ())
     return RouteResult(out, fit, {c["name"]: c["cost"]["ms"] for c in candidates}, router_ms)

@@ -63,6 +63,7 @@ def write_routed_plan(
     router: tuple[Path, Path, dict[str, Any]] | None = None,
     provenance: dict[str, Any] | None = None,
     force: bool = False,
+    protect: tuple[str | Path, ...] = (),
 ) -> Path:
     """Write the routed plan folder ``out_dir``.
 
@@ -72,10 +73,11 @@ def write_routed_plan(
         rule: :class:`~dyncompile.plan.RoutingRule` JSON (``router`` is filled in here for a learned rule).
         policy: ``policy.routing`` (budget, reference, metric, certificate, calibration, router_overhead_ms).
         router: ``(router.onnx, tokenizer.json, tokenizer spec)`` for a learned rule.
+        protect: more inputs (the reference plan) that ``out_dir`` must neither be, hold nor lie inside.
     """
     if kind not in ("cascade", "route"):
         raise DataError(f"routed plan kind must be cascade or route, got {kind!r}")
-    with atomic_output_dir(out_dir, force=force, protect=[c["plan_dir"] for c in candidates]) as tmp:
+    with atomic_output_dir(out_dir, force=force, protect=(*[c["plan_dir"] for c in candidates], *protect)) as tmp:
         files = {}
         cands = []
         first: Plan | None = None

@@ -146,7 +146,7 @@ def load_runs(spec) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     for p in paths:
         if not p.is_file():
             raise DataError(f"runs file not found: {p}")
-        d = np.load(p)
+        d = np.load(p, allow_pickle=False)
         parts.append({k: d[k] for k in d.files if k != "meta"})
         metas.append(json.loads(str(d["meta"])))
     for p, part, m in zip(paths[1:], parts[1:], metas[1:]):

@@ -359,6 +359,8 @@ def generate(
         raise PromptError(
             f"the prompt has {len(ids)} tokens but the model supports {gen.max_length} positions; shorten it"
         )
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0):
+        raise PromptError(f"seed must be a non-negative integer, got {seed!r}")
     rng = np.random.default_rng(seed)
     if stop:
         if isinstance(stop, str) or not all(isinstance(x, str) and x for x in stop):

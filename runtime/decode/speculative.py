@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from dyncompile.errors import PlanError
 from dyncompile.plan import TreePolicy
 from dyncompile.runtime.decode.draft_tree import DraftTree, accept_greedy, accept_sampling
 from dyncompile.runtime.decode.drafters import (
@@ -293,6 +294,30 @@ class TreeController:
             self.extra = d * self.extra + extra
 
 
+def read_drafter_vocab(data: bytes, key: str, *, target_vocab: int | None) -> np.ndarray:
+    """The drafter's vocabulary map (``.npy`` bytes of plan file ``key``): a 1-D int64 array of target token ids.
+
+    Raises:
+        PlanError: not a ``.npy`` file (pickled objects are never loaded), not 1-D integers, or ids outside
+            ``[0, target_vocab)``.
+    """
+    try:
+        vocab = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise PlanError(f"plan file {key!r} (the drafter vocab) is not a numpy .npy array of token ids ({e})") from None
+    if not isinstance(vocab, np.ndarray) or vocab.ndim != 1 or not vocab.size:
+        raise PlanError(f"plan file {key!r}: the drafter vocab must be a non-empty 1-D array of token ids, got shape "
+                        f"{getattr(vocab, 'shape', None)}")
+    if not np.issubdtype(vocab.dtype, np.integer):
+        raise PlanError(f"plan file {key!r}: the drafter vocab must hold integer token ids, not {vocab.dtype}")
+    if vocab.min() < 0:
+        raise PlanError(f"plan file {key!r}: the drafter vocab holds negative token ids")
+    if target_vocab is not None and vocab.max() >= target_vocab:
+        raise PlanError(f"plan file {key!r}: the drafter vocab names token {int(vocab.max())}, outside the target's "
+                        f"vocabulary of {target_vocab}")
+    return vocab.astype(np.int64)
+
+
 @register_step("speculative_generate")
 class SpeculativeGenerateStep(GenerateStep):
     """Speculative decoding: the plan's drafter proposes, the target verifies (see the module docstring)."""
@@ -308,17 +333,26 @@ class SpeculativeGenerateStep(GenerateStep):
         elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/decode/eagle.py)
             from dyncompile.runtime.decode.eagle import EagleDecoder, EagleDrafter
 
-            vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False) if d.vocab else None
+            vocab = read_drafter_vocab(ctx.plan.content_of(d.vocab), d.vocab, target_vocab=self._target_vocab()) if d.vocab else None
             dec = EagleDecoder(ctx.session(d.decoder.model), d.decoder, feature_input=d.feature_input,
                                hidden_output=d.hidden_output, timer=self.timer, rollback=self.params.rollback)
             self.drafter = EagleDrafter(dec, features=d.features, vocab=vocab)
         else:  # "model" (the schema admits no other kind, and checks decoder and share_kv)
             vocab = None
             if d.vocab:  # the bytes load_plan read and hash-checked
-                vocab = np.load(io.BytesIO(ctx.plan.content_of(d.vocab)), allow_pickle=False)
+                vocab = read_drafter_vocab(ctx.plan.content_of(d.vocab), d.vocab, target_vocab=self._target_vocab())
             dec = KVDecoder(ctx.session(d.decoder.model), d.decoder, role="drafter", timer=self.timer,
                             io_binding=self.params.io_binding, rollback=self.params.rollback)
             self.drafter = ModelDrafter(dec, name=d.name, share_kv=d.share_kv, vocab=vocab)
+
+    def _target_vocab(self) -> int | None:
+        """The static width of the target's logits output, or None when the graph leaves it symbolic."""
+        try:
+            out = next(o for o in self.target.session.get_outputs() if o.name == self.target_spec.logits)
+        except (AttributeError, StopIteration):
+            return None
+        dim = out.shape[-1] if getattr(out, "shape", None) else None
+        return dim if isinstance(dim, int) and dim > 0 else None
 
     def _controller(self, options: dict[str, Any]) -> DraftController:
         """The plan's draft policy, overridden by ``draft_length``/``min_draft``/``max_draft``/``adaptive``."""

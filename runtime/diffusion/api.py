@@ -13,6 +13,9 @@ from dyncompile.errors import DataError
 from dyncompile.runtime.diffusion.steps import MAX_STEPS, NOISE_SOURCES, POLICIES
 from dyncompile.runtime.registry import TaskAPI, register_task
 
+#: the largest classifier-free guidance scale a request may ask for (the plan schema's bound)
+MAX_GUIDANCE = 100.0
+
 __all__ = ["DiffusionResult", "ImagesAPI"]
 
 
@@ -54,10 +57,15 @@ def _check_request(prompts, steps, guidance, policy) -> list[str]:
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= MAX_STEPS:
             raise DataError(f"steps={steps!r}: the number of denoising steps must be an integer in [1, {MAX_STEPS}]")
     if guidance is not None:
-        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 1:
-            raise DataError(f"guidance={guidance!r}: the guidance scale must be >= 1 (1 = no classifier-free guidance)")
+        if (isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance)
+                or not 1 <= guidance <= MAX_GUIDANCE):
+            raise DataError(f"guidance={guidance!r}: the guidance scale must be >= 1 and <= {MAX_GUIDANCE:g} (1 = no "
+                            "classifier-free guidance; diffusion models use 1.5-15, larger saturates the image)")
     if policy is not None and policy not in POLICIES:
         raise DataError(f"policy={policy!r}: choose one of {', '.join(POLICIES)}")
+    if steps is not None and policy in ("predicted", "online"):
+        raise DataError(f"--steps {steps} with --policy {policy}: a fixed step count applies only to the fixed policy "
+                        "(the predicted and online policies choose each prompt's steps); drop one of them")
     return prompts
 
 
@@ -102,6 +110,8 @@ def _generate_images(
     seeds = [int(seed) + i for i in range(len(prompts))] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
     if len(seeds) != len(prompts):
         raise DataError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    if any(not 0 <= s < 2**63 for s in seeds):
+        raise DataError(f"seeds must be non-negative integers below 2**63, got {seeds[:4]}")
     if policy == "fixed" and steps is None:
         steps = None  # the plan's num_inference_steps
     state: dict[str, Any] = {

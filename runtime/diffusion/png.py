@@ -15,8 +15,12 @@ from dyncompile.errors import DataError
 __all__ = ["save_png"]
 
 
-def save_png(path: str | Path, image: np.ndarray) -> Path:
-    """Write a uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` image as PNG, atomically (no imaging library needed)."""
+def save_png(path: str | Path, image: np.ndarray, *, replace: bool = True) -> Path:
+    """Write a uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` image as PNG, atomically (no imaging library needed).
+
+    With ``replace=False`` an existing ``path`` is never replaced (:class:`~dyncompile.errors.OutputExistsError`),
+    even one that appears while the file is written.
+    """
     path = Path(path)
     img = np.ascontiguousarray(image, np.uint8)
     if img.ndim == 2:
@@ -40,8 +44,27 @@ def save_png(path: str | Path, image: np.ndarray) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(png)
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _link_noreplace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _link_noreplace(tmp: str, path: Path) -> None:
+    """Move ``tmp`` to ``path`` unless ``path`` exists (a hard link fails on an existing name)."""
+    from dyncompile.errors import OutputExistsError
+
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise OutputExistsError(f"{path} already exists; pass --force to replace it") from None
+    except OSError:  # a file system without hard links: check, then rename
+        if os.path.lexists(path):
+            raise OutputExistsError(f"{path} already exists; pass --force to replace it") from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)

@@ -127,6 +127,13 @@ class DiffusionDenoiseStep(StepHandler):
         super().__init__(step, ctx)
         self.p = p = _typed(step)
         scheduler = make_scheduler(p.scheduler)
+        self.max_steps = scheduler.T  # a schedule has at most one step per training timestep
+        for what, k in (("num_inference_steps", p.num_inference_steps),
+                        ("stop_rule.max_steps", None if p.stop_rule is None else p.stop_rule.max_steps)):
+            if k is not None and k > scheduler.T:
+                raise PlanError(f"plan step 'diffusion_denoise': {what} {k} exceeds the scheduler's "
+                                f"num_train_timesteps {scheduler.T}")
+        scheduler.timesteps(p.num_inference_steps)  # PlanError if the plan's schedule leaves [0, T)
         r = p.stop_rule
         self.stop_rule = None if r is None else StopRule(r.threshold, r.max_steps, r.min_steps)
         self.session = ctx.session(p.unet)
@@ -177,8 +184,14 @@ class DiffusionDenoiseStep(StepHandler):
         else:
             if policy == "predicted":
                 want = np.asarray(state["predicted_steps"], np.int64)
+                if want.size and want.max() > self.max_steps:
+                    raise PlanError(f"plan step 'predict_steps': its grid reaches {int(want.max())} steps, over the "
+                                    f"scheduler's num_train_timesteps {self.max_steps}")
             else:
                 k = state.get("num_inference_steps")
+                if k is not None and k > self.max_steps:
+                    raise DataError(f"steps={k}: this plan's scheduler has {self.max_steps} timesteps; ask for at "
+                                    f"most {self.max_steps} steps")
                 want = np.broadcast_to(np.asarray(self.p.num_inference_steps if k is None else k, np.int64), (n,))
             for k in np.unique(want):  # rows sharing a step count share a batch
                 rows = np.flatnonzero(want == k)

@@ -30,6 +30,9 @@ _BETAS = ("linear", "scaled_linear")
 _PREDICTIONS = ("epsilon", "v_prediction", "sample")
 
 
+MAX_TRAIN_TIMESTEPS = 100_000  # diffusers' schedulers train on 1000
+
+
 class DDIMScheduler:
     """Deterministic DDIM (eta 0) over a diffusers-style config; float32 like diffusers' torch tensors."""
 
@@ -57,8 +60,8 @@ class DDIMScheduler:
             return v
 
         self.T = get("num_train_timesteps", 1000, int)
-        if self.T < 2:
-            raise PlanError(f"{where}: num_train_timesteps={self.T} must be >= 2")
+        if not 2 <= self.T <= MAX_TRAIN_TIMESTEPS:
+            raise PlanError(f"{where}: num_train_timesteps={self.T} must be in [2, {MAX_TRAIN_TIMESTEPS}]")
         beta_start = float(get("beta_start", 1e-4, float))
         beta_end = float(get("beta_end", 0.02, float))
         if not 0 < beta_start <= beta_end < 1:
@@ -67,8 +70,12 @@ class DDIMScheduler:
         self.spacing = get("timestep_spacing", "leading", _SPACINGS)
         self.prediction_type = get("prediction_type", "epsilon", _PREDICTIONS)
         self.steps_offset = get("steps_offset", 0, int)
+        if not 0 <= self.steps_offset < self.T:
+            raise PlanError(f"{where}: steps_offset={self.steps_offset} must be in [0, num_train_timesteps)")
         self.clip_sample = get("clip_sample", True, bool)
         self.clip_sample_range = float(get("clip_sample_range", 1.0, float))
+        if not 0 < self.clip_sample_range <= 1e6:  # NaN fails too; 0 would clip every image to grey
+            raise PlanError(f"{where}: clip_sample_range={self.clip_sample_range} must be in (0, 1e6]")
         set_alpha_to_one = get("set_alpha_to_one", True, bool)
         for key in ("thresholding", "rescale_betas_zero_snr"):
             if cfg.get(key):
@@ -103,6 +110,11 @@ class DDIMScheduler:
             ts = (np.arange(0, n) * (T // n)).round()[::-1].astype(np.int64) + self.steps_offset
         else:  # linspace
             ts = np.linspace(0, T - 1, n).round()[::-1].astype(np.int64)
+        if len(ts) and not (0 <= ts.min() and ts.max() < T):
+            raise PlanError(
+                f"scheduler config: a {n}-step {self.spacing!r} schedule with steps_offset {self.steps_offset} reaches "
+                f"timestep {int(ts.max())}, outside [0, {T}); fix steps_offset or the step count"
+            )
         return [int(t) for t in ts]
 
     def prev_timestep(self, t: int, n: int) -> int:

@@ -262,7 +262,7 @@ def _cached_probs(model, texts, path: Path, desc: str) -> np.ndarray:
     from dyncompile.passes.routing.driver import candidate_probs
 
     if path.is_file():
-        return np.load(path)
+        return np.load(path, allow_pickle=False)
     p = candidate_probs(model, texts, desc=desc)
     np.save(path, p)
     return p
@@ -291,7 +291,7 @@ def sentiment(plans: Path, work: Path, out: Path, budget: float, rows: int, resp
     cal = {}
     for n in ("minilm", "mpnet", "mpnet-ee"):
         path = work / f"calib-{n}-v2.npy"
-        cal[n] = np.load(path) if path.is_file() else _cached_probs(dyncompile.load(dirs[n], **kw), ct, path, f"calib {n}")
+        cal[n] = np.load(path, allow_pickle=False) if path.is_file() else _cached_probs(dyncompile.load(dirs[n], **kw), ct, path, f"calib {n}")
         gc.collect()
     logger.info("calibration outputs in %.0f s", time.time() - t0)
     outputs = {str(dirs[n]): p for n, p in cal.items()}

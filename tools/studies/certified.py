@@ -43,7 +43,7 @@ def _features(name: str, art, data_dir: Path, cache: Path | None) -> dict[str, A
     out: dict[str, Any] = {"L": num_layers, "exits": exits, "cuts": cuts}
     f = None if cache is None else cache / f"{name}.npz"
     if f is not None and f.is_file():
-        z = np.load(f)
+        z = np.load(f, allow_pickle=False)
         for split in ("calib", "test"):
             out[split] = ([z[f"{split}_f{j}"] for j in range(len(exits))], z[f"{split}_teacher"], z[f"{split}_y"])
         out["probe_seconds"] = None

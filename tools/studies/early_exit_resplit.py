@@ -123,7 +123,7 @@ def collect(model_name: str, splits: Sequence[str], *, data_dir: Path, cache_dir
     for sp in splits:
         cache = None if cache_dir is None else cache_dir / f"f-{model_name}-{sp}.npz"
         if cache is not None and cache.is_file():
-            d = np.load(cache)
+            d = np.load(cache, allow_pickle=False)
             keys = sorted((k for k in d.files if k.startswith("arr_")), key=lambda s: int(s[4:]))
             out[sp] = ([d[k] for k in keys], d["teacher"], d["labels"])
             exits, num_layers = [int(e) for e in d["exits"]], int(d["L"])

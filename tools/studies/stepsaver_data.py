@@ -91,7 +91,7 @@ def cmd_prepare(args) -> int:
 def cmd_generate(args) -> int:
     from dyncompile.passes.step_saver.calibrate import generation_runs
 
-    d = np.load(args.inputs)
+    d = np.load(args.inputs, allow_pickle=False)
     meta = json.loads(str(d["meta"]))
     s0 = args.start
     n = len(d["ctx"]) - s0 if args.limit is None else min(args.limit, len(d["ctx"]) - s0)
