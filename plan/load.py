@@ -33,6 +33,7 @@ from dyncompile.plan._core import (
 )
 from dyncompile.plan._typed import _check_json, _field, _short, from_json
 from dyncompile.plan.decode import MAX_POSITIONS
+from dyncompile.plan.model_bytes import external_locations, parse_model
 from dyncompile.plan.routing import Candidate, RoutedParams
 
 __all__ = [
@@ -197,18 +198,45 @@ def _parse_spec(path: Path, raw: dict[str, Any]) -> _PlanSpec:
         return from_json(_PlanSpec, raw, "plan")
 
 
+def _check_onnx_file(full: Path, key: str, fr: _FileSpec, plan_paths: set[str]) -> str:
+    """Hash ONNX file ``key`` and check that every external-data location it names is a file of the plan.
+
+    Returns:
+        The sha256 of the file's bytes (read once: the same bytes are hashed and parsed).
+    """
+    try:
+        data = full.read_bytes()
+    except OSError as e:
+        raise PlanError(f"cannot read file {key!r} of the plan ({full}): {e.strerror or e}") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual == fr.sha256:  # a modified file is reported as such below, not as a damaged model
+        where = f"file {key!r} ({fr.path})"
+        external_locations(parse_model(data, where), fr.path, plan_paths, where)
+    return actual
+
+
 def _load_files(plan_dir: Path, spec: _PlanSpec, verify_hashes: bool) -> tuple[dict[str, FileRef], dict[str, bytes]]:
     """Check every file's path and sha256; read the small ones (tokenizer, vocab maps) into memory.
+
+    Every external-data file an ONNX file names (in its ``external_data`` list, and with ``verify_hashes`` in
+    its tensors) must itself be a file entry of the plan, so that its sha256 is checked and the plan's digest
+    covers it.
 
     Returns:
         The plan's files, and the bytes of its small files (the bytes that were hashed).
     """
     files: dict[str, FileRef] = {}
     contents: dict[str, bytes] = {}
+    plan_paths = {fr.path for fr in spec.files.values()}
     for key, fr in spec.files.items():
         full = _check_rel_path(plan_dir, fr.path, f"file {key!r}")
         for e in fr.external_data:
             _check_rel_path(plan_dir, e, f"external data of file {key!r}")
+            if e not in plan_paths:
+                raise PlanError(
+                    f"external data {e!r} of file {key!r} is not a file of the plan: plan.json lists no sha256 for "
+                    "it, so its weights would run unchecked; recompile the plan, or add it to plan.json's files"
+                )
         if not full.is_file():
             raise PlanError(f"file {key!r} of the plan is missing: {full}")
         small = not fr.path.endswith((".onnx", ".data")) and fr.role not in ("external_data",)
@@ -216,8 +244,12 @@ def _load_files(plan_dir: Path, spec: _PlanSpec, verify_hashes: bool) -> tuple[d
             data = full.read_bytes()
             contents[key] = data
             actual = hashlib.sha256(data).hexdigest()
+        elif not verify_hashes:
+            actual = fr.sha256
+        elif fr.path.endswith(".onnx"):
+            actual = _check_onnx_file(full, key, fr, plan_paths)
         else:
-            actual = sha256_file(full) if verify_hashes else fr.sha256
+            actual = sha256_file(full)
         if verify_hashes and actual != fr.sha256:
             raise PlanError(
                 f"file {key!r} ({full}) was modified after compile: sha256 {actual[:12]}… != plan's "
@@ -297,9 +329,11 @@ def _check_labels_and_tokenizer(path: Path, spec: _PlanSpec, files: dict[str, Fi
 def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_kinds=None) -> Plan:
     """Load and validate ``plan_dir/plan.json`` against the plan schema; read and hash-check every file.
 
-    ONNX files and their external data are hashed here and opened later by the runtime; small files
-    (tokenizer, vocab maps) are read once into :attr:`Plan.contents` from the same bytes that were hashed,
-    so a file swapped after ``load`` is never used.
+    ONNX files and their external data are hashed here, and every external-data location of every ONNX file
+    must be a file entry of the plan. The runtime hashes them again when it makes a session, from the bytes it
+    hands ONNX Runtime (:func:`~dyncompile.plan.model_bytes.read_model`); small files (tokenizer, vocab maps)
+    are read once into :attr:`Plan.contents` from the same bytes that were hashed. A file swapped after
+    ``load`` is never used.
 
     Args:
         plan_dir: the plan directory (or its ``plan.json``).
@@ -340,6 +374,7 @@ def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_ki
         format=spec.format,
         directory=plan_dir,
         contents=contents,
+        hashes_checked=verify_hashes,
     )
 
 
