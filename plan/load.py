@@ -211,7 +211,11 @@ def _check_onnx_file(full: Path, key: str, fr: _FileSpec, plan_paths: set[str]) 
     actual = hashlib.sha256(data).hexdigest()
     if actual == fr.sha256:  # a modified file is reported as such below, not as a damaged model
         where = f"file {key!r} ({fr.path})"
-        external_locations(parse_model(data, where), fr.path, plan_paths, where)
+        try:
+            proto = parse_model(data, where)
+        except PlanError:  # not ONNX at all: it names no external data; ONNX Runtime refuses it at session time
+            return actual
+        external_locations(proto, fr.path, plan_paths, where)
     return actual
 
 

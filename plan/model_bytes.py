@@ -61,8 +61,8 @@ def parse_model(data: bytes, where: str) -> Any:
     try:
         proto.ParseFromString(data)
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, RecursionError on hostile nesting
-        raise PlanError(f"{where} is not an ONNX model (the protobuf does not parse: {type(e).__name__}); "
-                        "recompile the plan") from None
+        raise PlanError(f"{where} is not an ONNX model that ONNX Runtime can load (the protobuf does not parse: "
+                        f"{type(e).__name__}); recompile the plan") from None
     return proto
 
 
