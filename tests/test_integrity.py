@@ -272,3 +272,54 @@ def test_plan_json_of_an_external_data_plan_lists_both(base_plan, tmp_path):
     plan_dir = _to_external(_fresh(base_plan, tmp_path))
     raw = json.loads((plan_dir / "plan.json").read_text())
     assert {f["path"] for f in raw["files"].values()} >= {"model.onnx", "model.onnx.data"}
+
+
+def test_external_data_plan_runs_on_the_test_provider(base_plan, tmp_path, provider):
+    """Model bytes and external data from memory work on every execution provider (CI: OpenVINO too)."""
+    from helpers import tolerance
+
+    plan_dir = _to_external(_fresh(base_plan, tmp_path))
+    want = dyncompile.load(base_plan, provider=provider).predict_proba(TEXTS)
+    cm = dyncompile.load(plan_dir, provider=provider)
+    np.testing.assert_allclose(cm.predict_proba(TEXTS), want, rtol=0, atol=tolerance(provider))
+    assert cm.provider == dyncompile.load(base_plan, provider=provider).provider
+
+
+def _if_model_with_external_data(plan_dir):
+    """A model whose ``If`` branches hold external initializers, and one in the main graph, all in one data file."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    w = nh.from_array(np.arange(16, dtype=np.float32).reshape(4, 4), "W")
+    w2 = nh.from_array(np.full((4, 4), 2.0, np.float32), "W2")
+    y = [h.make_tensor_value_info(n, T.FLOAT, [1, 4]) for n in ("y", "y2")]
+    then = h.make_graph([h.make_node("MatMul", ["x", "W2"], ["y"])], "then", [], [y[0]], [w2])
+    other = h.make_graph([h.make_node("MatMul", ["x", "W"], ["y2"])], "else", [], [y[1]])
+    g = h.make_graph([h.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)], "g",
+                     [h.make_tensor_value_info("x", T.FLOAT, [1, 4]), h.make_tensor_value_info("c", T.BOOL, [])],
+                     [h.make_tensor_value_info("out", T.FLOAT, [1, 4])], [w])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=9)
+    plan_dir.mkdir()
+    onnx.save_model(m, str(plan_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=0)
+    from dyncompile.plan import Plan, Step, file_ref, save_plan
+
+    files = {"model": file_ref(plan_dir, "model.onnx", "main", ["model.onnx.data"]),
+             "model.data": file_ref(plan_dir, "model.onnx.data", "external_data")}
+    save_plan(Plan(task="custom", files=files, steps=[Step("run_model", {"model": "model"})]), plan_dir)
+    return plan_dir
+
+
+def test_subgraph_external_data_comes_from_the_hashed_bytes(tmp_path, provider, monkeypatch):
+    """If-branch weights stored as external data: inlined from the hashed bytes (ORT would look for them on disk)."""
+    plan_dir = _if_model_with_external_data(tmp_path / "p")
+    plan = load_plan(plan_dir)
+    monkeypatch.chdir(tmp_path)  # ORT given bytes resolves relative paths from here: it must not need to
+    s = RuntimeContext(plan, dyncompile.runtime.LoadOptions(provider=provider)).session("model")
+    x = np.ones((1, 4), np.float32)
+    np.testing.assert_allclose(s.run(None, {"x": x, "c": np.array(True)})[0], [[8.0] * 4], atol=1e-5)
+    np.testing.assert_allclose(s.run(None, {"x": x, "c": np.array(False)})[0], [[24.0, 28.0, 32.0, 36.0]], atol=1e-5)
+    (plan_dir / "model.onnx.data").write_bytes(b"\0" * (plan_dir / "model.onnx.data").stat().st_size)
+    with pytest.raises(PlanError, match="changed on disk"):
+        RuntimeContext(plan).session("model")
