@@ -287,22 +287,23 @@ def test_external_data_plan_runs_on_the_test_provider(base_plan, tmp_path, provi
 
 def _if_model_with_external_data(plan_dir):
     """A model whose ``If`` branches hold external initializers, and one in the main graph, all in one data file."""
-    from onnx import TensorProto as T
-    from onnx import helper as h
-    from onnx import numpy_helper as nh
+    f32 = ir.DataType.FLOAT
+    x, c = ir.val("x", f32, ir.Shape([1, 4])), ir.val("c", ir.DataType.BOOL, ir.Shape([]))
+    w = ir.val("W", const_value=ir.tensor(np.arange(16, dtype=np.float32).reshape(4, 4), name="W"))
+    w2 = ir.val("W2", const_value=ir.tensor(np.full((4, 4), 2.0, np.float32), name="W2"))
 
-    w = nh.from_array(np.arange(16, dtype=np.float32).reshape(4, 4), "W")
-    w2 = nh.from_array(np.full((4, 4), 2.0, np.float32), "W2")
-    y = [h.make_tensor_value_info(n, T.FLOAT, [1, 4]) for n in ("y", "y2")]
-    then = h.make_graph([h.make_node("MatMul", ["x", "W2"], ["y"])], "then", [], [y[0]], [w2])
-    other = h.make_graph([h.make_node("MatMul", ["x", "W"], ["y2"])], "else", [], [y[1]])
-    g = h.make_graph([h.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)], "g",
-                     [h.make_tensor_value_info("x", T.FLOAT, [1, 4]), h.make_tensor_value_info("c", T.BOOL, [])],
-                     [h.make_tensor_value_info("out", T.FLOAT, [1, 4])], [w])
-    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=9)
+    def branch(name, weight, inits):
+        t = ir.tape.Tape()
+        y = t.op("MatMul", [x, weight])
+        y.name, y.dtype, y.shape = name + "_y", f32, ir.Shape([1, 4])
+        return ir.Graph([], [y], nodes=t.nodes, initializers=inits, name=name)
+
+    t = ir.tape.Tape()
+    out = t.op("If", [c], {"then_branch": branch("then", w2, [w2]), "else_branch": branch("else", w, [])})
+    out.name, out.dtype, out.shape = "out", f32, ir.Shape([1, 4])
+    g = ir.Graph([x, c], [out], nodes=t.nodes, initializers=[w], opset_imports={"": 17}, name="g")
     plan_dir.mkdir()
-    onnx.save_model(m, str(plan_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="model.onnx.data", size_threshold=0)
+    ir.save(ir.Model(g, ir_version=9), plan_dir / "model.onnx", external_data="model.onnx.data", size_threshold_bytes=0)
     from dyncompile.plan import Plan, Step, file_ref, save_plan
 
     files = {"model": file_ref(plan_dir, "model.onnx", "main", ["model.onnx.data"]),
