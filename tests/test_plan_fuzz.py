@@ -123,7 +123,10 @@ def plans(module_tmp):
 
 
 def _use(plan_dir):
-    cm = dyncompile.load(plan_dir)
+    return _answer(dyncompile.load(plan_dir))
+
+
+def _answer(cm):
     if cm.plan.task == "text-generation":
         return np.asarray(cm.generate("w3 w4", max_new_tokens=3).token_ids)
     if cm.plan.task == "text-to-image":
@@ -279,6 +282,24 @@ def _edit_refs(plan_dir, onnx_rel, edits):
     _rehash(plan_dir, onnx_rel)
 
 
+def _unhashed_locations(plan_dir, onnx_rel) -> list[str]:
+    """External-data locations of the ONNX file that are not (plan-relative) paths of plan.json's file entries."""
+    import posixpath
+
+    import onnx
+
+    listed = {f["path"] for f in json.loads((plan_dir / "plan.json").read_text())["files"].values()}
+    m = onnx.load(str(plan_dir / onnx_rel), load_external_data=False)
+    out = []
+    for t in m.graph.initializer:
+        loc = {e.key: e.value for e in t.external_data}.get("location")
+        if t.data_location == onnx.TensorProto.EXTERNAL and loc is not None:
+            rel = posixpath.normpath(posixpath.join(posixpath.dirname(onnx_rel), loc))
+            if rel not in listed:
+                out.append(loc)
+    return out
+
+
 def _restore(plan_dir, pristine):
     shutil.rmtree(plan_dir)
     shutil.copytree(pristine, plan_dir)
@@ -293,13 +314,18 @@ def test_external_data_changed_behind_the_plan_gives_the_original_answer_or_a_cl
     outcomes = {"same answer": 0, "clean error": 0}
 
     @FUZZ
-    @given(edits=data_edits, rehash=st.booleans())
-    def check(edits, rehash):
+    @given(edits=data_edits, rehash=st.booleans(), after_load=st.booleans())
+    def check(edits, rehash, after_load):
+        from dyncompile.plan import load_plan
+        from dyncompile.runtime.executor import CompiledModel, RuntimeContext
+
+        rehash = rehash and not after_load
+        loaded = load_plan(plan_dir) if after_load else None  # hashed now; its sessions are made after the edit
         _edit_data(plan_dir / data_rel, edits)
         if rehash and (plan_dir / data_rel).exists():  # a publisher shipping other weights: any answer may do
             _rehash(plan_dir, data_rel)
         try:
-            got = _use(plan_dir)
+            got = _use(plan_dir) if loaded is None else _answer(CompiledModel(loaded, RuntimeContext(loaded)))
             if not rehash:
                 np.testing.assert_array_equal(got, want)
             outcomes["same answer"] += 1
@@ -325,8 +351,10 @@ def test_rewritten_external_data_references_load_or_fail_cleanly(external_plans,
     @given(edits=ref_edits)
     def check(edits):
         _edit_refs(plan_dir, onnx_rel, edits)
+        unhashed = _unhashed_locations(plan_dir, onnx_rel)
         try:
             _use(plan_dir)
+            assert not unhashed, f"ran with external data that no sha256 covers: {unhashed}"
             outcomes["ran"] += 1
         except DyncompileError as e:
             assert str(e).strip() and "\n" not in str(e).strip(), "one error line"
