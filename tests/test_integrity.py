@@ -324,3 +324,21 @@ def test_subgraph_external_data_comes_from_the_hashed_bytes(tmp_path, provider, 
     (plan_dir / "model.onnx.data").write_bytes(b"\0" * (plan_dir / "model.onnx.data").stat().st_size)
     with pytest.raises(PlanError, match="changed on disk"):
         RuntimeContext(plan).session("model")
+
+
+def test_copy_model_brings_and_lists_its_external_data(tmp_path):
+    """What an emitter copies from a pipeline (text encoder, VAE) comes with its external data, hashed."""
+    from dyncompile.passes.emit import copy_model
+    from dyncompile.plan import Plan, Step, save_plan
+
+    src = _if_model_with_external_data(tmp_path / "src")
+    out = tmp_path / "plan"
+    out.mkdir()
+    refs = copy_model(src / "model.onnx", out, "enc/model.onnx", "text_encoder")
+    assert [(r.path, r.role, r.external_data) for r in refs] == [
+        ("enc/model.onnx", "text_encoder", ["enc/model.onnx.data"]), ("enc/model.onnx.data", "external_data", [])]
+    files = {"model": refs[0], "model.data": refs[1]}
+    save_plan(Plan(task="custom", files=files, steps=[Step("run_model", {"model": "model"})]), out)
+    plan = load_plan(out)
+    s = RuntimeContext(plan).session("model")
+    assert s.run(None, {"x": np.ones((1, 4), np.float32), "c": np.array(True)})[0].tolist() == [[8.0] * 4]
