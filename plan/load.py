@@ -33,7 +33,7 @@ from dyncompile.plan._core import (
 )
 from dyncompile.plan._typed import _check_json, _field, _short, from_json
 from dyncompile.plan.decode import MAX_POSITIONS
-from dyncompile.plan.model_bytes import external_locations, parse_model
+from dyncompile.plan.model_bytes import external_locations, may_have_external_data, parse_model
 from dyncompile.plan.routing import Candidate, RoutedParams
 
 __all__ = [
@@ -209,7 +209,7 @@ def _check_onnx_file(full: Path, key: str, fr: _FileSpec, plan_paths: set[str]) 
     except OSError as e:
         raise PlanError(f"cannot read file {key!r} of the plan ({full}): {e.strerror or e}") from None
     actual = hashlib.sha256(data).hexdigest()
-    if actual == fr.sha256:  # a modified file is reported as such below, not as a damaged model
+    if actual == fr.sha256 and may_have_external_data(data):  # a modified file is reported below as such
         where = f"file {key!r} ({fr.path})"
         try:
             proto = parse_model(data, where)

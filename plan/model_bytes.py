@@ -32,7 +32,7 @@ from typing import Any
 
 from dyncompile.errors import PlanError
 
-__all__ = ["ModelBytes", "external_locations", "external_tensors", "parse_model", "read_model"]
+__all__ = ["ModelBytes", "external_locations", "external_tensors", "may_have_external_data", "parse_model", "read_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,15 @@ class ModelBytes:
 
     model: bytes
     external: dict[str, bytes]
+
+
+def may_have_external_data(data: bytes) -> bool:
+    """False when the serialized model ``data`` surely stores no tensor as external data.
+
+    An external tensor names its file in an entry with the key ``location``; bytes without that word hold none
+    (a fast scan that spares parsing a large model with inline weights a second time).
+    """
+    return b"location" in data
 
 
 def parse_model(data: bytes, where: str) -> Any:
@@ -226,8 +235,10 @@ def read_model(plan: Any, key: str, *, check_hashes: bool = True) -> ModelBytes:
     data = _read(path, f"file {key!r}")
     if check_hashes:
         _check_hash(data, ref.sha256, path, f"file {key!r}")
-    proto = parse_model(data, f"file {key!r} ({ref.path})")
     where = f"file {key!r} ({ref.path})"
+    if not may_have_external_data(data):
+        return ModelBytes(data, {})
+    proto = parse_model(data, where)
     by_path = {f.path: f for f in plan.files.values()}
     locs = external_locations(proto, ref.path, set(by_path), where)
     if not locs:

@@ -40,13 +40,16 @@ def _clone_or_copy(src: Path, dst: Path) -> None:
     """
     try:
         import fcntl
-
-        with open(src, "rb") as fs, open(dst, "xb") as fd:
-            fcntl.ioctl(fd.fileno(), _FICLONE, fs.fileno())
+    except ImportError:  # not a POSIX system
+        shutil.copyfile(src, dst)
         return
-    except (ImportError, OSError):
-        dst.unlink(missing_ok=True)
-    shutil.copyfile(src, dst)
+    with open(src, "rb") as fs, open(dst, "xb") as fd:
+        try:
+            fcntl.ioctl(fd.fileno(), _FICLONE, fs.fileno())
+            return
+        except OSError:  # no reflinks here (ext4, tmpfs, another file system): copy the bytes
+            pass
+        shutil.copyfileobj(fs, fd, 2**22)
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:
