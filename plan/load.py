@@ -198,18 +198,36 @@ def _parse_spec(path: Path, raw: dict[str, Any]) -> _PlanSpec:
         return from_json(_PlanSpec, raw, "plan")
 
 
+def _hash_and_scan(path: Path) -> tuple[str, bool]:
+    """The sha256 of ``path`` and whether its bytes may name external data, in one streaming read."""
+    h = hashlib.sha256()
+    found, tail = False, b""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            found = found or may_have_external_data(tail + chunk)
+            tail = chunk[-16:]
+    return h.hexdigest(), found
+
+
 def _check_onnx_file(full: Path, key: str, fr: _FileSpec, plan_paths: set[str]) -> str:
     """Hash ONNX file ``key`` and check that every external-data location it names is a file of the plan.
 
+    Streams the file (a model with inline weights is not held in memory); one that names external data is
+    then read whole and parsed, from bytes hashed again (a file changed in between is reported as modified).
+
     Returns:
-        The sha256 of the file's bytes (read once: the same bytes are hashed and parsed).
+        The sha256 of the file (of the bytes that were parsed, when it was parsed).
     """
     try:
+        actual, external = _hash_and_scan(full)
+        if actual != fr.sha256 or not external:  # a modified file is reported as such by the caller
+            return actual
         data = full.read_bytes()
     except OSError as e:
         raise PlanError(f"cannot read file {key!r} of the plan ({full}): {e.strerror or e}") from None
     actual = hashlib.sha256(data).hexdigest()
-    if actual == fr.sha256 and may_have_external_data(data):  # a modified file is reported below as such
+    if actual == fr.sha256:
         where = f"file {key!r} ({fr.path})"
         try:
             proto = parse_model(data, where)

@@ -14,11 +14,11 @@ inlined into the model bytes (ONNX Runtime's checker looks for those on disk); t
 initializers stay external and come from memory, so a decoder with more than 2 GB of weights still loads
 (protobuf's 2 GB limit applies to the serialized model only).
 
-Cost: the model and its external data are read into memory and hashed once more when the session is made
-(about 1 s per GB on one core), and while ONNX Runtime builds the session the weights are in memory twice
-(the bytes read here and ONNX Runtime's copy); the bytes read here are dropped once the session exists. A
-session made from a path would instead map the external data file (about half the peak memory), but would
-read whatever the file holds at that moment.
+Cost: the model and its external data are read into memory and hashed once more when the session is made,
+and while ONNX Runtime builds the session the weights are in memory twice (the bytes read here and ONNX
+Runtime's copy); the bytes read here are dropped once the session exists. A 420 MB model: peak RSS 0.62 ->
+1.36 GB, session about 1 -> 2 s. A session made from a path would map the external data file instead (about
+half the peak memory), but would read whatever the file holds at that moment.
 """
 
 from __future__ import annotations

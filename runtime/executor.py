@@ -130,7 +130,14 @@ class RuntimeContext:
             names = list(mb.external)
             bufs = [mb.external[n] for n in names]
             so.add_external_initializers_from_files_in_memory(names, bufs, [len(b) for b in bufs])
-        return self.ort.InferenceSession(mb.model, so, providers=self.providers)
+        s = self.ort.InferenceSession(mb.model, so, providers=self.providers)
+        if getattr(s, "_model_bytes", None) is not None:
+            # ORT's Python wrapper keeps the model bytes for the session's life, only to re-create the session when
+            # its own EP fallback kicks in; dyncompile picks fallbacks itself (--fallback), so let them go (a model
+            # with inline weights: its size in memory)
+            s.disable_fallback()
+            s._model_bytes = None
+        return s
 
     def session(self, file_key: str):
         """The ORT session of plan file ``file_key`` (created on first use, from the bytes that were hashed)."""
