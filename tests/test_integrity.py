@@ -342,3 +342,11 @@ def test_copy_model_brings_and_lists_its_external_data(tmp_path):
     plan = load_plan(out)
     s = RuntimeContext(plan).session("model")
     assert s.run(None, {"x": np.ones((1, 4), np.float32), "c": np.array(True)})[0].tolist() == [[8.0] * 4]
+
+
+def test_route_cli_links_only_with_link():
+    from dyncompile.tools.cli import _route_parser
+
+    base = ["--candidates", "a", "b", "--calib", "c.jsonl", "-o", "r"]
+    assert _route_parser().parse_args(base).link is False
+    assert _route_parser().parse_args([*base, "--link"]).link is True
