@@ -102,6 +102,37 @@ def save_model(model: ir.Model, out_dir: Path, filename: str, role: str) -> list
     return refs
 
 
+def copy_model(src: Path, out_dir: Path, rel: str, role: str) -> list[FileRef]:
+    """Copy the ONNX file ``src`` to ``out_dir/rel`` with every external-data file it names; return their FileRefs.
+
+    The copied model's entry lists its external data, and each data file is an entry of its own (with its
+    sha256), so that loading checks it and the plan's digest covers it.
+
+    Raises:
+        ModelLoadError: the model names external data outside its folder, or a data file is missing.
+    """
+    import onnx
+
+    from dyncompile.errors import ModelLoadError
+    from dyncompile.plan.model_bytes import external_tensors
+
+    dst = out_dir / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    proto = onnx.load(str(src), load_external_data=False)
+    locs = sorted({e.value for t, _ in external_tensors(proto) for e in t.external_data if e.key == "location"})
+    base = rel.rsplit("/", 1)[0] + "/" if "/" in rel else ""
+    data = []
+    for loc in locs:
+        p = Path(loc)
+        if p.is_absolute() or ".." in p.parts or not (src.parent / loc).is_file():
+            raise ModelLoadError(f"{src} names external data {loc!r}, which is not a file beside it; re-export the model")
+        (dst.parent / loc).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src.parent / loc, dst.parent / loc)
+        data.append(file_ref(out_dir, base + loc, "external_data"))
+    return [file_ref(out_dir, rel, role, [d.path for d in data]), *data]
+
+
 def _dims(shape) -> list[int | str | None]:
     if shape is None:
         return []

@@ -93,6 +93,8 @@ class Plan:
     directory: Path | None = dataclasses.field(default=None, compare=False)
     contents: dict[str, bytes] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """Bytes of the small non-ONNX files (tokenizer, vocab maps), read once and hash-checked at load."""
+    hashes_checked: bool = dataclasses.field(default=True, compare=False, repr=False)
+    """Whether sessions check the sha256 of the bytes they read (off only for ``load_plan(verify_hashes=False)``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form written as ``plan.json``."""

@@ -33,6 +33,7 @@ from dyncompile.plan._core import (
 )
 from dyncompile.plan._typed import _check_json, _field, _short, from_json
 from dyncompile.plan.decode import MAX_POSITIONS
+from dyncompile.plan.model_bytes import external_locations, may_have_external_data, parse_model
 from dyncompile.plan.routing import Candidate, RoutedParams
 
 __all__ = [
@@ -216,18 +217,67 @@ def _parse_spec(path: Path, raw: dict[str, Any]) -> _PlanSpec:
         return from_json(_PlanSpec, raw, "plan")
 
 
+def _hash_and_scan(path: Path) -> tuple[str, bool]:
+    """The sha256 of ``path`` and whether its bytes may name external data, in one streaming read."""
+    h = hashlib.sha256()
+    found, tail = False, b""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            found = found or may_have_external_data(tail + chunk)
+            tail = chunk[-16:]
+    return h.hexdigest(), found
+
+
+def _check_onnx_file(full: Path, key: str, fr: _FileSpec, plan_paths: set[str]) -> str:
+    """Hash ONNX file ``key`` and check that every external-data location it names is a file of the plan.
+
+    Streams the file (a model with inline weights is not held in memory); one that names external data is
+    then read whole and parsed, from bytes hashed again (a file changed in between is reported as modified).
+
+    Returns:
+        The sha256 of the file (of the bytes that were parsed, when it was parsed).
+    """
+    try:
+        actual, external = _hash_and_scan(full)
+        if actual != fr.sha256 or not external:  # a modified file is reported as such by the caller
+            return actual
+        data = full.read_bytes()
+    except OSError as e:
+        raise PlanError(f"cannot read file {key!r} of the plan ({full}): {e.strerror or e}") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual == fr.sha256:
+        where = f"file {key!r} ({fr.path})"
+        try:
+            proto = parse_model(data, where)
+        except PlanError:  # not ONNX at all: it names no external data; ONNX Runtime refuses it at session time
+            return actual
+        external_locations(proto, fr.path, plan_paths, where)
+    return actual
+
+
 def _load_files(plan_dir: Path, spec: _PlanSpec, verify_hashes: bool) -> tuple[dict[str, FileRef], dict[str, bytes]]:
     """Check every file's path and sha256; read the small ones (tokenizer, vocab maps) into memory.
+
+    Every external-data file an ONNX file names (in its ``external_data`` list, and with ``verify_hashes`` in
+    its tensors) must itself be a file entry of the plan, so that its sha256 is checked and the plan's digest
+    covers it.
 
     Returns:
         The plan's files, and the bytes of its small files (the bytes that were hashed).
     """
     files: dict[str, FileRef] = {}
     contents: dict[str, bytes] = {}
+    plan_paths = {fr.path for fr in spec.files.values()}
     for key, fr in spec.files.items():
         full = _check_rel_path(plan_dir, fr.path, f"file {key!r}")
         for e in fr.external_data:
             _check_rel_path(plan_dir, e, f"external data of file {key!r}")
+            if e not in plan_paths:
+                raise PlanError(
+                    f"external data {e!r} of file {key!r} is not a file of the plan: plan.json lists no sha256 for "
+                    "it, so its weights would run unchecked; recompile the plan, or add it to plan.json's files"
+                )
         if not full.is_file():
             raise PlanError(f"file {key!r} of the plan is missing: {full}")
         small = not fr.path.endswith((".onnx", ".data")) and fr.role not in ("external_data",)
@@ -235,8 +285,12 @@ def _load_files(plan_dir: Path, spec: _PlanSpec, verify_hashes: bool) -> tuple[d
             data = full.read_bytes()
             contents[key] = data
             actual = hashlib.sha256(data).hexdigest()
+        elif not verify_hashes:
+            actual = fr.sha256
+        elif fr.path.endswith(".onnx"):
+            actual = _check_onnx_file(full, key, fr, plan_paths)
         else:
-            actual = sha256_file(full) if verify_hashes else fr.sha256
+            actual = sha256_file(full)
         if verify_hashes and actual != fr.sha256:
             raise PlanError(
                 f"file {key!r} ({full}) was modified after compile: sha256 {actual[:12]}… != plan's "
@@ -333,9 +387,11 @@ def _check_provenance(path: Path, prov: dict[str, Any]) -> None:
 def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_kinds=None) -> Plan:
     """Load and validate ``plan_dir/plan.json`` against the plan schema; read and hash-check every file.
 
-    ONNX files and their external data are hashed here and opened later by the runtime; small files
-    (tokenizer, vocab maps) are read once into :attr:`Plan.contents` from the same bytes that were hashed,
-    so a file swapped after ``load`` is never used.
+    ONNX files and their external data are hashed here, and every external-data location of every ONNX file
+    must be a file entry of the plan. The runtime hashes them again when it makes a session, from the bytes it
+    hands ONNX Runtime (:func:`~dyncompile.plan.model_bytes.read_model`); small files (tokenizer, vocab maps)
+    are read once into :attr:`Plan.contents` from the same bytes that were hashed. A file swapped after
+    ``load`` is never used.
 
     Args:
         plan_dir: the plan directory (or its ``plan.json``).
@@ -377,6 +433,7 @@ def load_plan(plan_dir: str | Path, *, verify_hashes: bool = True, known_step_ki
         format=spec.format,
         directory=plan_dir,
         contents=contents,
+        hashes_checked=verify_hashes,
     )
 
 

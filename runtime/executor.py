@@ -21,6 +21,7 @@ import numpy as np
 
 from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.plan import Plan, load_plan, load_subplan
+from dyncompile.plan.model_bytes import read_model
 from dyncompile.runtime import steps as _steps  # noqa: F401  (registers the built-in step handlers)
 from dyncompile.runtime.providers import check_ort_flavours, resolve_provider, session_config_entries
 from dyncompile.runtime.registry import (
@@ -117,13 +118,35 @@ class RuntimeContext:
             so.add_session_config_entry(k, str(v))
         return so
 
+    def _new_session(self, file_key: str):
+        """An ORT session made from the bytes of ``file_key`` that were hashed, never from a path.
+
+        :func:`~dyncompile.plan.model_bytes.read_model` reads the ONNX file and its external data once and checks
+        their sha256; ORT gets the model bytes and the external data from memory (it copies what it needs while
+        the session is made; the bytes are dropped then).
+        """
+        mb = read_model(self.plan, file_key, check_hashes=self.plan.hashes_checked)
+        so = self.session_options()
+        if mb.external:
+            names = list(mb.external)
+            bufs = [mb.external[n] for n in names]
+            so.add_external_initializers_from_files_in_memory(names, bufs, [len(b) for b in bufs])
+        s = self.ort.InferenceSession(mb.model, so, providers=self.providers)
+        if getattr(s, "_model_bytes", None) is not None:
+            # ORT's Python wrapper keeps the model bytes for the session's life, only to re-create the session when
+            # its own EP fallback kicks in; dyncompile picks fallbacks itself (--fallback), so let them go (a model
+            # with inline weights: its size in memory)
+            s.disable_fallback()
+            s._model_bytes = None
+        return s
+
     def session(self, file_key: str):
-        """The ORT session of plan file ``file_key`` (created on first use)."""
+        """The ORT session of plan file ``file_key`` (created on first use, from the bytes that were hashed)."""
         s = self._sessions.get(file_key)
         if s is None:
             path = self.plan.path_of(file_key)
             try:
-                s = self.ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
+                s = self._new_session(file_key)
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types
                 if not is_ort_error(e):
                     raise

@@ -145,3 +145,86 @@ def routed_plan(candidates: list[Path], out: Path, calib: Path, **kwargs) -> Pat
     costs["router"] = 0.01
     opts = {"confidence": "none", "budget": 100.0, "costs": costs, "progress": False, **kwargs}
     return dyncompile.route(candidates, calib, out, **opts).plan_dir
+
+
+def tree_plan(model_path: Path, out: Path) -> Path:
+    """A draft-tree ``speculative_generate`` plan (prompt lookup) of a tiny decoder."""
+    import dyncompile
+
+    spec = "explicit-attention,speculative{tree=true,tree_nodes=6,measure=false}"
+    dyncompile.compile(model_path, spec, out, drafter="prompt-lookup", progress=False)
+    return out
+
+
+def diffusion_plan(out: Path, *, external_data: bool = True) -> Path:
+    """A runnable text-to-image plan of tiny hand-made graphs (text encoder, U-Net, VAE decoder; word tokenizer).
+
+    With ``external_data`` the U-Net keeps its weight in ``unet/model.onnx.data`` (a hashed file of the plan).
+    """
+    import numpy as np
+
+    from dyncompile.plan import Plan, Step, file_ref, save_plan
+
+    rng = np.random.default_rng(5)
+    d, side = 8, 8
+    f32, i64 = ir.DataType.FLOAT, ir.DataType.INT64
+
+    def const(name, arr):
+        return ir.val(name, const_value=ir.tensor(arr, name=name))
+
+    def model(inputs, build, out_name, out_type, out_shape, inits):
+        tape = ir.tape.Tape()
+        y = build(tape)
+        y.name, y.dtype, y.shape = out_name, out_type, ir.Shape(out_shape)
+        g = ir.Graph(inputs, [y], nodes=tape.nodes, initializers=inits, opset_imports={"": 17}, name=out_name)
+        return ir.Model(g, ir_version=9)
+
+    ids, mask = ir.val("input_ids", i64, ir.Shape(["b", "l"])), ir.val("attention_mask", i64, ir.Shape(["b", "l"]))
+    emb = const("E", rng.standard_normal((64, d)).astype(np.float32))
+    te = model([ids, mask], lambda t: t.op("Gather", [emb, ids]), "last_hidden_state", f32, ["b", "l", d], [emb])
+    sample = ir.val("sample", f32, ir.Shape(["b", 1, side, side]))
+    timestep = ir.val("timestep", i64, ir.Shape(["b"]))
+    ehs = ir.val("encoder_hidden_states", f32, ir.Shape(["b", "l", d]))
+    w = const("W", (0.3 * rng.standard_normal((1, 1, side, side))).astype(np.float32))
+    k = const("k", np.array(1e-4, np.float32))
+    shape4 = const("shape4", np.array([-1, 1, 1, 1], np.int64))
+
+    def unet_body(t):
+        m4 = t.op("Reshape", [t.op("ReduceMean", [ehs], {"axes": [1, 2], "keepdims": 1}), shape4])
+        tk4 = t.op("Reshape", [t.op("Mul", [t.op("Cast", [timestep], {"to": f32}), k]), shape4])
+        return t.op("Add", [t.op("Mul", [sample, w]), t.op("Add", [m4, tk4])])
+
+    unet = model([sample, timestep, ehs], unet_body, "out_sample", f32, ["b", 1, side, side], [w, k, shape4])
+    latent = ir.val("latent", f32, ir.Shape(["b", 1, side, side]))
+    vae = model([latent], lambda t: t.op("Tanh", [latent]), "image", f32, ["b", 1, side, side], [])
+    for sub in ("text_encoder", "unet", "vae_decoder"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    ir.save(te, out / "text_encoder" / "model.onnx")
+    ir.save(vae, out / "vae_decoder" / "model.onnx")
+    files = {"text_encoder": file_ref(out, "text_encoder/model.onnx", "text_encoder"),
+             "vae_decoder": file_ref(out, "vae_decoder/model.onnx", "vae_decoder")}
+    if external_data:
+        ir.save(unet, out / "unet" / "model.onnx", external_data="model.onnx.data", size_threshold_bytes=200)
+        files["unet"] = file_ref(out, "unet/model.onnx", "unet", ["unet/model.onnx.data"])
+        files["unet.data"] = file_ref(out, "unet/model.onnx.data", "external_data")
+    else:
+        ir.save(unet, out / "unet" / "model.onnx")
+        files["unet"] = file_ref(out, "unet/model.onnx", "unet")
+    write_word_tokenizer(out, 64)
+    files["tokenizer"] = file_ref(out, "tokenizer.json", "tokenizer")
+    steps = [
+        Step("diffusion_encode", {"text_encoder": "text_encoder", "output": "last_hidden_state", "null_prompt": ""}),
+        Step("predict_steps", {"weights": [0.5] * d, "bias": 2.0, "mean": [0.0] * d, "scale": [1.0] * d,
+                               "grid": [2, 4, 6], "offset": 0.0, "features": "mean_pool"}),
+        Step("diffusion_denoise", {
+            "unet": "unet", "input_names": ["sample", "timestep", "encoder_hidden_states"],
+            "scheduler": {"_class_name": "DDIMScheduler", "num_train_timesteps": 100}, "guidance_scale": 2.0,
+            "num_inference_steps": 4, "sample_shape": [1, side, side], "output_crop": [0, side, 0, side],
+            "eta": 0.0, "noise": "numpy", "default_policy": "predicted",
+            "stop_rule": {"kind": "x0_change", "threshold": 0.01, "max_steps": 6, "min_steps": 2},
+            "vae_decoder": {"file": "vae_decoder", "scaling_factor": 1.0},
+        }),
+    ]
+    tokenizer = {"file": "tokenizer", "max_length": 16, "padding": "max_length"}
+    save_plan(Plan(task="text-to-image", files=files, steps=steps, tokenizer=tokenizer), out)
+    return out

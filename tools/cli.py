@@ -210,6 +210,9 @@ def _route_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-rows", type=int, default=40, help="rows to time each candidate on, batch 1 (default 40)")
     p.add_argument("--provider", default="cpu", help="execution provider to measure costs on (default cpu)")
     p.add_argument("--force", action="store_true", help="replace the output folder if it is a plan")
+    p.add_argument("--link", action="store_true",
+                   help="hard-link the candidates' model weights instead of copying them (saves disk; the plans then "
+                   "share those files, so an edit of one changes the other)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p

@@ -21,7 +21,7 @@ def route_command(args: argparse.Namespace) -> int:
     res = dyncompile.route(args.candidates, args.calib, args.output, budget=args.budget, confidence=args.confidence,
                            rule=args.rule, criterion=args.criterion, check=args.check, judge=args.judge,
                            reference=args.reference, metric=args.metric, limit=args.limit, cost_rows=args.cost_rows,
-                           provider=args.provider, force=args.force, progress=not args.quiet)
+                           provider=args.provider, force=args.force, link=args.link, progress=not args.quiet)
     print(safe_text(res.summary()))
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0

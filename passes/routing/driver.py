@@ -194,6 +194,7 @@ def route(
     costs: dict[str, float] | None = None,
     provider: str = "cpu",
     force: bool = False,
+    link: bool = False,
     seed: int = 0,
     ridge: float = 30.0,
     outputs: dict[str, np.ndarray] | None = None,
@@ -216,6 +217,8 @@ def route(
         judge: check rule on decoders: a registered check that decides whether an answer is right.
         costs: candidate name -> ms, instead of measuring (``source: given``).
         outputs: precomputed ``{plan folder: [N, C] probabilities}`` on the calibration rows (benchmarks).
+        link: hard-link the candidates' model weights into the routed plan instead of copying them (the plans
+            then share those files).
     """
     from dyncompile.io import read_jsonl
     from dyncompile.passes.early_exit.certify import parse_confidence
@@ -315,7 +318,7 @@ def route(
                       for n, c, x in zip(names, candidates, ms)]
         return write_fitted(output_dir, fit, cand_specs, budget=budget, reference=str(reference or candidates[-1]),
                             reference_ms=ref_ms, router=(router_path, router_parts[1], router_parts[2]) if router_parts else None,
-                            router_ms=router_ms, calib=calib, force=force, check=check)
+                            router_ms=router_ms, calib=calib, force=force, check=check, link=link)
     finally:
         tmpdir.cleanup()
 
@@ -379,7 +382,7 @@ def _calibrate_check(models, names, rows, texts, task, chk, jd, y, ms, ref_ms, b
 
 def write_fitted(output_dir, fit, candidates: list[dict], *, budget: float, reference: str, reference_ms: float,
                  router=None, router_ms: float | None = None, calib=None, force: bool = False,
-                 check: str | None = None) -> RouteResult:
+                 check: str | None = None, link: bool = False) -> RouteResult:
     """Write the routed plan for a :class:`~dyncompile.passes.routing.RoutingFit` (from any calibration)."""
     from dyncompile.io import sha256_file
     from dyncompile.passes.routing import write_routed_plan
@@ -400,5 +403,6 @@ def write_fitted(output_dir, fit, candidates: list[dict], *, budget: float, refe
         prov["calib"] = {"path": str(Path(calib).resolve()), "sha256": sha256_file(calib)}
     kind = "route" if fit.kind == "learned" else "cascade"
     out = write_routed_plan(output_dir, kind=kind, candidates=candidates, rule=rule, policy=policy, router=router,
-                            provenance=prov, force=force, protect=(reference,) if reference else ())
+                            provenance=prov, force=force, protect=(reference,) if reference else (),
+                            link=link)
     return RouteResult(out, fit, {c["name"]: c["cost"]["ms"] for c in candidates}, router_ms)

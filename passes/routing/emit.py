@@ -3,12 +3,14 @@
 Layout::
 
     routed/plan.json            one ``cascade`` or ``route`` step, ``policy.routing`` (budget, certificate)
-    routed/candidates/NAME/     each candidate's plan.json + the files it names (hard links where possible)
+    routed/candidates/NAME/     each candidate's plan.json + the files it names (copies of their own)
     routed/router.onnx          learned rule only (+ router_tokenizer.json)
 
 Each candidate's :func:`~dyncompile.plan.plan_digest` is recorded in the step, so a sub-plan that is missing,
-changed, or has files added or removed is a load error. Hard links keep a 420 MB MPNet from being copied
-(model weights only; plan.json and tokenizers are copied); across file systems everything is copied. The folder is written through :func:`dyncompile.io.atomic_output_dir`
+changed, or has files added or removed is a load error. The candidates' files are copied (a reflink where the
+file system makes one, else a full copy: a 420 MB MPNet costs 420 MB of disk and about half a second), so the
+routed plan shares no inode with the plans it was made from: an edit of one never changes the other. ``link=True``
+(``dyncompile route --link``) hard-links the model weights instead. The folder is written through :func:`dyncompile.io.atomic_output_dir`
 and loaded back with every check before it is renamed into place.
 """
 
@@ -26,22 +28,50 @@ from dyncompile.plan import PLAN_FILENAME, Plan, Step, file_ref, load_plan, plan
 __all__ = ["copy_subplan", "write_routed_plan"]
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link model weights (``.onnx``, ``.data``: large, and written atomically by dyncompile, so a later
-    compile replaces the file instead of changing it in place); copy everything else (plan.json, tokenizer:
-    small, and edited in place by people — a hard link would carry such an edit into the routed plan)."""
+_FICLONE = 0x40049409  # Linux ioctl: share the data blocks copy-on-write (Btrfs, XFS with reflink, ...)
+
+
+def _clone_or_copy(src: Path, dst: Path) -> None:
+    """Copy ``src`` to the new file ``dst``: a reflink where the file system makes one, else a full copy.
+
+    A reflink shares blocks copy-on-write (instant, no extra disk until one side changes); a full copy costs
+    the file's size in disk and about 1 s per GB. Either way ``dst`` is a file of its own: an edit of one
+    plan never shows up in another.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        shutil.copyfile(src, dst)
+        return
+    with open(src, "rb") as fs, open(dst, "xb") as fd:
+        try:
+            fcntl.ioctl(fd.fileno(), _FICLONE, fs.fileno())
+            return
+        except OSError:  # no reflinks here (ext4, tmpfs, another file system): copy the bytes
+            pass
+        shutil.copyfileobj(fs, fd, 2**22)
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    """Put ``src`` at ``dst``: a copy of its own (reflink where possible); a hard link only when ``link`` is asked
+    for and ``src`` is model weights (``.onnx``, ``.data``) on the same file system."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if src.suffix in (".onnx", ".data"):
+    if link and src.suffix in (".onnx", ".data"):
         try:
             os.link(src, dst)
             return
         except OSError:
             pass
-    shutil.copy2(src, dst)
+    _clone_or_copy(src, dst)
 
 
-def copy_subplan(src_dir: Path, dst_dir: Path) -> Plan:
-    """Copy plan ``src_dir`` (plan.json + the files it names, hash-checked) to ``dst_dir``."""
+def copy_subplan(src_dir: Path, dst_dir: Path, *, link: bool = False) -> Plan:
+    """Copy plan ``src_dir`` (plan.json + the files it names, hash-checked) to ``dst_dir``.
+
+    Every file is a copy of its own (a reflink where the file system supports it, else a full copy: the
+    plan's size in disk and time). ``link=True`` hard-links the model weights instead (no copy, but the two
+    plans then share those files: an in-place edit of one changes the other, which its hashes then refuse).
+    """
     plan = load_plan(src_dir, verify_hashes=True)
     assert plan.directory is not None
     rels = {PLAN_FILENAME}
@@ -49,7 +79,7 @@ def copy_subplan(src_dir: Path, dst_dir: Path) -> Plan:
         rels.add(f.path)
         rels.update(f.external_data)
     for rel in sorted(rels):
-        _link_or_copy(plan.directory / rel, dst_dir / rel)
+        _place(plan.directory / rel, dst_dir / rel, link)
     return load_plan(dst_dir, verify_hashes=False)
 
 
@@ -64,6 +94,7 @@ def write_routed_plan(
     provenance: dict[str, Any] | None = None,
     force: bool = False,
     protect: tuple[str | Path, ...] = (),
+    link: bool = False,
 ) -> Path:
     """Write the routed plan folder ``out_dir``.
 
@@ -74,6 +105,7 @@ def write_routed_plan(
         policy: ``policy.routing`` (budget, reference, metric, certificate, calibration, router_overhead_ms).
         router: ``(router.onnx, tokenizer.json, tokenizer spec)`` for a learned rule.
         protect: more inputs (the reference plan) that ``out_dir`` must neither be, hold nor lie inside.
+        link: hard-link the candidates' model weights instead of copying them (see :func:`copy_subplan`).
     """
     if kind not in ("cascade", "route"):
         raise DataError(f"routed plan kind must be cascade or route, got {kind!r}")
@@ -83,7 +115,7 @@ def write_routed_plan(
         first: Plan | None = None
         for c in candidates:
             rel = f"candidates/{c['name']}"
-            sub = copy_subplan(Path(c["plan_dir"]), tmp / rel)
+            sub = copy_subplan(Path(c["plan_dir"]), tmp / rel, link=link)
             first = first or sub
             cands.append({
                 "name": c["name"], "plan": rel, "digest": plan_digest(tmp / rel), "cost": dict(c["cost"]),

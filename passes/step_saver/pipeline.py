@@ -31,6 +31,8 @@ from dyncompile.errors import DataError, ModelLoadError, PlanError
 from dyncompile.passes import _keys
 from dyncompile.passes.emit import (
     EmitRequest,
+    add_model_files,
+    copy_model,
     io_signature,
     register_default_emitter,
     register_emitter,
@@ -166,9 +168,7 @@ def emit_diffusion(model: ir.Model, req: EmitRequest) -> Plan:
                                         external_data=["unet/" + e for e in refs[0].external_data])
     for i, r in enumerate(refs[1:]):
         files[f"unet.data{i or ''}"] = dataclasses.replace(r, path="unet/" + r.path)
-    (out / "text_encoder").mkdir()
-    shutil.copyfile(pipe.text_encoder, out / "text_encoder" / "model.onnx")
-    files["text_encoder"] = file_ref(out, "text_encoder/model.onnx", "text_encoder")
+    add_model_files(files, "text_encoder", copy_model(pipe.text_encoder, out, "text_encoder/model.onnx", "text_encoder"))
     shutil.copyfile(pipe.tokenizer, out / "tokenizer.json")
     files["tokenizer"] = file_ref(out, "tokenizer.json", "tokenizer")
     steps = [Step("diffusion_encode", {"text_encoder": "text_encoder", "output": conv["text_encoder_output"],
@@ -189,9 +189,7 @@ def emit_diffusion(model: ir.Model, req: EmitRequest) -> Plan:
         "stop_rule": None,
     }
     if pipe.vae_decoder is not None:
-        (out / "vae_decoder").mkdir()
-        shutil.copyfile(pipe.vae_decoder, out / "vae_decoder" / "model.onnx")
-        files["vae_decoder"] = file_ref(out, "vae_decoder/model.onnx", "vae_decoder")
+        add_model_files(files, "vae_decoder", copy_model(pipe.vae_decoder, out, "vae_decoder/model.onnx", "vae_decoder"))
         denoise["vae_decoder"] = {"file": "vae_decoder", "scaling_factor": float(conv["vae_scaling_factor"])}
     meta = model.metadata_props.get(_keys.STEP_SAVER)
     if meta:
