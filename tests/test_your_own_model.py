@@ -2,7 +2,7 @@
 ``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``) compiles and runs
 without a hand-written ``dyncompile-model.json``, and behaves like transformers on the same weights.
 
-The models are tiny random-init transformers models (a 2-layer BERT classifier, a 2-layer GPT-2), exported in the
+The models are tiny random-init transformers models (a 3-layer BERT classifier whose weights are large enough for the layer analysis, a 2-layer GPT-2), exported in the
 test with the recipes' exporter into the file layout ``optimum-cli export onnx`` writes (optimum-onnx itself pins
 an older transformers, so it cannot be installed beside this one; the layout is emulated).
 """
@@ -57,8 +57,8 @@ def bert_dir(module_tmp):
     d.mkdir()
     tok, n = _wordpiece()
     torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=n,
-                     max_position_embeddings=128, initializer_range=0.5, id2label={0: "NEGATIVE", 1: "POSITIVE"},
+    cfg = BertConfig(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, intermediate_size=256, vocab_size=n,
+                     max_position_embeddings=128, initializer_range=0.1, id2label={0: "NEGATIVE", 1: "POSITIVE"},
                      label2id={"NEGATIVE": 0, "POSITIVE": 1}, architectures=["BertForSequenceClassification"])
     model = BertForSequenceClassification(cfg).eval()
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_LEN, pad_token="[PAD]",
@@ -207,10 +207,10 @@ def test_string_labels_in_calibration_data(bert_dir, tmp_path):
     # calibration rows labelled by name (as in the model's id2label) are understood by early exit
     rows = [{"text": f"{a} {b} {c}", "label": "POSITIVE" if a in ("good", "great", "fun", "love") else "NEGATIVE"}
             for a in ("good", "bad", "great", "awful", "fun", "boring", "love", "hate")
-            for b in ("movie", "film", "plot", "acting") for c in ("very", "not", "and")]
+            for b in ("movie", "film", "plot", "acting") for c in ("very", "not", "and") for d in ("the", "a")]
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = compile_model(bert_dir.path, "early-exit{budget=0.5,confidence=none}", tmp_path / "ee", calib=calib,
+    res = compile_model(bert_dir.path, "early-exit{budget=50}", tmp_path / "ee", calib=calib,
                         progress=False)
     assert res.plan.task == "text-classification" and res.plan.labels == ["NEGATIVE", "POSITIVE"]
     assert "early_exit" in res.plan.policy
