@@ -210,7 +210,7 @@ def test_string_labels_in_calibration_data(bert_dir, tmp_path):
             for b in ("movie", "film", "plot", "acting") for c in ("very", "not", "and") for d in ("the", "a")]
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = compile_model(bert_dir.path, "early-exit{budget=50}", tmp_path / "ee", calib=calib,
+    res = compile_model(bert_dir.path / "model.onnx", "early-exit{budget=50}", tmp_path / "ee", calib=calib,
                         progress=False)
     assert res.plan.task == "text-classification" and res.plan.labels == ["NEGATIVE", "POSITIVE"]
     assert "early_exit" in res.plan.policy
@@ -252,18 +252,28 @@ def test_architecture_table():
 # ------------------------------------------------------------------------------------------ decoder folder
 
 
-def test_decoder_stops_at_generation_config_eos_like_transformers(gpt2_dir, gpt2_plan):
+@pytest.mark.parametrize("task_sidecar", [False, True])
+def test_decoder_stops_at_generation_config_eos_like_transformers(gpt2_dir, gpt2_plan, tmp_path, task_sidecar):
     ids = gpt2_dir.tokenizer(PROMPT)["input_ids"]
     ref = _greedy_ids(gpt2_dir.model, ids, 15)  # the folder's generation_config: stops at its eos token
     assert len(ref) == gpt2_dir.eos_at + 1 < 15
-    res = dyncompile.load(gpt2_plan).generate(PROMPT, max_new_tokens=15)
+    plan = gpt2_plan
+    if task_sidecar:  # a dyncompile-model.json that only names the task: the rest still comes from the HF files
+        d = tmp_path / "m"
+        shutil.copytree(gpt2_dir.path, d)
+        (d / "dyncompile-model.json").write_text(json.dumps({"task": "text-generation"}))
+        plan = compile_model(d / "model.onnx", "verify,cleanup", tmp_path / "p", progress=False).plan_dir
+    res = dyncompile.load(plan).generate(PROMPT, max_new_tokens=15)
     assert res.token_ids == ref
     assert res.stats.stop_reason == "eos"
 
 
-def test_decoder_stops_at_the_position_limit(gpt2_dir, tmp_path, caplog):
+@pytest.mark.parametrize("task_sidecar", [False, True])
+def test_decoder_stops_at_the_position_limit(gpt2_dir, tmp_path, caplog, task_sidecar):
     d = tmp_path / "noeos"
     shutil.copytree(gpt2_dir.path, d)
+    if task_sidecar:
+        (d / "dyncompile-model.json").write_text(json.dumps({"task": "text-generation"}))
     for name in ("config.json", "generation_config.json"):
         cfg = json.loads((d / name).read_text())
         cfg["eos_token_id"] = None
@@ -271,7 +281,7 @@ def test_decoder_stops_at_the_position_limit(gpt2_dir, tmp_path, caplog):
     tc = json.loads((d / "tokenizer_config.json").read_text())
     tc.pop("eos_token", None)
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
-    plan = compile_model(d, "verify,cleanup", tmp_path / "p", progress=False).plan_dir
+    plan = compile_model(d / "model.onnx", "verify,cleanup", tmp_path / "p", progress=False).plan_dir
     model = dyncompile.load(plan)
     ids = gpt2_dir.tokenizer(PROMPT)["input_ids"]
     with caplog.at_level(logging.WARNING):
