@@ -352,3 +352,76 @@ def _rounded(x):
     if isinstance(x, dict):
         return {k: round(v, 5) if isinstance(v, float) else v for k, v in x.items()}
     return x
+
+
+def test_unknown_task_names_the_fix(capsys, bert_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(bert_dir.path, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["architectures"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert run_cli(capsys, d, "-o", tmp_path / "p")[0] == 0
+    rc, _, err = run_cli(capsys, "run", tmp_path / "p", "--text", "a good movie")
+    assert_clean_error(rc, err, "'unknown'", "dyncompile-model.json", '"task"')
+
+
+def test_chat_template_from_tokenizer_config(gpt2_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(gpt2_dir.path, d)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}the {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a{% endif %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    plan = compile_model(d, "verify,cleanup", tmp_path / "p", progress=False).plan_dir
+    model = dyncompile.load(plan)
+    res = model.generate("good movie", max_new_tokens=2, chat=True)
+    assert res.prompt_ids == gpt2_dir.tokenizer("the good movie a")["input_ids"]
+
+
+def test_pipeline_feature_extraction_matches_transformers(tmp_path):
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    d = tmp_path / "bert-base"
+    d.mkdir()
+    tok, n = _wordpiece()
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=n,
+                     architectures=["BertModel"])
+    model = BertModel(cfg).eval()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_LEN, pad_token="[PAD]",
+                                     unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                                     model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    hf_tok.save_pretrained(d)
+    cfg.save_pretrained(d)
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              token_type_ids=token_type_ids).last_hidden_state
+
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    ex = hf_tok(["good movie", "bad plot and acting"], padding=True, return_tensors="pt")
+    b, s = torch.export.Dim("batch"), torch.export.Dim("seq")
+    _export(Hidden(model), tuple(ex[k] for k in names), names, ["last_hidden_state"],
+            {k: {0: b, 1: s} for k in names}, d / "model.onnx")
+    ref = transformers.pipeline("feature-extraction", model=model, tokenizer=hf_tok)
+    pipe = dyncompile.pipeline("feature-extraction", d)
+    for x in ("a good movie", ["a good movie", "bad"]):
+        got, want = pipe(x), ref(x)
+        assert _shape(got) == _shape(want)
+        np.testing.assert_allclose(_flat(got), _flat(want), atol=1e-5)
+
+
+def _flat(x) -> np.ndarray:
+    return np.concatenate([np.asarray(r, np.float64).reshape(-1) for r in (x if isinstance(x[0][0][0], list) else [x])])
+
+
+def _shape(x) -> list[int]:
+    out = []
+    while isinstance(x, list):
+        out.append(len(x))
+        x = x[0]
+    return out
