@@ -217,6 +217,7 @@ _MODEL_CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     "bos_token_id": (lambda v: v is None or _is_int(v), "a token id"),
     "pad_token_id": (lambda v: v is None or _is_int(v), "a token id"),
     "chat_template": (lambda v: v is None or isinstance(v, str), "a string"),
+    "padding_side": (lambda v: v in ("left", "right"), "'left' or 'right'"),
     "hf_dir": (lambda v: isinstance(v, str) and bool(v) and "\x00" not in v, "a folder name"),
 }
 

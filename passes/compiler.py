@@ -22,13 +22,14 @@ from dyncompile.io import (
     temp_files_inside,
 )
 from dyncompile.passes import CompileContext, PipelineResult, _keys, run_pipeline
+from dyncompile.passes.analysis.hf_metadata import hf_model_config, resolve_model_dir
 from dyncompile.passes.emit import EmitRequest, emit_plan
 from dyncompile.passes.presets import DEFAULT_OPT_LEVEL, EffectivePipeline, resolve
 from dyncompile.plan import Plan, load_plan, save_plan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileResult", "compile_model"]
+__all__ = ["CompileResult", "compile_model", "model_config_of"]
 
 @dataclasses.dataclass
 class CompileResult:
@@ -85,6 +86,10 @@ def compile_model(
             f"unknown compile option {unknown[0]!r}; valid options: {', '.join(sorted(COMPILE_OPTIONS))} (pass "
             "options go into the pass spec, e.g. 'early-exit{budget=1.0}')"
         )
+    folder_input = model_path.is_dir() and not (model_path / "model_index.json").is_file()
+    model_path = resolve_model_dir(model_path)  # a Hugging Face / Optimum model folder: its model.onnx
+    if folder_input and not output_dir:
+        output_dir = model_path.parent.parent / f"{model_path.parent.name}-compiled"
     if model_path.is_dir():  # a diffusers-style pipeline folder: the passes run on its U-Net
         from dyncompile.passes.step_saver.pipeline import pipeline_compile_inputs
 
@@ -96,7 +101,7 @@ def compile_model(
     check_output_dir(out, force=force, protect=protect)  # fail before any expensive work
     if model_path.exists() and out.resolve() == model_path.parent.resolve():
         raise PassConfigError(f"output directory {out} is the input model's directory; choose another -o")
-    cfg = read_model_config(model_path, model_config)
+    cfg = model_config_of(model_path, model_config)
     tok_path = Path(tokenizer) if tokenizer else model_path.parent / "tokenizer.json"
     if tokenizer and not tok_path.is_file():
         raise DataError(f"tokenizer file {tok_path} not found")
@@ -117,6 +122,15 @@ def compile_model(
     plan.directory = out
     logger.info("wrote plan %s", out / "plan.json")
     return CompileResult(out, plan, result)
+
+
+def model_config_of(model_path: Path, explicit: str | Path | None = None) -> dict[str, Any]:
+    """What the compile knows of the model.
+
+    The Hugging Face files beside it (:func:`~dyncompile.passes.analysis.hf_metadata.hf_model_config`),
+    overridden field by field by its ``dyncompile-model.json`` (``explicit``, else the one beside the model).
+    """
+    return {**hf_model_config(model_path), **read_model_config(model_path, explicit)}
 
 
 def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_list, options, tmp: Path,

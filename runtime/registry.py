@@ -120,7 +120,11 @@ class TaskAPI:
         self.model = model
 
     def _unsupported(self, method: str, wants: str) -> DataError:
-        return DataError(f"{method}() is for {wants}; this plan's task is {self.model.plan.task!r}")
+        task = self.model.plan.task
+        fix = ("; the compile did not learn the model's task: recompile with a config.json naming its architecture "
+               'beside the model, or a dyncompile-model.json with "task" (docs/your-own-model.md)'
+               if task == "unknown" else "")
+        return DataError(f"{method}() is for {wants}; this plan's task is {task!r}{fix}")
 
     def encode(self, texts: Any) -> Any:
         """Token arrays of texts for the plan's inputs (text-classification plans)."""

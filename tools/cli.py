@@ -55,7 +55,7 @@ def _compile_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="input ONNX model (never modified)")
+    p.add_argument("model", help="input ONNX model, or a Hugging Face / Optimum model folder holding one (never modified)")
     p.add_argument(
         "--passes",
         default="verify,cleanup",
@@ -112,7 +112,7 @@ def _inspect_parser() -> argparse.ArgumentParser:
         description="Structure report of an ONNX model (inputs/outputs, op histogram, family, layers, cut tensors, "
         "parameters) or of a plan directory (files, steps, policy).",
     )
-    p.add_argument("path", help="MODEL.onnx or a plan directory")
+    p.add_argument("path", help="MODEL.onnx, a model folder holding one, or a plan directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--verify",

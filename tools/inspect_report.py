@@ -92,7 +92,9 @@ def inspect_path(path: str | Path, as_json: bool = False) -> str:
         return _inspect_plan(p if p.is_dir() else p.parent, as_json)
     from dyncompile.io import load_input_model
     from dyncompile.passes.analysis import analyze_model, format_report
+    from dyncompile.passes.analysis.hf_metadata import resolve_model_dir
 
+    p = resolve_model_dir(p)  # a Hugging Face / Optimum model folder: its model.onnx
     model = load_input_model(p)
     structure = analyze_model(model)
     if as_json:

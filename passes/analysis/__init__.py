@@ -2,7 +2,8 @@
 
 ``layers`` finds the repeated blocks and the cut tensors between them; ``head`` describes what follows the
 last layer; ``family`` guesses family and task from signature tables; ``report`` formats it all for
-``dyncompile inspect``; ``structure`` holds the result types.
+``dyncompile inspect``; ``structure`` holds the result types; ``hf_metadata`` reads what the Hugging Face files
+beside a model (``config.json``, ``tokenizer_config.json``, ``generation_config.json``) say about it.
 """
 
 from dyncompile.passes.analysis.layers import WEIGHT_MIN_ELEMENTS, analyze_model

@@ -372,6 +372,10 @@ def generate(
     with handler.lock:  # the step's KV caches and drafter serve one generation at a time
         out, stats = handler.generate_ids(ids, max_new_tokens, sample=bool(sample), temperature=temperature, rng=rng,
                                           speculative=speculative, **options)
+    if stats.stop_reason == "max_length":
+        logger.warning("generation stopped after %d new tokens: the model supports %d positions and the prompt has %d "
+                       "tokens (stop reason 'max_length'); give a shorter prompt for a longer continuation",
+                       len(out), gen.max_length, len(ids))
     text = codec.decode(out) if codec is not None else None
     compiled.last_info = {"generation": stats.to_dict()}
     return GenerationResult(text, out, ids, stats)
@@ -392,11 +396,13 @@ class GenerationAPI(TaskAPI):
         self.text_step = next((h for h in model.handlers if getattr(h, "takes_text", False)), None)
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
-        """Continue ``prompt`` (see :func:`generate` for the keyword arguments).
+        """Continue ``prompt`` (see :func:`generate` for the keyword arguments); a list of text prompts gives a list.
 
         Routed plans of decoders: the answering candidate's result; ``model.last_info`` names the candidate
         (and the executable check's verdicts); ``record=`` passes extra input fields to the check.
         """
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(p, str) for p in prompt):
+            return [self.generate(p, **kwargs) for p in prompt]  # a list of prompts: one result each, in order
         try:
             if self.text_step is not None:
                 k, res, checks = self.text_step.generate(prompt, **kwargs)
