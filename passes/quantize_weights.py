@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from dyncompile.io import external_data_dirs, working_directory
 from dyncompile.passes import _keys
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ __all__ = [
     "QuantizeWeightsInt8Pass",
     "choose_int8_format",
     "gelu_fed_matmuls",
+    "gemms_as_matmuls",
 ]
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
@@ -58,6 +59,87 @@ def _rebase_external(model: ir.Model, base_dir: str | None) -> None:
         t = v.const_value
         if isinstance(t, ir.ExternalTensor) and not str(t.base_dir):
             t.base_dir = base_dir
+
+
+def _gemm_attrs(node) -> dict:
+    import onnx
+
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _why_not_unfoldable(node, inits: dict) -> str | None:
+    """Why the Gemm ``node`` (a proto) is not ``MatMul(A, W) + C`` with a constant 2-D float ``W``, or None."""
+    import onnx
+
+    attrs = _gemm_attrs(node)
+    if len(node.input) < 2 or node.input[1] not in inits:
+        return "its weight B is not an initializer"
+    if inits[node.input[1]].data_type != onnx.TensorProto.FLOAT or len(inits[node.input[1]].dims) != 2:
+        return "its weight B is not a 2-D float32 tensor"
+    if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
+        return "transA=1 or alpha != 1"
+    if len(node.input) > 2 and node.input[2] and attrs.get("beta", 1.0) != 1.0:
+        return "beta != 1"
+    return None
+
+
+def gemms_as_matmuls(proto, base_dir: str | None = None) -> tuple[int, dict[str, str]]:
+    """Rewrite (in ``proto``, an ``onnx.ModelProto``) each constant-weight ``Gemm`` as ``MatMul`` (+ ``Add`` of C).
+
+    ORT's int4 quantizer quantizes ``MatMul`` nodes only; Hugging Face's ``Conv1D`` (GPT-2's attention and MLP
+    projections: ``addmm(bias, x, W)`` with ``W`` stored ``[in, out]``) exports as ``Gemm(x, W, bias)``, so
+    without this only GPT-2's LM head (a MatMul) would be quantized. Exact: the same products and the same bias
+    add (tested <= 1e-5). A ``transB=1`` weight is stored transposed under a new name (``base_dir``: where
+    external weight data lives). Main graph only.
+
+    Returns:
+        The number of Gemms rewritten and ``{node name: why not}`` for the constant-weight Gemms left alone.
+    """
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    done, left, out = 0, {}, []
+    for node in graph.node:
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
+            out.append(node)
+            continue
+        why = _why_not_unfoldable(node, inits)
+        if why is not None:
+            if len(node.input) > 1 and node.input[1] in inits:
+                left[node.name or node.output[0]] = why
+            out.append(node)
+            continue
+        stem = node.name or node.output[0]
+        weight = node.input[1]
+        if _gemm_attrs(node).get("transB", 0):
+            w = numpy_helper.to_array(inits[weight], base_dir or "")
+            weight = f"{weight}.T"
+            while weight in inits:
+                weight += "_"
+            inits[weight] = numpy_helper.from_array(np.ascontiguousarray(w.T), weight)
+            graph.initializer.append(inits[weight])
+        has_bias = len(node.input) > 2 and bool(node.input[2])
+        mm_out = f"{stem}/MatMul_output" if has_bias else node.output[0]
+        out.append(helper.make_node("MatMul", [node.input[0], weight], [mm_out], name=f"{stem}/MatMul"))
+        if has_bias:
+            out.append(helper.make_node("Add", [mm_out, node.input[2]], [node.output[0]], name=f"{stem}/Add"))
+        done += 1
+    if done:
+        del graph.node[:]
+        graph.node.extend(out)
+        used = {i for n in graph.node for i in n.input}
+        keep = [t for t in graph.initializer if t.name in used or t.name in {o.name for o in graph.output}]
+        if len(keep) != len(graph.initializer):
+            del graph.initializer[:]
+            graph.initializer.extend(keep)
+    return done, left
+
+
+def _weight_matmuls(model: ir.Model) -> int:
+    """MatMul / Gemm nodes of the main graph whose second input is a constant weight."""
+    return sum(1 for n in model.graph if n.op_type in ("MatMul", "Gemm") and len(n.inputs) > 1
+               and n.inputs[1] is not None and n.inputs[1].const_value is not None)
 
 
 def _has_ops(model: ir.Model, ops: set[str]) -> bool:
@@ -298,7 +380,9 @@ def choose_int8_format(provider: str | None) -> tuple[str, str]:
 class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     """Weight-only int4 (block-wise) quantization of MatMul weights into ``com.microsoft.MatMulNBits``.
 
-    Scope: main graph. Invariants: graph inputs/outputs unchanged; activations stay float outside the op.
+    Scope: main graph; constant-weight ``Gemm`` nodes (GPT-2's ``Conv1D``) are run as ``MatMul`` + ``Add`` first
+    (:func:`gemms_as_matmuls`), so they are quantized too. Invariants: graph inputs/outputs unchanged; activations
+    stay float outside the op.
     Idempotent: a graph with MatMulNBits is left alone. Sketch: ``MatMul(x, W) -> MatMulNBits(x, q4(W), s)``.
 
     ``accuracy_level`` is MatMulNBits' compute type: 4 (the default, as in onnxruntime-genai's model builder
@@ -337,6 +421,18 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
             f"accuracy_level={self.accuracy_level}, lm_head_bits={self.lm_head_bits})"
         )
 
+    @staticmethod
+    def _report(count: int, weights: int, unfolded: int, gemms_left: dict[str, str]) -> None:
+        """Log how many weight products were quantized; WARN about those left in float and why."""
+        logger.info("quantize-int4: %d of %d MatMul/Gemm weight products quantized (%d Gemms run as MatMul + Add first)",
+                    count, weights, unfolded)
+        if gemms_left:
+            name, why = next(iter(gemms_left.items()))
+            logger.warning("quantize-int4: %d Gemm nodes left in float (e.g. %r: %s)", len(gemms_left), name, why)
+        elif count < weights:
+            logger.info("quantize-int4: %d weight products left in float (ORT's quantizer skips weights whose rows "
+                        "are not a multiple of 16, and the LM head when lm_head_bits=0)", weights - count)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _has_ops(model, {"MatMulNBits"}):
@@ -355,21 +451,29 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         if len(dirs) > 1:
             raise ValueError(f"initializers read external data from several folders: {sorted(dirs)}")
         base_dir = dirs.pop() if dirs else None
+        weights = _weight_matmuls(model)
         with working_directory(base_dir):  # ORT's quantizer resolves external data against the working directory
-            q = MatMulNBitsQuantizer(ir.to_proto(model), bits=4, nodes_to_exclude=[head.name] if head else None, **kw)
+            proto = ir.to_proto(model)
+            unfolded, gemms_left = gemms_as_matmuls(proto, base_dir)
+            q = MatMulNBitsQuantizer(proto, bits=4, nodes_to_exclude=[head.name] if head else None, **kw)
             q.process()
             if head is not None and self.lm_head_bits == 8:
                 q = MatMulNBitsQuantizer(q.model.model, bits=8, nodes_to_include=[head.name], **kw)
                 q.process()
         new = ir.from_proto(q.model.model)
         _rebase_external(new, base_dir)
-        modified = _has_ops(new, {"MatMulNBits"})
-        if modified:
-            _replace_contents(model, new)
-            model.metadata_props[_keys.QUANTIZED] = json.dumps(
-                {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric,
-                 "accuracy_level": self.accuracy_level, "lm_head_bits": self.lm_head_bits if head is not None else 4}
-            )
+        count = sum(1 for n in new.graph if n.op_type == "MatMulNBits")
+        modified = count > 0
+        self._report(count, weights, unfolded, gemms_left)
+        if not modified:
+            return not_fired(model, "quantize-int4", f"none of the {weights} MatMul/Gemm nodes with a constant weight "
+                             "could be quantized (ORT's MatMulNBits quantizer takes float MatMul weights [K, N] with "
+                             "K a multiple of 16)", "leave quantize-int4 out for this model")
+        _replace_contents(model, new)
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
+            {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric,
+             "accuracy_level": self.accuracy_level, "lm_head_bits": self.lm_head_bits if head is not None else 4}
+        )
         return ir.passes.PassResult(model, modified=modified)
 
 
