@@ -61,78 +61,66 @@ def _rebase_external(model: ir.Model, base_dir: str | None) -> None:
             t.base_dir = base_dir
 
 
-def _gemm_attrs(node) -> dict:
-    import onnx
-
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _why_not_unfoldable(node, inits: dict) -> str | None:
-    """Why the Gemm ``node`` (a proto) is not ``MatMul(A, W) + C`` with a constant 2-D float ``W``, or None."""
-    import onnx
-
-    attrs = _gemm_attrs(node)
-    if len(node.input) < 2 or node.input[1] not in inits:
-        return "its weight B is not an initializer"
-    if inits[node.input[1]].data_type != onnx.TensorProto.FLOAT or len(inits[node.input[1]].dims) != 2:
+def _why_not_unfoldable(node: ir.Node) -> str | None:
+    """Why the ``Gemm`` ``node`` is not ``MatMul(A, W) + C`` with a constant 2-D float32 ``W``, or None."""
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    if w is None or w.const_value is None:
+        return "its weight B is not a constant"
+    if w.const_value.dtype != ir.DataType.FLOAT or len(w.const_value.shape) != 2:
         return "its weight B is not a 2-D float32 tensor"
-    if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
+    if node.attributes.get_int("transA", 0) or node.attributes.get_float("alpha", 1.0) != 1.0:
         return "transA=1 or alpha != 1"
-    if len(node.input) > 2 and node.input[2] and attrs.get("beta", 1.0) != 1.0:
+    if len(node.inputs) > 2 and node.inputs[2] is not None and node.attributes.get_float("beta", 1.0) != 1.0:
         return "beta != 1"
     return None
 
 
-def gemms_as_matmuls(proto, base_dir: str | None = None) -> tuple[int, dict[str, str]]:
-    """Rewrite (in ``proto``, an ``onnx.ModelProto``) each constant-weight ``Gemm`` as ``MatMul`` (+ ``Add`` of C).
+def gemms_as_matmuls(model: ir.Model) -> tuple[int, dict[str, str]]:
+    """Rewrite (in place) each constant-weight ``Gemm`` of the main graph as ``MatMul`` (+ ``Add`` of C).
 
     ORT's int4 quantizer quantizes ``MatMul`` nodes only; Hugging Face's ``Conv1D`` (GPT-2's attention and MLP
     projections: ``addmm(bias, x, W)`` with ``W`` stored ``[in, out]``) exports as ``Gemm(x, W, bias)``, so
     without this only GPT-2's LM head (a MatMul) would be quantized. Exact: the same products and the same bias
-    add (tested <= 1e-5). A ``transB=1`` weight is stored transposed under a new name (``base_dir``: where
-    external weight data lives). Main graph only.
+    add (tested <= 1e-5). A ``transB=1`` weight is stored transposed in its place when nothing else reads it.
 
     Returns:
-        The number of Gemms rewritten and ``{node name: why not}`` for the constant-weight Gemms left alone.
+        The number of Gemms rewritten and ``{node name: why not}`` for the Gemms with a constant weight left alone.
     """
-    from onnx import helper, numpy_helper
-
-    graph = proto.graph
-    inits = {t.name: t for t in graph.initializer}
-    done, left, out = 0, {}, []
-    for node in graph.node:
-        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
-            out.append(node)
-            continue
-        why = _why_not_unfoldable(node, inits)
+    graph = model.graph
+    done, left = 0, {}
+    for node in [n for n in graph if n.op_type == "Gemm" and n.domain in ("", "ai.onnx")]:
+        why = _why_not_unfoldable(node)
+        w = node.inputs[1] if len(node.inputs) > 1 else None
+        if why is None and node.attributes.get_int("transB", 0) and (not w.is_initializer() or len(list(w.uses())) != 1):
+            why = "transB=1 on a weight other nodes read too"
         if why is not None:
-            if len(node.input) > 1 and node.input[1] in inits:
-                left[node.name or node.output[0]] = why
-            out.append(node)
+            if w is not None and w.const_value is not None:
+                left[node.name or node.outputs[0].name] = why
             continue
-        stem = node.name or node.output[0]
-        weight = node.input[1]
-        if _gemm_attrs(node).get("transB", 0):
-            w = numpy_helper.to_array(inits[weight], base_dir or "")
-            weight = f"{weight}.T"
-            while weight in inits:
-                weight += "_"
-            inits[weight] = numpy_helper.from_array(np.ascontiguousarray(w.T), weight)
-            graph.initializer.append(inits[weight])
-        has_bias = len(node.input) > 2 and bool(node.input[2])
-        mm_out = f"{stem}/MatMul_output" if has_bias else node.output[0]
-        out.append(helper.make_node("MatMul", [node.input[0], weight], [mm_out], name=f"{stem}/MatMul"))
-        if has_bias:
-            out.append(helper.make_node("Add", [mm_out, node.input[2]], [node.output[0]], name=f"{stem}/Add"))
+        if node.attributes.get_int("transB", 0):
+            name = w.name
+            wt = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(w.const_value.numpy().T), name=name))
+            node.replace_input_with(1, wt)
+            del graph.initializers[name]
+            graph.register_initializer(wt)
+            w = wt
+        stem = node.name or node.outputs[0].name
+        y = node.outputs[0]
+        mm = ir.node("MatMul", [node.inputs[0], w], name=f"{stem}/MatMul")
+        new = [mm]
+        out = mm.outputs[0]
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            add = ir.node("Add", [out, node.inputs[2]], name=f"{stem}/Add")
+            out.name, out.dtype = f"{stem}/MatMul_output", y.dtype
+            new.append(add)
+            out = add.outputs[0]
+        graph.insert_before(node, new)
+        yname = y.name
+        y.name = None
+        out.name, out.type, out.shape = yname, y.type, y.shape
+        ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
         done += 1
-    if done:
-        del graph.node[:]
-        graph.node.extend(out)
-        used = {i for n in graph.node for i in n.input}
-        keep = [t for t in graph.initializer if t.name in used or t.name in {o.name for o in graph.output}]
-        if len(keep) != len(graph.initializer):
-            del graph.initializer[:]
-            graph.initializer.extend(keep)
     return done, left
 
 
@@ -453,9 +441,10 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         base_dir = dirs.pop() if dirs else None
         weights = _weight_matmuls(model)
         with working_directory(base_dir):  # ORT's quantizer resolves external data against the working directory
-            proto = ir.to_proto(model)
-            unfolded, gemms_left = gemms_as_matmuls(proto, base_dir)
-            q = MatMulNBitsQuantizer(proto, bits=4, nodes_to_exclude=[head.name] if head else None, **kw)
+            work = ir.from_proto(ir.to_proto(model))  # the Gemm rewrite goes into a copy: model changes only if quantized
+            _rebase_external(work, base_dir)
+            unfolded, gemms_left = gemms_as_matmuls(work)
+            q = MatMulNBitsQuantizer(ir.to_proto(work), bits=4, nodes_to_exclude=[head.name] if head else None, **kw)
             q.process()
             if head is not None and self.lm_head_bits == 8:
                 q = MatMulNBitsQuantizer(q.model.model, bits=8, nodes_to_include=[head.name], **kw)

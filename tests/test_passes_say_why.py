@@ -115,12 +115,12 @@ def test_quantize_int4_quantizes_gpt2_conv1d_gemms(gpt2_path, caplog):
 def test_gemm_unfolding_is_exact(gpt2_path):
     from dyncompile.passes.quantize_weights import gemms_as_matmuls
 
-    proto = onnx.load(gpt2_path)
-    ref = _run(proto, _feeds())
-    done, left = gemms_as_matmuls(proto)
+    model = ir.load(gpt2_path)
+    ref = _run(ir.load(gpt2_path), _feeds())
+    done, left = gemms_as_matmuls(model)
     assert done == 4 * LAYERS and not left
-    assert not [n for n in proto.graph.node if n.op_type == "Gemm"]
-    for a, b in zip(_run(proto, _feeds()), ref):
+    assert not [n for n in model.graph if n.op_type == "Gemm"]
+    for a, b in zip(_run(model, _feeds()), ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
@@ -152,15 +152,21 @@ def _context(**options):
     return CompileContext(options=options)
 
 
+def _graph(nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value], inits=()) -> ir.Model:
+    g = ir.Graph(inputs, outputs, nodes=nodes, initializers=list(inits), opset_imports={"": 18}, name="g")
+    return ir.Model(g, ir_version=10)
+
+
 def _no_shapes_graph() -> onnx.ModelProto:
     """x [b, s, 16] -> Relu -> (no shape recorded) -> MatMul(W [16, 16]) -> y: an export without value_info."""
-    rng = np.random.default_rng(0)
-    w = onnx.numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "W")
-    nodes = [onnx.helper.make_node("Relu", ["x"], ["r"]), onnx.helper.make_node("MatMul", ["r", "W"], ["y"])]
-    g = onnx.helper.make_graph(
-        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", "s", 16])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [w])
-    return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    w = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["b", "s", 16]))
+    wv = ir.val("W", const_value=ir.tensor(w, name="W"))
+    relu = ir.node("Relu", [x], name="relu")
+    relu.outputs[0].name = "r"
+    mm = ir.node("MatMul", [relu.outputs[0], wv], name="mm")
+    mm.outputs[0].name, mm.outputs[0].dtype = "y", ir.DataType.FLOAT
+    return ir.to_proto(_graph([relu, mm], [x], [mm.outputs[0]], [wv]))
 
 
 def test_matmul_to_conv_runs_shape_inference_itself():
@@ -176,12 +182,11 @@ def test_matmul_to_conv_runs_shape_inference_itself():
 
 def test_matmul_to_conv_named_without_a_target_warns(caplog):
     """Nothing to lower (the weight is an input): the WARNING names the pass and the reason."""
-    g = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", "s", 4]),
-         onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [4, 4])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", "s", 4])])
-    model = ir.from_proto(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10))
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["b", "s", 4]))
+    w = ir.val("w", ir.DataType.FLOAT, ir.Shape([4, 4]))
+    mm = ir.node("MatMul", [x, w], name="mm")
+    mm.outputs[0].name, mm.outputs[0].dtype, mm.outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape(["b", "s", 4])
+    model = _graph([mm], [x, w], [mm.outputs[0]])
     with caplog.at_level(logging.WARNING):
         result = run_pipeline(build_passes("matmul-to-conv"), model, check="none")
     assert not result.modified
