@@ -90,17 +90,24 @@ def _max_seq_length(folder: Path, fallback: int) -> int:
 
 
 def _ort_embeddings(onnx_path: Path, tokenizer, texts, input_names, pooling, max_length):
+    """Pooled embeddings of ``texts`` from the exported graph in ONNX Runtime (numpy pooling, as the runtime's)."""
     import numpy as np
 
     from dyncompile.models._export import ort_session
-    from dyncompile.plan import PoolingPolicy, from_json
-    from dyncompile.runtime.embed import pool
 
     enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="np")
-    sess = ort_session(onnx_path)
     feeds = {n: np.asarray(enc[n], dtype=np.int64) for n in input_names}
-    tok = sess.run(["last_hidden_state"], feeds)[0]
-    return pool(tok, feeds["attention_mask"], from_json(PoolingPolicy, pooling, "pooling"))
+    tok = ort_session(onnx_path).run(["last_hidden_state"], feeds)[0].astype(np.float64)
+    mask = feeds["attention_mask"].astype(np.float64)[..., None]
+    if pooling["mode"] == "cls":
+        out = tok[:, 0]
+    elif pooling["mode"] == "max":
+        out = np.where(mask > 0, tok, -np.inf).max(axis=1)
+    else:
+        out = (tok * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
+    if pooling.get("normalize"):
+        out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+    return out.astype(np.float32)
 
 
 def export_sentence_embedder(folder: str | Path, work: Path, *, name: str, steps: Steps | None = None) -> dict[str, Any]:

@@ -192,3 +192,23 @@ def test_matmul_to_conv_named_without_a_target_warns(caplog):
     assert not result.modified
     msgs = [m for m in _warnings(caplog) if "matmul-to-conv" in m]
     assert msgs and "constant" in msgs[0]
+
+
+def test_pack_matmuls_named_on_gpt2_warns_that_qkv_is_already_one_product(gpt2_path, caplog):
+    model = ir.load(gpt2_path)
+    split = next(n for n in model.graph if n.op_type == "Split")
+    with caplog.at_level(logging.WARNING):
+        result = run_pipeline(build_passes("pack-matmuls"), model, check="none")
+    assert not result.modified
+    msgs = [m for m in _warnings(caplog) if "pack-matmuls" in m]
+    assert msgs and split.name in msgs[0]
+
+
+def test_trim_logits_named_without_an_lm_head_warns(caplog):
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["b", "s", 4]))
+    relu = ir.node("Relu", [x], name="relu")
+    relu.outputs[0].name, relu.outputs[0].dtype, relu.outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape(["b", "s", 4])
+    with caplog.at_level(logging.WARNING):
+        result = run_pipeline(build_passes("trim-logits"), _graph([relu], [x], [relu.outputs[0]]), check="none")
+    assert not result.modified
+    assert any("trim-logits" in m and "LM head" in m for m in _warnings(caplog))
