@@ -108,6 +108,8 @@ class MatMulToConvPass(ir.passes.InPlacePass):
             _infer_shapes(model)  # an export without shapes: annotate them rather than give up
             graph = model.graph
             nodes = [n for n in graph if _lowerable(n)]
+        if not nodes and any(n.name.endswith("/as_conv/Conv") for n in graph):  # lowered by an earlier run
+            return ir.passes.PassResult(model, modified=False)
         if not nodes:
             return not_fired(model, "matmul-to-conv", _why_none(model),
                              "leave matmul-to-conv out for this model (it only pays on decoders' [batch, seq, K] "
