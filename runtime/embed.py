@@ -46,7 +46,8 @@ class EmbeddingAPI(TaskAPI):
     """Sentence-embedding plans: texts in, one (pooled, optionally normalized) vector per text out.
 
     Args:
-        model: the loaded plan; it must record ``policy.pooling`` and a tokenizer.
+        model: the loaded plan; :meth:`encode` needs its ``policy.pooling`` and a tokenizer (a feature-extraction
+            plan without them loads, and ``run_feeds`` returns its token embeddings).
     """
 
     def __init__(self, model: Any) -> None:
@@ -54,12 +55,9 @@ class EmbeddingAPI(TaskAPI):
         super().__init__(model)
         plan = model.plan
         raw = (plan.policy or {}).get("pooling")
-        if raw is None:
-            raise PlanError(f"this {plan.task} plan records no policy.pooling, so its token embeddings cannot be "
-                            "pooled; recompile it from a model with a sentence-transformers pooling config")
-        self.pooling: PoolingPolicy = from_json(PoolingPolicy, raw, "policy.pooling")
+        self.pooling: PoolingPolicy | None = None if raw is None else from_json(PoolingPolicy, raw, "policy.pooling")
         outputs = [o.get("name") for o in plan.outputs or [] if isinstance(o, dict)]
-        if outputs and self.pooling.output not in outputs:
+        if self.pooling is not None and outputs and self.pooling.output not in outputs:
             raise PlanError(f"policy.pooling.output {self.pooling.output!r} is not an output of the plan's model "
                             f"({', '.join(map(str, outputs))})")
         self.encoder = None
@@ -86,6 +84,10 @@ class EmbeddingAPI(TaskAPI):
             raise DataError(f"batch size must be a positive integer, got {batch_size!r}")
         if not all(isinstance(t, str) for t in texts):
             raise DataError("encode() takes a text or a list of texts")
+        if self.pooling is None:
+            raise PlanError(f"this {self.model.plan.task} plan records no policy.pooling, so its token embeddings "
+                            "cannot be pooled; recompile it from a model with a sentence-transformers pooling config "
+                            "(dyncompile-model.json 'pooling')")
         out = []
         for i in range(0, len(texts), batch_size):
             feeds = self._feeds(list(texts[i : i + batch_size]))

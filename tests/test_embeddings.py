@@ -157,3 +157,15 @@ def test_real_minilm_embeddings_equal_torch(tmp_path):
     got = dyncompile.load(plan_dir).encode(TEXTS)
     assert got.shape == (len(TEXTS), 384)
     np.testing.assert_allclose(got, _torch_reference(Path(cfg["hf_dir"]), TEXTS), atol=1e-5, rtol=0)
+
+
+def test_plan_without_pooling_loads_and_encode_says_what_is_missing(embedder, tmp_path):
+    _, _, plan_dir = embedder
+    copy = tmp_path / "plan"
+    shutil.copytree(plan_dir, copy)
+    raw = json.loads((copy / "plan.json").read_text())
+    del raw["policy"]["pooling"]
+    (copy / "plan.json").write_text(json.dumps(raw))
+    m = dyncompile.load(copy)
+    with pytest.raises(PlanError, match="records no policy.pooling"):
+        m.encode(TEXTS)
