@@ -147,6 +147,11 @@ class MatMulToConvPass(ir.passes.InPlacePass):
             wt.name = name
             graph.register_initializer(wt)
         logger.info("matmul-to-conv: %d MatMuls run as 1x1 Convs", len(nodes))
+        gemms = [n for n in graph if n.op_type == "Gemm" and len(n.inputs) > 1 and n.inputs[1] is not None
+                 and n.inputs[1].const_value is not None]
+        if gemms:
+            logger.info("matmul-to-conv: %d constant-weight Gemm nodes left as they are (e.g. %r: GPT-2-style Conv1D "
+                        "on [batch*seq, K] rows, which this lowering does not take)", len(gemms), gemms[0].name)
         return ir.passes.PassResult(model, modified=True)
 
 
