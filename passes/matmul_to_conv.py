@@ -8,7 +8,8 @@ the weight, which does overlap them: decode and verification steps get faster, w
 NCHWc reorders. The paired measurements are in ``bench-results/decoder-graphs/`` and ``bench-results/peers/``.
 
 * Scope: the main graph's standard-domain ``MatMul`` nodes whose first input is an activation of known rank 3,
-  ``[batch, seq, K]`` (exports carry the shapes; run shape inference first on a graph without them), and whose
+  ``[batch, seq, K]`` (exports carry the shapes; on a graph without them the pass runs ONNX shape inference
+  itself, which only annotates shapes), and whose
   second is a constant 2-D float32 initializer ``[K, N]`` read by that node alone (a shared weight, such as an LM
   head tied to the embedding, would be stored twice: left alone). ``MatMulNBits`` (int4)
   and MatMuls in subgraphs are left alone; a graph without such a MatMul is not modified.
@@ -36,11 +37,49 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MatMulToConvPass"]
+
+
+def _has_weight(node: ir.Node) -> bool:
+    """A standard MatMul whose second input is a constant initializer (lowerable given a known rank-3 activation)."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return False
+    w = node.inputs[1]
+    return w is not None and w.is_initializer() and w.const_value is not None
+
+
+def _infer_shapes(model: ir.Model) -> None:
+    """Annotate the graph's values with ONNX shape inference (shapes only: no node or weight changes)."""
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    try:
+        ShapeInferencePass()(model)
+    except Exception as e:  # noqa: BLE001 - a graph ONNX shape inference cannot handle: reported by the caller
+        logger.info("matmul-to-conv: shape inference failed: %s", str(e)[:200])
+
+
+def _why_none(model: ir.Model) -> str:
+    """Why no MatMul of ``model`` can be lowered (after shape inference), naming what was found instead."""
+    nodes = list(model.graph)
+    weighted = [n for n in nodes if _has_weight(n)]
+    gemms = [n for n in nodes if n.op_type == "Gemm"]
+    if not weighted:
+        why = "no MatMul with a constant weight initializer"
+        if gemms:
+            why += (f" ({len(gemms)} Gemm nodes, e.g. {gemms[0].name!r}: GPT-2-style Conv1D projections on [batch*seq, "
+                    "K] rows, which this lowering does not take)")
+        return why
+    n = weighted[0]
+    x = n.inputs[0]
+    if x is None or x.shape is None:
+        return (f"shape inference found no shape for the activations of the {len(weighted)} constant-weight MatMuls "
+                f"(e.g. {n.name!r} reads {x.name if x is not None else None!r})")
+    return (f"none of the {len(weighted)} constant-weight MatMuls has a [batch, seq, K] activation with a float32 "
+            f"[K, N] weight read by it alone (e.g. {n.name!r}: activation rank {len(x.shape)})")
 
 
 def _lowerable(node: ir.Node) -> bool:
@@ -65,9 +104,16 @@ class MatMulToConvPass(ir.passes.InPlacePass):
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         graph = model.graph
         nodes = [n for n in graph if _lowerable(n)]
-        if not nodes:
-            logger.info("matmul-to-conv: no constant-weight MatMul on a [batch, seq, K] activation; left alone")
+        if not nodes and any(_has_weight(n) and n.inputs[0] is not None and n.inputs[0].shape is None for n in graph):
+            _infer_shapes(model)  # an export without shapes: annotate them rather than give up
+            graph = model.graph
+            nodes = [n for n in graph if _lowerable(n)]
+        if not nodes and any(n.name.endswith("/as_conv/Conv") for n in graph):  # lowered by an earlier run
             return ir.passes.PassResult(model, modified=False)
+        if not nodes:
+            return not_fired(model, "matmul-to-conv", _why_none(model),
+                             "leave matmul-to-conv out for this model (it only pays on decoders' [batch, seq, K] "
+                             "MatMuls on the x86 CPU EP)")
         axes = ir.Value(name="matmul_to_conv.axes", const_value=ir.tensor(np.array([1], np.int64),
                                                                           name="matmul_to_conv.axes"))
         while axes.name in graph.initializers:
@@ -101,6 +147,11 @@ class MatMulToConvPass(ir.passes.InPlacePass):
             wt.name = name
             graph.register_initializer(wt)
         logger.info("matmul-to-conv: %d MatMuls run as 1x1 Convs", len(nodes))
+        gemms = [n for n in graph if n.op_type == "Gemm" and len(n.inputs) > 1 and n.inputs[1] is not None
+                 and n.inputs[1].const_value is not None]
+        if gemms:
+            logger.info("matmul-to-conv: %d constant-weight Gemm nodes left as they are (e.g. %r: GPT-2-style Conv1D "
+                        "on [batch*seq, K] rows, which this lowering does not take)", len(gemms), gemms[0].name)
         return ir.passes.PassResult(model, modified=True)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +147,25 @@ class PackMatMulsPass(ir.passes.InPlacePass):
             adds.append((add, b))
         return adds
 
+    def _why_none(self, model: ir.Model) -> str:
+        """Why no group formed, naming a fused projection (GPT-2's Conv1D: one Gemm + Split) when there is one."""
+        why = (f"no {self.min_group} or more constant-weight MatMuls read the same activation (packable groups: same "
+               "weight dtype and rows, no graph output among them)")
+        split = next((n for n in model.graph if n.op_type == "Split" and n.inputs and n.inputs[0] is not None
+                      and n.inputs[0].producer() is not None
+                      and n.inputs[0].producer().op_type in ("Gemm", "MatMul", "Reshape")), None)
+        if split is not None:
+            why += f"; the projections may already be packed in the export (Split {split.name!r} of one product)"
+        return why
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         groups = self._groups(model)
         if not groups:
-            return ir.passes.PassResult(model, modified=False)
+            if any(n.name.startswith("pack_matmuls.") for n in model.graph):  # packed by an earlier run
+                return ir.passes.PassResult(model, modified=False)
+            return not_fired(model, "pack-matmuls", self._why_none(model),
+                             "leave pack-matmuls out for this model")
         graph = model.graph
         for k, nodes in enumerate(groups):
             x = nodes[0].inputs[0]

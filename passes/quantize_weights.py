@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from dyncompile.io import external_data_dirs, working_directory
 from dyncompile.passes import _keys
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ __all__ = [
     "QuantizeWeightsInt8Pass",
     "choose_int8_format",
     "gelu_fed_matmuls",
+    "gemms_as_matmuls",
 ]
 
 INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
@@ -58,6 +59,75 @@ def _rebase_external(model: ir.Model, base_dir: str | None) -> None:
         t = v.const_value
         if isinstance(t, ir.ExternalTensor) and not str(t.base_dir):
             t.base_dir = base_dir
+
+
+def _why_not_unfoldable(node: ir.Node) -> str | None:
+    """Why the ``Gemm`` ``node`` is not ``MatMul(A, W) + C`` with a constant 2-D float32 ``W``, or None."""
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    if w is None or w.const_value is None:
+        return "its weight B is not a constant"
+    if w.const_value.dtype != ir.DataType.FLOAT or len(w.const_value.shape) != 2:
+        return "its weight B is not a 2-D float32 tensor"
+    if node.attributes.get_int("transA", 0) or node.attributes.get_float("alpha", 1.0) != 1.0:
+        return "transA=1 or alpha != 1"
+    if len(node.inputs) > 2 and node.inputs[2] is not None and node.attributes.get_float("beta", 1.0) != 1.0:
+        return "beta != 1"
+    return None
+
+
+def gemms_as_matmuls(model: ir.Model) -> tuple[int, dict[str, str]]:
+    """Rewrite (in place) each constant-weight ``Gemm`` of the main graph as ``MatMul`` (+ ``Add`` of C).
+
+    ORT's int4 quantizer quantizes ``MatMul`` nodes only; Hugging Face's ``Conv1D`` (GPT-2's attention and MLP
+    projections: ``addmm(bias, x, W)`` with ``W`` stored ``[in, out]``) exports as ``Gemm(x, W, bias)``, so
+    without this only GPT-2's LM head (a MatMul) would be quantized. Exact: the same products and the same bias
+    add (tested <= 1e-5). A ``transB=1`` weight is stored transposed in its place when nothing else reads it.
+
+    Returns:
+        The number of Gemms rewritten and ``{node name: why not}`` for the Gemms with a constant weight left alone.
+    """
+    graph = model.graph
+    done, left = 0, {}
+    for node in [n for n in graph if n.op_type == "Gemm" and n.domain in ("", "ai.onnx")]:
+        why = _why_not_unfoldable(node)
+        w = node.inputs[1] if len(node.inputs) > 1 else None
+        if why is None and node.attributes.get_int("transB", 0) and (not w.is_initializer() or len(list(w.uses())) != 1):
+            why = "transB=1 on a weight other nodes read too"
+        if why is not None:
+            if w is not None and w.const_value is not None:
+                left[node.name or node.outputs[0].name] = why
+            continue
+        if node.attributes.get_int("transB", 0):
+            name = w.name
+            wt = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(w.const_value.numpy().T), name=name))
+            node.replace_input_with(1, wt)
+            del graph.initializers[name]
+            graph.register_initializer(wt)
+            w = wt
+        stem = node.name or node.outputs[0].name
+        y = node.outputs[0]
+        mm = ir.node("MatMul", [node.inputs[0], w], name=f"{stem}/MatMul")
+        new = [mm]
+        out = mm.outputs[0]
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            add = ir.node("Add", [out, node.inputs[2]], name=f"{stem}/Add")
+            out.name, out.dtype = f"{stem}/MatMul_output", y.dtype
+            new.append(add)
+            out = add.outputs[0]
+        graph.insert_before(node, new)
+        yname = y.name
+        y.name = None
+        out.name, out.type, out.shape = yname, y.type, y.shape
+        ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        done += 1
+    return done, left
+
+
+def _weight_matmuls(model: ir.Model) -> int:
+    """MatMul / Gemm nodes of the main graph whose second input is a constant weight."""
+    return sum(1 for n in model.graph if n.op_type in ("MatMul", "Gemm") and len(n.inputs) > 1
+               and n.inputs[1] is not None and n.inputs[1].const_value is not None)
 
 
 def _has_ops(model: ir.Model, ops: set[str]) -> bool:
@@ -298,7 +368,9 @@ def choose_int8_format(provider: str | None) -> tuple[str, str]:
 class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     """Weight-only int4 (block-wise) quantization of MatMul weights into ``com.microsoft.MatMulNBits``.
 
-    Scope: main graph. Invariants: graph inputs/outputs unchanged; activations stay float outside the op.
+    Scope: main graph; constant-weight ``Gemm`` nodes (GPT-2's ``Conv1D``) are run as ``MatMul`` + ``Add`` first
+    (:func:`gemms_as_matmuls`), so they are quantized too. Invariants: graph inputs/outputs unchanged; activations
+    stay float outside the op.
     Idempotent: a graph with MatMulNBits is left alone. Sketch: ``MatMul(x, W) -> MatMulNBits(x, q4(W), s)``.
 
     ``accuracy_level`` is MatMulNBits' compute type: 4 (the default, as in onnxruntime-genai's model builder
@@ -337,6 +409,18 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
             f"accuracy_level={self.accuracy_level}, lm_head_bits={self.lm_head_bits})"
         )
 
+    @staticmethod
+    def _report(count: int, weights: int, unfolded: int, gemms_left: dict[str, str]) -> None:
+        """Log how many weight products were quantized; WARN about those left in float and why."""
+        logger.info("quantize-int4: %d of %d MatMul/Gemm weight products quantized (%d Gemms run as MatMul + Add first)",
+                    count, weights, unfolded)
+        if gemms_left:
+            name, why = next(iter(gemms_left.items()))
+            logger.warning("quantize-int4: %d Gemm nodes left in float (e.g. %r: %s)", len(gemms_left), name, why)
+        elif count < weights:
+            logger.info("quantize-int4: %d weight products left in float (ORT's quantizer skips weights whose rows "
+                        "are not a multiple of 16, and the LM head when lm_head_bits=0)", weights - count)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _has_ops(model, {"MatMulNBits"}):
@@ -355,21 +439,30 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         if len(dirs) > 1:
             raise ValueError(f"initializers read external data from several folders: {sorted(dirs)}")
         base_dir = dirs.pop() if dirs else None
+        weights = _weight_matmuls(model)
         with working_directory(base_dir):  # ORT's quantizer resolves external data against the working directory
-            q = MatMulNBitsQuantizer(ir.to_proto(model), bits=4, nodes_to_exclude=[head.name] if head else None, **kw)
+            work = ir.from_proto(ir.to_proto(model))  # the Gemm rewrite goes into a copy: model changes only if quantized
+            _rebase_external(work, base_dir)
+            unfolded, gemms_left = gemms_as_matmuls(work)
+            q = MatMulNBitsQuantizer(ir.to_proto(work), bits=4, nodes_to_exclude=[head.name] if head else None, **kw)
             q.process()
             if head is not None and self.lm_head_bits == 8:
                 q = MatMulNBitsQuantizer(q.model.model, bits=8, nodes_to_include=[head.name], **kw)
                 q.process()
         new = ir.from_proto(q.model.model)
         _rebase_external(new, base_dir)
-        modified = _has_ops(new, {"MatMulNBits"})
-        if modified:
-            _replace_contents(model, new)
-            model.metadata_props[_keys.QUANTIZED] = json.dumps(
-                {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric,
-                 "accuracy_level": self.accuracy_level, "lm_head_bits": self.lm_head_bits if head is not None else 4}
-            )
+        count = sum(1 for n in new.graph if n.op_type == "MatMulNBits")
+        modified = count > 0
+        self._report(count, weights, unfolded, gemms_left)
+        if not modified:
+            return not_fired(model, "quantize-int4", f"none of the {weights} MatMul/Gemm nodes with a constant weight "
+                             "could be quantized (ORT's MatMulNBits quantizer takes float MatMul weights [K, N] with "
+                             "K a multiple of 16)", "leave quantize-int4 out for this model")
+        _replace_contents(model, new)
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
+            {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric,
+             "accuracy_level": self.accuracy_level, "lm_head_bits": self.lm_head_bits if head is not None else 4}
+        )
         return ir.passes.PassResult(model, modified=modified)
 
 

@@ -28,7 +28,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes._infra import register_pass
+from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ class TrimLogitsPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         head = lm_head(graph)
         if head is None:
-            logger.info("trim-logits: no LM head [batch, seq, hidden] -> logits found; left alone")
-            return ir.passes.PassResult(model, modified=False)
+            return not_fired(model, "trim-logits", "no LM head found: a MatMul (or MatMulNBits) of a [batch, seq, "
+                             "hidden] activation producing the rank-3 graph output 'logits'", "leave trim-logits out for this model")
         keep = ir.Value(name=LOGITS_TO_KEEP, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
         graph.inputs.append(keep)
         consts = {}

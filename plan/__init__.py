@@ -60,6 +60,7 @@ from dyncompile.plan.diffusion import (
     StopRuleParams,
     VaeDecoderParams,
 )
+from dyncompile.plan.embed import EMBEDDING_TASKS, PoolingPolicy, pooling_from_sentence_transformers
 from dyncompile.plan.load import (
     MAX_DEPTH,
     MAX_PLAN_BYTES,
@@ -80,6 +81,9 @@ from dyncompile.plan.routing import (
 )
 
 __all__ = [
+    "EMBEDDING_TASKS",
+    "PoolingPolicy",
+    "pooling_from_sentence_transformers",
     "MAX_DEPTH",
     "MAX_DIM",
     "MAX_PLAN_BYTES",

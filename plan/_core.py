@@ -18,7 +18,7 @@ from typing import Any
 
 from dyncompile.errors import PlanError
 from dyncompile.io import sha256_file, write_json_atomic
-from dyncompile.plan import classify, decode, diffusion, routing
+from dyncompile.plan import classify, decode, diffusion, embed, routing
 
 __all__ = [
     "PLAN_FILENAME",
@@ -38,7 +38,7 @@ PLAN_FILENAME = "plan.json"
 STEP_SCHEMAS: dict[str, Any] = {**classify.STEPS, **decode.STEPS, **diffusion.STEPS, **routing.STEPS}
 """Step kind -> ``build(params_json, where)`` returning the typed params (declared schema per kind)."""
 
-POLICY_SCHEMAS: dict[str, type] = {**classify.POLICIES, **decode.POLICIES, **routing.POLICIES}
+POLICY_SCHEMAS: dict[str, type] = {**classify.POLICIES, **decode.POLICIES, **routing.POLICIES, **embed.POLICIES}
 """Policy name -> schema; other policy entries must be free-form JSON (finite numbers)."""
 
 

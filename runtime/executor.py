@@ -249,9 +249,12 @@ class CompiledModel:
                 ) from None
         return state
 
-    def encode(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
-        """Classifier plans: the token arrays of ``texts`` for the plan's inputs (the plan's tokenizer)."""
-        return self.task_api.encode(texts)
+    def encode(self, texts: Sequence[str], **kwargs: Any) -> Any:
+        """Classifier plans: the token arrays of ``texts`` for the plan's inputs (the plan's tokenizer).
+
+        Sentence-embedding plans: the embeddings ``[N, dimension]`` of ``texts`` (``batch_size=32``).
+        """
+        return self.task_api.encode(texts, **kwargs)
 
     def classify(self, texts: Sequence[str] | str, batch_size: int = 32) -> Any:
         """Classifier plans: one ``Prediction`` per text (label, score, probabilities, exit layer, candidate)."""

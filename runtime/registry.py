@@ -126,9 +126,9 @@ class TaskAPI:
                if task == "unknown" else "")
         return DataError(f"{method}() is for {wants}; this plan's task is {task!r}{fix}")
 
-    def encode(self, texts: Any) -> Any:
-        """Token arrays of texts for the plan's inputs (text-classification plans)."""
-        raise self._unsupported("encode", "classifiers (text-classification plans)")
+    def encode(self, texts: Any, **kwargs: Any) -> Any:
+        """Token arrays of texts for the plan's inputs (text-classification plans); embeddings (sentence-embedding)."""
+        raise self._unsupported("encode", "classifiers and sentence-embedding plans")
 
     def classify(self, texts: Any, batch_size: int = 32) -> Any:
         """Classify texts (text-classification plans)."""

@@ -12,6 +12,7 @@ import dyncompile.runtime.decode.speculative  # noqa: F401  (registers speculati
 import dyncompile.runtime.diffusion.api  # noqa: F401  (registers the text-to-image task API)
 import dyncompile.runtime.diffusion.steps  # noqa: F401  (registers diffusion_encode, predict_steps, diffusion_denoise)
 import dyncompile.runtime.early_exit  # noqa: F401  (registers early_exit_staged)
+import dyncompile.runtime.embed  # noqa: F401  (registers the sentence-embedding task API)
 import dyncompile.runtime.routing.route  # noqa: F401  (registers cascade, route)
 from dyncompile.plan import STEP_SCHEMAS
 from dyncompile.runtime.registry import StepHandler, register_step

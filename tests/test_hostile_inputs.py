@@ -417,6 +417,8 @@ POLICY_MUTATIONS = {
     "policy threshold NaN": (lambda r: r["policy"]["early_exit"]["thresholds"].update({"1": float("nan")}), "finite"),
     "labels as a string": (lambda r: r.update(labels="negative,positive"), "labels"),
     "labels with numbers": (lambda r: r.update(labels=[0, 1]), "labels"),
+    "pooling mode unknown": (lambda r: r["policy"].update(pooling={"mode": "median"}), "policy.pooling.mode"),
+    "pooling field unknown": (lambda r: r["policy"].update(pooling={"mode": "mean", "pca": 3}), "policy.pooling"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``dyncompile run PLAN``: run a compiled plan (classifier, decoder, routed or text-to-image)."""
+"""``dyncompile run PLAN``: run a compiled plan (classifier, sentence embedder, decoder, routed or text-to-image)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 
 from dyncompile.errors import DataError
+from dyncompile.plan import EMBEDDING_TASKS
 from dyncompile.tools._text import safe_text
 
 __all__ = ["format_generation", "run_command"]
@@ -22,6 +23,19 @@ def format_generation(res) -> str:
     parts.append(f"stop: {s.stop_reason}")
     text = res.text if res.text is not None else " ".join(map(str, res.token_ids))
     return text + "\n--\n" + ", ".join(parts)
+
+
+def _print_embeddings(model, args: argparse.Namespace) -> int:
+    """``run --text`` on a sentence-embedding plan: each vector's dimensions, norm and first values (--json: all)."""
+    vecs = model.encode(args.text, batch_size=args.batch_size or 32)
+    if args.json:
+        print(json.dumps([{"text": t, "embedding": v.tolist()} for t, v in zip(args.text, vecs)]))
+        return 0
+    for text, v in zip(args.text, vecs):
+        head = " ".join(f"{x:+.4f}" for x in v[:4])
+        print(f"dims={v.shape[0]} norm={float((v.astype('float64') ** 2).sum() ** 0.5):.4f} [{head} ...]  | "
+              f"{safe_text(text, keep_newlines=False)}")
+    return 0
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -44,6 +58,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.to_dict()}, indent=2)
               if args.json else safe_text(format_generation(res)))
         return 0
+    if args.text and model.plan.task in EMBEDDING_TASKS:
+        return _print_embeddings(model, args)
     if args.text:
         preds = model(args.text, batch_size=args.batch_size)
         if args.json:

@@ -269,6 +269,22 @@ def _parse_exits(spec) -> list[int] | None:
         raise PassConfigError(f"--exits must be layer numbers like 2,4,6, got {spec!r}") from None
 
 
+def _refuse_embeddings(context) -> None:
+    """Early exit on a sentence-embedding model: refused, with the reason (no exit criterion for embeddings)."""
+    from dyncompile.errors import PassConfigError
+    from dyncompile.plan import EMBEDDING_TASKS
+
+    task = (context.model_config or {}).get("task")
+    if task in EMBEDDING_TASKS:
+        raise PassConfigError(
+            f"early-exit cannot run on a {task} model: every exit criterion it has (entropy, maxprob, patience, "
+            "learned) reads class probabilities, and an embedding model has none; an embedding would need its own "
+            "criterion (e.g. a certified bound on the cosine agreement of the early layer's pooled embedding with "
+            "the full model's), which is not implemented. Compile it without early-exit (quantize-int8 makes an "
+            "encoder faster)"
+        )
+
+
 def _make_early_exit(
     context,
     budget: float | None = None,
@@ -297,6 +313,7 @@ def _make_early_exit(
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.passes.early_exit.fit_exit_heads import FitExitHeadsPass
 
+    _refuse_embeddings(context)
     o = context.options
     budget = budget if budget is not None else o.get("budget")
     budget = 1.0 if budget is None else budget

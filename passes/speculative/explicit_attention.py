@@ -18,11 +18,11 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
-from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes._infra import CompileContext, not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExposeAttentionMaskPass", "find_attention_bias"]
+__all__ = ["ExposeAttentionMaskPass", "find_attention_bias", "why_no_attention_bias"]
 
 
 _WEIGHT_OPS = frozenset({"MatMul", "Gemm", "MatMulNBits", "MatMulInteger", "Conv", "Attention", "MultiHeadAttention",
@@ -97,6 +97,20 @@ def find_attention_bias(model: ir.Model, mask_input: str = "attention_mask") -> 
     return found if count else None
 
 
+def why_no_attention_bias(model: ir.Model, mask_input: str = "attention_mask") -> str | None:
+    """Why :func:`find_attention_bias` finds no shared bias in ``model`` (None when it finds one)."""
+    if mask_input not in {v.name for v in model.graph.inputs}:
+        return f"the model has no {mask_input!r} input to build the attention bias from"
+    if find_attention_bias(model, mask_input) is not None:
+        return None
+    softmaxes = [n for n in model.graph if n.op_type == "Softmax"]
+    if not softmaxes:
+        return "the model has no Softmax (its attention is fused or not in the main graph)"
+    return (f"no single additive bias computed from {mask_input!r} alone (no weights) is added to the scores before "
+            f"all {len(softmaxes)} Softmaxes (e.g. {softmaxes[0].name!r}): the layers build their masks differently "
+            "(sliding windows?) or apply them in another way")
+
+
 class ExposeAttentionMaskPass(ir.passes.InPlacePass):
     """Replace a decoder's in-graph attention-mask construction by a 4-D additive float mask input.
 
@@ -147,9 +161,8 @@ class ExposeAttentionMaskPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         bias = find_attention_bias(model, self.mask_input)
         if bias is None:
-            logger.info("explicit-attention: no shared attention bias built from %r before the Softmaxes; not fired",
-                        self.mask_input)
-            return ir.passes.PassResult(model, modified=False)
+            return not_fired(model, "explicit-attention", why_no_attention_bias(model, self.mask_input) or "no bias",
+                             "draft trees (speculative{tree=true}) need it; use speculative without tree=true")
         shape = ir.Shape(["batch", 1, "seq", "past_plus_seq"])
         new = ir.Value(name=self.input_name, shape=shape, type=ir.TensorType(_dtype_of(bias)))
         replaced = bias.name

@@ -77,6 +77,21 @@ def _verify_sizes(top: int) -> list[int]:
 # ------------------------------------------------------------------------------------------- the pass
 
 
+def _tree_target_message(model: ir.Model, target: dict[str, Any]) -> str:
+    """Why ``model`` cannot verify draft trees, and what to do: add explicit-attention only where it can fire."""
+    from dyncompile.passes.speculative import explicit_attention
+
+    need = ("speculative{tree=true} needs a target with a 4-D attention mask input (attention_bias) and position_ids, "
+            "so that one call can verify a draft tree")
+    if not target.get("position_ids"):
+        return f"{need}: this target has no position_ids input; re-export it with position_ids, or leave out tree=true"
+    why = explicit_attention.why_no_attention_bias(model)
+    if why is not None:
+        return (f"{need}: explicit-attention cannot fire on this model ({why}), so draft trees are not available for "
+                "it; leave out tree=true")
+    return f"{need}: add the explicit-attention pass first (--passes explicit-attention,speculative{{tree=true}})"
+
+
 class SpeculativePass(ir.passes.InPlacePass):
     """Record a speculative-decoding plan for a KV-cache decoder: drafter, KV bookkeeping, draft policy.
 
@@ -172,11 +187,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         """Refuse a model the pass cannot work on, with what to do about it."""
         target = decoder_spec(model, "model", what="target model")
         if self.tree and not (target.get("attention_bias") and target.get("position_ids")):
-            raise DrafterError(
-                "speculative{tree=true} needs a target with a 4-D attention mask input (attention_bias) and "
-                "position_ids, so that one call can verify a draft tree: add the explicit-attention pass first "
-                "(--passes explicit-attention,speculative{tree=true})"
-            )
+            raise DrafterError(_tree_target_message(model, target))
         inexact = call_shape_dependent_ops(model)
         if inexact and not self.allow_inexact_target:
             raise DrafterError(
