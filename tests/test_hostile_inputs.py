@@ -1,4 +1,4 @@
-"""Hostile inputs (issue #9): plans and models from strangers, and every user mistake, end in one clear
+"""Hostile inputs: plans and models from strangers, and every user mistake, end in one clear
 ``error:`` line with exit code 2 (or a documented safe behaviour) — no traceback, no code execution, no file
 outside the output directory touched, the input model never modified.
 
@@ -77,10 +77,10 @@ def model_copy(built, tmp_path):
     return dst / "model.onnx"
 
 
-# ------------------------------------------------------------------------------------------- 1. chat template
+# ------------------------------------------------------------------------------------------- chat template
 
 
-def test_1_chat_template_cannot_execute_code(plan_copy, capsys, tmp_path):
+def test_chat_template_cannot_execute_code(plan_copy, capsys, tmp_path):
     plan = plan_copy("gen")
     marker = tmp_path / "PWNED"
     raw = read_plan(plan)
@@ -93,14 +93,14 @@ def test_1_chat_template_cannot_execute_code(plan_copy, capsys, tmp_path):
     assert_clean_error(rc, err, "template")
 
 
-# ------------------------------------------------------------------------------------------- 2. --force
+# ------------------------------------------------------------------------------------------- --force
 
 
 def _compile_args(model, out, *extra):
     return (model, "--passes", "verify", "-o", out, "-q", *extra)
 
 
-def test_2_force_refuses_an_unrelated_directory(model_copy, tmp_path, capsys):
+def test_force_refuses_an_unrelated_directory(model_copy, tmp_path, capsys):
     victim = tmp_path / "photos"
     victim.mkdir()
     (victim / "holiday.jpg").write_bytes(b"precious")
@@ -110,7 +110,7 @@ def test_2_force_refuses_an_unrelated_directory(model_copy, tmp_path, capsys):
     assert tree_state(tmp_path) == before
 
 
-def test_2_force_refuses_an_ancestor_of_the_input_model(built, tmp_path, capsys):
+def test_force_refuses_an_ancestor_of_the_input_model(built, tmp_path, capsys):
     model_dir = tmp_path / "a" / "b"
     shutil.copytree(built["cls_model"].parent, model_dir)
     model = model_dir / "model.onnx"
@@ -121,7 +121,7 @@ def test_2_force_refuses_an_ancestor_of_the_input_model(built, tmp_path, capsys)
     assert tree_state(tmp_path) == before
 
 
-def test_2_force_refuses_the_working_directory(model_copy, tmp_path, capsys, monkeypatch):
+def test_force_refuses_the_working_directory(model_copy, tmp_path, capsys, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
     (work / "notes.txt").write_text("mine")
@@ -132,7 +132,7 @@ def test_2_force_refuses_the_working_directory(model_copy, tmp_path, capsys, mon
     assert tree_state(tmp_path) == before
 
 
-def test_2_force_refuses_a_plan_with_foreign_files(model_copy, tmp_path, capsys):
+def test_force_refuses_a_plan_with_foreign_files(model_copy, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_cli(capsys, *_compile_args(model_copy, out))[0] == 0
     (out / "thesis.tex").write_text("not the plan's")
@@ -141,7 +141,7 @@ def test_2_force_refuses_a_plan_with_foreign_files(model_copy, tmp_path, capsys)
     assert (out / "thesis.tex").read_text() == "not the plan's"
 
 
-def test_2_force_replaces_a_plan_or_an_empty_directory(model_copy, tmp_path, capsys):
+def test_force_replaces_a_plan_or_an_empty_directory(model_copy, tmp_path, capsys):
     model_sha = sha(model_copy)
     out = tmp_path / "out"
     assert run_cli(capsys, *_compile_args(model_copy, out))[0] == 0
@@ -162,7 +162,7 @@ def test_2_force_replaces_a_plan_or_an_empty_directory(model_copy, tmp_path, cap
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-# ------------------------------------------------------------------------------------------- 3. concurrent compiles
+# ------------------------------------------------------------------------------------------- concurrent compiles
 
 
 def _fake_plan(directory, marker):
@@ -170,7 +170,7 @@ def _fake_plan(directory, marker):
     (directory / "plan.json").write_text(json.dumps({"format": "dyncompile.plan/v1", "files": {}, "who": marker}))
 
 
-def test_3_target_appearing_meanwhile_is_not_overwritten(tmp_path):
+def test_target_appearing_meanwhile_is_not_overwritten(tmp_path):
     from dyncompile.io import atomic_output_dir
 
     out = tmp_path / "out"
@@ -182,7 +182,7 @@ def test_3_target_appearing_meanwhile_is_not_overwritten(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left behind
 
 
-def test_3_with_force_a_plan_that_appeared_is_replaced_but_nothing_else(tmp_path):
+def test_with_force_a_plan_that_appeared_is_replaced_but_nothing_else(tmp_path):
     from dyncompile.io import atomic_output_dir
 
     out = tmp_path / "out"
@@ -200,7 +200,7 @@ def test_3_with_force_a_plan_that_appeared_is_replaced_but_nothing_else(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out2"]
 
 
-def test_3_rename_noreplace_never_replaces(tmp_path):
+def test_rename_noreplace_never_replaces(tmp_path):
     from dyncompile.io import rename_noreplace
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -213,10 +213,10 @@ def test_3_rename_noreplace_never_replaces(tmp_path):
     assert (tmp_path / "c").is_dir() and not a.exists()
 
 
-# ------------------------------------------------------------------------------------------- 4. --compare / bench
+# ------------------------------------------------------------------------------------------- --compare / bench
 
 
-def test_4_compare_checks_the_original_model(built, tmp_path, capsys):
+def test_compare_checks_the_original_model(built, tmp_path, capsys):
     model_dir = tmp_path / "m"
     shutil.copytree(built["cls_model"].parent, model_dir)
     model = model_dir / "model.onnx"
@@ -239,10 +239,10 @@ def test_4_compare_checks_the_original_model(built, tmp_path, capsys):
     assert_clean_error(rc, err, str(model), "not there any more")
 
 
-# ------------------------------------------------------------------------------------------- 5. tokenizer at load
+# ------------------------------------------------------------------------------------------- tokenizer at load
 
 
-def test_5_tokenizer_swapped_after_load_is_not_used(plan_copy):
+def test_tokenizer_swapped_after_load_is_not_used(plan_copy):
     plan = plan_copy("cls")
     cm = dyncompile.load(plan)
     before = cm.predict_proba([TEXT, "w100 w200 w300"])
@@ -256,7 +256,7 @@ def test_5_tokenizer_swapped_after_load_is_not_used(plan_copy):
         dyncompile.load(plan)
 
 
-def test_5_generation_tokenizer_is_read_at_load(built, plan_copy):
+def test_generation_tokenizer_is_read_at_load(built, plan_copy):
     reference = dyncompile.load(built["gen"]).generate("w3 w4", max_new_tokens=4)
     plan = plan_copy("gen")
     cm = dyncompile.load(plan)
@@ -266,7 +266,7 @@ def test_5_generation_tokenizer_is_read_at_load(built, plan_copy):
     assert res.text == reference.text
 
 
-# ------------------------------------------------------------------------------------------- 6. plan.json mistakes
+# ------------------------------------------------------------------------------------------- plan.json mistakes
 
 
 def _mutate(plan, fn):
@@ -296,7 +296,7 @@ GEN_MUTATIONS = {
 
 
 @pytest.mark.parametrize("what", list(GEN_MUTATIONS))
-def test_6_generation_plan_mistakes_are_clean_errors(plan_copy, capsys, what):
+def test_generation_plan_mistakes_are_clean_errors(plan_copy, capsys, what):
     plan = _mutate(plan_copy("gen"), GEN_MUTATIONS[what])
     rc, _, err = run_cli(capsys, "run", plan, "--prompt", "w3 w4", "--max-new-tokens", "2")
     assert_clean_error(rc, err, "plan.json")
@@ -325,7 +325,7 @@ SPEC_MUTATIONS = {
 
 
 @pytest.mark.parametrize("what", list(SPEC_MUTATIONS))
-def test_6_speculative_plan_mistakes_are_clean_errors(plan_copy, capsys, what):
+def test_speculative_plan_mistakes_are_clean_errors(plan_copy, capsys, what):
     plan = _mutate(plan_copy("spec"), SPEC_MUTATIONS[what])
     rc, _, err = run_cli(capsys, "run", plan, "--prompt", "w3 w4", "--max-new-tokens", "2")
     assert_clean_error(rc, err, "plan.json")
@@ -343,13 +343,13 @@ STAGED_MUTATIONS = {
 
 
 @pytest.mark.parametrize("what", list(STAGED_MUTATIONS))
-def test_6_staged_plan_mistakes_are_clean_errors(plan_copy, capsys, what):
+def test_staged_plan_mistakes_are_clean_errors(plan_copy, capsys, what):
     plan = _mutate(plan_copy("staged"), STAGED_MUTATIONS[what])
     rc, _, err = run_cli(capsys, "run", plan, "--text", TEXT)
     assert_clean_error(rc, err, "plan.json")
 
 
-def test_6_deeply_nested_plan_json(plan_copy, capsys):
+def test_deeply_nested_plan_json(plan_copy, capsys):
     plan = plan_copy("cls")
     text = (plan / "plan.json").read_text()
     for depth in (100, 100_000):
@@ -358,7 +358,7 @@ def test_6_deeply_nested_plan_json(plan_copy, capsys):
         assert_clean_error(rc, err, "nested too deeply")
 
 
-def test_6_ort_session_failure_is_a_clean_error(plan_copy, capsys):
+def test_ort_session_failure_is_a_clean_error(plan_copy, capsys):
     plan = plan_copy("cls")
     (plan / "model.onnx").write_bytes(b"\x08\x07" + b"garbage" * 100)  # a publisher shipping a broken model
     rehash(plan, "model")
@@ -366,13 +366,13 @@ def test_6_ort_session_failure_is_a_clean_error(plan_copy, capsys):
     assert_clean_error(rc, err, "model.onnx", "ONNX Runtime")
 
 
-def test_6_plan_inputs_disagreeing_with_the_model(plan_copy, capsys):
+def test_plan_inputs_disagreeing_with_the_model(plan_copy, capsys):
     plan = _mutate(plan_copy("cls"), lambda r: r["inputs"][0].update(name="token_ids"))
     rc, _, err = run_cli(capsys, "run", plan, "--text", TEXT)
     assert_clean_error(rc, err, "input_ids", "recompile")
 
 
-def test_6_invalid_utf8_data_and_calib(built, model_copy, tmp_path, capsys):
+def test_invalid_utf8_data_and_calib(built, model_copy, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "ok", "label": 1}\n{"text": "caf\xe9"}\n')
     rc, _, err = run_cli(capsys, "run", built["cls"], "--data", bad)
@@ -384,24 +384,24 @@ def test_6_invalid_utf8_data_and_calib(built, model_copy, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--limit"])
-def test_6_zero_batch_size_and_limit(built, capsys, flag):
+def test_zero_batch_size_and_limit(built, capsys, flag):
     rc, _, err = run_cli(capsys, "run", built["cls"], "--data", DATA / "movie-test.jsonl", flag, "0")
     assert_clean_error(rc, err, flag)
 
 
-# ------------------------------------------------------------------------------------------- 7. policy values, pass options
+# ------------------------------------------------------------------------------------------- policy values, pass options
 
 THRESHOLDS = {"NaN": float("nan"), "-inf": float("-inf"), "+inf": float("inf"), "negative entropy": -0.5, "text": "0.5"}
 
 
 @pytest.mark.parametrize("what", list(THRESHOLDS))
-def test_7_bad_thresholds_are_refused(plan_copy, capsys, what):
+def test_bad_thresholds_are_refused(plan_copy, capsys, what):
     plan = _mutate(plan_copy("staged"), lambda r: r["steps"][0]["segments"][0].update(threshold=THRESHOLDS[what]))
     rc, _, err = run_cli(capsys, "run", plan, "--text", TEXT)
     assert_clean_error(rc, err, "segments[0].threshold")
 
 
-def test_7_probability_threshold_above_one_is_refused(plan_copy, capsys):
+def test_probability_threshold_above_one_is_refused(plan_copy, capsys):
     def bump(r):
         r["steps"][0]["criterion"] = "maxprob"
         for s in r["steps"][0]["segments"][:-1]:
@@ -423,7 +423,7 @@ POLICY_MUTATIONS = {
 
 
 @pytest.mark.parametrize("what", list(POLICY_MUTATIONS))
-def test_7_bad_policy_values_are_refused(plan_copy, capsys, what):
+def test_bad_policy_values_are_refused(plan_copy, capsys, what):
     fn, needle = POLICY_MUTATIONS[what]
     plan = _mutate(plan_copy("staged"), fn)
     rc, _, err = run_cli(capsys, "run", plan, "--text", TEXT)
@@ -447,7 +447,7 @@ def test_7_bad_policy_values_are_refused(plan_copy, capsys, what):
         ("fuse-decoder{max_positions=long}", ["max_positions", "int"]),
     ],
 )
-def test_7_unknown_or_ill_typed_pass_options(model_copy, tmp_path, capsys, spec, needles):
+def test_unknown_or_ill_typed_pass_options(model_copy, tmp_path, capsys, spec, needles):
     before = tree_state(tmp_path)
     rc, _, err = run_cli(capsys, model_copy, "--passes", spec, "-o", tmp_path / "out", "--calib",
                          DATA / "movie-calib.jsonl", "-q")
@@ -455,13 +455,13 @@ def test_7_unknown_or_ill_typed_pass_options(model_copy, tmp_path, capsys, spec,
     assert tree_state(tmp_path) == before
 
 
-def test_7_pass_order_is_checked_before_the_model_loads(tmp_path, capsys):
+def test_pass_order_is_checked_before_the_model_loads(tmp_path, capsys):
     rc, _, err = run_cli(capsys, tmp_path / "missing.onnx", "--passes", "quantize-int4,split-drafter,speculative",
                          "--calib", DATA / "movie-calib.jsonl", "-o", tmp_path / "out")
     assert_clean_error(rc, err, "split-drafter", "before", "quantize-int4")
 
 
-def test_7_factory_with_kwargs_is_rejected_at_registration():
+def test_factory_with_kwargs_is_rejected_at_registration():
     from dyncompile.passes._infra import PASS_REGISTRY, register_pass
 
     def loose(context, **opts):  # pragma: no cover - never called
@@ -476,7 +476,7 @@ def test_7_factory_with_kwargs_is_rejected_at_registration():
         assert "test-loose-pass" not in PASS_REGISTRY
 
 
-def test_7_pass_option_types_come_from_the_factory():
+def test_pass_option_types_come_from_the_factory():
     from dyncompile.passes import build_passes
 
     (q,) = build_passes("quantize-int4{accuracy_level=none,block_size=64,symmetric=false}")
@@ -485,15 +485,15 @@ def test_7_pass_option_types_come_from_the_factory():
         build_passes("cleanup{cse=true,cse=false}")
 
 
-def test_7_unknown_compile_option_is_an_error(model_copy, tmp_path):
+def test_unknown_compile_option_is_an_error(model_copy, tmp_path):
     with pytest.raises(PassConfigError, match="budjet.*valid options"):
         dyncompile.compile(model_copy, "verify", tmp_path / "out", budjet=2)
 
 
-# ------------------------------------------------------------------------------------------- 8. smaller items
+# ------------------------------------------------------------------------------------------- smaller items
 
 
-def test_8_tokenizer_option_reaches_early_exit_and_split_drafter(built, tmp_path):
+def test_tokenizer_option_reaches_early_exit_and_split_drafter(built, tmp_path):
     from dyncompile.models.synthetic_decoder import write_word_tokenizer
     from dyncompile.passes import CompileContext, build_passes
 
@@ -514,7 +514,7 @@ def test_8_tokenizer_option_reaches_early_exit_and_split_drafter(built, tmp_path
         build_passes("split-drafter", ctx)
 
 
-def test_8_stale_staging_folders_are_cleaned_and_nothing_else(model_copy, tmp_path, capsys):
+def test_stale_staging_folders_are_cleaned_and_nothing_else(model_copy, tmp_path, capsys):
     from dyncompile.io import STAGING_MARK
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -534,7 +534,7 @@ def test_8_stale_staging_folders_are_cleaned_and_nothing_else(model_copy, tmp_pa
     assert alive.is_dir() and (lookalike / "keep.txt").read_text() == "keep"
 
 
-def test_8_pass_temp_files_stay_inside_the_staging_folder(model_copy, tmp_path):
+def test_pass_temp_files_stay_inside_the_staging_folder(model_copy, tmp_path):
     seen = []
 
     class TempUser(ir.passes.InPlacePass):
@@ -550,7 +550,7 @@ def test_8_pass_temp_files_stay_inside_the_staging_folder(model_copy, tmp_path):
     assert tempfile.gettempdir() != os.path.dirname(made)  # tempfile restored afterwards
 
 
-def test_8_plan_strings_are_printed_without_terminal_escapes(plan_copy, capsys):
+def test_plan_strings_are_printed_without_terminal_escapes(plan_copy, capsys):
     plan = _mutate(plan_copy("cls"), lambda r: r.update(labels=["\x1b[2J\x1b]0;pwned\x07neg", "pos\x1b[31m"]))
     rc, out, err = run_cli(capsys, "run", plan, "--text", TEXT, "--text", "evil\x1b[1A")
     assert rc == 0, err
@@ -560,7 +560,7 @@ def test_8_plan_strings_are_printed_without_terminal_escapes(plan_copy, capsys):
     assert rc == 0 and "\x1b" not in out
 
 
-def test_8_oversized_plan_json(plan_copy, capsys):
+def test_oversized_plan_json(plan_copy, capsys):
     plan = plan_copy("cls")
     raw = read_plan(plan)
     raw["provenance"]["padding"] = "x" * (17 * 2**20)
@@ -569,19 +569,19 @@ def test_8_oversized_plan_json(plan_copy, capsys):
     assert_clean_error(rc, err, "MiB")
 
 
-def test_8_run_on_an_onnx_model(built, capsys):
+def test_run_on_an_onnx_model(built, capsys):
     rc, _, err = run_cli(capsys, "run", built["cls_model"], "--text", TEXT)
     assert_clean_error(rc, err, "ONNX model", "not a plan", "compile it first")
 
 
-def test_8_labels_outside_the_label_set(built, tmp_path, capsys):
+def test_labels_outside_the_label_set(built, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": TEXT, "label": 1}) + "\n" + json.dumps({"text": TEXT, "label": 7}) + "\n")
     rc, _, err = run_cli(capsys, "run", built["cls"], "--data", data)
     assert_clean_error(rc, err, "label 7", "negative, positive")
 
 
-def test_8_compile_refuses_a_custom_domain_op(model_copy, tmp_path, capsys):
+def test_compile_refuses_a_custom_domain_op(model_copy, tmp_path, capsys):
     m = ir.load(str(model_copy))
     node = next(n for n in m.graph if n.op_type == "Relu")
     node.domain = "com.evil"
@@ -593,7 +593,7 @@ def test_8_compile_refuses_a_custom_domain_op(model_copy, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_8_compile_refuses_a_non_tokenizer(model_copy, tmp_path, capsys):
+def test_compile_refuses_a_non_tokenizer(model_copy, tmp_path, capsys):
     not_tok = tmp_path / "tokenizer.json"
     not_tok.write_text(json.dumps({"hello": "world"}))
     rc, _, err = run_cli(capsys, *_compile_args(model_copy, tmp_path / "out", "--tokenizer", not_tok))
@@ -601,10 +601,10 @@ def test_8_compile_refuses_a_non_tokenizer(model_copy, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-# ------------------------------------------------------------------------------------------- 9. whole-plan digest
+# ------------------------------------------------------------------------------------------- whole-plan digest
 
 
-def test_9_inspect_verify_prints_one_digest_of_the_whole_plan(plan_copy, tmp_path, capsys):
+def test_inspect_verify_prints_one_digest_of_the_whole_plan(plan_copy, tmp_path, capsys):
     plan = plan_copy("staged")
     rc, out, err = run_cli(capsys, "inspect", "--verify", plan)
     assert rc == 0, err
@@ -632,7 +632,7 @@ MODEL_CONFIG_MUTATIONS = {
 
 
 @pytest.mark.parametrize("what", list(MODEL_CONFIG_MUTATIONS))
-def test_6_bad_model_config_is_refused_at_compile(model_copy, tmp_path, capsys, what):
+def test_bad_model_config_is_refused_at_compile(model_copy, tmp_path, capsys, what):
     key, value = MODEL_CONFIG_MUTATIONS[what]
     cfg_path = model_copy.parent / "dyncompile-model.json"
     cfg = json.loads(cfg_path.read_text())
@@ -644,14 +644,14 @@ def test_6_bad_model_config_is_refused_at_compile(model_copy, tmp_path, capsys, 
     assert tree_state(tmp_path) == before
 
 
-def test_6_labels_not_matching_the_model_outputs(plan_copy, capsys):
+def test_labels_not_matching_the_model_outputs(plan_copy, capsys):
     plan = _mutate(plan_copy("cls"), lambda r: r.update(labels=["negative", "neutral", "positive"]))
     rc, _, err = run_cli(capsys, "run", plan, "--text", TEXT)
     assert_clean_error(rc, err, "labels lists 3 classes", "has 2")
 
 
 @pytest.mark.parametrize("label", [1.5, True, "maybe"])
-def test_8_data_labels_of_the_wrong_type(built, tmp_path, capsys, label):
+def test_data_labels_of_the_wrong_type(built, tmp_path, capsys, label):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": TEXT, "label": label}) + "\n")
     rc, _, err = run_cli(capsys, "run", built["cls"], "--data", data)
@@ -697,7 +697,7 @@ def test_cli_mistakes_are_one_clear_line(built, tmp_path, capsys, argv, needle):
     assert not (tmp_path / "o").exists()
 
 
-def test_3_two_concurrent_compiles_to_one_output(model_copy, tmp_path):
+def test_two_concurrent_compiles_to_one_output(model_copy, tmp_path):
     """Two real compiles race for one -o: whatever the timing, one writes the plan, the other fails cleanly."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -713,10 +713,10 @@ def test_3_two_concurrent_compiles_to_one_output(model_copy, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
 
 
-# ------------------------------------------------------------------------------------------- 9. export-genai (issue #15)
+# ------------------------------------------------------------------------------------------- export-genai
 
 
-def test_9_export_genai_refuses_bad_plans(built, plan_copy, tmp_path, capsys):
+def test_export_genai_refuses_bad_plans(built, plan_copy, tmp_path, capsys):
     """A classifier plan, a tampered model file and KV names without one per-layer pattern: one clean error each,
     and no output folder."""
     rc, _, err = run_cli(capsys, "export-genai", built["cls"], "-o", tmp_path / "a")
@@ -731,7 +731,7 @@ def test_9_export_genai_refuses_bad_plans(built, plan_copy, tmp_path, capsys):
     assert_clean_error(rc, err, "cache_k_layer1", "pattern")
     assert not any((tmp_path / d).exists() for d in "abc")
 
-# ------------------------------------------------------------------------------------------- 14. routing and cascades
+# ------------------------------------------------------------------------------------------- routing and cascades
 
 
 @pytest.fixture(scope="module")
@@ -755,13 +755,13 @@ def routed_copy(routed, tmp_path):
     return dst
 
 
-def test_14_routed_plan_runs_and_names_the_candidate(routed, capsys):
+def test_routed_plan_runs_and_names_the_candidate(routed, capsys):
     rc, out, err = run_cli(capsys, "run", routed["plan"], "--text", TEXT)
     assert rc == 0, err
     assert "answered by small" in out or "answered by big" in out
 
 
-def test_14_candidates_with_different_label_sets(routed, tmp_path, capsys):
+def test_candidates_with_different_label_sets(routed, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(routed["big"], other)
     raw = read_plan(other)
@@ -773,25 +773,25 @@ def test_14_candidates_with_different_label_sets(routed, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_14_candidates_with_different_tasks(built, routed, tmp_path, capsys):
+def test_candidates_with_different_tasks(built, routed, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], built["gen"], "--calib", routed["calib"],
                          "-o", tmp_path / "r", "-q")
     assert_clean_error(rc, err, "different tasks")
 
 
-def test_14_a_candidate_that_is_no_plan(routed, tmp_path, capsys):
+def test_a_candidate_that_is_no_plan(routed, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], tmp_path, "--calib", routed["calib"],
                          "-o", tmp_path / "r", "-q")
     assert_clean_error(rc, err, "not a plan")
 
 
-def test_14_a_routed_plan_as_candidate(routed, tmp_path, capsys):
+def test_a_routed_plan_as_candidate(routed, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "route", "--candidates", routed["plan"], routed["big"], "--calib", routed["calib"],
                          "-o", tmp_path / "r", "-q")
     assert_clean_error(rc, err, "itself a routed plan")
 
 
-def test_14_calib_without_labels_when_labels_are_needed(routed, tmp_path, capsys):
+def test_calib_without_labels_when_labels_are_needed(routed, tmp_path, capsys):
     from hostile_plans import word_calib
 
     calib = word_calib(tmp_path / "nolabels.jsonl", labels=False)
@@ -803,7 +803,7 @@ def test_14_calib_without_labels_when_labels_are_needed(routed, tmp_path, capsys
     assert rc == 2 and "error:" in err and "Traceback" not in err
 
 
-def test_14_calib_without_text(routed, tmp_path, capsys):
+def test_calib_without_text(routed, tmp_path, capsys):
     calib = tmp_path / "c.jsonl"
     calib.write_text('{"sentence": "w1 w2", "label": 0}\n')
     rc, _, err = run_cli(capsys, "route", "--candidates", routed["small"], routed["big"], "--calib", calib,
@@ -811,13 +811,13 @@ def test_14_calib_without_text(routed, tmp_path, capsys):
     assert_clean_error(rc, err, "text")
 
 
-def test_14_missing_subplan(routed_copy, capsys):
+def test_missing_subplan(routed_copy, capsys):
     shutil.rmtree(routed_copy / "candidates" / "big")
     rc, _, err = run_cli(capsys, "run", routed_copy, "--text", TEXT)
     assert_clean_error(rc, err, "sub-plan", "big", "missing")
 
 
-def test_14_tampered_subplan_file(routed_copy, capsys):
+def test_tampered_subplan_file(routed_copy, capsys):
     model = routed_copy / "candidates" / "small" / "model.onnx"
     data = bytearray(model.read_bytes())
     data[-5] ^= 0xFF
@@ -827,7 +827,7 @@ def test_14_tampered_subplan_file(routed_copy, capsys):
     assert_clean_error(rc, err, "small", "modified")
 
 
-def test_14_tampered_and_rehashed_subplan_is_caught_by_the_digest(routed_copy, capsys):
+def test_tampered_and_rehashed_subplan_is_caught_by_the_digest(routed_copy, capsys):
     """A publisher who rewrites the sub-plan's own sha256 still changes its digest, which the routed plan records."""
     sub = routed_copy / "candidates" / "small"
     model = sub / "model.onnx"
@@ -848,7 +848,7 @@ def test_14_tampered_and_rehashed_subplan_is_caught_by_the_digest(routed_copy, c
     ("labels", ["a", "b", "c"], "one label set"),
     ("task", "text-generation", "same task"),
 ])
-def test_14_bad_candidate_fields(routed_copy, capsys, what, value, needle):
+def test_bad_candidate_fields(routed_copy, capsys, what, value, needle):
     raw = read_plan(routed_copy)
     raw["steps"][0]["candidates"][1][what] = value
     write_plan(routed_copy, raw)
@@ -863,7 +863,7 @@ def test_14_bad_candidate_fields(routed_copy, capsys, what, value, needle):
     ({"kind": "confidence", "thresholds": [2.0], "criterion": "maxprob"}, "probability"),
     ({"kind": "vibes"}, "one of"),
 ])
-def test_14_bad_rules(routed_copy, capsys, rule, needle):
+def test_bad_rules(routed_copy, capsys, rule, needle):
     raw = read_plan(routed_copy)
     raw["steps"][0]["rule"] = rule
     write_plan(routed_copy, raw)
@@ -871,7 +871,7 @@ def test_14_bad_rules(routed_copy, capsys, rule, needle):
     assert_clean_error(rc, err, needle)
 
 
-def test_14_check_registry():
+def test_check_registry():
     from dyncompile.runtime.routing.route import get_check, register_check
 
     @register_check("test-always")
@@ -883,7 +883,7 @@ def test_14_check_registry():
         get_check("no-such-check")
 
 
-def test_14_force_replaces_a_routed_plan_and_nothing_else(routed, tmp_path, capsys):
+def test_force_replaces_a_routed_plan_and_nothing_else(routed, tmp_path, capsys):
     from hostile_plans import routed_plan
 
     out = tmp_path / "r"
@@ -894,10 +894,10 @@ def test_14_force_replaces_a_routed_plan_and_nothing_else(routed, tmp_path, caps
         routed_plan([routed["small"], routed["big"]], out, routed["calib"], force=True)
 
 
-# ------------------------------------------------------------------------------------------- 15. hard-linked weights
+# ------------------------------------------------------------------------------------------- hard-linked weights
 
 
-def test_15_hard_linked_external_data_is_one_clear_error(built, tmp_path, capsys):
+def test_hard_linked_external_data_is_one_clear_error(built, tmp_path, capsys):
     """A model whose weight file has a second hard link (a routed plan links its candidates' weights): the ONNX
     checker refuses it as a possible "hardlink attack"; the CLI says so in one line and writes nothing."""
     import onnx
