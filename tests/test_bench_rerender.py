@@ -47,6 +47,7 @@ NOT_REPORTS = {
     "speculative-eagle/qwen2.5-coder-0.5b-head.json": "the training record `dyncompile train-drafter` writes",
     "speculative-eagle/smollm2-135m-head.json": "the training record `dyncompile train-drafter` writes",
     "speculative-trees/qwen05-verify-curve.json": "`bench.generate curve` output: JSON only, no markdown",
+    "models.json": "the recorded accuracy of each model recipe (tests/test_models_recipes.py reads it)",
 }
 
 _OLD_DECODER_GRAPHS = ("measured with sessions spinning off, before the harness took dyncompile.load's session "

@@ -23,7 +23,6 @@ README = ROOT / "README.md"
 MAX_LINES = 300
 
 RUN = "run"  # runs here, on tiny models; must exit 0
-PENDING = "pending"  # runs here once the CLI has this shape; until then a failure is reported as xfail
 SET = "set"  # a shell assignment: the test binds the variable itself (VARIABLES below)
 
 # command (as written in the README, comment stripped) -> (how it is checked, detail)
@@ -46,14 +45,14 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "dyncompile $M --passes early-exit --calib $D/movie-calib.jsonl --budget 1.0 -o ee/": (RUN, ""),
     "dyncompile inspect ee/": (RUN, ""),
     "dyncompile run ee/ --data $D/movie-test.jsonl --compare": (RUN, ""),
-    "dyncompile bench classify ee/ --data $D/movie-test.jsonl": (PENDING, "`dyncompile bench classify` subcommand"),
+    "dyncompile bench classify ee/ --data $D/movie-test.jsonl": (RUN, ""),
     # speculative decoding
     "dyncompile models build qwen2.5-coder-0.5b": ("test", "tests/test_speculative_qwen.py"),
     "T=~/.cache/dyncompile/models/qwen2.5-coder-0.5b/model.onnx": (SET, "T"),
     "dyncompile $T --passes speculative --drafter prompt-lookup -o pl/": (RUN, ""),
     'dyncompile run pl/ --prompt "def fib(n):" --max-new-tokens 64': (RUN, ""),
-    "dyncompile bench generate pl/ --prompts prompts.jsonl": (PENDING, "`dyncompile bench generate` subcommand"),
-    "dyncompile $T -O 0 --passes speculative --drafter prompt-lookup -o pl-plain/": (PENDING, "`-O` opt levels"),
+    "dyncompile bench generate pl/ --prompts prompts.jsonl": (RUN, ""),
+    "dyncompile $T -O 0 --passes speculative --drafter prompt-lookup -o pl-plain/": (RUN, ""),
     # diffusion: needs the real pipeline
     "dyncompile models build fashion-diffusion": ("test", "tests/test_diffusion.py"),
     "P=~/.cache/dyncompile/models/fashion-diffusion": (SET, "P"),
@@ -64,7 +63,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "dyncompile $MPNET -o mpnet/": (RUN, ""),
     "dyncompile route --candidates minilm/ mpnet/ --calib $D/movie-calib.jsonl --budget 1.0 -o routed/": (RUN, ""),
     'dyncompile run routed/ --text "A gorgeous, witty movie."': (RUN, ""),
-    "dyncompile bench route routed/ --data $D/movie-test.jsonl": (PENDING, "`dyncompile bench route` subcommand"),
+    "dyncompile bench route routed/ --data $D/movie-test.jsonl": (RUN, ""),
     # quantization
     'dyncompile $M --passes "quantize-int8{per_channel=true,keep_fp32=ffn-out},early-exit" '
     "--calib $D/movie-calib.jsonl -o q8ee/": (RUN, ""),
@@ -72,7 +71,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # the command line
     "dyncompile passes": (RUN, ""),
     "dyncompile inspect --verify ee/": (RUN, ""),
-    "dyncompile export-genai pl-plain/ -o genai/": (PENDING, "needs pl-plain/ from the `-O 0` line"),
+    "dyncompile export-genai pl-plain/ -o genai/": (RUN, ""),
 }
 
 TINY_VOCAB = 64
@@ -158,7 +157,8 @@ def workspace(tmp_path_factory):
     _write_rows(data / "movie-calib.jsonl", 2000, seed=1)  # enough rows to certify a 1-point budget
     _write_rows(data / "movie-test.jsonl", 60, seed=2)
     (root / "calib.jsonl").write_bytes((data / "movie-calib.jsonl").read_bytes())
-    decoder = write_decoder_dir(root / "decoder", tiny_decoder(num_layers=2, vocab=TINY_VOCAB, seed=0), eos=99)
+    decoder = write_decoder_dir(root / "decoder", tiny_decoder(num_layers=2, vocab=TINY_VOCAB, seed=0),
+                               eos=TINY_VOCAB - 1)  # inside the vocabulary: export-genai requires it
     write_word_tokenizer(root / "decoder", TINY_VOCAB)
     (root / "prompts.jsonl").write_text(
         "".join(json.dumps({"prompt": "w1 w2 w3 w4 w1 w2"}) + "\n" for _ in range(2))
@@ -187,10 +187,9 @@ def test_readme_commands_run_on_tiny_models(workspace, monkeypatch, capsys):
 
     root, variables = workspace
     monkeypatch.chdir(root)
-    pending_failed = []
     for cmd in readme_commands(README.read_text()):
         how, detail = COVERAGE.get(cmd, (None, ""))
-        if how not in (RUN, PENDING):
+        if how != RUN:
             continue
         argv = _expand(cmd, variables)
         assert argv[0] == "dyncompile", cmd
@@ -199,13 +198,8 @@ def test_readme_commands_run_on_tiny_models(workspace, monkeypatch, capsys):
         except SystemExit as e:  # argparse rejecting a subcommand or flag this CLI does not have yet
             rc = e.code
         out, err = capsys.readouterr()
-        if how == RUN:
-            assert rc == 0, f"README command failed: {cmd}\n{err[-2000:]}"
-            assert "Traceback" not in err, cmd
-        elif rc != 0:
-            pending_failed.append(f"{cmd}  ({detail})")
-    if pending_failed:
-        pytest.xfail("README commands waiting for the CLI shape they document: " + "; ".join(pending_failed))
+        assert rc == 0, f"README command failed: {cmd}\n{err[-2000:]}"
+        assert "Traceback" not in err, cmd
 
 
 def test_readme_links_resolve():
