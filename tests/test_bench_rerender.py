@@ -28,6 +28,7 @@ OWNERS: list[tuple[str, str]] = [
     ("restructure-check/pl-all.json", "dyncompile.tools.bench.generate"),
     ("early-exit-resplit/*.json", "dyncompile.tools.studies.early_exit_resplit"),
     ("peers/*.json", "dyncompile.tools.bench.peers"),
+    ("fast-path-default/*.json", "dyncompile.tools.bench.peers"),
     ("peers-cuda/*.json", "dyncompile.tools.bench.peers"),
     ("speculative-*/*.json", "dyncompile.tools.bench.generate"),
     ("route-code/*.json", "dyncompile.tools.studies.route_code"),
