@@ -103,6 +103,19 @@ def test_prompt_lookup_and_plain_folders(plans, tmp_path):
     _check_decoder_block(cfg["model"]["decoder"], out, 3)
 
 
+def test_the_export_shares_no_inode_with_the_plan(plans, tmp_path):
+    """An edit of the exported folder never reaches the plan's hashed files (no hard links)."""
+    plan = Path(plans["plain"])
+    out, _ = export_genai(plan, tmp_path / "plain")
+    onnx_files = sorted(out.glob("*.onnx"))
+    assert onnx_files
+    for f in onnx_files:
+        assert f.stat().st_ino != (plan / f.name).stat().st_ino, f
+        before = (plan / f.name).read_bytes()
+        f.write_bytes(b"edited")
+        assert (plan / f.name).read_bytes() == before
+
+
 def test_refusals(plans, tmp_path, capsys):
     with pytest.raises(DataError, match="shares the target's KV cache"):
         export_genai(plans["split"], tmp_path / "s")

@@ -3,7 +3,8 @@
 For a user who wants to move to onnxruntime-genai (0.18) with the graphs dyncompile compiled: writes
 ``genai_config.json`` (the decoder's input/output names mapped from the plan's decoder spec, greedy ``search``
 settings, and for a speculative plan either the ``model.draft`` decoder of its drafter model or the ``speculative``
-n-gram settings of its prompt lookup), hardlinks (else copies) the ONNX files and their external data, and writes
+n-gram settings of its prompt lookup), copies the ONNX files and their external data (reflinks where the file
+system makes them: the export never shares an inode with the plan), and writes
 the tokenizer (``tokenizer.json`` from the plan, a minimal ``tokenizer_config.json``). The plan's files are
 hash-checked first; nothing in the plan is executed.
 
@@ -19,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from dyncompile.errors import DataError, PlanError
+from dyncompile.io import clone_or_copy
 
 logger = logging.getLogger(__name__)
 
@@ -228,13 +228,11 @@ def _tokenizer_config(plan, gen) -> dict[str, Any]:
     return cfg
 
 
-def _link_or_copy(src: Path, dst: Path) -> str:
-    try:
-        os.link(src, dst)
-        return "hardlink"
-    except OSError:
-        shutil.copy2(src, dst)
-        return "copy"
+def _copy(src: Path, dst: Path) -> str:
+    """A file of its own (a reflink where the file system makes one, else a full copy): an edit of the exported
+    folder never changes the plan's hashed files."""
+    clone_or_copy(src, dst)
+    return "copy"
 
 
 def export_genai(plan_dir: str | Path, out_dir: str | Path, *, max_draft_tokens: int | None = None,
@@ -258,7 +256,7 @@ def export_genai(plan_dir: str | Path, out_dir: str | Path, *, max_draft_tokens:
             for name in names:
                 if "/" in name or "\\" in name or name.startswith("."):
                     raise PlanError(f"plan file {name!r} is not a plain file name; refusing to export it")
-                how.add(_link_or_copy(plan.directory / name, tmp / name))
+                how.add(_copy(plan.directory / name, tmp / name))
         if plan.tokenizer:
             (tmp / "tokenizer.json").write_bytes(plan.contents[plan.tokenizer["file"]])
             (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(plan, p.generation), indent=2))
@@ -273,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dyncompile export-genai",
         description="Export a text-generation plan (target alone, draft-model or prompt-lookup speculative) as an "
-        "onnxruntime-genai model folder: genai_config.json (+ model.draft / speculative), the ONNX files (hardlinked, "
-        "else copied), tokenizer. Prints what does not carry over.",
+        "onnxruntime-genai model folder: genai_config.json (+ model.draft / speculative), the ONNX files (copied; "
+        "reflinked where possible), tokenizer. Prints what does not carry over.",
         epilog="then, in an environment with onnxruntime-genai 0.18: og.Model(FOLDER); greedy output is the plan's",
     )
     p.add_argument("plan", help="plan directory")

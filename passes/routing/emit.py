@@ -22,34 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.errors import DataError
-from dyncompile.io import atomic_output_dir
+from dyncompile.io import atomic_output_dir, clone_or_copy
 from dyncompile.plan import PLAN_FILENAME, Plan, Step, file_ref, load_plan, plan_digest
 
 __all__ = ["copy_subplan", "write_routed_plan"]
-
-
-_FICLONE = 0x40049409  # Linux ioctl: share the data blocks copy-on-write (Btrfs, XFS with reflink, ...)
-
-
-def _clone_or_copy(src: Path, dst: Path) -> None:
-    """Copy ``src`` to the new file ``dst``: a reflink where the file system makes one, else a full copy.
-
-    A reflink shares blocks copy-on-write (instant, no extra disk until one side changes); a full copy costs
-    the file's size in disk and about 1 s per GB. Either way ``dst`` is a file of its own: an edit of one
-    plan never shows up in another.
-    """
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        shutil.copyfile(src, dst)
-        return
-    with open(src, "rb") as fs, open(dst, "xb") as fd:
-        try:
-            fcntl.ioctl(fd.fileno(), _FICLONE, fs.fileno())
-            return
-        except OSError:  # no reflinks here (ext4, tmpfs, another file system): copy the bytes
-            pass
-        shutil.copyfileobj(fs, fd, 2**22)
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:
@@ -62,7 +38,7 @@ def _place(src: Path, dst: Path, link: bool) -> None:
             return
         except OSError:
             pass
-    _clone_or_copy(src, dst)
+    clone_or_copy(src, dst)
 
 
 def copy_subplan(src_dir: Path, dst_dir: Path, *, link: bool = False) -> Plan:
