@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dyncompile.errors import DataError
+from dyncompile.errors import DataError, PlanError
 from dyncompile.runtime.registry import TaskAPI, register_task
 from dyncompile.runtime.rules.exit_rule import softmax
 
@@ -94,6 +94,11 @@ class ClassifierAPI(TaskAPI):
         for i in range(0, len(texts), batch_size):
             chunk = list(texts[i : i + batch_size])
             state = self.model.run_feeds({"texts": chunk} if self.text_step is not None else self.encode(chunk))
+            if "logits" not in state:
+                raise PlanError(
+                    f"plan {self.model.plan.directory}: its steps computed {sorted(state)[:8]} but no 'logits' "
+                    "(a step's output names a value nothing writes); the plan and its ONNX files disagree — recompile it"
+                )
             probs.append(softmax(np.asarray(state["logits"], dtype=np.float64)))
             if "candidate" in state:
                 cands.append(np.asarray(state["candidate"]).reshape(-1))

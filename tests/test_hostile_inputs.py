@@ -1015,3 +1015,17 @@ def test_diffusion_plan_mistakes_are_clean_errors(tmp_path, what):
     with pytest.raises(PlanError) as e:
         load_plan(plan)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_routed_step_whose_output_nothing_reads_is_a_clean_error(tmp_path, capsys):
+    """A routed plan whose step writes its answer under a name the classifier does not read: one error line."""
+    from hostile_plans import classifier_dir, routed_plan, run_model_plan, word_calib
+
+    model = classifier_dir(tmp_path / "c")
+    a, b = run_model_plan(model, tmp_path / "a"), run_model_plan(model, tmp_path / "b")
+    routed = routed_plan([a, b], tmp_path / "r", word_calib(tmp_path / "calib.jsonl"))
+    raw = json.loads((routed / "plan.json").read_text())
+    raw["steps"][0]["output"] = "not_logits"
+    (routed / "plan.json").write_text(json.dumps(raw))
+    rc, _, err = run_cli(capsys, "run", routed, "--text", "w3 w5")
+    assert_clean_error(rc, err, "no 'logits'")
