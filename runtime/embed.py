@@ -76,6 +76,11 @@ class EmbeddingAPI(TaskAPI):
             raise DataError(f"text {int(empty[0])} encodes to no tokens (empty text?); give some text to embed")
         return feeds
 
+    def tokenize(self, texts: list[str]) -> dict[str, np.ndarray]:
+        """The model's input arrays for ``texts`` (the plan's tokenizer), without running or pooling."""
+        feeds = self._feeds(texts)
+        return {k: v for k, v in feeds.items() if k in self.model.input_names}
+
     def encode(self, texts: Sequence[str] | str, batch_size: int = 32) -> np.ndarray:
         """Embeddings ``[N, dimension]`` (float32) of ``texts``, pooled as the plan says."""
         if isinstance(texts, str):

@@ -170,7 +170,7 @@ class FeatureExtractionPipeline(_Pipeline):
         texts = [inputs] if single else list(inputs)
         out = []
         for t in texts:
-            state = self.model.run_feeds(self.model.encode([t]))
+            state = self.model.run_feeds(self.model.task_api.tokenize([t]))  # token features, not pooled
             out.append(np.asarray(state[self.model.plan.outputs[0]["name"]]).tolist())
         return out[0] if single else out
 

@@ -414,6 +414,26 @@ def test_pipeline_feature_extraction_matches_transformers(tmp_path):
         assert _shape(got) == _shape(want)
         np.testing.assert_allclose(_flat(got), _flat(want), atol=1e-5)
 
+    # the same folder as a sentence-transformers model (mean pooling, then Normalize): a sentence-embedding plan
+    (d / "1_Pooling").mkdir()
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
+                                                             "pooling_mode_mean_tokens": True}))
+    (d / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))
+    plan = dyncompile.compile(d, "verify,cleanup", tmp_path / "st", progress=False).plan_dir
+    m = dyncompile.load(plan)
+    assert m.plan.task == "sentence-embedding"
+    texts = ["a good movie", "bad plot and acting"]
+    enc = hf_tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        h = model(**enc).last_hidden_state
+    w = enc["attention_mask"].unsqueeze(-1).float()
+    want = torch.nn.functional.normalize((h * w).sum(1) / w.sum(1), dim=-1).numpy()
+    np.testing.assert_allclose(m.encode(texts), want, atol=1e-5)
+
 
 def _flat(x) -> np.ndarray:
     return np.concatenate([np.asarray(r, np.float64).reshape(-1) for r in (x if isinstance(x[0][0][0], list) else [x])])

@@ -231,7 +231,8 @@ def hf_model_config(model_path: Path) -> dict[str, Any]:
         model_path: the ONNX file; its folder is searched for :data:`HF_FILES` and ``tokenizer.json``.
 
     Returns:
-        A dict with any of ``task``, ``labels``, ``max_length``, ``max_position_embeddings``, ``eos_token_id``,
+        A dict with any of ``task`` (``sentence-embedding`` with its ``pooling`` for a bare encoder in a
+        sentence-transformers folder), ``labels``, ``max_length``, ``max_position_embeddings``, ``eos_token_id``,
         ``bos_token_id``, ``pad_token_id``, ``chat_template``, ``padding_side``, ``num_layers``,
         ``hidden_size``, ``vocab_size`` and ``model_type``; empty when there are no such files.
 
@@ -244,6 +245,12 @@ def hf_model_config(model_path: Path) -> dict[str, Any]:
     cfg, tok_cfg = found["config.json"], found["tokenizer_config.json"]
     out: dict[str, Any] = {}
     task = _architecture_task(cfg, paths["config.json"])
+    if task == "feature-extraction":  # a bare encoder: a sentence-transformers folder says how to pool it
+        from dyncompile.plan.embed import pooling_from_sentence_transformers
+
+        pooling = pooling_from_sentence_transformers(folder)
+        if pooling is not None:
+            task, out["pooling"] = "sentence-embedding", pooling
     if task is not None:
         out["task"] = task
     if task in ("text-classification", "token-classification"):
