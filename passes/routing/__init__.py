@@ -1,5 +1,6 @@
-"""Routing and cascades across whole plans: calibrate a decision rule over candidate plans to a certified
-quality budget (:mod:`.calibrate`, reusing the early-exit certifier), build the learned router's ONNX graph
+"""Routing and cascades across whole plans.
+
+Calibrate a decision rule over candidate plans to a certified quality budget (:mod:`.calibrate`, reusing the early-exit certifier), build the learned router's ONNX graph
 (:mod:`.router`), and write the self-contained routed plan folder (:mod:`.emit`).
 
 The driver behind ``dyncompile route`` (:mod:`.driver`) runs the candidates on the calibration rows; the

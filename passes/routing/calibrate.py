@@ -148,8 +148,11 @@ def calibrate_route(
     seed: int = 0,
     method: str = "betting",
 ) -> RoutingFit:
-    """A learned router: fit :class:`RouterHead` on the path rows (target: candidate ``k`` loses nothing
-    against the reference on the row), then certify its thresholds with :func:`certify_scores`."""
+    """A learned router: fit :class:`RouterHead` on the path rows, then certify its thresholds.
+
+    The target: candidate ``k`` loses nothing against the reference on the row; the thresholds are certified
+    with :func:`certify_scores`.
+    """
     budget = _check_budget(budget)
     p = _stack(stage_probs)
     k, n, _ = p.shape
@@ -197,8 +200,9 @@ def calibrate_check(
     method: str = "betting",
     seed: int = 0,
 ) -> RoutingFit:
-    """An executable-check cascade: ``passes`` ``[K-1, N]`` (the check accepted candidate ``k``'s answer),
-    ``correct`` ``[K, N]`` (the answer is right, e.g. hidden tests pass), ``reference_correct`` ``[N]``.
+    """An executable-check cascade, certified.
+
+    ``passes`` ``[K-1, N]`` (the check accepted candidate ``k``'s answer), ``correct`` ``[K, N]`` (the answer is right, e.g. hidden tests pass), ``reference_correct`` ``[N]``.
 
     The rule has no free parameter, so there is one hypothesis and no path: its mean loss is bounded on
     every row with the UCB of ``method``; a budget below the bound raises :class:`CertificationError`

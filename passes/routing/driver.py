@@ -38,6 +38,8 @@ RULES = ("confidence", "learned", "check")
 
 
 class RouteResult:
+    """What :func:`route` made: the plan folder, the fitted rule, the candidates' costs and the router's."""
+
     def __init__(self, plan_dir: Path, fit, costs: dict[str, float], router_ms: float | None) -> None:
         self.plan_dir = plan_dir
         self.fit = fit
@@ -45,6 +47,7 @@ class RouteResult:
         self.router_ms = router_ms
 
     def summary(self) -> str:
+        """A few lines for the CLI: candidates and their costs, thresholds, the certificate, the expected speedup."""
         from dyncompile.passes.early_exit.certify import describe_certificate
 
         c = self.fit.certificate
@@ -205,6 +208,19 @@ def route(
     """Compile a routed plan over ``candidates`` (plan folders, cheapest first) calibrated on ``calib``.
 
     Args:
+        candidates: plan folders, cheapest first.
+        calib: JSONL calibration rows (``text`` + ``label`` for classifiers, ``prompt`` + fields for decoders).
+        output_dir: the routed plan folder to write (atomically; ``force`` replaces a plan there).
+        budget: points of accuracy (or agreement) to give up against the reference.
+        confidence: the certificate's confidence (default 0.9), or ``"none"`` for an uncertified fit.
+        check: cascade on this registered executable check (rule ``check``).
+        limit: use only the first rows of ``calib``.
+        cost_rows: rows to time each candidate on, batch 1.
+        provider: execution provider the costs are measured on.
+        force: replace an existing plan at ``output_dir``.
+        seed: seed of the certificate's split and of the router's fit.
+        ridge: the router's ridge penalty (rule ``learned``).
+        progress: show progress bars.
         load: ``load(plan_dir, provider=...)`` -> a loaded plan (``dyncompile.runtime.load``).
         get_check: executable check by name (``dyncompile.runtime.routing.route.get_check``).
         rule: ``confidence`` (cascade on the candidates' own confidence), ``learned`` (a router reads the input
@@ -225,22 +241,13 @@ def route(
     from dyncompile.passes.routing import calibrate_cascade, calibrate_route
     from dyncompile.passes.routing.router import build_router_onnx
 
-    if rule not in RULES:
-        raise DataError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
-    if metric not in (None, "accuracy", "agreement"):
-        raise DataError(f"--metric must be accuracy or agreement, got {metric!r}")
+    _check_options(rule, metric, Path(calib))
     conf = parse_confidence(confidence)
     calib = Path(calib)
-    if not calib.is_file():
-        raise DataError(f"calibration data {calib} not found; give a JSONL file with 'text' (and 'label') per row")
     models = load_candidates(candidates, load, provider)
     used: set[str] = set()
     names = [_name(Path(c), used) for c in candidates]
-    task = models[0].plan.task
-    if task not in ("text-classification", "text-generation"):
-        raise DataError(f"routing supports classifier and decoder candidates; these do {task!r}")
-    if rule == "confidence" and task != "text-classification":
-        raise DataError("the confidence rule needs classifier candidates; for decoders use --rule check")
+    task = _task_of(models, rule)
     field = "text" if task == "text-classification" else "prompt"
     rows = read_jsonl(calib, limit=limit, text_field=field)
     texts = [r[field] for r in rows]
@@ -274,20 +281,8 @@ def route(
         ref_name = "reference"
         if ref_model is not models[-1]:
             fns[ref_name] = lambda t, m=ref_model: m.predict_proba([t], batch_size=1)
-        if costs is None:
-            logger.info("measuring batch-1 costs on %d rows", cost_rows)
-            measured = measure_costs(fns, texts, rows=cost_rows)
-            source = "measured"
-        else:
-            missing = [n for n in names if n not in costs]
-            if missing:
-                raise DataError(f"costs given for {sorted(costs)}, but not for candidate(s) {missing}")
-            measured = {**costs}
-            if rule == "learned" and "router" not in measured:
-                measured["router"] = 0.0
-            if ref_model is not models[-1] and ref_name not in measured:
-                raise DataError("costs must include 'reference' when --reference is not a candidate")
-            source = "given"
+        measured, source = _costs(fns, texts, cost_rows, costs, names, learned=rule == "learned",
+                                  need_reference=ref_model is not models[-1])
         ms = [measured[n] for n in names]
         ref_ms = measured.get(ref_name, ms[-1])
         router_ms = measured.get("router")
@@ -296,10 +291,8 @@ def route(
             y = _labels_of(rows, labels, calib, need=metric == "accuracy" or rule == "check")
             if metric == "agreement":
                 y = None
-            probs = [outputs[str(c)] if outputs and str(c) in outputs else candidate_probs(m, texts, desc=n, progress=progress)
-                     for c, n, m in zip(candidates, names, models)]
-            ref_probs = probs[-1] if ref_model is models[-1] else (
-                outputs[str(reference)] if outputs and str(reference) in outputs else candidate_probs(ref_model, texts, desc="reference", progress=progress))
+            probs, ref_probs = _classifier_outputs(candidates, names, models, reference, ref_model, texts, outputs,
+                                                   progress)
         if rule == "confidence":
             fit = calibrate_cascade(probs, ref_probs, y, ms, ref_ms, budget=budget, confidence=conf, criterion=criterion,
                                     seed=seed)
@@ -322,6 +315,56 @@ def route(
     finally:
         tmpdir.cleanup()
 
+
+
+def _check_options(rule: str, metric: str | None, calib: Path) -> None:
+    """The routing options that need no model: one clear error each."""
+    if rule not in RULES:
+        raise DataError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
+    if metric not in (None, "accuracy", "agreement"):
+        raise DataError(f"--metric must be accuracy or agreement, got {metric!r}")
+    if not calib.is_file():
+        raise DataError(f"calibration data {calib} not found; give a JSONL file with 'text' (and 'label') per row")
+
+
+def _task_of(models: list, rule: str) -> str:
+    """The candidates' task, refused where routing (or the chosen rule) does not apply."""
+    task = models[0].plan.task
+    if task not in ("text-classification", "text-generation"):
+        raise DataError(f"routing supports classifier and decoder candidates; these do {task!r}")
+    if rule == "confidence" and task != "text-classification":
+        raise DataError("the confidence rule needs classifier candidates; for decoders use --rule check")
+    return task
+
+
+def _costs(fns: dict[str, Callable[[str], Any]], texts: list[str], cost_rows: int, costs: dict[str, float] | None,
+           names: list[str], *, learned: bool, need_reference: bool) -> tuple[dict[str, float], str]:
+    """Batch-1 milliseconds per candidate (+ router, reference): measured, or the ``costs`` given; and the source."""
+    if costs is None:
+        logger.info("measuring batch-1 costs on %d rows", cost_rows)
+        return measure_costs(fns, texts, rows=cost_rows), "measured"
+    missing = [n for n in names if n not in costs]
+    if missing:
+        raise DataError(f"costs given for {sorted(costs)}, but not for candidate(s) {missing}")
+    measured = {**costs}
+    if learned and "router" not in measured:
+        measured["router"] = 0.0
+    if need_reference and "reference" not in measured:
+        raise DataError("costs must include 'reference' when --reference is not a candidate")
+    return measured, "given"
+
+
+def _classifier_outputs(candidates, names, models, reference, ref_model, texts, outputs, progress):
+    """Each candidate's (and the reference's) probabilities on the calibration texts; ``outputs`` precomputed."""
+
+    def probs_of(key, model, desc):
+        if outputs and str(key) in outputs:
+            return outputs[str(key)]
+        return candidate_probs(model, texts, desc=desc, progress=progress)
+
+    probs = [probs_of(c, m, n) for c, n, m in zip(candidates, names, models)]
+    ref_probs = probs[-1] if ref_model is models[-1] else probs_of(reference, ref_model, "reference")
+    return probs, ref_probs
 
 def _router_fn(router_path: Path, tok_path: Path, tok_spec: dict) -> Callable[[str], Any]:
     import onnxruntime as ort

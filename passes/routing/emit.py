@@ -29,8 +29,11 @@ __all__ = ["copy_subplan", "write_routed_plan"]
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:
-    """Put ``src`` at ``dst``: a copy of its own (reflink where possible); a hard link only when ``link`` is asked
-    for and ``src`` is model weights (``.onnx``, ``.data``) on the same file system."""
+    """Put ``src`` at ``dst``: a copy of its own (reflink where possible).
+
+    A hard link only when ``link`` is asked for and ``src`` is model weights (``.onnx``, ``.data``) on the same
+    file system.
+    """
     dst.parent.mkdir(parents=True, exist_ok=True)
     if link and src.suffix in (".onnx", ".data"):
         try:
@@ -75,6 +78,7 @@ def write_routed_plan(
     """Write the routed plan folder ``out_dir``.
 
     Args:
+        out_dir: the folder to write (atomically).
         kind: ``cascade`` or ``route``.
         candidates: cheapest first, each ``{"name", "plan_dir", "cost": {"ms", "provider", "batch", "source"}}``.
         rule: :class:`~dyncompile.plan.RoutingRule` JSON (``router`` is filled in here for a learned rule).
@@ -82,6 +86,8 @@ def write_routed_plan(
         router: ``(router.onnx, tokenizer.json, tokenizer spec)`` for a learned rule.
         protect: more inputs (the reference plan) that ``out_dir`` must neither be, hold nor lie inside.
         link: hard-link the candidates' model weights instead of copying them (see :func:`copy_subplan`).
+        provenance: recorded in the plan (what it was made from).
+        force: replace an existing plan at ``out_dir``.
     """
     if kind not in ("cascade", "route"):
         raise DataError(f"routed plan kind must be cascade or route, got {kind!r}")

@@ -68,6 +68,7 @@ class RouterHead:
         return z @ self.weights.T + self.bias
 
     def to_dict(self) -> dict:
+        """What the plan records of the router (features, ridge, sizes)."""
         return {"features": "mean token embedding + log token count", "ridge": self.ridge,
                 "n_features": int(len(self.mean)), "candidates_scored": int(len(self.bias))}
 
@@ -97,8 +98,9 @@ def fit_router_head(features: np.ndarray, targets: np.ndarray, ridge: float = 30
 
 
 def build_router_onnx(head: RouterHead, table: np.ndarray, path: str | Path, opset: int = 17) -> Path:
-    """Write the router as ONNX: inputs ``input_ids``, ``attention_mask`` ``[B, S]`` (int64), output
-    ``route_scores`` ``[B, K-1]`` equal to ``head.scores(bag_features(...))`` up to float32 rounding.
+    """Write the router as ONNX.
+
+    Inputs ``input_ids``, ``attention_mask`` ``[B, S]`` (int64), output ``route_scores`` ``[B, K-1]`` equal to ``head.scores(bag_features(...))`` up to float32 rounding.
 
     Folding: ``((mean_emb - mu) / sd) @ w + ((log L - mu_L) / sd_L) w_L + b`` = mean over tokens of
     ``T[id]`` + ``log L * a`` + ``c`` with ``T = table @ (w / sd)[:D]`` (``[V, K-1]``), ``a = w_L / sd_L``,
