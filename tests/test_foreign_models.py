@@ -120,3 +120,95 @@ def _cli(*argv):
     with redirect_stdout(o), redirect_stderr(e):
         rc = main([str(a) for a in argv])
     return rc, o.getvalue(), e.getvalue()
+
+
+def _calib(path: Path) -> Path:
+    rows = [{"text": f"{d} {a} {b} {c}", "label": "POSITIVE" if a in POSITIVE else "NEGATIVE"}
+            for a in ("good", "bad", "great", "awful", "fun", "boring", "love", "hate")
+            for b in ("movie", "film", "plot", "acting") for c in ("very", "not", "and") for d in ("the", "a")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _greedy_ids(model, ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=0)  # stops at the eos token, as the plan does
+    return out[0, len(ids):].tolist()
+
+
+def _onnx_feeds(sess, exported, batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in sess.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(0, exported.model.config.vocab_size, (batch, seq)).astype(np.int64)
+        elif i.name in ("attention_mask", "token_type_ids", "position_ids"):
+            feeds[i.name] = (np.arange(seq)[None].repeat(batch, 0) if i.name == "position_ids"
+                             else np.ones((batch, seq), np.int64) * (i.name == "attention_mask"))
+        else:  # an empty KV cache: [batch, kv_heads, 0, head_dim]
+            feeds[i.name] = np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float32)
+    return feeds
+
+
+# ------------------------------------------------------------------------------------------ every family
+
+
+def test_export_refuses_an_existing_output_and_a_non_model_folder(exported, tmp_path):
+    rc, _, err = _cli("export", exported.hf, "-o", exported.path)
+    assert_clean_error(rc, err, "exists")
+    rc, _, err = _cli("export", tmp_path, "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "config.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_names_family_and_task(exported):
+    rc, out, err = _cli("inspect", exported.path)
+    assert rc == 0, err
+    task = "text-generation" if exported.decoder else "text-classification"
+    assert f"From config.json: model_type {exported.family}; task {task}" in out
+    if not exported.decoder:  # the structural guess (decoders read as "decoder": no weight names say more)
+        assert f"Family guess: {exported.family} " in out
+    else:
+        assert "Family guess: decoder" in out and "Task guess: text-generation" in out
+
+
+def test_verify_cleanup_is_exact(exported):
+    from helpers import ort_session
+
+    # -O0: exactly these passes (at the default -O2 a decoder also gets the CPU lowerings, which change its inputs;
+    # those plans are checked token by token in test_technique)
+    res = compile_model(exported.path, "verify,cleanup", exported.root / "vc", progress=False, opt_level=0)
+    assert res.plan.task == ("text-generation" if exported.decoder else "text-classification")
+    (onnx_file,) = [p for p in res.plan_dir.glob("*.onnx")]
+    before, after = ort_session(exported.path / "model.onnx"), ort_session(onnx_file)
+    feeds = _onnx_feeds(before, exported)
+    for a, b in zip(before.run(None, feeds), after.run(None, feeds)):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
+def test_technique(exported, tmp_path):
+    """Classifiers: early exit (works, or a refusal that names its reason); decoders: prompt lookup."""
+    if exported.decoder:
+        _prompt_lookup(exported, tmp_path)
+        return
+    try:
+        res = compile_model(exported.path, "early-exit{budget=50}", tmp_path / "ee", calib=_calib(tmp_path / "c.jsonl"),
+                            progress=False)
+    except DyncompileError as e:
+        assert "layer" in str(e) and "weight" in str(e), e  # hidden 32: no weight reaches the layer analysis
+        return
+    assert "early_exit" in res.plan.policy
+    got = dyncompile.load(res.plan_dir).predict_proba(["a good movie"])[0]
+    assert got.shape == (2,)
+
+
+def _prompt_lookup(exported, tmp_path) -> None:
+    tgt = compile_model(exported.path, "verify,cleanup", tmp_path / "t", progress=False).plan_dir
+    spec = compile_model(exported.path, "speculative{measure=false}", tmp_path / "s", drafter="prompt-lookup",
+                         progress=False).plan_dir
+    ids = exported.tokenizer(PROMPT)["input_ids"]
+    ref = _greedy_ids(exported.model, ids, 16)
+    alone = dyncompile.load(tgt).generate(PROMPT, max_new_tokens=16)
+    fast = dyncompile.load(spec).generate(PROMPT, max_new_tokens=16)
+    assert alone.token_ids == ref
+    assert fast.token_ids == ref
