@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -271,6 +272,8 @@ HF_SIDE_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+#: sentence-transformers files (with the numbered module folders' JSON configs): the folder stays a sentence embedder
+ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 _DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
@@ -420,9 +423,14 @@ def export_hf_folder(src: Path, out: Path) -> dict[str, Any]:
         tol = decoder_tolerance(float(want[0].abs().max())) if kind == "decoder" else LOGITS_TOLERANCE
         if diff > tol:
             raise RecipeError(f"the ONNX export of {arch} differs from PyTorch by {diff:.3g} (> {tol:.3g})")
-        for name in HF_SIDE_FILES:
+        for name in HF_SIDE_FILES + ST_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
+        for sub in src.iterdir():  # sentence-transformers module folders (1_Pooling, 2_Normalize): configs only
+            if sub.is_dir() and re.fullmatch(r"\d+_\w+", sub.name):
+                (tmp / sub.name).mkdir()
+                for f in sub.glob("*.json"):
+                    shutil.copy2(f, tmp / sub.name / f.name)
         if kind == "decoder" and not (tmp / "generation_config.json").exists():
             model.generation_config.save_pretrained(str(tmp))
         os.replace(tmp, out)
