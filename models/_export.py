@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -254,3 +255,187 @@ def verify_tokenizer(
     return {"texts": len(texts), "fields": list(fields), "max_length": max_length, "identical": True}
 
 
+
+
+# --------------------------------------------------------------------------------------------- HF folder export
+
+#: files of a Hugging Face folder that travel into the exported folder unchanged (Optimum's layout)
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+#: sentence-transformers files (with the numbered module folders' JSON configs): the folder stays a sentence embedder
+ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+_DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def _hf_kind(arch: str) -> str:
+    """'decoder', 'classifier' or 'encoder' for a transformers class name; RecipeError for anything else."""
+    if arch.endswith(_DECODER_SUFFIXES):
+        return "decoder"
+    if arch.endswith("ForSequenceClassification"):
+        return "classifier"
+    if arch.endswith("Model") and not arch.endswith("PreTrainedModel"):
+        return "encoder"
+    raise RecipeError(
+        f"config.json names architecture {arch!r}; `dyncompile export` handles *ForSequenceClassification, "
+        "*ForCausalLM / *LMHeadModel and base *Model classes (export other heads with optimum-cli export onnx "
+        "in its own environment; dyncompile reads that folder)"
+    )
+
+
+def _encoder_input_names(model, src: Path) -> list[str]:
+    """input_ids, attention_mask and, where the model and its tokenizer use it, token_type_ids."""
+    import inspect
+    import json
+
+    names = ["input_ids", "attention_mask"]
+    if "token_type_ids" not in inspect.signature(model.forward).parameters:
+        return names
+    tok_inputs = None
+    tc = src / "tokenizer_config.json"
+    if tc.is_file():
+        tok_inputs = json.loads(tc.read_text(encoding="utf-8")).get("model_input_names")
+    if tok_inputs is None:
+        use = getattr(model.config, "type_vocab_size", 0) > 1 or model.config.model_type == "bert"
+    else:
+        use = "token_type_ids" in tok_inputs
+    return [*names, "token_type_ids"] if use else names
+
+
+def _export_encoder(model, kind: str, src: Path, onnx_path: Path) -> tuple[Any, tuple, list[str], list[str]]:
+    import torch
+
+    names = _encoder_input_names(model, src)
+    out_name = "logits" if kind == "classifier" else "last_hidden_state"
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+        def forward(self, *inputs):
+            return getattr(self.model(**dict(zip(names, inputs))), out_name)
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=gen)
+    args = (ids, torch.ones(2, 5, dtype=torch.int64), *([torch.zeros(2, 5, dtype=torch.int64)] * (len(names) - 2)))
+    b, s = torch.export.Dim("batch"), torch.export.Dim("seq")
+    wrapper = Wrapper(model).eval()
+    export_onnx(wrapper, args, input_names=names, output_names=[out_name],
+                dynamic_shapes={"inputs": tuple({0: b, 1: s} for _ in names)},
+                out_path=onnx_path, strip_prefix="model.")
+    return wrapper, args, names, [out_name]
+
+
+def _export_decoder(model, onnx_path: Path) -> tuple[Any, tuple, list[str], list[str]]:
+    import torch
+
+    from dyncompile.models._decoders import kv_input_names, kv_output_names, make_kv_wrapper
+
+    cfg = model.config
+    num_layers = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    wrapper = make_kv_wrapper(model, num_layers)
+    b, s, p = 2, 4, 3
+    gen = torch.Generator().manual_seed(0)
+    args = (
+        torch.randint(0, cfg.vocab_size, (b, s), generator=gen),
+        torch.ones(b, p + s, dtype=torch.int64),
+        torch.arange(p, p + s).unsqueeze(0).expand(b, s).contiguous(),
+        *(torch.randn(b, kv_heads, p, head_dim, generator=gen) for _ in range(2 * num_layers)),
+    )
+    batch, seq, past, total = (torch.export.Dim(n) for n in ("batch", "seq", "past", "past_plus_seq"))
+    dyn = {
+        "input_ids": {0: batch, 1: seq},
+        "attention_mask": {0: batch, 1: total},
+        "position_ids": {0: batch, 1: seq},
+        "past": tuple({0: batch, 2: past} for _ in range(2 * num_layers)),
+    }
+    names = ["input_ids", "attention_mask", "position_ids", *kv_input_names(num_layers)]
+    outs = ["logits", *kv_output_names(num_layers)]
+    export_onnx(wrapper, args, input_names=names, output_names=outs, dynamic_shapes=dyn, out_path=onnx_path,
+                strip_prefix="model.")
+    return wrapper, args, names, outs
+
+
+def export_hf_folder(src: Path, out: Path) -> dict[str, Any]:
+    """Export a Hugging Face model folder (config.json + weights + tokenizer files) into an Optimum-style folder.
+
+    ``out`` gets ``model.onnx`` (Optimum's input/output names; decoders with a KV cache) beside the folder's
+    config, generation config and tokenizer files. The export is checked against PyTorch in ONNX Runtime and
+    written atomically (a temporary folder renamed into place); ``out`` must not exist. Returns a summary.
+    """
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    require_export_stack()
+    import numpy as np
+    import torch
+    import transformers
+
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise RecipeError(f"{src} has no config.json: give a Hugging Face model folder (save_pretrained output)")
+    if out.exists():
+        raise RecipeError(f"{out} exists; give a new folder (dyncompile export does not overwrite)")
+    try:
+        archs = json.loads(cfg_path.read_text(encoding="utf-8")).get("architectures") or []
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise RecipeError(f"{cfg_path} is not a JSON object: {e}") from None
+    if not archs or not isinstance(archs[0], str):
+        raise RecipeError(f"{cfg_path} names no architectures; add e.g. \"architectures\": [\"BertModel\"]")
+    arch = archs[0]
+    kind = _hf_kind(arch)
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        raise RecipeError(f"transformers {transformers.__version__} has no class {arch!r} (from {cfg_path})")
+    try:
+        model = cls.from_pretrained(str(src)).eval()
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"cannot load {src} as {arch}: {e}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        onnx_path = tmp / "model.onnx"
+        if kind == "decoder":
+            wrapper, args, names, outs = _export_decoder(model, onnx_path)
+        else:
+            wrapper, args, names, outs = _export_encoder(model, kind, src, onnx_path)
+        with torch.no_grad():
+            want = wrapper(*args)
+        want = want if isinstance(want, tuple) else (want,)
+        sess = ort_session(onnx_path)
+        got = sess.run(outs, {n: a.numpy() for n, a in zip(names, args)})
+        diff = max(float(np.max(np.abs(g - w.numpy()))) for g, w in zip(got, want))
+        tol = decoder_tolerance(float(want[0].abs().max())) if kind == "decoder" else LOGITS_TOLERANCE
+        if diff > tol:
+            raise RecipeError(f"the ONNX export of {arch} differs from PyTorch by {diff:.3g} (> {tol:.3g})")
+        for name in HF_SIDE_FILES + ST_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        for sub in src.iterdir():  # sentence-transformers module folders (1_Pooling, 2_Normalize): configs only
+            if sub.is_dir() and re.fullmatch(r"\d+_\w+", sub.name):
+                (tmp / sub.name).mkdir()
+                for f in sub.glob("*.json"):
+                    shutil.copy2(f, tmp / sub.name / f.name)
+        if kind == "decoder" and not (tmp / "generation_config.json").exists():
+            model.generation_config.save_pretrained(str(tmp))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported %s (%s) to %s; ORT vs PyTorch max |diff| %.3g", arch, kind, out, diff)
+    return {"architecture": arch, "kind": kind, "inputs": names, "outputs": outs, "max_abs_diff": diff}

@@ -287,6 +287,9 @@ class FuseDecoderPass(ir.passes.InPlacePass):
             return "no position_ids input (rotary positions cannot be fed to the fused ops)", spec, True
         if "Softmax" not in ops or "Cos" not in ops:
             return _missing_rotary(model, spec["position_ids"]), spec, True
+        head = spec["kv"][0]["shape"][-1] if spec["kv"] else None
+        if isinstance(head, int) and head % 16:  # ORT fails at run time: "head_size shall be a multiple of 16"
+            return f"head size {head} is not a multiple of 16 (ONNX Runtime's GroupQueryAttention needs one)", spec, True
         return None, spec, False
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

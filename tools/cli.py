@@ -7,6 +7,7 @@ Forms::
     dyncompile run PLAN_DIR --text "..." | --data FILE.jsonl   run a plan
     dyncompile bench classify|generate|peers|route|quality ... one benchmark harness (each has --help)
     dyncompile bench PLAN_DIR [ARGS]                           the harness of the plan's kind (from plan.json)
+    dyncompile export HF_DIR -o FOLDER                         a Hugging Face folder -> Optimum-style ONNX folder
     dyncompile export-genai PLAN_DIR -o FOLDER                 a generation plan as an onnxruntime-genai folder
     dyncompile route --candidates A/ B/ --calib F -o R/        a cascade / router over plans
     dyncompile models list | build NAME                        real models -> ONNX (offline)
@@ -42,7 +43,7 @@ examples:
 
   dyncompile route --candidates minilm/ mpnet/ --calib movie-calib.jsonl --budget 1.0 -o routed/
 
-other commands (each has --help): inspect, run, bench, route, export-genai, models, passes, train-drafter
+other commands (each has --help): inspect, run, bench, route, export, export-genai, models, passes, train-drafter
 Python API: dyncompile.compile(model, passes, output_dir), dyncompile.load(plan_dir, provider="cpu")
 """
 
@@ -218,6 +219,19 @@ def _route_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dyncompile export",
+        description="Export a Hugging Face model folder (config.json, weights, tokenizer files) to ONNX in the "
+        "folder layout optimum-cli export onnx writes (model.onnx + config/tokenizer files; decoders with a KV "
+        "cache), checked against PyTorch in ONNX Runtime. Needs the export extra.",
+    )
+    p.add_argument("hf_dir", help="Hugging Face model folder (save_pretrained output); never modified")
+    p.add_argument("-o", "--out", required=True, help="new output folder (must not exist)")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    return p
+
+
 def _models_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dyncompile models",
@@ -297,6 +311,12 @@ def _train_drafter(argv: list[str]) -> int:
     return train_main(argv)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from dyncompile.tools.export_cmd import export_command
+
+    return export_command(args)
+
+
 def _export_genai(argv: list[str]) -> int:
     from dyncompile.tools.export_genai import main as export_main
 
@@ -309,6 +329,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": _parsed(_run_parser, _run),
     "bench": _bench,
     "route": _parsed(_route_parser, _route),
+    "export": _parsed(_export_parser, _export),
     "export-genai": _export_genai,
     "models": _parsed(_models_parser, _models),
     "passes": _parsed(_passes_parser, _passes),

@@ -92,14 +92,21 @@ def inspect_path(path: str | Path, as_json: bool = False) -> str:
         return _inspect_plan(p if p.is_dir() else p.parent, as_json)
     from dyncompile.io import load_input_model
     from dyncompile.passes.analysis import analyze_model, format_report
-    from dyncompile.passes.analysis.hf_metadata import resolve_model_dir
+    from dyncompile.passes.analysis.hf_metadata import hf_model_config, resolve_model_dir
 
     p = resolve_model_dir(p)  # a Hugging Face / Optimum model folder: its model.onnx
     model = load_input_model(p)
     structure = analyze_model(model)
+    hf = hf_model_config(p)  # config.json & co. beside the model: what the compiler will use
     if as_json:
-        return json.dumps(dataclasses.asdict(structure), indent=2, default=str)
-    return f"model {p}\n" + format_report(structure)
+        return json.dumps({**dataclasses.asdict(structure), "hf_config": hf}, indent=2, default=str)
+    report = f"model {p}\n" + format_report(structure)
+    if hf.get("model_type") or hf.get("task"):
+        facts = [f"model_type {hf.get('model_type', '?')}", f"task {hf.get('task', 'unknown')}"]
+        facts += [f"{hf['num_layers']} layers"] if hf.get("num_layers") else []
+        facts += [f"labels {', '.join(hf['labels'])}"] if hf.get("labels") else []
+        report = report.rstrip("\n") + "\nFrom config.json: " + "; ".join(facts) + "\n"
+    return report
 
 
 def inspect_command(args) -> int:

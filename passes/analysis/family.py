@@ -156,6 +156,7 @@ FAMILY_SIGNATURES: tuple[tuple[str, Callable[[Signals], bool], str], ...] = (
 NAME_HINTS: tuple[tuple[str, str], ...] = (
     ("mpnet", r"\bmpnet\.|relative_attention_bias"),
     ("roberta", r"\broberta\."),
+    ("distilbert", r"\bdistilbert\."),
     ("bert", r"\bbert\."),
     ("qwen2", r"qwen"),
     ("llama", r"llama"),
@@ -163,7 +164,7 @@ NAME_HINTS: tuple[tuple[str, str], ...] = (
 
 #: structural families a name hint may replace: generic ones by any hint, the others within their group
 _GENERIC_FAMILIES = frozenset({"encoder", "decoder", "unknown"})
-_FAMILY_GROUPS = (frozenset({"bert", "roberta", "mpnet"}), frozenset({"llama", "qwen2"}))
+_FAMILY_GROUPS = (frozenset({"bert", "roberta", "mpnet", "distilbert"}), frozenset({"llama", "qwen2"}))
 
 
 def _hint_applies(family: str, hint: str) -> bool:
