@@ -159,7 +159,7 @@ class MatMulToConvPass(ir.passes.InPlacePass):
     "matmul-to-conv",
     help="run constant-weight MatMuls as 1x1 Convs: ONNX Runtime's x86 CPU EP then uses its blocked pointwise "
     "kernels, faster for the few rows of a decode or verification step; CPU EP only; outputs equal within round-off",
-    after=("fuse-decoder", "pack-matmuls", "trim-logits", "quantize-int4", "eagle-drafter", "split-drafter",
+    after=("fuse-decoder", "pack-matmuls", "trim-logits", "quantize-int4", "quantize-int8", "eagle-drafter", "split-drafter",
            "explicit-attention"),
     before=("speculative",),
 )

@@ -42,7 +42,7 @@ def test_list_models():
             assert info.family == "diffusion", info
         else:
             assert families.get_family(info.family).name == info.family
-        assert info.task in ("text-classification", "text-generation", "text-to-image"), info
+        assert info.task in ("text-classification", "text-generation", "text-to-image", "sentence-embedding"), info
         assert info.sources, info
         for src in info.sources:  # a pinned PyPI package, or a folder of shared/assets that exists
             if src.startswith("assets:"):
