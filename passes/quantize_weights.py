@@ -191,6 +191,21 @@ def _parse_keep_fp32(keep_fp32) -> tuple[str, ...]:
     return groups
 
 
+def _no_int8_target(model: ir.Model) -> str:
+    """Why an int8 pass found no MatMul to quantize: the counts, and int8 weights the graph already holds."""
+    g = model.graph
+    matmuls = [n for n in g.all_nodes() if n.op_type == "MatMul"]
+    const = sum(1 for n in matmuls if len(n.inputs) == 2 and n.inputs[1] is not None and n.inputs[1].const_value is not None
+                and n.inputs[1].const_value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16))
+    int8 = [v for v in g.initializers.values() if v.const_value is not None
+            and v.const_value.dtype in (ir.DataType.INT8, ir.DataType.UINT8) and v.const_value.size >= 1024]
+    reason = f"{const} of the {len(matmuls)} MatMul nodes read a float weight initializer"
+    if int8:
+        reason += (f"; the model already stores {len(int8)} weights in int8 (e.g. {int8[0].name!r}) and dequantizes "
+                   "them in the graph: it is quantized already")
+    return reason
+
+
 class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
     """Dynamic int8 quantization of MatMul weights (``onnxruntime.quantization.quantize_dynamic``).
 
@@ -244,6 +259,8 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
                 if v.const_value is not None:
                     v.const_value = ir.tensor(v.const_value.numpy(), name=v.name)
         modified = _has_ops(new, INT8_OPS)
+        if not modified:
+            return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
         if modified:
             _replace_contents(model, new)
             model.metadata_props[_keys.QUANTIZED] = json.dumps(
@@ -342,7 +359,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
                 g.initializers.pop(w.name)
             count += 1
         if not count:
-            return ir.passes.PassResult(model, modified=False)
+            return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
             {"scheme": "int8-weights-qdq", "per_channel": self.per_channel, "keep_fp32": list(self.keep_fp32),
              "fp32_matmuls_kept": len(exclude), "int8_matmuls": count}
