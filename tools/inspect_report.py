@@ -98,14 +98,21 @@ def inspect_path(path: str | Path, as_json: bool = False) -> str:
     model = load_input_model(p)
     structure = analyze_model(model)
     hf = hf_model_config(p)  # config.json & co. beside the model: what the compiler will use
+    from dyncompile.io import MODEL_CONFIG_NAME, read_model_config
+
+    override = {k: v for k, v in read_model_config(p).items()  # it wins field by field, as in the compiler
+                if k in ("task", "model_type", "num_layers", "labels")}
     if as_json:
-        return json.dumps({**dataclasses.asdict(structure), "hf_config": hf}, indent=2, default=str)
+        return json.dumps({**dataclasses.asdict(structure), "hf_config": hf, "model_config": override}, indent=2,
+                          default=str)
+    source = MODEL_CONFIG_NAME if override else "config.json"
+    hf = {**hf, **override}
     report = f"model {p}\n" + format_report(structure)
     if hf.get("model_type") or hf.get("task"):
         facts = [f"model_type {hf.get('model_type', '?')}", f"task {hf.get('task', 'unknown')}"]
         facts += [f"{hf['num_layers']} layers"] if hf.get("num_layers") else []
         facts += [f"labels {', '.join(hf['labels'])}"] if hf.get("labels") else []
-        report = report.rstrip("\n") + "\nFrom config.json: " + "; ".join(facts) + "\n"
+        report = report.rstrip("\n") + f"\nFrom {source}: " + "; ".join(facts) + "\n"
     return report
 
 
