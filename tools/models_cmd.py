@@ -15,9 +15,11 @@ def models_command(args: argparse.Namespace) -> int:
 
     if args.action in (None, "list"):
         home = Path(args.home).expanduser() if getattr(args, "home", None) else models.model_home()
-        for r in models.list_models():
+        recipes = models.list_models()
+        width = max([22, *(len(r.name) for r in recipes)])
+        for r in recipes:
             built = "built" if is_complete(models.model_dir(r.name, home)) else "-"
-            print(f"  {r.name:<22} {built:<6} {r.task:<20} {r.description}")
+            print(f"  {r.name:<{width}} {built:<6} {r.task:<20} {r.description}")
         print(f"cache: {home}; build one with `dyncompile models build NAME`")
         return 0
     t0 = time.perf_counter()
