@@ -142,9 +142,8 @@ def test_technique(exported, tmp_path):
     assert rc == 0 and ("POSITIVE" in out or "NEGATIVE" in out), err
 
 
+@pytest.mark.parametrize("exported", ["gpt2"], indirect=True)  # one family is enough
 def test_auto_takes_optimum_and_says_which_ran(exported, tmp_path, monkeypatch):
-    if exported.family != "gpt2":
-        pytest.skip("one family is enough")
     monkeypatch.delenv("DYNCOMPILE_OPTIMUM_PYTHON", raising=False)
     rc, out, err = _cli("export", exported.hf, "-o", tmp_path / "auto")
     assert rc == 0, err
