@@ -7,13 +7,17 @@ BIN     := $(VENV)/bin
 # The OpenVINO flavour of ONNX Runtime clobbers the CPU one: it gets its own environment.
 OV_VENV ?= .venv-openvino
 OV_BIN  := $(OV_VENV)/bin
+# Optimum's ONNX exporter (optimum-onnx) needs transformers<4.58, the export extra transformers>=5: its own
+# environment, which `dyncompile export --exporter optimum` runs as a subprocess (tests/test_optimum_exports.py).
+OPT_VENV ?= .venv-optimum
+OPT_BIN  := $(OPT_VENV)/bin
 # Tests that run again with provider="openvino" (runtime, early exit, speculative decoding, native OpenVINO).
 OV_TESTS ?= tests/test_plan_runtime.py tests/test_insert_early_exit.py tests/test_learned_policy.py tests/test_early_exit_real.py tests/test_openvino_native.py \
 	tests/test_speculative.py tests/test_diffusion_provider.py
 EXTRAS  ?= cpu,export,dev,sandbox
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-openvino test test-slow demo lint clean
+.PHONY: setup setup-openvino setup-optimum test test-slow demo lint clean
 
 $(BIN)/dyncompile: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,12 +31,21 @@ $(OV_BIN)/dyncompile: pyproject.toml
 	$(OV_BIN)/pip install -q -e ".[openvino,openvino-native,dev]"
 	touch $@
 
+$(OPT_BIN)/optimum-cli: pyproject.toml
+	$(PY) -m venv $(OPT_VENV)
+	$(OPT_BIN)/pip install -q torch==2.13.0
+	$(OPT_BIN)/pip install -q -e ".[optimum]"
+	touch $@
+
 setup: $(BIN)/dyncompile
 
 setup-openvino: $(OV_BIN)/dyncompile
 
-# CPU suite first (it builds the real models into the cache), then the OpenVINO subset.
-test: setup setup-openvino
+setup-optimum: $(OPT_BIN)/optimum-cli
+
+# CPU suite first (it builds the real models into the cache; it runs Optimum's exporter from .venv-optimum), then
+# the OpenVINO subset.
+test: setup setup-openvino setup-optimum
 	$(BIN)/python -m pytest -q
 	DYNCOMPILE_TEST_PROVIDER=openvino $(OV_BIN)/python -m pytest -q $(OV_TESTS)
 
@@ -46,4 +59,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(OV_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OV_VENV) $(OPT_VENV) build *.egg-info .pytest_cache

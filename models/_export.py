@@ -369,22 +369,12 @@ def _export_decoder(model, onnx_path: Path) -> tuple[Any, tuple, list[str], list
     return wrapper, args, names, outs
 
 
-def export_hf_folder(src: Path, out: Path) -> dict[str, Any]:
-    """Export a Hugging Face model folder (config.json + weights + tokenizer files) into an Optimum-style folder.
+def check_hf_folder(src: Path, out: Path) -> tuple[str, str]:
+    """Check ``src`` is a Hugging Face folder of a head ``dyncompile export`` handles and ``out`` is new.
 
-    ``out`` gets ``model.onnx`` (Optimum's input/output names; decoders with a KV cache) beside the folder's
-    config, generation config and tokenizer files. The export is checked against PyTorch in ONNX Runtime and
-    written atomically (a temporary folder renamed into place); ``out`` must not exist. Returns a summary.
+    Returns (architecture, kind); raises RecipeError otherwise. Needs no export stack.
     """
     import json
-    import os
-    import shutil
-    import tempfile
-
-    require_export_stack()
-    import numpy as np
-    import torch
-    import transformers
 
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
@@ -399,9 +389,29 @@ def export_hf_folder(src: Path, out: Path) -> dict[str, Any]:
         raise RecipeError(f"{cfg_path} names no architectures; add e.g. \"architectures\": [\"BertModel\"]")
     arch = archs[0]
     kind = _hf_kind(arch)
+    return arch, kind
+
+
+def export_hf_folder(src: Path, out: Path) -> dict[str, Any]:
+    """Export a Hugging Face model folder (config.json + weights + tokenizer files) into an Optimum-style folder.
+
+    ``out`` gets ``model.onnx`` (Optimum's input/output names; decoders with a KV cache) beside the folder's
+    config, generation config and tokenizer files. The export is checked against PyTorch in ONNX Runtime and
+    written atomically (a temporary folder renamed into place); ``out`` must not exist. Returns a summary.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    require_export_stack()
+    import numpy as np
+    import torch
+    import transformers
+
+    arch, kind = check_hf_folder(src, out)
     cls = getattr(transformers, arch, None)
     if cls is None:
-        raise RecipeError(f"transformers {transformers.__version__} has no class {arch!r} (from {cfg_path})")
+        raise RecipeError(f"transformers {transformers.__version__} has no class {arch!r} (from {src / 'config.json'})")
     try:
         model = cls.from_pretrained(str(src)).eval()
     except (OSError, ValueError) as e:

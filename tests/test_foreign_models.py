@@ -105,7 +105,7 @@ def _build(family: str, root: Path) -> SimpleNamespace:
     model = cls(cfg).eval()
     model.save_pretrained(hf)
     tok.save_pretrained(hf)
-    rc, stdout, err = _cli("export", hf, "-o", out)
+    rc, stdout, err = _cli("export", hf, "-o", out, "--exporter", "torch")  # Optimum's: test_optimum_exports.py
     assert rc == 0, err
     return SimpleNamespace(family=family, hf=hf, path=out, model=model, tokenizer=tok, decoder=decoder, root=root)
 

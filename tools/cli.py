@@ -224,10 +224,17 @@ def _export_parser() -> argparse.ArgumentParser:
         prog="dyncompile export",
         description="Export a Hugging Face model folder (config.json, weights, tokenizer files) to ONNX in the "
         "folder layout optimum-cli export onnx writes (model.onnx + config/tokenizer files; decoders with a KV "
-        "cache), checked against PyTorch in ONNX Runtime. Needs the export extra.",
+        "cache), checked against PyTorch in ONNX Runtime. Exporters: Optimum's (optimum-onnx, in its own "
+        "environment: make setup-optimum) or the built-in torch.onnx one (the export extra).",
     )
     p.add_argument("hf_dir", help="Hugging Face model folder (save_pretrained output); never modified")
     p.add_argument("-o", "--out", required=True, help="new output folder (must not exist)")
+    p.add_argument("--exporter", choices=("auto", "optimum", "torch"), default="auto",
+                   help="optimum: python -m optimum.exporters.onnx in the Optimum environment; torch: the built-in "
+                   "torch.onnx exporter; auto (default): optimum when its environment is found, else torch")
+    p.add_argument("--optimum-python", metavar="PATH",
+                   help="python of the Optimum environment (default: $DYNCOMPILE_OPTIMUM_PYTHON, else .venv-optimum "
+                   "beside the checkout, else this python if it has optimum.exporters.onnx)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 
