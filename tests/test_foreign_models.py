@@ -23,70 +23,19 @@ from helpers import assert_clean_error
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+# the same tiny families the Optimum matrix writes (tests/_optimum_tiny_models.py, run there by Optimum's
+# transformers 4.x; its classifiers are the smallest the layer analysis that early exit needs finds layers in)
+from _optimum_tiny_models import classifier_tokenizer as _classifier_tokenizer  # noqa: E402
+from _optimum_tiny_models import config as _config  # noqa: E402
+from _optimum_tiny_models import decoder_tokenizer as _decoder_tokenizer  # noqa: E402
+
 import dyncompile  # noqa: E402
 from dyncompile.passes.compiler import compile_model  # noqa: E402
 
-WORDS = ("good bad great awful movie film plot acting boring fun love hate the a was is and it not very "
-         "story music scenes actors long short").split()
 POSITIVE = ("good", "great", "fun", "love")
 PROMPT = "the movie was good and the plot was"
-#: classifier width: 256 x 256 weights are the smallest the layer analysis counts (65,536 elements), which early
-#: exit needs; at hidden 32 every family is refused with "no repeated layer structure ... no node reads a weight"
-H = 256
-L = 3  # with 2 layers the layer analysis finds no repeated block ("no block of segments that reads weights repeats")
 CLASSIFIERS = ("bert", "roberta", "distilbert")
 DECODERS = ("gpt2", "llama", "qwen2")
-
-
-def _classifier_tokenizer(family: str):
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    cls, sep, pad, unk = ("<s>", "</s>", "<pad>", "<unk>") if family == "roberta" else ("[CLS]", "[SEP]", "[PAD]",
-                                                                                          "[UNK]")
-    vocab = {t: i for i, t in enumerate([pad, unk, cls, sep, *WORDS])}
-    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", special_tokens=[(cls, 2), (sep, 3)])
-    names = ["input_ids", "token_type_ids", "attention_mask"] if family == "bert" else ["input_ids", "attention_mask"]
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=32, pad_token=pad, unk_token=unk,
-                                   cls_token=cls, sep_token=sep, model_input_names=names), len(vocab)
-
-
-def _decoder_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(["<|endoftext|>", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=64, eos_token="<|endoftext|>",
-                                   bos_token="<|endoftext|>"), len(vocab)
-
-
-def _config(family: str, n: int):
-    t = transformers
-    labels = {"id2label": {0: "NEGATIVE", 1: "POSITIVE"}, "label2id": {"NEGATIVE": 0, "POSITIVE": 1}}
-    if family == "bert":
-        return t.BertForSequenceClassification, t.BertConfig(
-            hidden_size=H, num_hidden_layers=L, num_attention_heads=4, intermediate_size=H, vocab_size=n,
-            max_position_embeddings=64, initializer_range=0.1, **labels)
-    if family == "roberta":
-        return t.RobertaForSequenceClassification, t.RobertaConfig(
-            hidden_size=H, num_hidden_layers=L, num_attention_heads=4, intermediate_size=H, vocab_size=n,
-            max_position_embeddings=66, initializer_range=0.1, pad_token_id=0, bos_token_id=2, eos_token_id=3, type_vocab_size=1, **labels)
-    if family == "distilbert":
-        return t.DistilBertForSequenceClassification, t.DistilBertConfig(
-            dim=H, n_layers=L, n_heads=4, hidden_dim=H, vocab_size=n, max_position_embeddings=64, pad_token_id=0,
-            initializer_range=0.1,
-            **labels)
-    common = {"vocab_size": n, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-    if family == "gpt2":
-        return t.GPT2LMHeadModel, t.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **common)
-    cls, cfg_cls = (t.LlamaForCausalLM, t.LlamaConfig) if family == "llama" else (t.Qwen2ForCausalLM, t.Qwen2Config)
-    return cls, cfg_cls(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False, **common)
 
 
 @pytest.fixture(scope="module", params=CLASSIFIERS + DECODERS)
