@@ -278,14 +278,19 @@ class ModelDrafter(Drafter):
         if self.share_kv is not None:
             self._adopt(target, self._prompt)
 
-    def _chain(self, seq, n, sample, temperature, rng, vocab_size, alt: int = 0):
-        """Draft ``n`` tokens; with ``alt`` also the ``alt`` next-best tokens at each step."""
+    def _catch_up(self, seq) -> list[int]:
+        """Roll the drafter's cache back to its common prefix with ``seq``; the tokens of ``seq`` still to feed."""
         dec = self.decoder
         keep = _common_prefix(self._fed, seq, len(seq) - 1)
         if keep < dec.length:
             dec.truncate(keep)
             self._fed = self._fed[:keep]
-        feed = list(seq[dec.length :])
+        return list(seq[dec.length :])
+
+    def _chain(self, seq, n, sample, temperature, rng, vocab_size, alt: int = 0):
+        """Draft ``n`` tokens; with ``alt`` also the ``alt`` next-best tokens at each step."""
+        dec = self.decoder
+        feed = self._catch_up(seq)
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         alts: list[list[int]] = []
@@ -320,11 +325,7 @@ class ModelDrafter(Drafter):
         main chain is the drafter's greedy chain. The drafter's cache is rolled back to the sequence after.
         """
         dec = self.decoder
-        keep = _common_prefix(self._fed, seq, len(seq) - 1)
-        if keep < dec.length:
-            dec.truncate(keep)
-            self._fed = self._fed[:keep]
-        feed = list(seq[dec.length :])
+        feed = self._catch_up(seq)
         logits = dec.forward(feed, last=1)[-1]
         self._fed.extend(feed)
         return grow_tree(dec, seq[-1], logits, budget, self.vocab, vocab_size,
