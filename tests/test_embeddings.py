@@ -15,7 +15,6 @@ from helpers import assert_clean_error, run_cli
 
 import dyncompile
 from dyncompile.errors import DyncompileError, PassConfigError, PlanError
-from dyncompile.models._core import model_home
 from dyncompile.plan import load_plan, pooling_from_sentence_transformers
 
 TEXTS = ["the cat sat on the mat", "a dog", "the mat sat on a cat and the dog sat too"]
@@ -147,11 +146,9 @@ def test_hostile_pooling_policy_is_one_error(embedder, tmp_path, capsys, pooling
     assert_clean_error(rc, err, needle)
 
 
-def test_real_minilm_embeddings_equal_torch(tmp_path):
-    """all-MiniLM-L6-v2 (recipe minilm-l6-embedding), when built: encode() equals torch mean pooling + normalize."""
-    model_dir = model_home() / "models" / "minilm-l6-embedding"
-    if not (model_dir / "dyncompile-model.json").is_file():
-        pytest.skip("build it with `dyncompile models build minilm-l6-embedding`")
+def test_real_minilm_embeddings_equal_torch(minilm_embedding, tmp_path):
+    """all-MiniLM-L6-v2 (recipe minilm-l6-embedding): encode() equals torch mean pooling + normalize."""
+    model_dir = minilm_embedding.onnx_path.parent
     cfg = json.loads((model_dir / "dyncompile-model.json").read_text())
     plan_dir = dyncompile.compile(model_dir / "model.onnx", "verify", tmp_path / "plan").plan_dir
     got = dyncompile.load(plan_dir).encode(TEXTS)
