@@ -69,7 +69,7 @@ class KVDecoder:
       Needs a model without ``attention_mask`` input too.
 
     With ``io_binding=True`` the past tensors stay ORT values bound by ``IOBinding`` between calls instead
-    of numpy arrays passed to ``run``; both give the same numbers (``tools/bench_speculative.py --io-binding``
+    of numpy arrays passed to ``run``; both give the same numbers (``dyncompile bench generate --io-binding``
     measures which is faster). On the CUDA EP the bound past/present tensors live in GPU memory (only the
     logits come back to the host), so the cache is not copied across PCIe on every step.
 
