@@ -64,15 +64,24 @@ def config(family: str, n: int):
                         intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False, **common)
 
 
-def main(family: str, out: Path, prompt: str) -> None:
-    decoder = family in ("gpt2", "llama", "qwen2")
-    tok, n = decoder_tokenizer() if decoder else classifier_tokenizer(family)
+DECODERS = ("gpt2", "llama", "qwen2")
+
+
+def write_model(family: str, out: Path):
+    """Save a seeded random-init model of ``family`` and its tokenizer to ``out``; returns (model, tokenizer)."""
+    tok, n = decoder_tokenizer() if family in DECODERS else classifier_tokenizer(family)
     cls, cfg = config(family, n)
     cfg.architectures = [cls.__name__]
     torch.manual_seed(0)
     model = cls(cfg).eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    return model, tok
+
+
+def main(family: str, out: Path, prompt: str) -> None:
+    decoder = family in DECODERS
+    model, tok = write_model(family, out)
     ref = {}
     if decoder:
         ids = tok(prompt)["input_ids"]

@@ -25,9 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 # the same tiny families the Optimum matrix writes (tests/_optimum_tiny_models.py, run there by Optimum's
 # transformers 4.x; its classifiers are the smallest the layer analysis that early exit needs finds layers in)
-from _optimum_tiny_models import classifier_tokenizer as _classifier_tokenizer  # noqa: E402
-from _optimum_tiny_models import config as _config  # noqa: E402
-from _optimum_tiny_models import decoder_tokenizer as _decoder_tokenizer  # noqa: E402
+from _optimum_tiny_models import write_model  # noqa: E402
 
 import dyncompile  # noqa: E402
 from dyncompile.passes.compiler import compile_model  # noqa: E402
@@ -47,13 +45,7 @@ def exported(request, module_tmp):
 def _build(family: str, root: Path) -> SimpleNamespace:
     hf, out = root / "hf", root / "onnx"
     decoder = family in DECODERS
-    tok, n = _decoder_tokenizer() if decoder else _classifier_tokenizer(family)
-    cls, cfg = _config(family, n)
-    cfg.architectures = [cls.__name__]
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    model.save_pretrained(hf)
-    tok.save_pretrained(hf)
+    model, tok = write_model(family, hf)
     rc, stdout, err = _cli("export", hf, "-o", out, "--exporter", "torch")  # Optimum's: test_optimum_exports.py
     assert rc == 0, err
     return SimpleNamespace(family=family, hf=hf, path=out, model=model, tokenizer=tok, decoder=decoder, root=root)
