@@ -115,11 +115,12 @@ def test_dump_ir_from_cli(capsys, tmp_path, tiny_encoder_path):
     assert (tmp_path / "ir" / "002_CleanupGraphPass.onnx.txt").is_file()
 
 
-def test_console_script_prints_no_traceback(tmp_path):
-    """Through a real process (what a user sees): one line on stderr, exit code 2."""
+@pytest.mark.parametrize("module", ["dyncompile.tools.cli", "dyncompile"])
+def test_console_script_prints_no_traceback(tmp_path, module):
+    """Through a real process (what a user sees; ``python -m dyncompile`` too): one line on stderr, exit code 2."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, "-m", "dyncompile.tools.cli", str(tmp_path / "missing.onnx")],
+        [sys.executable, "-m", module, str(tmp_path / "missing.onnx")],
         capture_output=True,
         text=True,
         env=env,
