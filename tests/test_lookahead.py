@@ -22,7 +22,13 @@ from dyncompile.passes.speculative import DrafterError
 from dyncompile.plan import DrafterParams
 from dyncompile.plan._typed import from_json
 from dyncompile.runtime.decode.draft_tree import DraftTree
-from dyncompile.runtime.decode.drafters import HybridDrafter, PromptLookupDrafter, TreeBudget, Verification, merge_tree
+from dyncompile.runtime.decode.drafters import (
+    HybridDrafter,
+    PromptLookupDrafter,
+    TreeBudget,
+    Verification,
+    merge_tree,
+)
 from dyncompile.runtime.decode.lookahead import LookaheadDrafter
 
 LA = "explicit-attention,speculative{measure=false}"

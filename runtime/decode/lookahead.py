@@ -1,5 +1,6 @@
-"""The ``lookahead`` drafter: lookahead decoding (Fu et al. 2024, "Break the Sequential Dependency of LLM
-Inference Using Lookahead Decoding"), training-free, verified as one draft tree per round.
+"""The ``lookahead`` drafter: lookahead decoding, training-free, verified as one draft tree per round.
+
+Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding".
 
 State: a *Jacobi window* of ``W`` columns and up to ``N - 1`` levels (``levels[l][j]``: the guess of level ``l``
 at column ``j``; level 0 is the oldest) and an *n-gram pool* (first token -> the most recent ``G`` tails of
