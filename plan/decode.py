@@ -28,6 +28,7 @@ __all__ = [
     "SpeculativeParams",
     "SpeculativePolicy",
     "TreePolicy",
+    "lookahead_tree_nodes",
 ]
 
 MAX_DIM = 1 << 16  # a KV head dimension
@@ -114,6 +115,11 @@ class GenerationConfig:
         if isinstance(d, dict) and d.get("eos_token_ids") is None and "eos_token_ids" in d:
             d = {k: v for k, v in d.items() if k != "eos_token_ids"}
         return from_json(cls, d, "plan step: generation")
+
+
+def lookahead_tree_nodes(window: int, ngram: int, guesses: int) -> int:
+    """Drafted nodes of a full lookahead tree: the window's cells plus ``guesses`` pool n-grams."""
+    return (window + guesses) * (ngram - 1)
 
 
 @dataclasses.dataclass(frozen=True)

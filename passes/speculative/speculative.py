@@ -50,6 +50,7 @@ from dyncompile.passes.speculative.decoder_spec import (
 )
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.probe import drafter_step_seconds, target_verify_costs, weight_reads
+from dyncompile.plan.decode import lookahead_tree_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ def lookahead_tree(window: int, ngram: int, guesses: int, hybrid: bool, max_ngra
 
     A hybrid (prompt lookup too) gets as many nodes again for the context's matches.
     """
-    from dyncompile.runtime.decode.lookahead import lookahead_tree_nodes
-
     nodes = lookahead_tree_nodes(window, ngram, guesses)
     return {"max_nodes": min(256, 2 * nodes if hybrid else nodes), "max_depth": window + ngram - 2,
             "branching": max(3, guesses + 1), "adaptive": False}

@@ -41,12 +41,7 @@ from dyncompile.runtime.decode.drafters import Drafter, TreeBudget, Verification
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LookaheadDrafter", "lookahead_tree_nodes"]
-
-
-def lookahead_tree_nodes(window: int, ngram: int, guesses: int) -> int:
-    """Drafted nodes of a full lookahead tree: the window's cells plus ``guesses`` pool n-grams."""
-    return (window + guesses) * (ngram - 1)
+__all__ = ["LookaheadDrafter"]
 
 
 class LookaheadDrafter(Drafter):
