@@ -28,6 +28,7 @@ __all__ = [
     "SpeculativeParams",
     "SpeculativePolicy",
     "TreePolicy",
+    "lookahead_tree_nodes",
 ]
 
 MAX_DIM = 1 << 16  # a KV head dimension
@@ -116,15 +117,24 @@ class GenerationConfig:
         return from_json(cls, d, "plan step: generation")
 
 
+def lookahead_tree_nodes(window: int, ngram: int, guesses: int) -> int:
+    """Drafted nodes of a full lookahead tree: the window's cells plus ``guesses`` pool n-grams."""
+    return (window + guesses) * (ngram - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterParams:
     """The drafter of a ``speculative_generate`` step.
 
-    A model (``decoder``), prompt lookup, or an EAGLE head (``decoder`` fed the target's ``features`` output;
-    see :mod:`dyncompile.runtime.decode.eagle`).
+    A model (``decoder``), prompt lookup, an EAGLE head (``decoder`` fed the target's ``features`` output;
+    see :mod:`dyncompile.runtime.decode.eagle`) or lookahead decoding (a Jacobi window of ``window`` columns and
+    ``ngram - 1`` levels plus an n-gram pool of ``guesses`` candidates per first token; no model, see
+    :mod:`dyncompile.runtime.decode.lookahead`). ``prompt_lookup`` (model, eagle, lookahead): a *hybrid* drafter
+    whose tree holds prompt-lookup candidates (``max_ngram`` / ``min_ngram``) where the context has n-gram matches
+    and this drafter's candidates in the rest of the tree budget.
     """
 
-    kind: Literal["model", "prompt-lookup", "eagle"]
+    kind: Literal["model", "prompt-lookup", "eagle", "lookahead"]
     name: str = "external"
     decoder: DecoderSpec | None = None
     share_kv: list[int] | None = _field(None, lo=0, hi=100_000)
@@ -135,9 +145,23 @@ class DrafterParams:
     features: str | None = None
     feature_input: str | None = None
     hidden_output: str | None = None
+    #: lookahead: Jacobi window columns, n-gram size (levels + 1), pool candidates verified per round
+    window: int = _field(5, lo=1, hi=64)
+    ngram: int = _field(4, lo=2, hi=16)
+    guesses: int = _field(5, lo=0, hi=64)
+    #: hybrid: prompt-lookup candidates where the context has n-gram matches, this drafter's elsewhere
+    prompt_lookup: bool = False
 
     def _check(self, where: str) -> None:
-        if self.kind == "eagle":
+        if self.prompt_lookup and self.kind == "prompt-lookup":
+            raise PlanError(f"{where}.prompt_lookup: a hybrid needs a second drafter (kind model, eagle or lookahead), "
+                            "not prompt-lookup itself")
+        if self.min_ngram > self.max_ngram:
+            raise PlanError(f"{where}: min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
+        if self.kind == "lookahead":
+            if self.decoder is not None:
+                raise PlanError(f"{where}.decoder: a lookahead drafter has no model (it reads the target's logits)")
+        elif self.kind == "eagle":
             if self.decoder is None:
                 raise PlanError(f"{where}: an eagle drafter needs its 'decoder' spec")
             missing = [k for k in ("features", "feature_input", "hidden_output") if not getattr(self, k)]
@@ -150,8 +174,6 @@ class DrafterParams:
                 raise PlanError(f"{where}: a model drafter needs its 'decoder' spec")
             if self.share_kv is not None and len(self.share_kv) != len(self.decoder.kv):
                 raise PlanError(f"{where}.share_kv must list one target kv index per drafter kv entry")
-        elif self.min_ngram > self.max_ngram:
-            raise PlanError(f"{where}: min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
 
 
 @dataclasses.dataclass(frozen=True)

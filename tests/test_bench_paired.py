@@ -82,3 +82,35 @@ def test_a_variant_is_paired_with_the_main_plan_of_its_mode():
     assert pairs[1]["decode_tokens_per_s"]["ratio"] == pytest.approx(10.0 / 9.0, abs=1e-3)
     assert pairs[3]["decode_tokens_per_s"]["ratio"] == pytest.approx(1.0)
 
+
+
+def test_ttft_and_tpot_in_both_decoder_benches():
+    """TTFT is the prefill call, TPOT the time after it per further token (means over prompts), paired per prompt as
+    time ratios; both benches show the columns (reports written before them re-render as they were: test_bench_rerender)."""
+    from dyncompile.tools.bench import generate as gen
+
+    runners = [Runner("dyn greedy", "d", "greedy", "dyncompile"), Runner("peer greedy", "p", "greedy", "peer")]
+    # dyncompile: prefill 1 s, then 10 tokens in 2 s (TPOT 0.2 s); the peer: prefill 0.5 s, 10 tokens in 5 s
+    runs = {"dyn greedy": [_run(11, 3.0, 1.0) for _ in range(3)], "peer greedy": [_run(11, 5.5, 0.5) for _ in range(3)]}
+    rep = summarize(runners, runs, [[1, 2, 3]] * 3, eos=set(), loads={})
+    rows = {r["name"]: r for r in rep["results"]}
+    assert (rows["dyn greedy"]["ttft_ms"], rows["dyn greedy"]["tpot_ms"]) == (1000.0, 200.0)
+    assert (rows["peer greedy"]["ttft_ms"], rows["peer greedy"]["tpot_ms"]) == (500.0, 500.0)
+    assert rep["paired"][0]["tpot"]["ratio"] == pytest.approx(0.4)
+    rep.update(plan_name="p", prompts=3, prompts_file="f", max_new_tokens=11, threads=2, workers={})
+    md = markdown_report(rep)
+    assert "| TTFT ms | TPOT ms |" in md and "| 1000.0 | 200.00 |" in md and "0.400x (0.400–0.400)" in md
+
+    def run(seconds, pre, n=11):
+        return gen.Run(list(range(n)), seconds, {"prefill_seconds": pre, "drafted": 0, "accepted": 0, "target_calls": n,
+                                                 "rounds": 0, "overhead_seconds": 0.0})
+
+    base, fast = [run(3.0, 1.0), run(3.0, 1.0)], [run(1.5, 1.0), run(2.0, 1.0)]  # TPOT 0.2 s vs 0.05 / 0.1 s
+    s = gen._summary(fast, base, None, None)
+    assert (s["ttft_ms"], s["tpot_ms"]) == (1000.0, 75.0)
+    p = gen._paired(fast, base)
+    assert p["tpot"]["ratio"] == pytest.approx(np.sqrt(0.25 * 0.5), abs=1e-3) and p["ttft"]["ratio"] == 1.0
+    rows = [{"name": "target", **gen._summary(base, base, None, None), "paired": gen._paired(base, base)},
+            {"name": "spec", **s, "paired": p}]
+    md = gen.markdown_report({"results": rows, "prompts": 2, "max_new_tokens": 11})
+    assert "TTFT ms | TPOT ms" in md and "| spec | 1.000x" not in md and "TPOT time ratio" in md

@@ -31,6 +31,7 @@ OWNERS: list[tuple[str, str]] = [
     ("fast-path-default/*.json", "dyncompile.tools.bench.peers"),
     ("peers-cuda/*.json", "dyncompile.tools.bench.peers"),
     ("speculative-*/*.json", "dyncompile.tools.bench.generate"),
+    ("lookahead/*.json", "dyncompile.tools.bench.generate"),
     ("route-code/*.json", "dyncompile.tools.studies.route_code"),
     ("stepsaver/stepsaver.json", "dyncompile.tools.studies.stepsaver"),
     ("stepsaver/composition/*.json", "dyncompile.tools.studies.diffusion_plans"),
@@ -48,6 +49,7 @@ NOT_REPORTS = {
     "speculative-eagle/qwen2.5-coder-0.5b-head.json": "the training record `dyncompile train-drafter` writes",
     "speculative-eagle/smollm2-135m-head.json": "the training record `dyncompile train-drafter` writes",
     "speculative-trees/qwen05-verify-curve.json": "`bench.generate curve` output: JSON only, no markdown",
+    "lookahead/smollm2-verify-curve-2threads.json": "`bench.generate curve` output: JSON only, no markdown",
     "models.json": "the recorded accuracy of each model recipe (tests/test_models_recipes.py reads it)",
 }
 

@@ -91,7 +91,7 @@ def _compile_parser() -> argparse.ArgumentParser:
         help="execution provider the plan is for (cpu, openvino, cuda, directml): --lowering auto and quantize-int8{format=auto} pick per provider",
     )
     sd = p.add_argument_group("speculative decoding (--passes speculative, split-drafter,speculative)")
-    sd.add_argument("--drafter", help="DRAFT.onnx (a decoder with the target's tokenizer) or prompt-lookup; "
+    sd.add_argument("--drafter", help="DRAFT.onnx (a decoder with the target's tokenizer), prompt-lookup or lookahead; "
                     "split-drafter,speculative builds one from the target (--calib TEXT)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v: per-pass timing; -vv: debug")

@@ -169,6 +169,9 @@ def genai_config(plan, *, max_draft_tokens: int | None = None, adaptive_k: int |
             spec["ngram_size"] = n
             notes.append(NOT_CARRIED["lookup-fallback"].format(max_ngram=d.max_ngram, min_ngram=d.min_ngram, k=k))
         else:
+            if d.kind == "lookahead":
+                raise DataError("this plan's drafter is lookahead decoding (a Jacobi window verified as a draft tree); "
+                                "onnxruntime-genai verifies draft chains only: not exportable")
             if d.kind == "eagle":
                 raise DataError("this plan's drafter is an EAGLE head (it reads the target's features each step); "
                                 "onnxruntime-genai's draft model is a standalone decoder: not exportable")

@@ -91,6 +91,13 @@ def _share_weights(drafter: ir.Model, target: ir.Model, saved_target_path: Path)
     return shared
 
 
+def _hybrid(d: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid drafter's step entries (prompt lookup beside the recorded drafter), or none."""
+    if not d.get("prompt_lookup"):
+        return {}
+    return {"prompt_lookup": True, "max_ngram": d.get("max_ngram", 3), "min_ngram": d.get("min_ngram", 1)}
+
+
 @register_emitter("speculative")
 def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     """Write the target, its drafter and the speculative-generation plan that runs them."""
@@ -129,8 +136,11 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
             vocab_key = "drafter_vocab"
         step_drafter = {"kind": "model", "name": d.get("name", "external"), "decoder": spec,
                         "share_kv": d.get("share_kv"), "vocab": vocab_key}
+    elif d["kind"] == "lookahead":
+        step_drafter = {"kind": "lookahead", "window": d["window"], "ngram": d["ngram"], "guesses": d["guesses"]}
     else:
         step_drafter = {"kind": d["kind"], "max_ngram": d.get("max_ngram", 3), "min_ngram": d.get("min_ngram", 1)}
+    step_drafter.update(_hybrid(d))
     tok = _tokenizer_spec(req, files, rec.get("generation") or {})
     inputs, outputs = io_signature(model.graph)
     target = dict(rec["target"])
@@ -139,7 +149,9 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
         "speculative_generate",
         {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}), "generation": rec.get("generation", {})},
     )
-    policy: dict[str, Any] = {"speculative": {"drafter": d.get("name", d["kind"]), "draft": rec.get("draft", {})}}
+    name = d.get("name", d["kind"])
+    policy: dict[str, Any] = {"speculative": {"drafter": f"prompt-lookup+{name}" if d.get("prompt_lookup") else name,
+                                              "draft": rec.get("draft", {})}}
     if d.get("source"):
         policy["speculative"]["drafter_source"] = d["source"]
     if d.get("tokenizer_check"):
@@ -171,6 +183,7 @@ def _emit_eagle(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
     spec["model"] = "drafter"
     step_drafter = {"kind": "eagle", "name": "eagle", "decoder": spec, "vocab": "drafter_vocab",
                     "features": d["features"], "feature_input": d["feature_input"], "hidden_output": d["hidden_output"]}
+    step_drafter.update(_hybrid(d))
     tok = _tokenizer_spec(req, files, rec.get("generation") or {})
     inputs, outputs = io_signature(model.graph)
     target = dict(rec["target"])

@@ -6,6 +6,9 @@ Drafters (``--drafter``):
   ``dyncompile-model.json`` beside each model must agree on the vocabulary and special tokens, and the two
   graphs' logits on the vocabulary size) and a KV cache of its own;
 * ``prompt-lookup`` — no model: n-gram matches in the prompt and the text so far;
+* ``lookahead`` — no model: lookahead decoding (a Jacobi window of ``window`` columns x ``ngram - 1`` levels and an
+  n-gram pool, ``guesses`` pool n-grams per round), verified as one draft tree per round: it needs
+  ``explicit-attention`` first and always records a fixed-size tree (``tree=true`` is implied);
 * nothing, after ``split-drafter`` — the drafter that pass built from the target's own first layers.
 
 The target graph is not changed: the pass validates both graphs, records how the runtime drives them
@@ -47,6 +50,7 @@ from dyncompile.passes.speculative.decoder_spec import (
 )
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.probe import drafter_step_seconds, target_verify_costs, weight_reads
+from dyncompile.plan.decode import lookahead_tree_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,8 @@ __all__ = ["PROMPT_LOOKUP", "SpeculativePass", "call_shape_dependent_ops"]
 
 SPECULATIVE_FORMAT = "dyncompile.speculative/v1"
 PROMPT_LOOKUP = "prompt-lookup"
+LOOKAHEAD = "lookahead"
+MODEL_FREE = (PROMPT_LOOKUP, LOOKAHEAD)
 #: the draft-policy entries that are timed on this machine
 MEASURED_KEYS = ("verify_cost", "draft_cost", "draft_cost_source")
 
@@ -67,6 +73,16 @@ DEFAULT_MAX_DRAFT = {PROMPT_LOOKUP: 16, "model": 8}
 
 def default_max_draft(drafter) -> int:
     return DEFAULT_MAX_DRAFT[PROMPT_LOOKUP if drafter == PROMPT_LOOKUP else "model"]
+
+
+def lookahead_tree(window: int, ngram: int, guesses: int, hybrid: bool, max_ngram: int) -> dict[str, Any]:
+    """The fixed tree policy of a lookahead drafter: every window cell and pool n-gram, the window's depth.
+
+    A hybrid (prompt lookup too) gets as many nodes again for the context's matches.
+    """
+    nodes = lookahead_tree_nodes(window, ngram, guesses)
+    return {"max_nodes": min(256, 2 * nodes if hybrid else nodes), "max_depth": window + ngram - 2,
+            "branching": max(3, guesses + 1), "adaptive": False}
 
 
 def _verify_sizes(top: int) -> list[int]:
@@ -127,12 +143,25 @@ class SpeculativePass(ir.passes.InPlacePass):
         measure: bool = True,
         allow_inexact_target: bool = False,
         tree: dict[str, Any] | None = None,
+        window: int = 5,
+        ngram: int = 4,
+        guesses: int = 5,
+        hybrid: bool = False,
     ) -> None:
         super().__init__()
         self.measure = bool(measure)
         self.allow_inexact_target = bool(allow_inexact_target)
-        if isinstance(drafter, str) and drafter != PROMPT_LOOKUP:
-            raise DrafterError(f"drafter must be an ir.Model, {PROMPT_LOOKUP!r} or None, not {drafter!r}")
+        if isinstance(drafter, str) and drafter not in MODEL_FREE:
+            raise DrafterError(f"drafter must be an ir.Model, {PROMPT_LOOKUP!r}, {LOOKAHEAD!r} or None, not {drafter!r}")
+        if not (1 <= int(window) <= 64 and 2 <= int(ngram) <= 16 and 0 <= int(guesses) <= 64):
+            raise DrafterError(f"lookahead needs 1 <= window <= 64, 2 <= ngram <= 16 and 0 <= guesses <= 64, got "
+                               f"window={window}, ngram={ngram}, guesses={guesses}")
+        if hybrid and drafter == PROMPT_LOOKUP:
+            raise DrafterError("hybrid=true adds prompt lookup to another drafter (a model, an EAGLE head or "
+                               "lookahead); --drafter prompt-lookup alone already is prompt lookup")
+        self.window, self.ngram, self.guesses, self.hybrid = int(window), int(ngram), int(guesses), bool(hybrid)
+        if drafter == LOOKAHEAD and tree is None:  # the Jacobi window is a tree: always verified as one
+            tree = lookahead_tree(self.window, self.ngram, self.guesses, self.hybrid, int(max_ngram))
         if max_draft is None:
             max_draft = default_max_draft(drafter)
         if not 0 <= int(min_draft) <= int(max_draft) or int(draft_length) < 1:
@@ -165,7 +194,7 @@ class SpeculativePass(ir.passes.InPlacePass):
 
     def __repr__(self) -> str:
         d = self.drafter
-        kind = PROMPT_LOOKUP if d == PROMPT_LOOKUP else ("split" if d is None else f"external:{self.drafter_source}")
+        kind = d if d in MODEL_FREE else ("split" if d is None else f"external:{self.drafter_source}")
         tree = f", tree={self.tree}" if self.tree else ""
         return f"SpeculativePass(drafter={kind!r}, draft={self.draft}{tree})"
 
@@ -203,7 +232,7 @@ class SpeculativePass(ir.passes.InPlacePass):
                 "two drafters: split-drafter built one from the target and --drafter names another "
                 f"({self.drafter_source or self.drafter}); drop one of them"
             )
-        if self.drafter == PROMPT_LOOKUP:
+        if self.drafter in MODEL_FREE:
             return
         if self.drafter is None and _keys.EAGLE in model.metadata_props:
             if _keys.EAGLE_MODEL not in model.meta:
@@ -227,6 +256,8 @@ class SpeculativePass(ir.passes.InPlacePass):
         target = decoder_spec(model, "model", what="target model")
         if self.drafter == PROMPT_LOOKUP:
             drafter: dict[str, Any] = {"kind": PROMPT_LOOKUP, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+        elif self.drafter == LOOKAHEAD:
+            drafter = {"kind": LOOKAHEAD, "window": self.window, "ngram": self.ngram, "guesses": self.guesses}
         elif isinstance(self.drafter, ir.Model):
             drafter = {
                 "kind": "model",
@@ -258,6 +289,8 @@ class SpeculativePass(ir.passes.InPlacePass):
                 "layers": split["layers"],
                 "vocab_size": split.get("vocab_size"),
             }
+        if self.hybrid:
+            drafter.update({"prompt_lookup": True, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram})
         draft = dict(self.draft)
         if self.tree:
             draft["tree"] = dict(self.tree)
@@ -299,7 +332,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         external = isinstance(self.drafter, ir.Model)
         # the verification cost curve up to the largest tree (root included) or the longest chain (+ its bonus token)
         sizes = _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
-        timed_on = (_fingerprint(model), _fingerprint(self.drafter) if external else PROMPT_LOOKUP, tuple(sizes))
+        timed_on = (_fingerprint(model), _fingerprint(self.drafter) if external else str(self.drafter), tuple(sizes))
         last = model.meta.get(_keys.SPECULATIVE_MEASURED)
         if last is not None and last[0] == timed_on:
             logger.info("speculative: the graphs are the ones timed by the last run; keeping its costs")
@@ -405,13 +438,15 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "speculative",
     help="speculative decoding plan: --drafter DRAFT.onnx | prompt-lookup (or after split-drafter); greedy output "
     "token-identical to the target, sampling exact; options draft_length=4, max_draft (16 for prompt-lookup, 8 for "
-    "model drafters), adaptive=true, tree=false, tree_nodes=16",
+    "model drafters), adaptive=true, tree=false, tree_nodes=16; --drafter lookahead: window=5, ngram=4, guesses=5 "
+    "(a fixed tree, after explicit-attention); hybrid=true: prompt lookup's matches in the same tree as the drafter's",
     after=("split-drafter", "eagle-drafter"),
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int | None = None,
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,
                       allow_inexact_target: bool = False, tree: bool = False, tree_nodes: int = 16,
-                      tree_depth: int | None = None, branching: int = 3, tree_adaptive: bool = True):
+                      tree_depth: int | None = None, branching: int = 3, tree_adaptive: bool = True, window: int = 5,
+                      ngram: int = 4, guesses: int = 5, hybrid: bool = False):
     opt = context.options.get("drafter")
     target_dir = context.model_path.parent if context.model_path else None
     gen = generation_config(context.model_config, target_dir)
@@ -420,8 +455,8 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
     source = None
     if opt in (None, ""):
         drafter = None  # split-drafter's, checked when the pass runs
-    elif str(opt) == PROMPT_LOOKUP:
-        drafter = PROMPT_LOOKUP
+    elif str(opt) in MODEL_FREE:
+        drafter = str(opt)
     else:
         source = str(opt)
         dpath = Path(source).expanduser()
@@ -437,6 +472,9 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         decoder_spec(drafter, "drafter", what="drafter", where=source)  # fail before loading the target
     # a tree is no deeper than a model drafter's longest chain (prompt lookup's 16-token chains would make it a chain)
     chain_max = DEFAULT_MAX_DRAFT["model"] if max_draft is None else max_draft
+    tree_policy = {"max_nodes": tree_nodes, "max_depth": tree_depth or max(chain_max, draft_length), "branching": branching,
+                   "adaptive": tree_adaptive} if tree else None
+    # --drafter lookahead without tree=true: the window's own fixed tree (SpeculativePass); with it, the tree options
     return SpeculativePass(
         drafter,
         drafter_source=source,
@@ -450,6 +488,9 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         tokenizer_check=check,
         measure=measure,
         allow_inexact_target=allow_inexact_target,
-        tree={"max_nodes": tree_nodes, "max_depth": tree_depth or max(chain_max, draft_length), "branching": branching,
-              "adaptive": tree_adaptive} if tree else None,
+        tree=tree_policy,
+        window=window,
+        ngram=ngram,
+        guesses=guesses,
+        hybrid=hybrid,
     )

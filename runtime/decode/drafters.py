@@ -14,6 +14,8 @@ prompt lookup).
   token ``vocab[j]``.
 * :class:`PromptLookupDrafter` copies what followed the most recent earlier occurrence of the sequence's
   last ``n``-gram (``n`` from ``max_ngram`` down to ``min_ngram``), in the prompt or the text so far.
+* :class:`HybridDrafter` puts prompt lookup's candidates (where the context has n-gram matches) and another
+  drafter's (a model, EAGLE head or lookahead) into one tree per round.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dyncompile.runtime.rules.sampling import probs_from_logits, sample_from
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "TreeBudget", "Verification"]
+__all__ = ["Drafter", "HybridDrafter", "ModelDrafter", "PromptLookupDrafter", "TreeBudget", "Verification", "merge_tree"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,3 +446,82 @@ class PromptLookupDrafter(Drafter):
                 if room <= 0:
                     return tree
         return tree
+
+
+def merge_tree(dst: DraftTree, src: DraftTree, room: int) -> int:
+    """Add ``src``'s drafted nodes to ``dst`` (same root) within ``room`` new nodes; returns the nodes added.
+
+    A deterministic node (``q`` None) reuses a deterministic child of the same token on the same path (same
+    context, same target logits; a second point mass on an already rejected token would be rejected surely, so
+    greedy and sampled acceptance are unchanged). A sampled node is always a sibling of its own: merging it would
+    change the residual distribution the next candidate is tested against, and sampling would no longer be exact.
+    Nodes whose parent did not fit are left out.
+    """
+    index = {0: 0}
+    added = 0
+    for i in range(1, len(src)):
+        p = index.get(src.parents[i])
+        if p is None:
+            continue
+        t, q = src.tokens[i], src.qs[i]
+        c = None
+        if q is None:
+            c = next((c for c in dst.children[p] if dst.tokens[c] == t and dst.qs[c] is None), None)
+        if c is None:
+            if added >= room:
+                continue
+            c = dst.add(p, t, q)
+            added += 1
+        index[i] = c
+    return added
+
+
+class HybridDrafter(Drafter):
+    """Prompt-lookup candidates where the context has n-gram matches, another drafter's in the rest of the tree.
+
+    Trees: prompt lookup's trie of context matches takes at most half the round's node budget; the other
+    drafter proposes a tree in the nodes left (all of them when the context has no match), and the trie is merged
+    into it (:func:`merge_tree`; the other drafter's node indices stay valid, so it reads its own nodes' rows in
+    :meth:`after_verify`). Chains (a budget without branches): prompt lookup's chain when the context has a match,
+    the other drafter's otherwise. Which candidates enter depends only on the sequence, never on the target's
+    answer to them, so greedy output is the target's and sampling stays exact.
+    """
+
+    def __init__(self, lookup: PromptLookupDrafter, other: Drafter) -> None:
+        """Combine ``lookup`` (the context's n-gram matches) with ``other`` (a model, EAGLE head or lookahead)."""
+        self.lookup, self.other = lookup, other
+        self.name = f"{lookup.name}+{other.name}"
+        self.decoder = getattr(other, "decoder", None)
+
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new prompt in both drafters."""
+        self.lookup.reset(prompt_ids)
+        self.other.reset(prompt_ids)
+
+    def after_prefill(self, target: KVDecoder) -> None:
+        """Hand the prefilled target to the other drafter."""
+        self.other.after_prefill(target)
+
+    def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        """Prompt lookup's chain when the context has a match, else the other drafter's."""
+        tokens, _ = self.lookup.propose(seq, n, sample=sample, temperature=temperature, rng=rng, vocab_size=vocab_size)
+        if tokens:
+            return tokens, None
+        return self.other.propose(seq, n, sample=sample, temperature=temperature, rng=rng, vocab_size=vocab_size)
+
+    def propose_tree(self, seq, budget: TreeBudget, *, sample, temperature, rng, vocab_size) -> DraftTree:
+        """One tree: prompt lookup's matches (at most half the nodes) merged into the other drafter's tree."""
+        kw = dict(sample=sample, temperature=temperature, rng=rng, vocab_size=vocab_size)
+        if budget.branching <= 1 or budget.max_nodes <= budget.max_depth:  # a chain budget: one drafter's chain
+            tree = self.lookup.propose_tree(seq, budget, **kw)
+            return tree if tree.drafted else self.other.propose_tree(seq, budget, **kw)
+        half = TreeBudget(max(1, budget.max_nodes // 2), budget.max_depth, budget.branching)
+        lookup = self.lookup.propose_tree(seq, half, **kw)
+        rest = TreeBudget(budget.max_nodes - lookup.drafted, budget.max_depth, budget.branching)
+        tree = self.other.propose_tree(seq, rest, **kw)
+        merge_tree(tree, lookup, budget.max_nodes - tree.drafted)
+        return tree
+
+    def after_verify(self, v: Verification) -> None:
+        """The other drafter rolls back / learns from the round (prompt lookup indexes the sequence lazily)."""
+        self.other.after_verify(v)

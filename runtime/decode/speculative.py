@@ -34,7 +34,9 @@ from the measured verification cost curve and what branch nodes have bought so f
 
 Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.decode.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
-"vocab": file key|null}`` or ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``), ``draft``
+"vocab": file key|null}``, ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``, ``{"kind": "eagle", ...}`` or
+``{"kind": "lookahead", "window": 5, "ngram": 4, "guesses": 5}``; ``"prompt_lookup": true`` on a model, eagle or
+lookahead drafter makes it a hybrid with prompt lookup: :class:`~dyncompile.runtime.decode.drafters.HybridDrafter`), ``draft``
 (``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``), ``generation``.
 """
 
@@ -54,6 +56,7 @@ from dyncompile.plan import TreePolicy
 from dyncompile.runtime.decode.draft_tree import DraftTree, accept_greedy, accept_sampling
 from dyncompile.runtime.decode.drafters import (
     Drafter,
+    HybridDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     TreeBudget,
@@ -330,6 +333,10 @@ class SpeculativeGenerateStep(GenerateStep):
         self.drafter: Drafter
         if d.kind == "prompt-lookup":
             self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
+        elif d.kind == "lookahead":  # Jacobi window + n-gram pool (runtime/decode/lookahead.py)
+            from dyncompile.runtime.decode.lookahead import LookaheadDrafter
+
+            self.drafter = LookaheadDrafter(d.window, d.ngram, d.guesses)
         elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/decode/eagle.py)
             from dyncompile.runtime.decode.eagle import EagleDecoder, EagleDrafter
 
@@ -344,6 +351,8 @@ class SpeculativeGenerateStep(GenerateStep):
             dec = KVDecoder(ctx.session(d.decoder.model), d.decoder, role="drafter", timer=self.timer,
                             io_binding=self.params.io_binding, rollback=self.params.rollback)
             self.drafter = ModelDrafter(dec, name=d.name, share_kv=d.share_kv, vocab=vocab)
+        if d.prompt_lookup:  # hybrid: the context's n-gram matches share each round's tree
+            self.drafter = HybridDrafter(PromptLookupDrafter(d.max_ngram, d.min_ngram), self.drafter)
 
     def _target_vocab(self) -> int | None:
         """The static width of the target's logits output, or None when the graph leaves it symbolic."""
@@ -421,7 +430,8 @@ class SpeculativeGenerateStep(GenerateStep):
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
         """Speculative decoding of up to ``max_new_tokens`` after ``prompt_ids``; returns the ids and statistics."""
         # per-call runtime options (the plan's defaults otherwise)
-        decoders = [self.target] + ([self.drafter.decoder] if isinstance(self.drafter, ModelDrafter) else [])
+        inner = self.drafter.other if isinstance(self.drafter, HybridDrafter) else self.drafter
+        decoders = [self.target] + ([inner.decoder] if isinstance(inner, ModelDrafter) else [])
         io_binding = options.pop("io_binding", None)
         io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
         rollback = options.pop("rollback", None) or self.params.rollback

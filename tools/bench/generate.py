@@ -4,7 +4,9 @@
 plan) runs every prompt through the target alone
 (``speculative=False``: the same ORT session, plain autoregressive decoding) and through the plan's
 speculative step, in alternating order, and reports tokens/s (all new tokens / all generation time, prefill
-included, plus the decode-only rate), the speedup, acceptance rate, tokens per target call, accepted drafts
+included, plus the decode-only rate), time to first token (TTFT: the prefill call) and time per output token after
+it (TPOT), each as a mean over prompts and as a paired per-prompt ratio to the target alone with a bootstrap
+interval, the speedup, acceptance rate, tokens per target call, accepted drafts
 per round, the runtime's own overhead per round, and whether every greedy output was token-identical.
 Optionally the PyTorch peers a user would pick instead run in the same rotation (``--torch HF_DIR``:
 transformers ``generate``; with ``prompt_lookup_num_tokens`` for prompt-lookup plans, ``assistant_model=``
@@ -181,6 +183,8 @@ def run_bench(model, prompts: list[dict[str, Any]], runners: list[Runner], *, ma
         runs = results[r.name]
         rows.append({"name": r.name, "kind": r.kind, **_summary(runs, results[base], prompts, encoded)})
     b = rows[0]
+    for r, row in zip(runners, rows):
+        row["paired"] = _paired(results[r.name], results[base])
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / b["tokens_per_s"], 3)
         row["speedup_decode"] = round(row["decode_tokens_per_s"] / b["decode_tokens_per_s"], 3) if row.get(
@@ -211,6 +215,30 @@ def run_bench(model, prompts: list[dict[str, Any]], runners: list[Runner], *, ma
             "by_kind": by_kind, "per_prompt": per_prompt, "skipped": skipped}
 
 
+def _ttft_tpot(run: Run) -> tuple[float, float] | None:
+    """One generation's time to first token (the prefill call and its token) and time per output token after it
+    (seconds); None when the runner does not report its prefill (the PyTorch peers)."""
+    if not run.stats or run.stats.get("prefill_seconds") is None:
+        return None
+    pre = float(run.stats["prefill_seconds"])
+    return pre, max(run.seconds - pre, 1e-9) / max(len(run.ids) - 1, 1)
+
+
+def _paired(runs: list[Run], base: list[Run]) -> dict[str, Any]:
+    """Per-prompt ratios against the baseline runner, geometric mean with a 95 % bootstrap interval over prompts:
+    tokens/s end to end (> 1: faster), TTFT and TPOT as time ratios (< 1: faster)."""
+    from dyncompile.tools.bench.common import paired_ratio
+
+    out: dict[str, Any] = {"tokens_per_s": paired_ratio([len(r.ids) / r.seconds for r in runs],
+                                                        [len(r.ids) / r.seconds for r in base])}
+    tt = [_ttft_tpot(r) for r in runs]
+    tb = [_ttft_tpot(r) for r in base]
+    if all(x is not None for x in tt + tb):
+        out["ttft"] = paired_ratio([x[0] for x in tt], [x[0] for x in tb])
+        out["tpot"] = paired_ratio([x[1] for x in tt], [x[1] for x in tb])
+    return out
+
+
 def _summary(runs: list[Run], base: list[Run], prompts, encoded) -> dict[str, Any]:
     new = sum(len(r.ids) for r in runs)
     secs = sum(r.seconds for r in runs)
@@ -226,6 +254,10 @@ def _summary(runs: list[Run], base: list[Run], prompts, encoded) -> dict[str, An
         pre = sum(s["prefill_seconds"] for s in stats)
         out["prefill_seconds"] = round(pre, 3)
         out["decode_tokens_per_s"] = round((new - len(runs)) / max(secs - pre, 1e-9), 3)
+        tt = [_ttft_tpot(r) for r in runs]
+        if all(x is not None for x in tt):  # means over prompts, as serving benchmarks report them
+            out["ttft_ms"] = round(1e3 * float(np.mean([x[0] for x in tt])), 2)
+            out["tpot_ms"] = round(1e3 * float(np.mean([x[1] for x in tt])), 2)
         drafted = sum(s["drafted"] for s in stats)
         accepted = sum(s["accepted"] for s in stats)
         calls = sum(s["target_calls"] for s in stats)
@@ -291,6 +323,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         # (header, key, format); "identical" is the pair identical/of
         cols = [("runner", "name", "{}"), ("tokens/s", "tokens_per_s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
                 ("decode tokens/s", "decode_tokens_per_s", "{:.2f}")]
+        if any(r.get("tpot_ms") is not None for r in rows):
+            cols += [("TTFT ms", "ttft_ms", "{:.1f}"), ("TPOT ms", "tpot_ms", "{:.2f}")]
         if any(r.get("mean_tree_nodes") is not None for r in rows):
             cols += [("drafted nodes/call", "mean_tree_nodes", "{:.1f}"),
                      ("tokens/verify call", "tokens_per_verify_call", "{:.2f}")]
@@ -311,6 +345,16 @@ def markdown_report(report: dict[str, Any]) -> str:
            f"tokens, {report.get('provider', 'cpu')}", "",
            f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, onnxruntime {m.get('onnxruntime', '?')}, "
            f"{m.get('date', '')}", "", table(report["results"])]
+    paired = [r for r in report["results"][1:] if r.get("paired")]
+    if paired:
+        out += ["", f"paired by prompt against {report['results'][0]['name']} (geometric mean over prompts, 95 % bootstrap "
+                "interval; an interval containing 1.00x leaves the ranking open):", "",
+                "| runner | tok/s ratio (> 1: faster) | TTFT time ratio (< 1: faster) | TPOT time ratio (< 1: faster) |",
+                "|---|---|---|---|"]
+        for r in paired:
+            cells = ["–" if r["paired"].get(k) is None else
+                     "{ratio:.3f}x ({lo:.3f}–{hi:.3f})".format(**r["paired"][k]) for k in ("tokens_per_s", "ttft", "tpot")]
+            out.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     if len(report.get("by_kind", {})) > 1:
         for kind, rows in report["by_kind"].items():
             out += ["", f"### {kind} prompts", "", table(rows)]

@@ -18,7 +18,9 @@ runner in rotating order, one at a time (an idle worker blocks on its stdin: no 
 times its own generation; prompts are tokenized once by the plan's tokenizer and passed as token ids, and every
 runner's new token ids are compared with dyncompile's target alone (greedy fp32 reference; a trailing EOS is
 ignored in the comparison). Reported per runner: tokens/s including prefill, prefill seconds, decode tokens/s
-(``(new - 1) / (total - prefill)`` per prompt summed, as in ``dyncompile bench``), token identity. Peers keep their
+(``(new - 1) / (total - prefill)`` per prompt summed, as in ``dyncompile bench``), time to first token and time per
+output token (TTFT = the prefill call, TPOT = the time after it per further token; means over generations, and TPOT
+paired with the peers like the rates), token identity. Peers keep their
 own default session settings (both spin their intra-op threads by default).
 """
 
@@ -216,8 +218,15 @@ def paired_comparisons(runners: list[Runner], runs: dict[str, list[dict]]) -> li
                         "decode_tokens_per_s": paired_ratio([x[1] for x in a], [x[1] for x in b]),
                         # time, not rate: below 1 is faster
                         "prefill_seconds": paired_ratio([max(x["prefill_s"], 1e-9) for x in runs[d.name]],
-                                                        [max(x["prefill_s"], 1e-9) for x in runs[p.name]])})
+                                                        [max(x["prefill_s"], 1e-9) for x in runs[p.name]]),
+                        # time per output token after the first (< 1: faster); TTFT is the prefill ratio above
+                        "tpot": paired_ratio([_tpot(x) for x in runs[d.name]], [_tpot(x) for x in runs[p.name]])})
     return out
+
+
+def _tpot(x: dict) -> float:
+    """One generation's time per output token after the first (seconds)."""
+    return max(x["total_s"] - x["prefill_s"], 1e-9) / max(len(x["ids"]) - 1, 1)
 
 
 def _decode_rate(rr: list[dict]) -> float:
@@ -243,7 +252,11 @@ def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[
                "decode_tokens_per_s": round(_decode_rate(rr), 3),
                # what the runner would reach if decoding took no time at all (prefill is its floor)
                "ceiling_tokens_per_s": round(new / max(pre, 1e-9), 3),
-               "identical": sum(ident), "of": len(rr), "per_prompt_identical": ident}
+               "identical": sum(ident), "of": len(rr), "per_prompt_identical": ident,
+               # means over generations, as serving benchmarks report them: time to first token (the prefill call)
+               # and time per output token after it
+               "ttft_ms": round(1e3 * sum(x["prefill_s"] for x in rr) / len(rr), 2),
+               "tpot_ms": round(1e3 * sum(_tpot(x) for x in rr) / len(rr), 2)}
         if passes > 1:
             row["decode_tokens_per_s_per_pass"] = [round(_decode_rate(rr[k * n:(k + 1) * n]), 3) for k in range(passes)]
         accs = [x["stats"].get("acceptance_rate") for x in rr if x.get("stats", {}).get("acceptance_rate") is not None]
@@ -263,6 +276,7 @@ def summarize(runners: list[Runner], runs: dict[str, list[dict]], encoded: list[
 
 def markdown_report(report: dict[str, Any]) -> str:
     m = report.get("machine", {})
+    timed = all("tpot_ms" in r for r in report["results"])  # reports written before TTFT/TPOT re-render as they were
     lines = [f"## {report['plan_name']} vs peers: {report['prompts']} prompts ({report['prompts_file']}), greedy, "
              f"{report['max_new_tokens']} new tokens, {report['threads']} threads, dyncompile on "
              f"{report.get('provider', 'cpu')}{' with IOBinding' if report.get('io_binding') else ''}", "",
@@ -271,12 +285,15 @@ def markdown_report(report: dict[str, Any]) -> str:
              *([f"{report['repeat']} passes over the prompts (rotating order throughout); prefill is the sum of "
                 f"one pass's prompts (mean over passes), rates are over all passes", ""] if report.get("repeat", 1) > 1
                else []),
-             "| runner | tok/s (incl. prefill) | prefill s (sum) | decode tok/s | vs dyncompile target | "
-             "identical to dyncompile target greedy (reference) | acceptance (mean) |", "|---|---|---|---|---|---|---|"]
+             "| runner | tok/s (incl. prefill) | prefill s (sum) | decode tok/s | "
+             + ("TTFT ms | TPOT ms | " if timed else "") + "vs dyncompile target | "
+             "identical to dyncompile target greedy (reference) | acceptance (mean) |",
+             "|---|---|---|---|---|---|---|" + ("---|---|" if timed else "")]
     for r in report["results"]:
         acc = r.get("acceptance_rate_mean")
         lines.append(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['prefill_seconds']:.2f} | {r['decode_tokens_per_s']:.2f} "
-                     f"| {r['speedup_vs_dyncompile_target']:.2f}x | {r['identical']}/{r['of']} | "
+                     + (f"| {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} " if timed else "")
+                     + f"| {r['speedup_vs_dyncompile_target']:.2f}x | {r['identical']}/{r['of']} | "
                      f"{'–' if acc is None else f'{acc:.3f}'} |")
     if report.get("repeat", 1) > 1:
         lines += ["", "decode tok/s of each pass:", ""]
@@ -286,10 +303,13 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines += ["", "paired by prompt (geometric mean over prompts of dyncompile's rate / the peer's, 95 % bootstrap "
                   "interval over prompts; an interval containing 1.00x leaves the ranking open):", "",
                   "| dyncompile | peer | tok/s ratio (95 % CI) | decode tok/s ratio (95 % CI) | "
-                  "prefill time ratio (95 % CI; < 1: faster) | prompts |", "|---|---|---|---|---|---|"]
+                  "prefill time ratio (95 % CI; < 1: faster) | "
+                  + ("TPOT time ratio (95 % CI; < 1: faster) | " if timed else "") + "prompts |",
+                  "|---|---|---|---|---|---|" + ("---|" if timed else "")]
         for c in report["paired"]:
             cells = " | ".join(f"{v['ratio']:.3f}x ({v['lo']:.3f}–{v['hi']:.3f})" for v in
-                               (c["tokens_per_s"], c["decode_tokens_per_s"], c["prefill_seconds"]))
+                               (c["tokens_per_s"], c["decode_tokens_per_s"], c["prefill_seconds"],
+                                *([c["tpot"]] if timed and "tpot" in c else [])))
             lines.append(f"| {c['dyncompile']} | {c['peer']} | {cells} | {c['tokens_per_s']['n']} |")
     lines += ["", "ceiling tok/s with decoding free (new tokens / prefill seconds: no decoder speed-up can pass it): "
               + ", ".join(f"{r['name']} {r['ceiling_tokens_per_s']:.2f}" for r in report["results"])]
