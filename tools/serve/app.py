@@ -66,6 +66,25 @@ def _replica_id() -> str:
         return str(os.getpid())
 
 
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()[:12]
+    except Exception:  # noqa: BLE001 - outside Ray
+        return "local"
+
+
+def _rss_mib() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def _exits_of(model) -> list[int] | None:
     """The exit layers of an early-exit plan's calibration histogram (the drift guard's bins), or None."""
     from dyncompile.runtime.drift import calibration_distribution
@@ -101,6 +120,7 @@ class PlanServer:
         self.model = dyncompile.load(info.path, provider=options.provider, threads=options.threads,
                                      spinning=options.spinning)
         self.replica = _replica_id()
+        self.where = f"{self.replica}@{_node_id()}"
         self.metrics = ReplicaMetrics(info.name, self.replica, _exits_of(self.model) if info.kind == "classify" else None)
         self.drift_ok = info.kind == "classify" and _exits_of(self.model) is not None
         self._rows.set_max_batch_size(options.max_batch_size)
@@ -128,13 +148,15 @@ class PlanServer:
             except Exception as e:  # noqa: BLE001 - every failure is one JSON error
                 resp = _error(e)
         self.metrics.request(endpoint, resp.status_code, time.perf_counter() - t0)
+        resp.headers["x-dyncompile-replica"] = self.where
         return resp
 
     @api.get("/health")
     async def health(self) -> dict:
         """Liveness and what this replica serves."""
         return {"status": "ok", "plan": self.info.name, "task": self.info.task, "kind": self.info.kind,
-                "replica": self.replica, "pid": os.getpid(), "endpoints": self._endpoints()}
+                "replica": self.replica, "node": _node_id(), "pid": os.getpid(), "rss_mib": _rss_mib(),
+                "endpoints": self._endpoints()}
 
     @api.get("/v1/models")
     async def models(self) -> dict:

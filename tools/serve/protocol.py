@@ -60,6 +60,7 @@ class CompletionRequest:
         self.stop = stop
         self.stream = stream
         self.include_usage = include_usage
+        self.speculative = True
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -69,6 +70,8 @@ class CompletionRequest:
                               "temperature": self.temperature if self.temperature > 0 else 1.0, "seed": self.seed}
         if self.stop:
             kw["stop"] = list(self.stop)
+        if not self.speculative:
+            kw["speculative"] = False
         return kw
 
 
@@ -132,8 +135,13 @@ def completion_request(body: Any, *, chat: bool) -> CompletionRequest:
     so = body.get("stream_options") or {}
     if not isinstance(so, dict):
         raise RequestError("stream_options must be an object")
-    return CompletionRequest(prompt, chat, max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0),
-                             _int(body, "seed", None, 0), stops, stream, bool(so.get("include_usage", False)))
+    speculative = body.get("speculative", True)  # dyncompile's extension: False runs the plan's target alone
+    if not isinstance(speculative, bool):
+        raise RequestError("speculative must be true or false")
+    req = CompletionRequest(prompt, chat, max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0),
+                            _int(body, "seed", None, 0), stops, stream, bool(so.get("include_usage", False)))
+    req.speculative = speculative
+    return req
 
 
 def finish_reason(stop_reason: str, cut: bool) -> str:
