@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = args.classify or [args.generate]
         names = [plan_info(x).name for x in plans]
         urls = start(plans, opts)
-        report["plans"] = dict(zip(names, [str(Path(x).resolve()) for x in plans]))
+        report["plans"] = dict(zip(names, [str(x) for x in plans]))  # as given: no machine paths
         report["rss_before_mib"] = {k: _health(u).get("rss_mib") for k, u in urls.items()}
         if args.classify:
             rows = _rows(args.data)
