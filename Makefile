@@ -14,7 +14,7 @@ OPT_BIN  := $(OPT_VENV)/bin
 # Tests that run again with provider="openvino" (runtime, early exit, speculative decoding, native OpenVINO).
 OV_TESTS ?= tests/test_plan_runtime.py tests/test_insert_early_exit.py tests/test_learned_policy.py tests/test_early_exit_real.py tests/test_openvino_native.py \
 	tests/test_speculative.py tests/test_diffusion_provider.py
-EXTRAS  ?= cpu,export,dev,sandbox
+EXTRAS  ?= cpu,export,dev,sandbox,serve
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 .PHONY: setup setup-openvino setup-optimum test test-slow demo lint clean

@@ -183,7 +183,7 @@ class CompiledModel:
     """A loaded plan: its task's methods, or arrays in and out with :meth:`run_feeds`.
 
     The task methods (:meth:`classify` / calling the model, :meth:`predict_proba`, :meth:`generate`,
-    :meth:`generate_images`, :meth:`drift_report`) are answered by the task API the plan's technique
+    :meth:`generate_stream`, :meth:`generate_images`, :meth:`drift_report`) are answered by the task API the plan's technique
     registers (:func:`~dyncompile.runtime.registry.register_task`, held in :attr:`task_api`); a method the
     plan's task does not have raises one :class:`DataError` naming the task.
 
@@ -271,6 +271,13 @@ class CompiledModel:
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """Text generation plans: continue ``prompt`` (see :func:`dyncompile.runtime.decode.generate.generate`)."""
         return self.task_api.generate(prompt, **kwargs)
+
+    def generate_stream(self, prompt: Any, **kwargs: Any) -> Any:
+        """Text generation plans: :meth:`generate` as a stream of new token ids (the same tokens).
+
+        Returns a :class:`~dyncompile.runtime.decode.generate.GenerationStream`; its ``result`` once iterated.
+        """
+        return self.task_api.generate_stream(prompt, **kwargs)
 
     def generate_images(self, prompts: Any, **kwargs: Any) -> Any:
         """Text-to-image plans: images for ``prompts`` (``seed``, ``steps``, ``guidance``, ``policy``, ``noise``...)."""

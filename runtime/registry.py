@@ -142,6 +142,10 @@ class TaskAPI:
         """Continue a prompt (text-generation plans)."""
         raise self._unsupported("generate", "decoders (text-generation plans)")
 
+    def generate_stream(self, prompt: Any, **kwargs: Any) -> Any:
+        """Decoders: continue a prompt, streamed."""
+        raise self._unsupported("generate_stream", "decoders (text-generation plans)")
+
     def generate_images(self, prompts: Any, **kwargs: Any) -> Any:
         """Images for prompts (text-to-image plans)."""
         raise self._unsupported("generate_images", "text-to-image plans")

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -332,22 +332,36 @@ def _tracer(lim: _Limits):
     return on_call
 
 
-def _render_bounded(compiled, prompt: str) -> str:
-    """Render ``compiled`` on one user turn within :class:`_Limits` (steps, time, value and output sizes)."""
+def _messages(prompt: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """One user turn for a string; a checked copy of a list of role/content messages."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, Sequence) or not prompt:
+        raise ChatTemplateError("a chat needs a non-empty list of messages, each {'role': ..., 'content': ...}")
+    out = []
+    for i, m in enumerate(prompt):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ChatTemplateError(f"message {i} must be {{'role': str, 'content': str}}, got {str(m)[:80]!r}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _render_bounded(compiled, messages: list[dict[str, str]]) -> str:
+    """Render ``compiled`` on ``messages`` within :class:`_Limits` (steps, time, value and output sizes)."""
     import sys
     import threading
 
     global _LIMITS
     if _LIMITS is None:
         _LIMITS = threading.local()
-    lim = _Limits(len(prompt))
+    lim = _Limits(sum(len(m["content"]) + len(m["role"]) for m in messages))
     parts: list[str] = []
     total = 0
     previous = sys.gettrace()
     _LIMITS.value = lim
     sys.settrace(_tracer(lim))
     try:
-        for chunk in compiled.generate(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True):
+        for chunk in compiled.generate(messages=messages, add_generation_prompt=True):
             total += len(chunk)
             if total > lim.max_size:
                 lim.refuse(f"output longer than {lim.max_size} characters")
@@ -358,8 +372,11 @@ def _render_bounded(compiled, prompt: str) -> str:
     return "".join(parts)
 
 
-def render_chat(template: str | None, prompt: str) -> str:
+def render_chat(template: str | None, prompt: str | Sequence[Mapping[str, str]]) -> str:
     """``prompt`` as one user turn plus the assistant prefix, through the plan's chat ``template`` (sandboxed).
+
+    ``prompt`` may also be a conversation: a list of ``{"role": ..., "content": ...}`` messages (strings), as
+    OpenAI's chat API sends them; the assistant prefix follows the last.
 
     Raises:
         ChatTemplateError: no template, a template that is not valid Jinja2, one that fails to render, or
@@ -371,9 +388,10 @@ def render_chat(template: str | None, prompt: str) -> str:
         import jinja2.sandbox
     except ImportError:  # pragma: no cover - jinja2 comes with torch/transformers
         raise ChatTemplateError("chat=True needs jinja2 (pip install jinja2)") from None
+    messages = _messages(prompt)
     compiled = _compiled_template(template)
     try:
-        return _render_bounded(compiled, prompt)
+        return _render_bounded(compiled, messages)
     except ChatTemplateError:
         raise
     except jinja2.sandbox.SecurityError as e:

@@ -64,6 +64,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "dyncompile route --candidates minilm/ mpnet/ --calib $D/movie-calib.jsonl --budget 1.0 -o routed/": (RUN, ""),
     'dyncompile run routed/ --text "A gorgeous, witty movie."': (RUN, ""),
     "dyncompile bench route routed/ --data $D/movie-test.jsonl": (RUN, ""),
+    # serving: the server blocks; the tests start it and talk to it with curl's request and the openai client
+    'pip install -e ".[cpu,serve]"': ("make", "setup"),
+    "dyncompile serve ee/ pl/ --port 8000": ("test", "tests/test_serve.py"),
+    "curl -s localhost:8000/ee/v1/classify -d '{\"input\": \"A gorgeous, witty movie.\"}'": ("test", "tests/test_serve.py"),
     # quantization
     'dyncompile $M --passes "quantize-int8{per_channel=true,keep_fp32=ffn-out},early-exit" '
     "--calib $D/movie-calib.jsonl -o q8ee/": (RUN, ""),

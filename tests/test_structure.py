@@ -19,6 +19,7 @@ FORBIDDEN = {
     "io.py": ("dyncompile.passes", "dyncompile.runtime", "dyncompile.tools", "dyncompile.models", "dyncompile.plan"),
     "errors.py": ("dyncompile.",),
     "__init__.py": ("dyncompile.tools",),  # the package's API (load / compile / route) runs without the CLI layer
+    "tools/serve": ("dyncompile.passes", "dyncompile.models"),  # a server loads plans; it never compiles
 }
 
 
@@ -93,9 +94,10 @@ def test_the_import_walker_sees_a_wrong_way_edge(tmp_path):
         if layer.endswith(".py"):
             (tmp_path / layer).write_text("")
         else:
-            (tmp_path / layer).mkdir()
+            (tmp_path / layer).mkdir(parents=True)
     (tmp_path / "passes" / "p.py").write_text("def f():\n    from dyncompile.tools.cli import main\n")
     (tmp_path / "models" / "m.py").write_text("import dyncompile.runtime.text\n")
+    (tmp_path / "tools" / "serve" / "s.py").write_text("def h():\n    import dyncompile.passes.compiler\n")
     # passes -> runtime: the allow-listed leaves pass, anything else (the executor, a step module) is found
     (tmp_path / "passes" / "q.py").write_text(
         "from dyncompile.runtime.rules.exit_rule import softmax\nimport dyncompile.runtime.text\n"
@@ -108,6 +110,7 @@ def test_the_import_walker_sees_a_wrong_way_edge(tmp_path):
         "passes/q.py:4 imports dyncompile.runtime.executor",
         "passes/q.py:4 imports dyncompile.runtime.executor.load",
         "passes/q.py:5 imports dyncompile.runtime.decode.generate",
+        "tools/serve/s.py:2 imports dyncompile.passes.compiler",
     ]
 
 

@@ -10,6 +10,7 @@ Forms::
     dyncompile export HF_DIR -o FOLDER                         a Hugging Face folder -> Optimum-style ONNX folder
     dyncompile export-genai PLAN_DIR -o FOLDER                 a generation plan as an onnxruntime-genai folder
     dyncompile route --candidates A/ B/ --calib F -o R/        a cascade / router over plans
+    dyncompile serve PLAN_DIR...                               serve plans over HTTP (Ray Serve, OpenAI-compatible)
     dyncompile models list | build NAME                        real models -> ONNX (offline)
     dyncompile passes                                          list the passes
 
@@ -43,7 +44,8 @@ examples:
 
   dyncompile route --candidates minilm/ mpnet/ --calib movie-calib.jsonl --budget 1.0 -o routed/
 
-other commands (each has --help): inspect, run, bench, route, export, export-genai, models, passes, train-drafter
+other commands (each has --help): inspect, run, serve, bench, route, export, export-genai, models, passes,
+  train-drafter
 Python API: dyncompile.compile(model, passes, output_dir), dyncompile.load(plan_dir, provider="cpu")
 """
 
@@ -324,6 +326,14 @@ def _export(args: argparse.Namespace) -> int:
     return export_command(args)
 
 
+def _serve(argv: list[str]) -> int:
+    from dyncompile.tools.serve.command import parser, serve_command
+
+    args = parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    return serve_command(args)
+
+
 def _export_genai(argv: list[str]) -> int:
     from dyncompile.tools.export_genai import main as export_main
 
@@ -338,6 +348,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "route": _parsed(_route_parser, _route),
     "export": _parsed(_export_parser, _export),
     "export-genai": _export_genai,
+    "serve": _serve,
     "models": _parsed(_models_parser, _models),
     "passes": _parsed(_passes_parser, _passes),
     "train-drafter": _train_drafter,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +61,9 @@ __all__ = [
     "PromptError",
     "check_generation_args",
     "decode_target_only",
+    "GenerationStream",
     "generate",
+    "generate_stream",
     "prompt_ids_of",
 ]
 
@@ -348,7 +351,9 @@ def generate(
             Calls from several threads on one loaded plan run one after the other (the step's KV caches).
         stop: stop strings: generation ends once the decoded continuation contains one (the text is not cut;
             a speculative round may run past it by the tokens that round accepted). Needs the plan's tokenizer.
-        **options: speculative runtime options, e.g. ``draft_length=4``, ``adaptive=False``, ``max_draft=8``.
+        **options: ``on_tokens=f``: ``f(ids)`` is called with the new tokens so far after each token (target
+            alone) or verification round (speculative), not after the last; it returning True ends the generation
+            there (stop reason ``stop_sequence``), which streaming uses to cancel. Also speculative runtime options, e.g. ``draft_length=4``, ``adaptive=False``, ``max_draft=8``.
     """
     handler = _generation_handler(compiled)
     max_new_tokens, temperature = check_generation_args(max_new_tokens, sample, temperature)
@@ -369,6 +374,10 @@ def generate(
             raise PromptError("stop strings need the plan's tokenizer; this plan has none")
         stops = tuple(stop)
         options["stop_when"] = lambda out: any(x in codec.decode(out) for x in stops)
+    on_tokens = options.pop("on_tokens", None)
+    if on_tokens is not None:  # a progress hook (streaming): called with the tokens so far, never changes them
+        inner = options.get("stop_when")
+        options["stop_when"] = lambda out: bool(on_tokens(out)) or bool(inner is not None and inner(out))
     with handler.lock:  # the step's KV caches and drafter serve one generation at a time
         out, stats = handler.generate_ids(ids, max_new_tokens, sample=bool(sample), temperature=temperature, rng=rng,
                                           speculative=speculative, **options)
@@ -379,6 +388,86 @@ def generate(
     text = codec.decode(out) if codec is not None else None
     compiled.last_info = {"generation": stats.to_dict()}
     return GenerationResult(text, out, ids, stats)
+
+
+class GenerationStream:
+    """One generation's new tokens as they are decoded (``CompiledModel.generate_stream``).
+
+    Iterating gives lists of new token ids, in order; together they are exactly the ``token_ids`` of the
+    :class:`GenerationResult` the same call of :func:`generate` returns (the hook that reports them never changes a
+    token). The generation runs in a worker thread; :attr:`result` (and :attr:`info`, the worker's ``last_info``)
+    are set once the iteration ends. Errors of the call are raised by the iteration. :meth:`close` stops the
+    generation after its current token or round.
+
+    Args:
+        model: the loaded plan (its ``last_info`` is read in the worker thread).
+        run: a function of the progress hook that runs the generation and returns its result.
+    """
+
+    def __init__(self, model: Any, run: Callable[[Callable[[list[int]], bool]], GenerationResult]) -> None:
+        """Start the generation in a worker thread."""
+        self.result: GenerationResult | None = None
+        self.info: dict[str, Any] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        self._reported = 0  # tokens the hook has put on the queue (written by the worker only)
+        self._rest: list[int] | None = None
+        self._finished = False
+        self._model = model
+        self._thread = threading.Thread(target=self._work, args=(run,), daemon=True, name="dyncompile-stream")
+        self._thread.start()
+
+    def _hook(self, out: list[int]) -> bool:
+        if len(out) > self._reported:
+            self._queue.put(("tokens", list(out[self._reported:])))
+            self._reported = len(out)
+        return self._cancel.is_set()
+
+    def _work(self, run) -> None:
+        try:
+            res = run(self._hook)
+            self.info = dict(self._model.last_info)
+            self._queue.put(("done", res))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer's thread
+            self._queue.put(("error", e))
+
+    def __iter__(self) -> GenerationStream:
+        """The stream is its own iterator."""
+        return self
+
+    def __next__(self) -> list[int]:
+        """The next new tokens (at least one); ``StopIteration`` once the generation has ended."""
+        while not self._finished:
+            kind, value = self._queue.get()
+            if kind == "tokens":
+                return value
+            self._finished = True
+            if kind == "error":
+                raise value
+            self.result = value
+            rest = value.token_ids[self._reported:]  # the last token(s): after them no hook runs
+            if rest:
+                return list(rest)
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop the generation after its current token or verification round (a client went away)."""
+        self._cancel.set()
+
+    def __enter__(self) -> GenerationStream:
+        """Use as a context manager: leaving it closes the stream."""
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Close the stream."""
+        self.close()
+
+
+def generate_stream(compiled, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStream:
+    """:func:`generate`, streamed: a :class:`GenerationStream` of the new token ids (the same ids, same arguments)."""
+    if "on_tokens" in kwargs:
+        raise PromptError("generate_stream() reports the tokens itself; leave out on_tokens")
+    return GenerationStream(compiled, lambda hook: generate(compiled, prompt, on_tokens=hook, **kwargs))
 
 
 @register_task("text-generation")
@@ -394,6 +483,29 @@ class GenerationAPI(TaskAPI):
         super().__init__(model)
         # a step fed the raw prompt (routed plans of decoders): it picks the candidate that answers
         self.text_step = next((h for h in model.handlers if getattr(h, "takes_text", False)), None)
+
+    def generate_stream(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStream:
+        """Continue ``prompt``, streamed (see :class:`GenerationStream`); one prompt at a time.
+
+        Routed plans of decoders stream the answering candidate's tokens in one piece once its check has passed
+        (the check reads the whole answer); ``stream.info`` names the candidate.
+        """
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(p, str) for p in prompt):
+            raise PromptError("generate_stream() takes one prompt; call it once per prompt")
+        if self.text_step is None:
+            return GenerationStream(self.model, lambda hook: self._generate_guarded(prompt, on_tokens=hook, **kwargs))
+        return GenerationStream(self.model, lambda hook: self.generate(prompt, **kwargs))
+
+    def _generate_guarded(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        try:
+            return generate(self.model, prompt, **kwargs)
+        except Exception as e:
+            if not is_ort_error(e):
+                raise
+            raise PlanError(
+                f"ONNX Runtime failed generating with plan {self.model.plan.directory}: {first_line(e)}; the plan and "
+                "its ONNX files disagree — recompile"
+            ) from None
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         """Continue ``prompt`` (see :func:`generate` for the keyword arguments); a list of text prompts gives a list.

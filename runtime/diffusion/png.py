@@ -12,16 +12,11 @@ import numpy as np
 
 from dyncompile.errors import DataError
 
-__all__ = ["save_png"]
+__all__ = ["png_bytes", "save_png"]
 
 
-def save_png(path: str | Path, image: np.ndarray, *, replace: bool = True) -> Path:
-    """Write a uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` image as PNG, atomically (no imaging library needed).
-
-    With ``replace=False`` an existing ``path`` is never replaced (:class:`~dyncompile.errors.OutputExistsError`),
-    even one that appears while the file is written.
-    """
-    path = Path(path)
+def png_bytes(image: np.ndarray) -> bytes:
+    """A uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` image encoded as PNG bytes."""
     img = np.ascontiguousarray(image, np.uint8)
     if img.ndim == 2:
         color, rows = 0, img
@@ -35,8 +30,18 @@ def save_png(path: str | Path, image: np.ndarray, *, replace: bool = True) -> Pa
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
 
     raw = b"".join(b"\x00" + rows[i].tobytes() for i in range(h))
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def save_png(path: str | Path, image: np.ndarray, *, replace: bool = True) -> Path:
+    """Write a uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` image as PNG, atomically (no imaging library needed).
+
+    With ``replace=False`` an existing ``path`` is never replaced (:class:`~dyncompile.errors.OutputExistsError`),
+    even one that appears while the file is written.
+    """
+    path = Path(path)
+    png = png_bytes(image)
     if not path.parent.is_dir():
         raise DataError(f"cannot write {path}: folder {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

@@ -7,6 +7,7 @@ Forms::
     dyncompile bench peers PLAN --prompts FILE.jsonl        text-generation plan vs onnxruntime-genai / OpenVINO GenAI
     dyncompile bench route ROUTED --data FILE.jsonl         routed plan vs its candidates, random routing, the oracle
     dyncompile bench quality --reference NAME=PLAN ...      decoder plans' perplexity / top-1 / KL vs a reference
+    dyncompile bench serve --classify A/ B/ --data FILE     plans behind `dyncompile serve` under load
     dyncompile bench PLAN [ARGS]                            the harness of PLAN's kind, read from its plan.json
 
 Without a subcommand the harness is picked from what the plan *is* (its ``task`` and step kinds in
@@ -32,6 +33,8 @@ HARNESSES: dict[str, tuple[str, str]] = {
               "a text-generation plan against onnxruntime-genai and OpenVINO GenAI (--prompts, --peers)"),
     "route": ("dyncompile.tools.bench.routed",
               "a routed plan against its candidates alone, random routing and the oracle (--data)"),
+    "serve": ("dyncompile.tools.bench.serve",
+              "plans behind `dyncompile serve` under a bounded load on loopback (throughput, p50/p99, errors)"),
     "quality": ("dyncompile.tools.bench.quality",
                 "decoder plans' perplexity, top-1 agreement and KL against a reference plan"),
 }
