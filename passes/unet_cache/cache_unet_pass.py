@@ -33,7 +33,13 @@ import onnx_ir as ir
 from dyncompile.errors import PassConfigError
 from dyncompile.passes import _keys
 from dyncompile.passes._infra import register_pass
-from dyncompile.passes.unet_cache.structure import annotate, find_skip_concats, node_macs, part_cost, shallow_model
+from dyncompile.passes.unet_cache.structure import (
+    annotate,
+    find_skip_concats,
+    node_macs,
+    part_cost,
+    shallow_model,
+)
 
 logger = logging.getLogger(__name__)
 

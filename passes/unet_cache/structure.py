@@ -3,7 +3,7 @@
 A diffusers-style U-Net concatenates, on the channel axis, the up path's tensor (the first input) with skip
 tensors that the down path computed earlier. Read from the graph alone: a *skip Concat* is a ``Concat`` on
 axis 1 whose other inputs are each an ancestor of its first input (the down path continued from the skip,
-through the deeper blocks, back up to the first input). Shape ``Concat``\\ s (axis 0) and the timestep
+through the deeper blocks, back up to the first input). Shape Concats (axis 0) and the timestep
 embedding's ``[cos, sin]`` (no input descends from another) are not skip Concats.
 
 Depth ``d`` counts skip Concats from the output: depth 1 is the last one (highest resolution). Cutting at
@@ -84,8 +84,10 @@ def shallow_model(model: ir.Model, deep: str) -> ir.Model:
 
 
 def annotate(model: ir.Model, names: list[str]) -> None:
-    """Give the tensors ``names`` their element type and shape from ONNX shape inference (a graph input or output
-    needs both; exported graphs often carry no value_info for intermediates)."""
+    """Give the tensors ``names`` their element type and shape from ONNX shape inference.
+
+    A graph input or output needs both; exported graphs often carry no value_info for intermediates.
+    """
     import onnx
 
     values = {v.name: v for n in model.graph for v in n.outputs}
@@ -113,8 +115,10 @@ def _dims(shape) -> list[int] | None:
 
 
 def node_macs(model: ir.Model) -> dict[str, float]:
-    """Multiply-accumulates of one batch row per Conv / MatMul / Gemm (keyed by first output name), from ONNX shape
-    inference on the whole graph (symbolic dims = 1): a part's cost is the sum over its nodes."""
+    """Multiply-accumulates of one batch row per Conv / MatMul / Gemm, keyed by the node's first output name.
+
+    From ONNX shape inference on the whole graph (symbolic dims = 1): a part's cost is the sum over its nodes.
+    """
     import onnx
 
     proto = ir.to_proto(model)

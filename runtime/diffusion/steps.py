@@ -28,7 +28,14 @@ import numpy as np
 
 from dyncompile.errors import DataError, PlanError
 from dyncompile.plan import STEP_SCHEMAS, DiffusionDenoiseParams
-from dyncompile.runtime.diffusion.denoise import Denoiser, FeatureCache, StopRule, make_noise, mean_pool, to_uint8
+from dyncompile.runtime.diffusion.denoise import (
+    Denoiser,
+    FeatureCache,
+    StopRule,
+    make_noise,
+    mean_pool,
+    to_uint8,
+)
 from dyncompile.runtime.registry import StepHandler, register_step
 from dyncompile.runtime.rules.schedulers import make_scheduler
 
