@@ -296,3 +296,32 @@ def test_asset_plan_with_a_tampered_schedule_is_refused(plans, tmp_path):
     (dst / "plan.json").write_text(json.dumps(p))
     with pytest.raises(PlanError, match="refresh_steps"):
         dyncompile.load(dst, provider="cpu")
+
+
+def test_cli_cache_interval(plans, tmp_path, capsys):
+    from dyncompile.tools.cli import main
+
+    def run(*extra):
+        out = tmp_path / f"o{len(extra)}.png"
+        rc = main(["run", str(plans / "cached"), "--prompt", "an image of a bag", "--steps", "4", "--json", "-o", str(out),
+                   *extra])
+        cap = capsys.readouterr()
+        assert rc == 0, cap.err
+        return json.loads(cap.out)
+
+    assert run()["shallow_calls"] == 2  # interval 3 over 4 steps: refresh at steps 0 and 3
+    assert run("--cache-interval", "1")["shallow_calls"] == 0
+    rc = main(["run", str(plans / "plain"), "--prompt", "a bag", "--cache-interval", "2", "-o", str(tmp_path / "x.png")])
+    assert rc == 2 and "compile it with --passes cache-unet" in capsys.readouterr().err
+
+
+def test_passes_after_cache_unet_apply_to_the_shallow_graph_too(module_tmp):
+    from dyncompile.models import build_model
+
+    pipe = build_model("fashion-diffusion", progress=False).dir
+    out = module_tmp("fdq") / "q"
+    dyncompile.compile(pipe, "verify,cleanup,cache-unet{depth=3,interval=2},quantize-int8", out, progress=False)
+    shallow = onnx.load(str(out / "unet" / "shallow.onnx"))
+    ops = {n.op_type for n in shallow.graph.node}
+    assert "MatMulInteger" in ops or "DynamicQuantizeLinear" in ops  # the 16x16 transformer's MatMuls, quantized
+    assert "encoder_hidden_states" in [i.name for i in shallow.graph.input]  # depth 3 reaches the cross-attention
