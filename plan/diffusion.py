@@ -114,9 +114,10 @@ class FeatureCacheParams:
     On a *refresh* step the full U-Net (``unet`` of ``diffusion_denoise``) runs and also returns the deep feature
     ``deep_output`` (the up-path tensor the skip connection at cut ``depth`` concatenates with a shallow skip); on
     the other steps the shallow graph ``shallow_unet`` runs with the cached feature fed as ``deep_input``. Step
-    ``k`` (0-based) of a schedule refreshes when ``k < warmup``, or ``(k - warmup) % interval == 0``; an explicit
-    ``refresh_steps`` list (0 first, increasing) replaces that rule up to its last entry, after which ``interval``
-    continues from it. ``interval`` 1 refreshes every step (caching off: the uncached loop's outputs).
+    ``k`` (0-based) of a ``K``-step schedule refreshes when ``k < warmup``, ``k >= K - final``, or
+    ``(k - warmup) % interval == 0``; an explicit ``refresh_steps`` list (0 first, increasing) replaces the warm-up
+    and interval rule up to its last entry, after which ``interval`` continues from it. ``interval`` 1 refreshes
+    every step (caching off: the uncached loop's outputs).
     """
 
     shallow_unet: str
@@ -125,6 +126,7 @@ class FeatureCacheParams:
     depth: int = _field(lo=1, hi=64)
     interval: int = _field(1, lo=1, hi=MAX_STEPS)
     warmup: int = _field(0, lo=0, hi=MAX_STEPS)
+    final: int = _field(0, lo=0, hi=MAX_STEPS)
     refresh_steps: list[int] | None = _field(None, lo=0, hi=MAX_STEPS - 1)
     calibration: dict[str, Any] | None = None
 
@@ -133,12 +135,17 @@ class FeatureCacheParams:
         if r is not None and (not r or r[0] != 0 or list(r) != sorted(set(r))):
             raise PlanError(f"{where}.refresh_steps must be increasing step indices starting at 0, got {_short(r)}")
 
-    def refreshes(self, k: int, interval: int | None = None) -> bool:
-        """Whether 0-based step ``k`` runs the full graph (``interval`` overrides the plan's, e.g. 1 = off)."""
-        n = self.interval if interval is None else interval
-        if n == 1:
+    def refreshes(self, k: int, interval: int | None = None, steps: int | None = None) -> bool:
+        """Whether 0-based step ``k`` of a ``steps``-step schedule runs the full graph.
+
+        ``interval`` replaces the plan's rule with a uniform interval (1 = caching off).
+        """
+        if interval is not None:
+            return k % interval == 0
+        n = self.interval
+        if n == 1 or (steps is not None and k >= steps - self.final):
             return True
-        r = self.refresh_steps if interval is None else None
+        r = self.refresh_steps
         if r is not None:
             return k in r or (k > r[-1] and (k - r[-1]) % n == 0)
         return k < self.warmup or (k - self.warmup) % n == 0

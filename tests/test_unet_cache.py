@@ -158,10 +158,15 @@ def test_refresh_rule():
                                        "interval": 3, "warmup": 2}, "fc")
     assert [k for k in range(10) if p.refreshes(k)] == [0, 1, 2, 5, 8]
     assert all(p.refreshes(k, 1) for k in range(10))  # interval 1: caching off
+    assert [k for k in range(10) if p.refreshes(k, 4)] == [0, 4, 8]  # a call's uniform interval replaces the rule
+    f = from_json(FeatureCacheParams, {"shallow_unet": "s", "deep_output": "d", "deep_input": "d", "depth": 1,
+                                       "interval": 4, "final": 3}, "fc")
+    assert [k for k in range(10) if f.refreshes(k, None, 10)] == [0, 4, 7, 8, 9]
     q = from_json(FeatureCacheParams, {"shallow_unet": "s", "deep_output": "d", "deep_input": "d", "depth": 1,
                                        "interval": 4, "refresh_steps": [0, 1, 3]}, "fc")
     assert [k for k in range(12) if q.refreshes(k)] == [0, 1, 3, 7, 11]
-    assert refresh_count(20, 3, 2) == sum(p.refreshes(k) for k in range(20))
+    assert refresh_count(20, 3, 2) == sum(p.refreshes(k) for k in range(20)) == 8
+    assert refresh_count(10, 4, 0, None, 3) == 5
     with pytest.raises(PlanError, match="refresh_steps"):
         from_json(FeatureCacheParams, {"shallow_unet": "s", "deep_output": "d", "deep_input": "d", "depth": 1,
                                        "refresh_steps": [1, 2]}, "fc")

@@ -169,7 +169,8 @@ def _emit_shallow_unet(model: ir.Model, rec: dict[str, Any], out: Path, files: d
     for i, r in enumerate(refs[1:]):
         files[f"unet_shallow.data{i or ''}"] = dataclasses.replace(r, path="unet/" + r.path)
     return {"shallow_unet": "unet_shallow", "deep_output": deep, "deep_input": deep, "depth": int(rec["depth"]),
-            "interval": int(rec["interval"]), "warmup": int(rec["warmup"]), "refresh_steps": rec.get("refresh_steps"),
+            "interval": int(rec["interval"]), "warmup": int(rec["warmup"]), "final": int(rec.get("final", 0)),
+            "refresh_steps": rec.get("refresh_steps"),
             "calibration": rec.get("calibration")}
 
 

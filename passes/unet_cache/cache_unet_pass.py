@@ -43,7 +43,7 @@ from dyncompile.passes.unet_cache.structure import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheUNetFeaturesPass", "refresh_count"]
+__all__ = ["CacheUNetFeaturesPass", "refresh_count", "schedule"]
 
 
 def _ints(v, what: str) -> list[int] | None:
@@ -56,12 +56,17 @@ def _ints(v, what: str) -> list[int] | None:
     return out
 
 
-def refresh_count(k: int, interval: int, warmup: int = 0, refresh_steps: list[int] | None = None) -> int:
-    """How many of ``k`` steps run the full graph (the plan's rule, :class:`~dyncompile.plan.FeatureCacheParams`)."""
+def schedule(interval: int, warmup: int = 0, final: int = 0, refresh_steps: list[int] | None = None):
+    """The plan's refresh rule (:class:`~dyncompile.plan.FeatureCacheParams`) for these options."""
     from dyncompile.plan import FeatureCacheParams
 
-    p = FeatureCacheParams("s", "d", "d", 1, interval, warmup, refresh_steps)
-    return sum(p.refreshes(i) for i in range(k))
+    return FeatureCacheParams("s", "d", "d", 1, interval, warmup, final, refresh_steps)
+
+
+def refresh_count(k: int, interval: int, warmup: int = 0, refresh_steps: list[int] | None = None, final: int = 0) -> int:
+    """How many of ``k`` steps run the full graph (the plan's rule)."""
+    p = schedule(interval, warmup, final, refresh_steps)
+    return sum(p.refreshes(i, None, k) for i in range(k))
 
 
 class CacheUNetFeaturesPass(ir.passes.InPlacePass):
@@ -71,7 +76,7 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         pipeline_dir: the pipeline folder (for calibration; None with an explicit depth and interval).
         depth: cut at the depth-th skip Concat counted from the output (1 = highest resolution); None: calibrate.
         interval: refresh every ``interval`` steps (1 = caching off); None: calibrate.
-        warmup: the first ``warmup`` steps always refresh.
+        warmup: the first ``warmup`` steps always refresh; final: the last ``final`` steps always refresh.
         refresh_steps: an explicit schedule of 0-based refresh steps (``0/1/2/4/8``), then every ``interval``.
         calib: a JSONL of calibration prompts (``prompt`` or ``text``; optional ``seed``): TRAIN captions.
         max_ssim_drop: calibration budget: mean SSIM to the reference image within this of the uncached loop's.
@@ -79,12 +84,13 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         max_depth / intervals: the calibration candidates; limit: calibration prompts used.
     """
 
-    def __init__(self, pipeline_dir=None, *, depth=None, interval=None, warmup=0, refresh_steps=None, calib=None,
+    def __init__(self, pipeline_dir=None, *, depth=None, interval=None, warmup=0, final=0, refresh_steps=None, calib=None,
                  max_ssim_drop=0.01, steps=20, reference_steps=200, max_depth=3, intervals="2/3/4/5/6", limit=16) -> None:
         super().__init__()
         self.depth = None if depth is None else int(depth)
         self.interval = None if interval is None else int(interval)
         self.warmup = int(warmup)
+        self.final = int(final)
         self.refresh_steps = _ints(refresh_steps, "refresh_steps")
         if self.refresh_steps is not None and (self.refresh_steps[0] != 0 or self.refresh_steps != sorted(set(self.refresh_steps))):
             raise PassConfigError(f"cache-unet refresh_steps={refresh_steps!r}: increasing step indices starting at 0")
@@ -92,8 +98,8 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
             raise PassConfigError(f"cache-unet depth={depth}: 1 (the skip connection nearest the output) or more")
         if self.interval is not None and self.interval < 1:
             raise PassConfigError(f"cache-unet interval={interval}: 1 (refresh every step) or more")
-        if self.warmup < 0:
-            raise PassConfigError(f"cache-unet warmup={warmup} must be >= 0")
+        if self.warmup < 0 or self.final < 0:
+            raise PassConfigError(f"cache-unet warmup={warmup}, final={final} must be >= 0")
         explicit = self.depth is not None and self.interval is not None
         if not explicit and not calib:
             raise PassConfigError("cache-unet needs depth= and interval= (e.g. cache-unet{depth=2,interval=3}), or "
@@ -115,7 +121,7 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         src = (f"depth={self.depth}, interval={self.interval}" if self.calib is None else
                f"calib={self.calib!r}, max_ssim_drop={self.max_ssim_drop}, steps={self.steps}, "
                f"max_depth={self.max_depth}, intervals={self.intervals}, limit={self.limit}")
-        return f"CacheUNetFeaturesPass({src}, warmup={self.warmup}, refresh_steps={self.refresh_steps})"
+        return f"CacheUNetFeaturesPass({src}, warmup={self.warmup}, final={self.final}, refresh_steps={self.refresh_steps})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
@@ -136,10 +142,10 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
             if self.depth > len(skips):
                 raise PassConfigError(f"cache-unet depth={self.depth}: this U-Net has {len(skips)} skip connections "
                                       f"(depth 1..{len(skips)})")
-            depth, interval, warmup, refresh = self.depth, self.interval, self.warmup, self.refresh_steps
+            depth, interval, warmup, final, refresh = self.depth, self.interval, self.warmup, self.final, self.refresh_steps
             calibration = None
         else:
-            depth, interval, warmup, refresh, calibration = self._calibrate(model, skips, shares)
+            depth, interval, warmup, final, refresh, calibration = self._calibrate(model, skips, shares)
         cut = skips[depth - 1]
         annotate(model, [cut.deep])
         deep = next(v for n in model.graph for v in n.outputs if v.name == cut.deep)
@@ -147,13 +153,13 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         record: dict[str, Any] = {
             "fingerprint": repr(self),
             "depth": depth, "deep_output": cut.deep, "concat": cut.node, "interval": interval, "warmup": warmup,
-            "refresh_steps": refresh,
+            "final": final, "refresh_steps": refresh,
             "structure": {"skip_concats": len(skips), "shallow_mac_share": [round(s, 4) for s in shares]},
             "calibration": calibration,
         }
         model.metadata_props[_keys.UNET_CACHE] = json.dumps(record)
-        logger.info("cache-unet: cut at depth %d (%s), shallow part %.1f%% of the MACs, interval %d, warmup %d",
-                    depth, cut.node, 100 * shares[depth - 1], interval, warmup)
+        logger.info("cache-unet: cut at depth %d (%s), shallow part %.1f%% of the MACs, interval %d, warmup %d, final %d",
+                    depth, cut.node, 100 * shares[depth - 1], interval, warmup, final)
         return ir.passes.PassResult(model, modified=True)
 
     def _calibrate(self, model: ir.Model, skips, shares):
@@ -172,38 +178,40 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         scale, crop = float(conv["guidance_scale"]), conv.get("output_crop")
         sched_cfg = pipe.scheduler_config
         cands = []
+        edge = max(1, self.steps // 5)
         for d in range(1, min(self.max_depth, len(skips)) + 1):
             for n in self.intervals:
-                for w in sorted({0, max(1, self.steps // 5)}):
-                    cost = (refresh_count(self.steps, n, w) + (self.steps - refresh_count(self.steps, n, w)) * shares[d - 1]) / self.steps
-                    cands.append((cost, d, n, w))
+                for w, f in sorted({(0, 0), (edge, 0), (0, edge)}):
+                    full = refresh_count(self.steps, n, w, None, f)
+                    cost = (full + (self.steps - full) * shares[d - 1]) / self.steps
+                    cands.append((cost, d, n, w, f))
         cands.sort()
         run = _Runner(model, skips, make_scheduler(sched_cfg), crop)
-        ref = to_uint8(run.sample(None, 1, 0, ctx, null, noise, self.reference_steps, scale), crop)
-        base = float(ssim(to_uint8(run.sample(None, 1, 0, ctx, null, noise, self.steps, scale), crop), ref).mean())
+        ref = to_uint8(run.sample(None, None, ctx, null, noise, self.reference_steps, scale), crop)
+        base = float(ssim(to_uint8(run.sample(None, None, ctx, null, noise, self.steps, scale), crop), ref).mean())
         tried = []
         chosen = None
-        for cost, d, n, w in cands:
+        for cost, d, n, w, f in cands:
             if cost >= 1:
                 continue
-            img = to_uint8(run.sample(d, n, w, ctx, null, noise, self.steps, scale), crop)
+            img = to_uint8(run.sample(d, schedule(n, w, f), ctx, null, noise, self.steps, scale), crop)
             m = float(ssim(img, ref).mean())
-            tried.append({"depth": d, "interval": n, "warmup": w, "est_cost": round(cost, 4), "mean_ssim": round(m, 5)})
-            logger.info("cache-unet calibration: depth %d interval %d warmup %d: est. cost %.3f, mean SSIM %.4f (uncached %.4f)",
-                        d, n, w, cost, m, base)
+            tried.append({"depth": d, "interval": n, "warmup": w, "final": f, "est_cost": round(cost, 4), "mean_ssim": round(m, 5)})
+            logger.info("cache-unet calibration: depth %d interval %d warmup %d final %d: est. cost %.3f, mean SSIM %.4f "
+                        "(uncached %.4f)", d, n, w, f, cost, m, base)
             if base - m <= self.max_ssim_drop:
-                chosen = (d, n, w, cost, m)
+                chosen = (d, n, w, f, cost, m)
                 break
         if chosen is None:
             raise PassConfigError(f"cache-unet: no candidate keeps mean SSIM within {self.max_ssim_drop} of the uncached "
                                   f"loop's {base:.4f} at {self.steps} steps on {len(rows)} calibration prompts "
                                   f"(tried {len(tried)}); raise max_ssim_drop or give depth= and interval=")
-        d, n, w, cost, m = chosen
+        d, n, w, f, cost, m = chosen
         calibration = {"prompts": len(rows), "split": "calibration", "noise": "numpy", "steps": self.steps,
                        "reference_steps": self.reference_steps, "max_ssim_drop": self.max_ssim_drop,
                        "uncached_mean_ssim": round(base, 5), "chosen_mean_ssim": round(m, 5),
                        "ssim_drop": round(base - m, 5), "est_cost_per_step": round(cost, 4), "tried": tried}
-        return d, n, w, None, calibration
+        return d, n, w, f, None, calibration
 
 
 class _Runner:
@@ -233,7 +241,7 @@ class _Runner:
                                 self._ort.InferenceSession(shallow.SerializeToString(), providers=["CPUExecutionProvider"]))
         return self.sessions[d]
 
-    def sample(self, depth, interval, warmup, ctx, null, noise, steps, scale) -> np.ndarray:
+    def sample(self, depth, sched, ctx, null, noise, steps, scale) -> np.ndarray:
         from dyncompile.runtime.diffusion.denoise import Denoiser, FeatureCache
 
         names = [i.name for i in self.plain.get_inputs()]
@@ -259,10 +267,7 @@ class _Runner:
                     feeds[c] = st
                 return shallow.run(None, feeds)[0]
 
-            def refreshes(k, _=None):
-                return k < warmup or (k - warmup) % interval == 0
-
-            cache = FeatureCache(f, sh, refreshes)
+            cache = FeatureCache(f, sh, sched.refreshes)
         den = Denoiser(plain, self.scheduler, crop=self.crop, cache=cache)
         out = []
         for i in range(0, len(noise), 16):
@@ -273,14 +278,14 @@ class _Runner:
 @register_pass(
     "cache-unet",
     help="diffusion U-Nets: DeepCache-style feature caching: cut at a skip connection, run the deep part only on "
-    "refresh steps; depth=D,interval=N (warmup=W, refresh_steps=0/1/2/4) or --calib PROMPTS.jsonl with "
+    "refresh steps; depth=D,interval=N (warmup=W, final=F, refresh_steps=0/1/2/4) or --calib PROMPTS.jsonl with "
     "max_ssim_drop=0.01 (steps=20)",
 )
-def _make_cache_unet(context, depth: int | None = None, interval: int | None = None, warmup: int = 0,
+def _make_cache_unet(context, depth: int | None = None, interval: int | None = None, warmup: int = 0, final: int = 0,
                      refresh_steps: str | None = None, max_ssim_drop: float = 0.01, steps: int = 20,
                      reference_steps: int = 200, max_depth: int = 3, intervals: str = "2/3/4/5/6", limit: int = 16):
     return CacheUNetFeaturesPass(
-        context.options.get("pipeline_dir"), depth=depth, interval=interval, warmup=warmup, refresh_steps=refresh_steps,
+        context.options.get("pipeline_dir"), depth=depth, interval=interval, warmup=warmup, final=final, refresh_steps=refresh_steps,
         calib=context.options.get("calib"), max_ssim_drop=max_ssim_drop, steps=steps, reference_steps=reference_steps,
         max_depth=max_depth, intervals=intervals, limit=limit,
     )

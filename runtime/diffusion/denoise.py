@@ -102,12 +102,13 @@ class FeatureCache:
     Args:
         full: ``f(sample, timestep, states) -> (model output, deep feature)``.
         shallow: ``f(sample, timestep, states, deep feature) -> model output``.
-        refreshes: ``f(k, interval) -> bool``: whether 0-based step ``k`` runs ``full`` (``interval`` None: the plan's).
+        refreshes: ``f(k, interval, steps) -> bool``: whether 0-based step ``k`` of a ``steps``-step schedule runs
+            ``full`` (``interval`` None: the plan's rule, else a uniform interval).
     """
 
     full: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
     shallow: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-    refreshes: Callable[[int, int | None], bool]
+    refreshes: Callable[[int, int | None, int], bool]
 
 
 class Denoiser:
@@ -185,7 +186,7 @@ class Denoiser:
         calls = shallow = 0  # this call's U-Net calls (the counters on self add up every call, from every thread)
         deep = None
         for k, t in enumerate(timesteps, start=1):
-            refresh = self.cache is None or deep is None or self.cache.refreshes(k - 1, cache_interval)
+            refresh = self.cache is None or deep is None or self.cache.refreshes(k - 1, cache_interval, len(timesteps))
             eps, deep = self._guided(x, t, ctx[active], null_ctx, guidance_scale, deep, refresh)
             calls += 1
             shallow += not refresh
