@@ -41,6 +41,11 @@ from dyncompile.tools.studies.stepsaver_data import select_prompts
 logger = logging.getLogger(__name__)
 
 
+def render_markdown(report: dict) -> str:
+    """The markdown this harness writes beside its JSON report, from the JSON alone."""
+    return markdown(report)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.unet_cache", description=__doc__.split("\n")[0])
     p.add_argument("--plain", required=True, help="plan without caching (verify,cleanup)")
@@ -205,8 +210,8 @@ def run(args) -> int:
         "settings": report, "caching_alone_minus_uniform_same_steps_ssim": drop, "vs_uniform_same_wall_clock": cis,
     }
     write_json_atomic(out / "unet-cache.json", result)
-    (out / "unet-cache.md").write_text(markdown(result))
-    grid_png({k: per[k] for k in per}, rows, out / "samples_grid.png")
+    (out / "unet-cache.md").write_text(render_markdown(json.loads((out / "unet-cache.json").read_text())))
+    grid_png({k: per[k] for k in per}, rows, out / "samples_grid.png", cols=min(12, n))
     print((out / "unet-cache.md").read_text())
     return 0
 
