@@ -29,7 +29,7 @@ SCHED = {"_class_name": "DDIMScheduler", "num_train_timesteps": 1000, "beta_sche
 L, D = 3, 8  # text tokens, text width
 
 
-def _tiny_unet(path, skips: bool = True):
+def _tiny_unet(path, skips: bool = True, hw: int = 8, tokens: int = L, width: int = D):
     """A diffusers-shaped U-Net (8x8 -> 4x4 -> 2x2 and back, skip Concats, timestep embedding, text states in the
     deep part) exported by the TorchScript exporter like the asset; ``skips=False``: the same without skips."""
     torch = pytest.importorskip("torch")
@@ -51,7 +51,7 @@ def _tiny_unet(path, skips: bool = True):
             self.cin = nn.Conv2d(1, 4, 3, padding=1)
             self.d0, self.d1, self.mid = Res(4, 4), Res(4, 6), Res(6, 6)
             self.down0, self.down1 = nn.Conv2d(4, 4, 3, 2, 1), nn.Conv2d(6, 6, 3, 2, 1)
-            self.txt = nn.Linear(D, 6)
+            self.txt = nn.Linear(width, 6)
             k = 2 if skips else 1
             self.u1, self.u0 = Res(6 * k, 6), Res(6 + (4 if skips else 0), 4)
             self.up1, self.up0 = nn.Conv2d(6, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
@@ -71,7 +71,7 @@ def _tiny_unet(path, skips: bool = True):
 
     torch.manual_seed(0)
     net = Net().eval()
-    args = (torch.randn(2, 1, 8, 8), torch.tensor([999, 500]), torch.randn(2, L, D))
+    args = (torch.randn(2, 1, hw, hw), torch.tensor([999, 500]), torch.randn(2, tokens, width))
     torch.onnx.export(net, args, str(path), input_names=["sample", "timestep", "encoder_hidden_states"],
                       output_names=["out_sample"], opset_version=17, dynamo=False,
                       dynamic_axes={k: {0: "batch"} for k in ("sample", "timestep", "encoder_hidden_states", "out_sample")})
@@ -330,3 +330,56 @@ def test_passes_after_cache_unet_apply_to_the_shallow_graph_too(module_tmp):
     ops = {n.op_type for n in shallow.graph.node}
     assert "MatMulInteger" in ops or "DynamicQuantizeLinear" in ops  # the 16x16 transformer's MatMuls, quantized
     assert "encoder_hidden_states" in [i.name for i in shallow.graph.input]  # depth 3 reaches the cross-attention
+
+
+def test_calibration_picks_the_cheapest_schedule_within_budget_and_records_it(tmp_path, module_tmp, monkeypatch):
+    """The tiny U-Net in a copy of the asset's pipeline folder (its text encoder, 12 x 384 text states)."""
+    import shutil
+
+    from dyncompile.models import build_model
+
+    src = build_model("fashion-diffusion", progress=False).dir
+    pipe = tmp_path / "pipe"
+    shutil.copytree(src, pipe, ignore=shutil.ignore_patterns("unet"))
+    (pipe / "unet").mkdir()
+    _tiny_unet(pipe / "unet" / "model.onnx", hw=32, tokens=12, width=384)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                             ["a bag", "a dark coat", "plain sandal", "a shirt", "trousers", "a light dress",
+                              "patterned pullover", "an ankle boot"]))
+    kw = dict(calib=str(calib), steps=4, reference_steps=8, max_depth=2, intervals="2/3", limit=8)
+    model = ir.load(pipe / "unet" / "model.onnx")
+    assert CacheUNetFeaturesPass(str(pipe), max_ssim_drop=0.999, **kw)(model).modified
+    rec = json.loads(model.metadata_props[_keys.UNET_CACHE])
+    cal = rec["calibration"]
+    tried = cal["tried"]
+    # a budget everything meets: the first (cheapest) candidate wins, and its measured quality is in the record
+    assert len(tried) == 1 and cal["chosen_mean_ssim"] == tried[0]["mean_ssim"]
+    assert (rec["depth"], rec["interval"], rec["warmup"], rec["final"]) == tuple(tried[0][k] for k in ("depth", "interval", "warmup", "final"))
+    assert cal["prompts"] == 8 and cal["steps"] == 4 and cal["reference_steps"] == 8
+    strict = ir.load(pipe / "unet" / "model.onnx")
+    CacheUNetFeaturesPass(str(pipe), max_ssim_drop=1e-9, **kw)(strict)
+    c2 = json.loads(strict.metadata_props[_keys.UNET_CACHE])["calibration"]
+    costs = [t["est_cost"] for t in c2["tried"]]
+    assert costs == sorted(costs) and c2["ssim_drop"] <= 1e-9  # cheapest first; the winner meets the budget
+    from dyncompile.passes.unet_cache.cache_unet_pass import _Runner
+
+    plain_sample = _Runner.sample
+
+    def worse(self, depth, *a):  # every cached candidate drifts from the uncached loop
+        out = plain_sample(self, depth, *a)
+        return out if depth is None else np.random.default_rng(0).uniform(-1, 1, out.shape).astype(np.float32)
+
+    monkeypatch.setattr(_Runner, "sample", worse)
+    with pytest.raises(PassConfigError, match="no candidate keeps mean SSIM within"):
+        CacheUNetFeaturesPass(str(pipe), max_ssim_drop=1e-9, **kw)(ir.load(pipe / "unet" / "model.onnx"))
+    monkeypatch.undo()
+    out = module_tmp("fdcal") / "plan"
+    dyncompile.compile(pipe, "cache-unet{steps=4,reference_steps=8,max_depth=2,intervals=2/3,limit=8,max_ssim_drop=0.999}",
+                       out, calib=str(calib), progress=False)
+    fc = json.loads((out / "plan.json").read_text())["steps"][-1]["feature_cache"]
+    assert fc["calibration"]["tried"] == tried and fc["depth"] == rec["depth"]
+    img = dyncompile.load(out, provider="cpu").generate_images(["a bag"], steps=4)
+    assert img.shallow_calls == 4 - sum(
+        FeatureCacheParams("s", "d", "d", fc["depth"], fc["interval"], fc["warmup"], fc["final"]).refreshes(k, None, 4)
+        for k in range(4))
