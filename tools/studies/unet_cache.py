@@ -204,7 +204,7 @@ def run(args) -> int:
         "provider": args.provider, "threads": args.threads, "chunk": args.chunk,
         "fixed_100_seconds_per_image": sec_100, "fixed_100_timing_prompts": len(sub),
         "uncached_seconds_per_image_step": per_step, "machine": machine_info(),
-        "plans": {k: str(Path(v).resolve()) for k, v in (("plain", args.plain), ("cached", args.cached), ("ss", args.ss),
+        "plans": {k: Path(v).name for k, v in (("plain", args.plain), ("cached", args.cached), ("ss", args.ss),
                                                           ("ss_cached", args.ss_cached), ("ss_cached_int8", args.ss_cached_int8)) if v},
         "feature_cache": {k: _fc(m) for k, m in load.items() if _fc(m)},
         "settings": report, "caching_alone_minus_uniform_same_steps_ssim": drop, "vs_uniform_same_wall_clock": cis,
