@@ -151,6 +151,13 @@ def test_bad_options_are_refused(tiny):
         CacheUNetFeaturesPass(depth=1, interval=2, refresh_steps="1/2")
     with pytest.raises(PassConfigError, match="2 skip connections"):
         CacheUNetFeaturesPass(depth=3, interval=2)(ir.load(tiny))
+    m = ir.load(tiny)
+    CacheUNetFeaturesPass(depth=1, interval=2)(m)
+    with pytest.raises(PassConfigError, match="already ran on this U-Net with other options"):
+        CacheUNetFeaturesPass(depth=2, interval=2)(m)
+    m.graph.inputs.pop()
+    with pytest.raises(ir.passes.PreconditionError, match="diffusion U-Net"):
+        CacheUNetFeaturesPass(depth=1, interval=2)(m)
 
 
 def test_refresh_rule():

@@ -123,6 +123,21 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
                f"max_depth={self.max_depth}, intervals={self.intervals}, limit={self.limit}")
         return f"CacheUNetFeaturesPass({src}, warmup={self.warmup}, final={self.final}, refresh_steps={self.refresh_steps})"
 
+    def requires(self, model: ir.Model) -> None:
+        """Refuse a model that is not a denoiser of (sample, timestep, text states) with one prediction output."""
+        g = model.graph
+        if len(g.inputs) != 3 or not g.outputs:
+            raise ir.passes.PreconditionError(
+                f"cache-unet runs on a diffusion U-Net (sample, timestep, encoder_hidden_states) -> noise prediction; "
+                f"this graph has inputs {[v.name for v in g.inputs]}")
+
+    def ensures(self, model: ir.Model) -> None:
+        """The noise prediction stays the first output; a recorded cut's deep feature is the second."""
+        rec = model.metadata_props.get(_keys.UNET_CACHE)
+        if rec and [v.name for v in model.graph.outputs][1:2] != [json.loads(rec)["deep_output"]]:
+            raise ir.passes.PostconditionError(f"cache-unet must output (prediction, deep feature), got "
+                                               f"{[v.name for v in model.graph.outputs]}")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         old = model.metadata_props.get(_keys.UNET_CACHE)
