@@ -7,6 +7,7 @@ Importing this package registers every built-in pass and plan emitter. Layout:
 * ``_graph`` — graph helpers every pass shares (backward slices through subgraph captures, constant reads);
 * ``compiler`` — the compile driver behind :func:`dyncompile.compile`;
 * ``emit`` — turns the final graph into a plan (emitters per technique);
+* ``unet_cache/`` — feature caching across denoising steps (``cache-unet``) for diffusion U-Nets;
 * ``early_exit/`` — exit heads, their fitting and calibration, the exit rule, the lowering passes;
 * ``speculative/`` — decoder specs, measurement, the split drafter and the speculative pass;
 * ``analysis/`` — layers, cut tensors and the family of an exported transformer;
@@ -37,6 +38,7 @@ from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, Quantize
 from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
 from dyncompile.passes.step_saver import pipeline as _step_saver  # noqa: F401  (diffusion plans)
 from dyncompile.passes.trim_logits import TrimLogitsPass
+from dyncompile.passes.unet_cache import CacheUNetFeaturesPass
 from dyncompile.passes.verify_model import VerifyModelPass
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "SpeculativePass",
     "SplitDrafterPass",
     "TrimLogitsPass",
+    "CacheUNetFeaturesPass",
     "QuantizeWeightsInt4Pass",
     "VerifyModelPass",
     "WireGivenExitHeadsPass",

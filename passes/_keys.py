@@ -31,6 +31,7 @@ __all__ = [
     "SPLIT_DRAFTER_VOCAB",
     "STEP_SAVER",
     "TASK",
+    "UNET_CACHE",
 ]
 
 # --- metadata_props (strings; JSON where structured) -------------------------------------------------
@@ -43,6 +44,7 @@ QUANTIZED = "dyncompile.quantized"  # JSON: scheme of the quantize passes
 SPECULATIVE = "dyncompile.speculative"  # JSON: target/drafter specs, draft policy, generation config
 SPLIT_DRAFTER = "dyncompile.split_drafter"  # JSON: SplitDrafterPass decisions and measurements
 ROLE = "dyncompile.role"  # "drafter" on a drafter graph
+UNET_CACHE = "dyncompile.unet_cache"  # JSON: cut depth, deep output, refresh schedule, calibration (CacheUNetFeaturesPass)
 STEP_SAVER = "dyncompile.step_saver"  # JSON: step head, stop rule, default policy, calibration (StepSaverPass)
 EAGLE = "dyncompile.eagle"  # JSON: EAGLE head provenance, draft vocabulary, IO names (EagleDrafterPass)
 EAGLE_FEATURES = "dyncompile.eagle.features"  # name of the features output (ExposeFeaturesPass)
@@ -58,6 +60,6 @@ SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timi
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, STEP_SAVER, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION}
+     ROLE, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION}
 )
 META_KEYS = frozenset({EAGLE_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

@@ -56,6 +56,7 @@ from dyncompile.plan.decode import (
 from dyncompile.plan.diffusion import (
     DiffusionDenoiseParams,
     DiffusionEncodeParams,
+    FeatureCacheParams,
     PredictStepsParams,
     StopRuleParams,
     VaeDecoderParams,
@@ -103,6 +104,7 @@ __all__ = [
     "DraftPolicy",
     "DrafterParams",
     "EarlyExitPolicy",
+    "FeatureCacheParams",
     "FileRef",
     "GenerateParams",
     "GenerationConfig",

@@ -23,6 +23,7 @@ __all__ = [
     "STEP_POLICIES",
     "DiffusionDenoiseParams",
     "DiffusionEncodeParams",
+    "FeatureCacheParams",
     "NoiseSource",
     "PredictStepsParams",
     "StepPolicy",
@@ -107,6 +108,50 @@ class VaeDecoderParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class FeatureCacheParams:
+    """Feature caching across denoising steps (``cache-unet``): which graph runs at which step.
+
+    On a *refresh* step the full U-Net (``unet`` of ``diffusion_denoise``) runs and also returns the deep feature
+    ``deep_output`` (the up-path tensor the skip connection at cut ``depth`` concatenates with a shallow skip); on
+    the other steps the shallow graph ``shallow_unet`` runs with the cached feature fed as ``deep_input``. Step
+    ``k`` (0-based) of a ``K``-step schedule refreshes when ``k < warmup``, ``k >= K - final``, or
+    ``(k - warmup) % interval == 0``; an explicit ``refresh_steps`` list (0 first, increasing) replaces the warm-up
+    and interval rule up to its last entry, after which ``interval`` continues from it. ``interval`` 1 refreshes
+    every step (caching off: the uncached loop's outputs).
+    """
+
+    shallow_unet: str
+    deep_output: str
+    deep_input: str
+    depth: int = _field(lo=1, hi=64)
+    interval: int = _field(1, lo=1, hi=MAX_STEPS)
+    warmup: int = _field(0, lo=0, hi=MAX_STEPS)
+    final: int = _field(0, lo=0, hi=MAX_STEPS)
+    refresh_steps: list[int] | None = _field(None, lo=0, hi=MAX_STEPS - 1)
+    calibration: dict[str, Any] | None = None
+
+    def _check(self, where: str) -> None:
+        r = self.refresh_steps
+        if r is not None and (not r or r[0] != 0 or list(r) != sorted(set(r))):
+            raise PlanError(f"{where}.refresh_steps must be increasing step indices starting at 0, got {_short(r)}")
+
+    def refreshes(self, k: int, interval: int | None = None, steps: int | None = None) -> bool:
+        """Whether 0-based step ``k`` of a ``steps``-step schedule runs the full graph.
+
+        ``interval`` replaces the plan's rule with a uniform interval (1 = caching off).
+        """
+        if interval is not None:
+            return k % interval == 0
+        n = self.interval
+        if n == 1 or (steps is not None and k >= steps - self.final):
+            return True
+        r = self.refresh_steps
+        if r is not None:
+            return k in r or (k > r[-1] and (k - r[-1]) % n == 0)
+        return k < self.warmup or (k - self.warmup) % n == 0
+
+
+@dataclasses.dataclass(frozen=True)
 class DiffusionDenoiseParams:
     """``diffusion_denoise``: the guided scheduler loop over the U-Net.
 
@@ -126,6 +171,7 @@ class DiffusionDenoiseParams:
     default_policy: StepPolicy = "fixed"
     stop_rule: StopRuleParams | None = None
     vae_decoder: VaeDecoderParams | None = None
+    feature_cache: FeatureCacheParams | None = None
 
     def _check(self, where: str) -> None:
         if len(self.sample_shape) != 3:
@@ -145,6 +191,8 @@ class DiffusionDenoiseParams:
         keys = [("unet", self.unet)]
         if self.vae_decoder is not None:
             keys.append(("vae_decoder.file", self.vae_decoder.file))
+        if self.feature_cache is not None:
+            keys.append(("feature_cache.shallow_unet", self.feature_cache.shallow_unet))
         return keys
 
 

@@ -160,6 +160,8 @@ def _run_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, help="fixed number of denoising steps (default: the plan's step policy)")
     d.add_argument("--guidance", type=float, help="classifier-free guidance scale, >= 1 (default: the plan's)")
     d.add_argument("--policy", choices=["fixed", "predicted", "online"], help="step policy (default: the plan's)")
+    d.add_argument("--cache-interval", type=int, help="cache-unet plans: refresh the deep features every N steps "
+                   "(1 = caching off; default: the plan's calibrated schedule)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 

@@ -35,7 +35,7 @@ def run_text_to_image(model, args) -> int:
     force = bool(getattr(args, "force", False))
     _check_outputs(paths, force)  # before any work
     res = model.generate_images(prompts, seed=0 if args.seed is None else args.seed, steps=args.steps,
-                          guidance=args.guidance, policy=args.policy)
+                          guidance=args.guidance, policy=args.policy, cache_interval=getattr(args, "cache_interval", None))
     _check_outputs(paths, force)  # again: a file may have appeared while the images were made
     for path, img in zip(paths, res.images):
         save_png(path, img, replace=force)
@@ -44,6 +44,7 @@ def run_text_to_image(model, args) -> int:
     else:
         for path, prompt, k in zip(paths, prompts, res.steps):
             print(f"{safe_text(path)}  ({int(k)} steps, policy {res.policy})  | {safe_text(prompt, keep_newlines=False)}")
-        print(f"{len(prompts)} image(s) in {res.seconds:.2f} s, {res.unet_calls} U-Net calls")
+        shallow = f" ({res.shallow_calls} on the cached features)" if res.shallow_calls else ""
+        print(f"{len(prompts)} image(s) in {res.seconds:.2f} s, {res.unet_calls} U-Net calls{shallow}")
     return 0
 

@@ -155,6 +155,25 @@ def _sample_shape(model: ir.Model, conv: dict[str, Any]) -> list[int]:
     return dims
 
 
+def _emit_shallow_unet(model: ir.Model, rec: dict[str, Any], out: Path, files: dict) -> dict[str, Any]:
+    """The shallow graph of a ``cache-unet`` cut, cut out of the final U-Net (after every pass), and its plan block."""
+    from dyncompile.passes.unet_cache.structure import shallow_model
+
+    deep = rec["deep_output"]
+    if deep not in [v.name for v in model.graph.outputs]:
+        raise PlanError(f"the U-Net lost the cached feature output {deep!r} after cache-unet; run cache-unet last")
+    shallow = shallow_model(model, deep)
+    refs = save_model(shallow, out / "unet", "shallow.onnx", "unet_shallow")
+    files["unet_shallow"] = dataclasses.replace(refs[0], path="unet/" + refs[0].path,
+                                                external_data=["unet/" + e for e in refs[0].external_data])
+    for i, r in enumerate(refs[1:]):
+        files[f"unet_shallow.data{i or ''}"] = dataclasses.replace(r, path="unet/" + r.path)
+    return {"shallow_unet": "unet_shallow", "deep_output": deep, "deep_input": deep, "depth": int(rec["depth"]),
+            "interval": int(rec["interval"]), "warmup": int(rec["warmup"]), "final": int(rec.get("final", 0)),
+            "refresh_steps": rec.get("refresh_steps"),
+            "calibration": rec.get("calibration")}
+
+
 @register_emitter("diffusion")
 def emit_diffusion(model: ir.Model, req: EmitRequest) -> Plan:
     """Text-to-image plan: text encoder + tokenizer copied, U-Net from the passes, the scheduler config inline."""
@@ -191,6 +210,10 @@ def emit_diffusion(model: ir.Model, req: EmitRequest) -> Plan:
     if pipe.vae_decoder is not None:
         add_model_files(files, "vae_decoder", copy_model(pipe.vae_decoder, out, "vae_decoder/model.onnx", "vae_decoder"))
         denoise["vae_decoder"] = {"file": "vae_decoder", "scaling_factor": float(conv["vae_scaling_factor"])}
+    cache = model.metadata_props.get(_keys.UNET_CACHE)
+    if cache:
+        denoise["feature_cache"] = _emit_shallow_unet(model, json.loads(cache), out, files)
+        policy["unet_cache"] = {k: v for k, v in json.loads(cache).items() if k not in ("fingerprint", "calibration")}
     meta = model.metadata_props.get(_keys.STEP_SAVER)
     if meta:
         ss = json.loads(meta)

@@ -30,6 +30,7 @@ class DiffusionResult:
         self.policy: str = state["policy"]
         self.predicted_steps = state.get("predicted_steps")
         self.unet_calls: int = state["unet_calls"]
+        self.shallow_calls: int = state.get("shallow_calls", 0)
         self.seconds = seconds
 
     def to_dict(self) -> dict[str, Any]:
@@ -39,6 +40,7 @@ class DiffusionResult:
             "steps": self.steps.tolist(),
             "predicted_steps": None if self.predicted_steps is None else np.asarray(self.predicted_steps).tolist(),
             "unet_calls": self.unet_calls,
+            "shallow_calls": self.shallow_calls,
             "seconds": round(self.seconds, 4),
             "image_shape": list(self.images.shape[1:]),
         }
@@ -88,6 +90,7 @@ def _generate_images(
     policy: str | None = None,
     noise: np.ndarray | None = None,
     noise_source: str | None = None,
+    cache_interval: int | None = None,
 ) -> DiffusionResult:
     """Run a text-to-image plan: the body of ``model.generate_images(prompts, ...)``.
 
@@ -100,6 +103,7 @@ def _generate_images(
         policy: ``fixed``, ``predicted`` or ``online`` (default: the plan's, ``fixed`` if ``steps`` is given).
         noise: explicit initial noise ``[n, C, H, W]`` (overrides ``seed``).
         noise_source: ``numpy`` (default) or ``torch`` (diffusers' ``torch.randn`` with a seeded generator).
+        cache_interval: a ``cache-unet`` plan's refresh rule replaced by a uniform interval (1: caching off).
 
     Returns:
         The images, the steps each prompt took and the timing.
@@ -112,6 +116,9 @@ def _generate_images(
         raise DataError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     if any(not 0 <= s < 2**63 for s in seeds):
         raise DataError(f"seeds must be non-negative integers below 2**63, got {seeds[:4]}")
+    if cache_interval is not None and (isinstance(cache_interval, bool) or not isinstance(cache_interval, (int, np.integer))
+                                       or not 1 <= cache_interval <= MAX_STEPS):
+        raise DataError(f"cache_interval={cache_interval!r}: an integer in [1, {MAX_STEPS}] (1 = caching off)")
     if policy == "fixed" and steps is None:
         steps = None  # the plan's num_inference_steps
     state: dict[str, Any] = {
@@ -122,6 +129,7 @@ def _generate_images(
         "num_inference_steps": steps,
         "guidance_scale": None if guidance is None else float(guidance),
         "step_policy": policy,
+        "cache_interval": None if cache_interval is None else int(cache_interval),
     }
     t0 = time.perf_counter()
     state = model.run_feeds(state)

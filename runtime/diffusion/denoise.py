@@ -10,6 +10,10 @@ The online stop rule ("stop when the predicted clean image stops changing") watc
 prediction: after each step it measures ``d_k = RMS(x0_k - x0_{k-1})`` on the output crop in [0, 1] pixel
 units and stops a row once ``d_k < threshold`` (at or after ``min_steps``); the row's image is then its
 x0 prediction at that step. Rows stop independently; stopped rows leave the batch.
+
+Feature caching (the ``cache-unet`` pass, :class:`FeatureCache`): on a refresh step the full U-Net runs and
+also returns its deep feature; on the other steps the shallow graph runs with the cached feature. The cache
+holds the CFG batch's rows (``[uncond; cond]``) and follows the rows that leave the batch.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["StopRule", "Denoiser", "make_noise", "to_uint8", "crop_slices", "mean_pool"]
+__all__ = ["StopRule", "FeatureCache", "Denoiser", "make_noise", "to_uint8", "crop_slices", "mean_pool"]
 
 
 def make_noise(seeds: Sequence[int], shape: Sequence[int], source: str = "numpy") -> np.ndarray:
@@ -91,6 +95,22 @@ def x0_change(prev: np.ndarray, cur: np.ndarray, crop: Sequence[int] | None) -> 
     return np.sqrt(((a - b) ** 2).reshape(len(a), -1).mean(1))
 
 
+@dataclasses.dataclass(frozen=True)
+class FeatureCache:
+    """The two graphs of a feature-cached U-Net and the rule that picks one per step.
+
+    Args:
+        full: ``f(sample, timestep, states) -> (model output, deep feature)``.
+        shallow: ``f(sample, timestep, states, deep feature) -> model output``.
+        refreshes: ``f(k, interval, steps) -> bool``: whether 0-based step ``k`` of a ``steps``-step schedule runs
+            ``full`` (``interval`` None: the plan's rule, else a uniform interval).
+    """
+
+    full: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+    shallow: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+    refreshes: Callable[[int, int | None, int], bool]
+
+
 class Denoiser:
     """Runs the guided sampling loop for a batch of rows sharing one schedule.
 
@@ -98,31 +118,40 @@ class Denoiser:
         unet: ``f(sample, timestep, encoder_hidden_states) -> model output`` (an ORT session wrapper).
         scheduler: a :mod:`~dyncompile.runtime.rules.schedulers` scheduler.
         crop: output crop (for the stop rule's change measure and the uint8 image).
+        cache: the feature-cached U-Net (``cache-unet``), or None (``unet`` runs every step).
     """
 
-    def __init__(self, unet: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], scheduler, crop=None) -> None:
-        """Sample with ``unet`` and ``scheduler``; ``crop`` is the output crop."""
+    def __init__(self, unet: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], scheduler, crop=None,
+                 cache: FeatureCache | None = None) -> None:
+        """Sample with ``unet`` and ``scheduler``; ``crop`` is the output crop; ``cache`` the feature cache."""
         self.unet = unet
         self.scheduler = scheduler
         self.crop = crop
+        self.cache = cache
         self.unet_calls = 0
         self.unet_rows = 0
 
-    def _guided(self, x: np.ndarray, t: int, ctx: np.ndarray, null_ctx: np.ndarray, scale: float) -> np.ndarray:
+    def _guided(self, x: np.ndarray, t: int, ctx: np.ndarray, null_ctx: np.ndarray, scale: float,
+                deep: np.ndarray | None = None, refresh: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """One guided model call; with a cache: the full graph (``refresh``) or the shallow one on ``deep``."""
         n = len(x)
         if scale == 1.0:  # no guidance: the conditional half alone gives the same eps
-            e = self.unet(x, np.full((n,), t, np.int64), ctx)
-            self.unet_calls += 1
-            self.unet_rows += n
-            return e
-        uncond = np.broadcast_to(null_ctx, (n, *null_ctx.shape[1:]))
-        e = self.unet(
-            np.concatenate([x, x]), np.full((2 * n,), t, np.int64), np.concatenate([uncond, ctx]).astype(np.float32)
-        )
+            feeds = (x, np.full((n,), t, np.int64), ctx)
+        else:
+            uncond = np.broadcast_to(null_ctx, (n, *null_ctx.shape[1:]))
+            feeds = (np.concatenate([x, x]), np.full((2 * n,), t, np.int64), np.concatenate([uncond, ctx]).astype(np.float32))
+        if self.cache is None:
+            e = self.unet(*feeds)
+        elif refresh:
+            e, deep = self.cache.full(*feeds)
+        else:
+            e = self.cache.shallow(*feeds, deep)
         self.unet_calls += 1
-        self.unet_rows += 2 * n
+        self.unet_rows += len(feeds[0])
+        if scale == 1.0:
+            return e, deep
         eu, ec = e[:n], e[n:]
-        return eu + np.float32(scale) * (ec - eu)
+        return eu + np.float32(scale) * (ec - eu), deep
 
     def sample(
         self,
@@ -134,11 +163,15 @@ class Denoiser:
         *,
         stop_rule: StopRule | None = None,
         keep_x0: bool = False,
+        cache_interval: int | None = None,
     ) -> dict[str, Any]:
         """Denoise ``noise`` (``[n, C, H, W]``) with text states ``ctx`` (``[n, L, D]``).
 
+        ``cache_interval`` overrides the feature cache's refresh rule with a uniform interval (1: caching off).
+
         Returns ``{"samples": [n,C,H,W] float32, "steps": [n] int (U-Net steps each row took),
-        "x0": [k, n, C, H, W] (if keep_x0), "change": [k, n] (x0 change per step, nan at step 1)}``.
+        "x0": [k, n, C, H, W] (if keep_x0), "change": [k, n] (x0 change per step, nan at step 1),
+        "unet_calls": int, "shallow_calls": int (calls of the cached U-Net's shallow graph)}``.
         """
         n = len(noise)
         if stop_rule is not None:
@@ -150,10 +183,13 @@ class Denoiser:
         active = np.arange(n)
         prev_x0 = None
         traj, changes = [], []
-        calls = 0  # this call's U-Net calls (the counters on self add up every call, from every thread)
+        calls = shallow = 0  # this call's U-Net calls (the counters on self add up every call, from every thread)
+        deep = None
         for k, t in enumerate(timesteps, start=1):
-            eps = self._guided(x, t, ctx[active], null_ctx, guidance_scale)
+            refresh = self.cache is None or deep is None or self.cache.refreshes(k - 1, cache_interval, len(timesteps))
+            eps, deep = self._guided(x, t, ctx[active], null_ctx, guidance_scale, deep, refresh)
             calls += 1
+            shallow += not refresh
             x, x0 = self.scheduler.step(eps, t, x, num_steps)
             change = np.full(n, np.nan)
             if prev_x0 is not None:
@@ -170,13 +206,16 @@ class Denoiser:
                     out[rows] = x0[done]
                     steps[rows] = k
                     keep = ~done
+                    if deep is not None:  # the cache holds [uncond; cond] rows (or the cond rows alone)
+                        deep = deep[np.concatenate([keep, keep])] if len(deep) == 2 * len(keep) else deep[keep]
                     active, x, x0 = active[keep], x[keep], x0[keep]
                     if not len(active):
                         break
             prev_x0 = x0
         if len(active):
             out[active] = x
-        res: dict[str, Any] = {"samples": out, "steps": steps, "change": np.array(changes), "unet_calls": calls}
+        res: dict[str, Any] = {"samples": out, "steps": steps, "change": np.array(changes), "unet_calls": calls,
+                                "shallow_calls": shallow}
         if keep_x0:
             res["x0"] = np.stack(traj)
         return res

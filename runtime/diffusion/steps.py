@@ -28,7 +28,14 @@ import numpy as np
 
 from dyncompile.errors import DataError, PlanError
 from dyncompile.plan import STEP_SCHEMAS, DiffusionDenoiseParams
-from dyncompile.runtime.diffusion.denoise import Denoiser, StopRule, make_noise, mean_pool, to_uint8
+from dyncompile.runtime.diffusion.denoise import (
+    Denoiser,
+    FeatureCache,
+    StopRule,
+    make_noise,
+    mean_pool,
+    to_uint8,
+)
 from dyncompile.runtime.registry import StepHandler, register_step
 from dyncompile.runtime.rules.schedulers import make_scheduler
 
@@ -146,8 +153,39 @@ class DiffusionDenoiseStep(StepHandler):
         def unet(x, ts, states):
             return self.session.run([self.out_name], {s: x, t: ts, c: states})[0]
 
-        self.denoiser = Denoiser(unet, scheduler, crop=p.output_crop)
+        self.denoiser = Denoiser(unet, scheduler, crop=p.output_crop, cache=self._feature_cache(ctx, p))
         self.vae = ctx.session(p.vae_decoder.file) if p.vae_decoder is not None else None
+
+    def _feature_cache(self, ctx, p) -> FeatureCache | None:
+        """The full/shallow graph pair of a ``cache-unet`` plan (None without ``feature_cache``)."""
+        fc = p.feature_cache
+        if fc is None:
+            return None
+        outs = [o.name for o in self.session.get_outputs()]
+        if fc.deep_output not in outs:
+            raise PlanError(f"plan step 'diffusion_denoise': feature_cache.deep_output {fc.deep_output!r} is not an "
+                            f"output of the U-Net (it has {outs}); recompile with --passes cache-unet")
+        shallow = ctx.session(fc.shallow_unet)
+        names = [i.name for i in shallow.get_inputs()]
+        s, t, c = p.input_names
+        if fc.deep_input not in names or not {s, t}.issubset(names):
+            raise PlanError(f"plan step 'diffusion_denoise': the shallow U-Net's inputs are {names}; the plan needs "
+                            f"{[s, t, fc.deep_input]} (and optionally {c})")
+        with_states = c in names
+        full_names = [self.out_name, fc.deep_output]
+        shallow_out = shallow.get_outputs()[0].name
+
+        def full(x, ts, states):
+            e, deep = self.session.run(full_names, {s: x, t: ts, c: states})
+            return e, deep
+
+        def part(x, ts, states, deep):
+            feeds = {s: x, t: ts, fc.deep_input: deep}
+            if with_states:
+                feeds[c] = states
+            return shallow.run([shallow_out], feeds)[0]
+
+        return FeatureCache(full, part, fc.refreshes)
 
     def _policy(self, state) -> str:
         policy = state.get("step_policy") or self.p.default_policy
@@ -174,13 +212,17 @@ class DiffusionDenoiseStep(StepHandler):
         elif noise.shape != (n, *shape):
             raise DataError(f"noise has shape {noise.shape}, the plan samples {[n, *shape]}")
         policy = self._policy(state)
+        ci = state.get("cache_interval")
+        if ci is not None and self.denoiser.cache is None and ci != 1:
+            raise DataError("this plan has no feature cache (compile it with --passes cache-unet); drop cache_interval")
         samples = np.empty((n, *shape), np.float32)
         steps = np.zeros(n, np.int64)
-        calls = 0  # this call's, from the samplers' results (the denoiser is shared by concurrent calls)
+        calls = shallow = 0  # this call's, from the samplers' results (the denoiser is shared by concurrent calls)
         if policy == "online":
-            r = self.denoiser.sample(ctx_, null_ctx, noise, 0, scale, stop_rule=self.stop_rule)
+            r = self.denoiser.sample(ctx_, null_ctx, noise, 0, scale, stop_rule=self.stop_rule, cache_interval=ci)
             samples[:], steps[:] = r["samples"], r["steps"]
             calls += r["unet_calls"]
+            shallow += r["shallow_calls"]
         else:
             if policy == "predicted":
                 want = np.asarray(state["predicted_steps"], np.int64)
@@ -195,9 +237,10 @@ class DiffusionDenoiseStep(StepHandler):
                 want = np.broadcast_to(np.asarray(self.p.num_inference_steps if k is None else k, np.int64), (n,))
             for k in np.unique(want):  # rows sharing a step count share a batch
                 rows = np.flatnonzero(want == k)
-                r = self.denoiser.sample(ctx_[rows], null_ctx, noise[rows], int(k), scale)
+                r = self.denoiser.sample(ctx_[rows], null_ctx, noise[rows], int(k), scale, cache_interval=ci)
                 samples[rows], steps[rows] = r["samples"], r["steps"]
                 calls += r["unet_calls"]
+                shallow += r["shallow_calls"]
         if self.vae is not None:
             name_in = self.vae.get_inputs()[0].name
             samples = self.vae.run(None, {name_in: samples / np.float32(self.p.vae_decoder.scaling_factor)})[0]
@@ -206,4 +249,5 @@ class DiffusionDenoiseStep(StepHandler):
         state["steps"] = steps
         state["policy"] = policy
         state["unet_calls"] = calls
+        state["shallow_calls"] = shallow
         return state

@@ -80,9 +80,9 @@ def cmd_prepare(args) -> int:
     ctx, null, feats, model = encode_with_plan(args.plan, prompts)
     den = next(h for h in model.handlers if h.step.kind == "diffusion_denoise")
     noise_src = "torch" if args.split == "test" else "numpy"  # test: the asset's seeds (torch.randn, seed = eval_rank)
-    noise = make_noise([r["seed"] for r in rows], den.p["sample_shape"], noise_src)
+    noise = make_noise([r["seed"] for r in rows], list(den.p.sample_shape), noise_src)
     meta = {"split": args.split, "noise": noise_src, "rows": rows, "plan": str(Path(args.plan).resolve()),
-            "scheduler": den.step.params["scheduler"], "guidance": den.p["guidance_scale"], "crop": den.p["output_crop"]}
+            "scheduler": den.step.params["scheduler"], "guidance": den.p.guidance_scale, "crop": den.p.output_crop}
     np.savez(args.out, ctx=ctx, null_ctx=null, features=feats, noise=noise, meta=json.dumps(meta))
     print(f"{args.out}: {len(rows)} {args.split} prompts, ctx {ctx.shape}")
     return 0

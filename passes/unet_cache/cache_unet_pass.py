@@ -1,0 +1,306 @@
+"""``cache-unet``: DeepCache-style feature caching across denoising steps, cut at a U-Net skip connection.
+
+Scope: the U-Net of a pipeline-folder compile (``dyncompile PIPELINE_DIR --passes cache-unet{...}``). The pass
+finds the skip Concats of the graph (:mod:`.structure`), picks a cut depth, and adds the deep feature at that
+cut (the up-path tensor the skip Concat joins with a shallow skip) as a second graph output. The ``diffusion``
+emitter then writes two graphs: the full U-Net (with that output) and the shallow graph cut out of the final
+graph (the deep feature as an input; only the shallow down blocks and the up blocks after the cut), and a
+``feature_cache`` block in ``diffusion_denoise``: refresh steps run the full graph, the others the shallow one
+on the cached feature. Because the shallow graph is cut at emit time, passes that run after this one (e.g.
+``quantize-int8``) apply to both graphs.
+
+Choice of cut and schedule: given (``depth=``, ``interval=``, ``warmup=``, ``refresh_steps=``), or calibrated
+on calibration prompts (``--calib PROMPTS.jsonl``, TRAIN captions; seed 1,000,000 + line index, numpy noise as
+the step-saver's): the candidates (depth <= ``max_depth``, ``intervals``, early-dense warm-ups) are tried in
+order of estimated cost (MACs of the shallow graph, from shape inference) and the first whose mean SSIM to the
+``reference_steps`` image is within ``max_ssim_drop`` of the uncached loop's at ``steps`` wins. The choice and
+its measured quality go into the plan (``feature_cache.calibration``).
+
+Invariants: the noise prediction output is unchanged (the full graph only gains an output; ``interval`` 1 gives
+the uncached loop's outputs); a graph without a skip Concat is left alone with a warning that says why; a
+second run with the same options reports ``modified=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from dyncompile.errors import PassConfigError
+from dyncompile.passes import _keys
+from dyncompile.passes._infra import register_pass
+from dyncompile.passes.unet_cache.structure import (
+    annotate,
+    find_skip_concats,
+    node_macs,
+    part_cost,
+    shallow_model,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheUNetFeaturesPass", "refresh_count", "schedule"]
+
+
+def _ints(v, what: str) -> list[int] | None:
+    if v is None or v == "":
+        return None
+    try:
+        out = [int(x) for x in (v.split("/") if isinstance(v, str) else v)]
+    except (TypeError, ValueError):
+        raise PassConfigError(f"cache-unet {what}={v!r}: integers separated by '/' (e.g. 0/1/2/4)") from None
+    return out
+
+
+def schedule(interval: int, warmup: int = 0, final: int = 0, refresh_steps: list[int] | None = None):
+    """The plan's refresh rule (:class:`~dyncompile.plan.FeatureCacheParams`) for these options."""
+    from dyncompile.plan import FeatureCacheParams
+
+    return FeatureCacheParams("s", "d", "d", 1, interval, warmup, final, refresh_steps)
+
+
+def refresh_count(k: int, interval: int, warmup: int = 0, refresh_steps: list[int] | None = None, final: int = 0) -> int:
+    """How many of ``k`` steps run the full graph (the plan's rule)."""
+    p = schedule(interval, warmup, final, refresh_steps)
+    return sum(p.refreshes(i, None, k) for i in range(k))
+
+
+class CacheUNetFeaturesPass(ir.passes.InPlacePass):
+    """Add the deep feature at a U-Net skip connection as an output and record the cache schedule for the plan.
+
+    Args:
+        pipeline_dir: the pipeline folder (for calibration; None with an explicit depth and interval).
+        depth: cut at the depth-th skip Concat counted from the output (1 = highest resolution); None: calibrate.
+        interval: refresh every ``interval`` steps (1 = caching off); None: calibrate.
+        warmup: the first ``warmup`` steps always refresh; final: the last ``final`` steps always refresh.
+        refresh_steps: an explicit schedule of 0-based refresh steps (``0/1/2/4/8``), then every ``interval``.
+        calib: a JSONL of calibration prompts (``prompt`` or ``text``; optional ``seed``): TRAIN captions.
+        max_ssim_drop: calibration budget: mean SSIM to the reference image within this of the uncached loop's.
+        steps: the step count calibration measures at; reference_steps: the long schedule (200).
+        max_depth / intervals: the calibration candidates; limit: calibration prompts used.
+    """
+
+    def __init__(self, pipeline_dir=None, *, depth=None, interval=None, warmup=0, final=0, refresh_steps=None, calib=None,
+                 max_ssim_drop=0.01, steps=20, reference_steps=200, max_depth=3, intervals="2/3/4/5/6", limit=16) -> None:
+        super().__init__()
+        self.depth = None if depth is None else int(depth)
+        self.interval = None if interval is None else int(interval)
+        self.warmup = int(warmup)
+        self.final = int(final)
+        self.refresh_steps = _ints(refresh_steps, "refresh_steps")
+        if self.refresh_steps is not None and (self.refresh_steps[0] != 0 or self.refresh_steps != sorted(set(self.refresh_steps))):
+            raise PassConfigError(f"cache-unet refresh_steps={refresh_steps!r}: increasing step indices starting at 0")
+        if self.depth is not None and self.depth < 1:
+            raise PassConfigError(f"cache-unet depth={depth}: 1 (the skip connection nearest the output) or more")
+        if self.interval is not None and self.interval < 1:
+            raise PassConfigError(f"cache-unet interval={interval}: 1 (refresh every step) or more")
+        if self.warmup < 0 or self.final < 0:
+            raise PassConfigError(f"cache-unet warmup={warmup}, final={final} must be >= 0")
+        explicit = self.depth is not None and self.interval is not None
+        if not explicit and not calib:
+            raise PassConfigError("cache-unet needs depth= and interval= (e.g. cache-unet{depth=2,interval=3}), or "
+                                  "--calib PROMPTS.jsonl (TRAIN captions) to choose them for max_ssim_drop")
+        if not explicit and not pipeline_dir:
+            raise PassConfigError("cache-unet calibration runs on a pipeline folder: dyncompile PIPELINE_DIR --passes cache-unet")
+        if not 0 < float(max_ssim_drop) < 1:
+            raise PassConfigError(f"cache-unet max_ssim_drop={max_ssim_drop} must be in (0, 1)")
+        self.pipeline_dir = None if pipeline_dir is None else str(pipeline_dir)
+        self.calib = None if explicit else str(calib)
+        self.max_ssim_drop = float(max_ssim_drop)
+        self.steps = int(steps)
+        self.reference_steps = int(reference_steps)
+        self.max_depth = int(max_depth)
+        self.intervals = _ints(intervals, "intervals") or [2, 3, 4, 5, 6]
+        self.limit = int(limit)
+
+    def __repr__(self) -> str:
+        src = (f"depth={self.depth}, interval={self.interval}" if self.calib is None else
+               f"calib={self.calib!r}, max_ssim_drop={self.max_ssim_drop}, steps={self.steps}, "
+               f"max_depth={self.max_depth}, intervals={self.intervals}, limit={self.limit}")
+        return f"CacheUNetFeaturesPass({src}, warmup={self.warmup}, final={self.final}, refresh_steps={self.refresh_steps})"
+
+    def requires(self, model: ir.Model) -> None:
+        """Refuse a model that is not a denoiser of (sample, timestep, text states) with one prediction output."""
+        g = model.graph
+        if len(g.inputs) != 3 or not g.outputs:
+            raise ir.passes.PreconditionError(
+                f"cache-unet runs on a diffusion U-Net (sample, timestep, encoder_hidden_states) -> noise prediction; "
+                f"this graph has inputs {[v.name for v in g.inputs]}")
+
+    def ensures(self, model: ir.Model) -> None:
+        """The noise prediction stays the first output; a recorded cut's deep feature is the second."""
+        rec = model.metadata_props.get(_keys.UNET_CACHE)
+        if rec and [v.name for v in model.graph.outputs][1:2] != [json.loads(rec)["deep_output"]]:
+            raise ir.passes.PostconditionError(f"cache-unet must output (prediction, deep feature), got "
+                                               f"{[v.name for v in model.graph.outputs]}")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        old = model.metadata_props.get(_keys.UNET_CACHE)
+        if old and json.loads(old).get("fingerprint") == repr(self):
+            return ir.passes.PassResult(model, modified=False)
+        if old:
+            raise PassConfigError("cache-unet already ran on this U-Net with other options; compile from the original")
+        skips, why = find_skip_concats(model.graph)
+        if not skips:
+            logger.warning("cache-unet: nothing to cache: %s. The pass applies to diffusers-style U-Nets (down blocks, "
+                           "mid block, up blocks joined by channel Concats); the plan runs the U-Net every step", why)
+            return ir.passes.PassResult(model, modified=False)
+        macs = node_macs(model)
+        full = sum(macs.values()) or 1.0
+        shares = [part_cost(macs, shallow_model(model, s.deep)) / full for s in skips]
+        if self.calib is None:
+            if self.depth > len(skips):
+                raise PassConfigError(f"cache-unet depth={self.depth}: this U-Net has {len(skips)} skip connections "
+                                      f"(depth 1..{len(skips)})")
+            depth, interval, warmup, final, refresh = self.depth, self.interval, self.warmup, self.final, self.refresh_steps
+            calibration = None
+        else:
+            depth, interval, warmup, final, refresh, calibration = self._calibrate(model, skips, shares)
+        cut = skips[depth - 1]
+        annotate(model, [cut.deep])
+        deep = next(v for n in model.graph for v in n.outputs if v.name == cut.deep)
+        model.graph.outputs.append(deep)
+        record: dict[str, Any] = {
+            "fingerprint": repr(self),
+            "depth": depth, "deep_output": cut.deep, "concat": cut.node, "interval": interval, "warmup": warmup,
+            "final": final, "refresh_steps": refresh,
+            "structure": {"skip_concats": len(skips), "shallow_mac_share": [round(s, 4) for s in shares]},
+            "calibration": calibration,
+        }
+        model.metadata_props[_keys.UNET_CACHE] = json.dumps(record)
+        logger.info("cache-unet: cut at depth %d (%s), shallow part %.1f%% of the MACs, interval %d, warmup %d, final %d",
+                    depth, cut.node, 100 * shares[depth - 1], interval, warmup, final)
+        return ir.passes.PassResult(model, modified=True)
+
+    def _calibrate(self, model: ir.Model, skips, shares):
+        from dyncompile.passes.step_saver.metrics import ssim
+        from dyncompile.passes.step_saver.pipeline import read_pipeline
+        from dyncompile.passes.step_saver.step_saver_pass import _pipeline_features, _read_calib
+        from dyncompile.runtime.diffusion.denoise import make_noise, to_uint8
+        from dyncompile.runtime.rules.schedulers import make_scheduler
+
+        pipe = read_pipeline(self.pipeline_dir)
+        conv = pipe.conventions
+        rows = _read_calib(self.calib, self.limit)
+        ctx, null, _ = _pipeline_features(pipe, [r["prompt"] for r in rows])
+        shape = conv.get("sample_shape") or [int(d) for d in list(model.graph.inputs[0].shape)[1:]]
+        noise = make_noise([r["seed"] for r in rows], shape, "numpy")
+        scale, crop = float(conv["guidance_scale"]), conv.get("output_crop")
+        sched_cfg = pipe.scheduler_config
+        cands = []
+        edge = max(1, self.steps // 5)
+        for d in range(1, min(self.max_depth, len(skips)) + 1):
+            for n in self.intervals:
+                for w, f in sorted({(0, 0), (edge, 0), (0, edge)}):
+                    full = refresh_count(self.steps, n, w, None, f)
+                    cost = (full + (self.steps - full) * shares[d - 1]) / self.steps
+                    cands.append((cost, d, n, w, f))
+        cands.sort()
+        run = _Runner(model, skips, make_scheduler(sched_cfg), crop)
+        ref = to_uint8(run.sample(None, None, ctx, null, noise, self.reference_steps, scale), crop)
+        base = float(ssim(to_uint8(run.sample(None, None, ctx, null, noise, self.steps, scale), crop), ref).mean())
+        tried = []
+        chosen = None
+        for cost, d, n, w, f in cands:
+            if cost >= 1:
+                continue
+            img = to_uint8(run.sample(d, schedule(n, w, f), ctx, null, noise, self.steps, scale), crop)
+            m = float(ssim(img, ref).mean())
+            tried.append({"depth": d, "interval": n, "warmup": w, "final": f, "est_cost": round(cost, 4), "mean_ssim": round(m, 5)})
+            logger.info("cache-unet calibration: depth %d interval %d warmup %d final %d: est. cost %.3f, mean SSIM %.4f "
+                        "(uncached %.4f)", d, n, w, f, cost, m, base)
+            if base - m <= self.max_ssim_drop:
+                chosen = (d, n, w, f, cost, m)
+                break
+        if chosen is None:
+            raise PassConfigError(f"cache-unet: no candidate keeps mean SSIM within {self.max_ssim_drop} of the uncached "
+                                  f"loop's {base:.4f} at {self.steps} steps on {len(rows)} calibration prompts "
+                                  f"(tried {len(tried)}); raise max_ssim_drop or give depth= and interval=")
+        d, n, w, f, cost, m = chosen
+        calibration = {"prompts": len(rows), "split": "calibration", "noise": "numpy", "steps": self.steps,
+                       "reference_steps": self.reference_steps, "max_ssim_drop": self.max_ssim_drop,
+                       "uncached_mean_ssim": round(base, 5), "chosen_mean_ssim": round(m, 5),
+                       "ssim_drop": round(base - m, 5), "est_cost_per_step": round(cost, 4), "tried": tried}
+        return d, n, w, f, None, calibration
+
+
+class _Runner:
+    """The runtime's denoising loop over in-memory ORT sessions of the full graph and each candidate cut."""
+
+    def __init__(self, model: ir.Model, skips, scheduler, crop) -> None:
+        import onnxruntime as ort
+
+        self.model, self.skips, self.scheduler, self.crop = model, skips, scheduler, crop
+        self._ort = ort
+        self.sessions: dict[int, Any] = {}
+        proto = ir.to_proto(model)
+        self.plain = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def _pair(self, d: int):
+        if d not in self.sessions:
+            cut = self.skips[d - 1]
+            annotate(self.model, [cut.deep])
+            deep = next(v for n in self.model.graph for v in n.outputs if v.name == cut.deep)
+            self.model.graph.outputs.append(deep)
+            try:
+                full = ir.to_proto(self.model)
+            finally:
+                self.model.graph.outputs.pop()
+            shallow = ir.to_proto(shallow_model(self.model, cut.deep))
+            self.sessions[d] = (self._ort.InferenceSession(full.SerializeToString(), providers=["CPUExecutionProvider"]),
+                                self._ort.InferenceSession(shallow.SerializeToString(), providers=["CPUExecutionProvider"]))
+        return self.sessions[d]
+
+    def sample(self, depth, sched, ctx, null, noise, steps, scale) -> np.ndarray:
+        from dyncompile.runtime.diffusion.denoise import Denoiser, FeatureCache
+
+        names = [i.name for i in self.plain.get_inputs()]
+        s, t, c = names[0], names[1], names[2]
+        out0 = self.plain.get_outputs()[0].name
+
+        def plain(x, ts, st):
+            return self.plain.run([out0], {s: x, t: ts, c: st})[0]
+
+        cache = None
+        if depth is not None:
+            full, shallow = self._pair(depth)
+            deep = self.skips[depth - 1].deep
+            snames = {i.name for i in shallow.get_inputs()}
+
+            def f(x, ts, st):
+                e, h = full.run([out0, deep], {s: x, t: ts, c: st})
+                return e, h
+
+            def sh(x, ts, st, h):
+                feeds = {s: x, t: ts, deep: h}
+                if c in snames:
+                    feeds[c] = st
+                return shallow.run(None, feeds)[0]
+
+            cache = FeatureCache(f, sh, sched.refreshes)
+        den = Denoiser(plain, self.scheduler, crop=self.crop, cache=cache)
+        out = []
+        for i in range(0, len(noise), 16):
+            out.append(den.sample(ctx[i:i + 16], null, noise[i:i + 16], steps, scale)["samples"])
+        return np.concatenate(out)
+
+
+@register_pass(
+    "cache-unet",
+    help="diffusion U-Nets: DeepCache-style feature caching: cut at a skip connection, run the deep part only on "
+    "refresh steps; depth=D,interval=N (warmup=W, final=F, refresh_steps=0/1/2/4) or --calib PROMPTS.jsonl with "
+    "max_ssim_drop=0.01 (steps=20)",
+)
+def _make_cache_unet(context, depth: int | None = None, interval: int | None = None, warmup: int = 0, final: int = 0,
+                     refresh_steps: str | None = None, max_ssim_drop: float = 0.01, steps: int = 20,
+                     reference_steps: int = 200, max_depth: int = 3, intervals: str = "2/3/4/5/6", limit: int = 16):
+    return CacheUNetFeaturesPass(
+        context.options.get("pipeline_dir"), depth=depth, interval=interval, warmup=warmup, final=final, refresh_steps=refresh_steps,
+        calib=context.options.get("calib"), max_ssim_drop=max_ssim_drop, steps=steps, reference_steps=reference_steps,
+        max_depth=max_depth, intervals=intervals, limit=limit,
+    )
