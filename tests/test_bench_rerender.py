@@ -32,6 +32,7 @@ OWNERS: list[tuple[str, str]] = [
     ("peers-cuda/*.json", "dyncompile.tools.bench.peers"),
     ("speculative-*/*.json", "dyncompile.tools.bench.generate"),
     ("lookahead/*.json", "dyncompile.tools.bench.generate"),
+    ("serve/*.json", "dyncompile.tools.bench.serve"),
     ("route-code/*.json", "dyncompile.tools.studies.route_code"),
     ("stepsaver/stepsaver.json", "dyncompile.tools.studies.stepsaver"),
     ("stepsaver/composition/*.json", "dyncompile.tools.studies.diffusion_plans"),

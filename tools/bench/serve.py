@@ -281,14 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-    report["markdown"] = _markdown(report)
+    report["markdown"] = render_markdown(report)
     jp, mp = write_report(report, Path(args.report_dir), args.stem)
     print(report["markdown"])
     print(f"wrote {jp} and {mp}")
     return 0
 
 
-def _markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, onnxruntime {m['onnxruntime']}, {m['date']}, load at start "
              f"{m['load_avg']}", ""]
