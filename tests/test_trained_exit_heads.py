@@ -200,8 +200,8 @@ def test_trained_heads_refuse_a_pooling_and_the_linear_fit_refuses_attn():
 
 
 def test_real_minilm_trained_heads_full_path_is_the_original(minilm, module_tmp):
-    """heads=trained on the real model (300 calib rows, exits 2 and 4): heads attached as attention + MLP,
-    metadata says so, and with every exit disabled the If plan reproduces the original logits."""
+    """heads=trained, metric=agreement on the real model (300 calib rows, exits 2 and 4): heads attached as
+    attention + MLP, metadata says so, and with every exit disabled the If plan reproduces the original logits."""
     pytest.importorskip("torch")
     from helpers import DATA
 
@@ -210,10 +210,11 @@ def test_real_minilm_trained_heads_full_path_is_the_original(minilm, module_tmp)
     calib.write_text("\n".join(lines) + "\n")
     out = module_tmp("trained") / "plan"
     dyncompile.compile(minilm.onnx_path, "early-exit", out, calib=str(calib), progress=False, heads="trained",
-                       exits="2,4", never_exit=True, lowering="if", confidence="none")
+                       exits="2,4", never_exit=True, lowering="if", confidence="none", metric="agreement")
     model = ir.load(out / "model.onnx")
     meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
     assert meta["fit"]["heads"] == "trained" and meta["fit"]["pooling"] == "cls+mean+attn"
+    assert meta["certificate"]["mode"] == "agreement"  # metric=agreement: the labels only trained the heads
     assert any(n.endswith("attn_query") for n in _all_initializers(model))
     rows = [json.loads(x) for x in (DATA / "movie-test.jsonl").read_text().splitlines()[:16]]
     cm = dyncompile.load(out)
@@ -236,3 +237,38 @@ def _all_initializers(model):
             if attr.type == ir.AttributeType.GRAPH:
                 names |= set(attr.as_graph().initializers)
     return names
+
+
+def test_metric_option_is_checked(tmp_path):
+    from dyncompile.errors import PassConfigError
+
+    src = tmp_path / "m.onnx"
+    ir.save(tiny_encoder_classifier(num_layers=LAYERS), src)
+    with pytest.raises(ir.passes.PreconditionError, match="unknown metric"):
+        FitExitHeadsPass(["x"] * 200, None, tokenizer_file=__file__, metric="f1").requires(
+            tiny_encoder_classifier(num_layers=LAYERS))
+    with pytest.raises(PassConfigError, match="metric"):
+        dyncompile.compile(src, "early-exit", tmp_path / "out", calib=__file__, progress=False, metric="f1")
+
+
+def test_agreement_certificate_ignores_labels_and_bounds_the_drop():
+    """metric=agreement certifies mean 1[exit != full]; per row that is >= the accuracy loss, so the certified
+    disagreement bound also bounds the observed accuracy drop on the certifying rows."""
+    from dyncompile.passes.early_exit.certify import certify_exits, exit_losses
+
+    rng = np.random.default_rng(0)
+    n = 3000
+    y = rng.integers(0, 2, n)
+    full = np.where(rng.random(n) < 0.9, y, 1 - y)
+    p_full = np.eye(2)[full] * 0.9 + 0.05
+    noise = rng.random(n)
+    exit_pred = np.where(noise < 0.85, full, 1 - full)
+    conf = np.where(exit_pred == full, 0.6 + 0.4 * rng.random(n), 0.5 + 0.3 * rng.random(n))
+    p_exit = np.stack([1 - conf, conf], 1)
+    p_exit[exit_pred == 0] = p_exit[exit_pred == 0][:, ::-1]
+    probs = np.stack([p_exit, p_full]).astype(np.float32)
+    res = certify_exits(probs, p_full, None, [0.5, 1.0], budget=2.0, confidence=0.9)
+    assert res.certificate.mode == "agreement" and res.certificate.certified
+    lab = exit_losses(probs, full, y)  # accuracy loss per row: 1[exit wrong] - 1[full wrong]
+    agr = exit_losses(probs, full, None)  # 1[exit != full]
+    assert (lab <= agr + 1e-12).all() and (lab < agr).any()
