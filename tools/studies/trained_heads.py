@@ -217,13 +217,16 @@ def _plot_curve(curves: dict[str, list[dict]], path: Path) -> None:
     for name, rows in curves.items():
         for budget, ls in (("b1", "-"), ("b2", "--")):
             sizes = sorted({r["rows"] for r in rows if r.get(budget)})
-            axes[0].plot(sizes, [mean(rows, "bound", n, budget) for n in sizes], ls, marker="o", label=f"{name} {budget} bound")
-            axes[0].plot(sizes, [mean(rows, "observed", n, budget) for n in sizes], ls, marker="x", label=f"{name} {budget} observed")
+            tag = f"{name.split('-')[0]} budget {budget[1:]}"
+            axes[0].plot(sizes, [mean(rows, "bound", n, budget) for n in sizes], ls, marker="o", label=f"{tag}: bound")
+            axes[0].plot(sizes, [mean(rows, "observed", n, budget) for n in sizes], ls, marker="x",
+                         label=f"{tag}: observed (certifying rows)")
             axes[0].plot(sizes, [mean(rows, "test_disagreement", n, budget) for n in sizes], ls, marker=".",
-                         label=f"{name} {budget} movie-test")
-            axes[1].plot(sizes, [mean(rows, "layer_speedup", n, budget) for n in sizes], ls, marker="o", label=f"{name} {budget}")
-    axes[0].set_xscale("log")
-    axes[1].set_xscale("log")
+                         label=f"{tag}: movie-test")
+            axes[1].plot(sizes, [mean(rows, "layer_speedup", n, budget) for n in sizes], ls, marker="o", label=tag)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
     axes[0].set_xlabel("unlabeled certifying rows")
     axes[1].set_xlabel("unlabeled certifying rows")
     axes[0].set_ylabel("disagreement with the full model (points)")
@@ -234,6 +237,28 @@ def _plot_curve(curves: dict[str, list[dict]], path: Path) -> None:
     axes[1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+_SPLITS = ("calib", "movie-test", "movie-train")
+_ARRAYS = ("teacher", "labels", "linear", "trained")
+
+
+def save_probs(d: dict, path: Path) -> None:
+    """The per-row arrays of :func:`collect_and_fit` as a plain npz (no pickle) + the facts as JSON inside."""
+    arrays = {f"{sp}/{k}": d[sp][k] for sp in _SPLITS if sp in d for k in _ARRAYS}
+    meta = {k: d[k] for k in ("model", "exits", "num_layers", "seconds", "oof_agreement", "train_config")}
+    np.savez_compressed(path, meta=np.array(json.dumps(_jsonable(meta))), **arrays)
+
+
+def load_probs(path: Path) -> dict:
+    """Read :func:`save_probs`' file back."""
+    z = np.load(path, allow_pickle=False)
+    d = json.loads(str(z["meta"]))
+    for key in z.files:
+        if "/" in key:
+            sp, k = key.split("/")
+            d.setdefault(sp, {})[k] = z[key]
+    return d
 
 
 def _jsonable(x):
@@ -255,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", type=int, default=60)
     ap.add_argument("--curve-sizes", default="250,500,1000,2000,4000,8000")
     ap.add_argument("--from-npz", action="store_true", help="reuse probs-<model>.npz under --out")
+    ap.add_argument("--plot-only", action="store_true", help="redraw agreement-curve.png from heads-*.json under --out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from dyncompile.tools.bench.common import load_avg, machine_info
@@ -262,14 +288,19 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data or Path(__import__("os").environ.get("DYNCOMPILE_SHARED", ".")) / "data" / "sentiment"
     args.out.mkdir(parents=True, exist_ok=True)
     curves = {}
+    if args.plot_only:
+        for p in sorted(args.out.glob("heads-*.json")):
+            rep = json.loads(p.read_text())
+            curves[rep["model"]] = rep["agreement_curve_trained"]
+        _plot_curve(curves, args.out / "agreement-curve.png")
+        return 0
     for name in args.models.split(","):
         npz = args.out / f"probs-{name}.npz"
         if args.from_npz and npz.is_file():
-            z = np.load(npz, allow_pickle=True)
-            d = z["d"].item()
+            d = load_probs(npz)
         else:
             d = collect_and_fit(name, data, extra_rows=args.extra_rows)
-            np.savez_compressed(npz, d=np.array(d, dtype=object))
+            save_probs(d, npz)
         rep = analyse(d, splits=args.splits)
         sizes = [int(s) for s in args.curve_sizes.split(",")]
         curve = agreement_curve(d, "trained", sizes)
