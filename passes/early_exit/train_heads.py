@@ -4,8 +4,9 @@ The linear heads of :mod:`.newton` read fixed ``cls+mean`` features; these read 
 ``[N, S, H]`` through a learned attention query (:func:`~dyncompile.passes.early_exit.heads.attention_pool`),
 concatenate ``[cls, mean, attention]`` and apply ``Linear(3H, D) -> GELU -> Linear(D, C)``. Training is
 distillation to the full model's output distribution (cross-entropy to ``alpha * p_full + (1 - alpha) *
-onehot(label)``, i.e. KL to the full model plus CE on the labels when the rows have them; ``alpha = 1``
-without labels) with the backbone frozen: the hidden states are computed once by the compile
+onehot(label)``, i.e. KL to the full model plus CE on the labels when the rows have them and ``alpha < 1``;
+the default ``alpha = 1`` is pure distillation, see :data:`DEFAULT_ALPHA`) with the backbone frozen: the
+hidden states are computed once by the compile
 (:func:`~dyncompile.passes.early_exit.fit_exit_heads.collect_exit_features` keeps them, float16) and the
 heads train on that cache.
 
@@ -43,7 +44,12 @@ DEFAULT_WIDTH = 128
 DEFAULT_EPOCHS = 10
 DEFAULT_LR = 2e-3
 DEFAULT_WEIGHT_DECAY = 1e-2
-DEFAULT_ALPHA = 0.5
+#: weight of the full model's distribution in the target (1 - alpha on the labels). 1.0: pure distillation —
+#: on movie-calib (MiniLM-L6, out-of-fold, certified on movie-calib) alpha 1.0 gave agreement 81.8 / 88.9 /
+#: 94.7 / 97.1 / 98.8 % at exits 1-5 and a certified expected speedup of 3.14x, alpha 0.5 82.3 / 88.6 / 92.8 /
+#: 95.7 / 96.6 % and 2.59x: the exit has to agree with the full model, and the labels pull it elsewhere
+#: exactly where the full model is wrong.
+DEFAULT_ALPHA = 1.0
 DEFAULT_DROPOUT = 0.1
 #: rows per training step: the collected batches (length-ordered) are merged up to this size
 DEFAULT_BATCH = 128
