@@ -169,7 +169,7 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
 
 COMPILE_OPTIONS = frozenset(
     {"calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads",
-     "batch_sizes"}
+     "batch_sizes", "metric"}
 )
 """Keyword options of :func:`compile_model` (the CLI's pass flags); anything else is an error."""
 

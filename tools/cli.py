@@ -86,8 +86,12 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--batch-sizes", help="batch sizes the plan will serve, e.g. 1,32: --lowering auto picks staged "
                     "when one is > 1")
     ee.add_argument("--never-exit", action="store_true", help="thresholds that never fire (fidelity check)")
-    ee.add_argument("--heads", choices=["fitted", "given"],
-                    help="fitted (default): fit exit heads; given: use per-layer logits the graph already outputs")
+    ee.add_argument("--heads", choices=["fitted", "trained", "given"],
+                    help="fitted (default): fit linear exit heads; trained: attention-pooling + MLP heads distilled "
+                    "from the full model (needs PyTorch); given: use per-layer logits the graph already outputs")
+    ee.add_argument("--metric", choices=["accuracy", "agreement"],
+                    help="what --budget bounds: accuracy drop (default; uses the labels) or disagreement with the "
+                    "full model (no labels needed; also bounds the accuracy drop)")
     p.add_argument(
         "--provider",
         help="execution provider the plan is for (cpu, openvino, cuda, directml): --lowering auto and quantize-int8{format=auto} pick per provider",

@@ -287,8 +287,9 @@ def fit_exit_heads(
         CalibrationError: empty input, mismatched shapes, non-probabilities, too few rows for the folds.
     """
     t0 = time.perf_counter()
-    if pooling not in POOLINGS:
-        raise CalibrationError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLINGS)}")
+    if pooling not in POOLINGS[:3]:
+        raise CalibrationError(f"unknown pooling {pooling!r} for this fit; use one of {', '.join(POOLINGS[:3])} "
+                               "(cls+mean+attn heads are trained: heads='trained')")
     if activation not in ("none", "tanh", "relu"):
         raise CalibrationError(f"fitting supports activations none/tanh/relu, got {activation!r}")
     if hidden is not None and (not isinstance(hidden, int | np.integer) or hidden < 1):

@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 SOLVERS = ("newton", "adam")
+#: ``fitted``: linear heads on pooled features (:mod:`.newton`); ``trained``: attention pooling + MLP heads
+#: distilled on the cached hidden states (:mod:`.train_heads`, PyTorch).
+HEAD_KINDS = ("fitted", "trained")
 #: Fewer calibration rows than this cannot fit K-fold heads and calibrate thresholds meaningfully.
 MIN_CALIB_ROWS = 100
 
@@ -110,8 +113,14 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         progress: bool = True,
         confidence: float | None = 0.9,
         split: float = 0.3,
+        heads: str = "fitted",
+        metric: str = "accuracy",
+        train_options: dict | None = None,
     ) -> None:
         super().__init__()
+        self.heads = heads
+        self.metric = metric
+        self.train_options = dict(train_options or {})
         self.texts = list(texts)
         self.labels = None if labels is None else np.asarray(labels, np.int64)
         self.tokenizer_file = Path(tokenizer_file)
@@ -137,7 +146,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
     def __repr__(self) -> str:
         return (
             f"FitExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, confidence={self.confidence}, "
-            f"criterion={self.criterion!r}, exits={self.exits or 'all'}, solver={self.solver!r}, "
+            f"criterion={self.criterion!r}, exits={self.exits or 'all'}, heads={self.heads!r}, solver={self.solver!r}, "
+            f"metric={self.metric!r}, "
             f"never_exit={self.never_exit})"
         )
 
@@ -172,6 +182,15 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             )
         if not self.tokenizer_file.is_file():
             raise ir.passes.PreconditionError(f"tokenizer file {self.tokenizer_file} not found")
+        if self.heads not in HEAD_KINDS:
+            raise ir.passes.PreconditionError(f"unknown heads {self.heads!r}; use one of {', '.join(HEAD_KINDS)}")
+        if self.metric not in ("accuracy", "agreement"):
+            raise ir.passes.PreconditionError(f"unknown metric {self.metric!r}; use accuracy or agreement")
+        if self.heads == "trained" and (self.hidden or self.pooling not in (None, "cls+mean+attn")):
+            raise ir.passes.PreconditionError(
+                "heads='trained' has its own architecture (cls+mean+attn pooling, one hidden layer): "
+                "leave pooling and hidden unset"
+            )
         if self.solver not in SOLVERS:
             raise ir.passes.PreconditionError(f"unknown solver {self.solver!r}; use one of {', '.join(SOLVERS)}")
         if self.solver == "newton" and self.hidden:
@@ -203,22 +222,40 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 f"exits {bad} are not inner layer boundaries of this {num_layers}-layer model; choose from "
                 f"1..{num_layers - 1}"
             )
-        pooling = self.pooling or "cls+mean"
+        trained = self.heads == "trained"
+        pooling = "cls+mean+attn" if trained else (self.pooling or "cls+mean")
         cut_names = [cuts[k] for k in exits]
         clock = _PhaseClock()
+        cache = None
+        if trained:
+            from dyncompile.passes.early_exit.train_heads import HiddenCache
+
+            cache = HiddenCache()
         features, teacher = collect_exit_features(
             model,
             cut_names,
             self.texts,
             tokenizer_file=self.tokenizer_file,
             max_length=self.max_length,
-            pooling=pooling,
+            pooling="cls" if trained else pooling,  # trained heads read the cached states, not these features
             batch_size=self.batch_size,
             progress=self.progress,
+            on_batch=cache.add if cache is not None else None,
         )
         clock.lap("running the calibration set")
-        bar = _progress(len(exits), "early-exit: fitting exit heads", self.progress)
-        if self.solver == "newton":
+        bar = _progress(len(exits), "early-exit: " + ("training" if trained else "fitting") + " exit heads",
+                        self.progress)
+        if trained:
+            from dyncompile.passes.early_exit.train_heads import train_exit_heads
+
+            del features
+            try:
+                fit = train_exit_heads(cache, teacher, self.labels, folds=self.folds, seed=self.seed,
+                                       progress=lambda done, total, msg: bar.update(1), **self.train_options)
+            except CalibrationError as e:
+                raise ir.passes.PreconditionError(str(e)) from None
+            del cache
+        elif self.solver == "newton":
             fit = fit_exit_heads_newton(
                 features, teacher, self.labels, pooling=pooling, seed=self.seed, folds=self.folds,
                 pca_dim=self.pca_dim or "auto", progress=lambda done, total, msg: bar.update(1),
@@ -235,7 +272,9 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 progress=lambda done, total, msg: bar.update(1),
             )
         bar.close()
-        clock.lap("fitting exit heads")
+        clock.lap("training exit heads" if trained else "fitting exit heads")
+        # metric=agreement: certify the disagreement rate with the full model; the labels (if any) only train
+        cert_labels = None if self.metric == "agreement" else self.labels
         reference_probs = None
         if self.reference_model is not None and _keys.QUANTIZED in model.metadata_props:
             ref = self.reference_model
@@ -253,7 +292,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             confidence = None if self.never_exit else self.confidence  # nothing fires: nothing to certify
             if confidence is not None or self.criterion == "learned":
                 certified, calibration = certified_calibration(
-                    fit.oof_probs, teacher, self.labels, exits, num_layers, budget=self.budget,
+                    fit.oof_probs, teacher, cert_labels, exits, num_layers, budget=self.budget,
                     confidence=confidence, criterion=self.criterion, patience=self.patience,
                     reference_probs=reference_probs, split=self.split, seed=self.seed,
                 )
@@ -261,7 +300,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                 thresholds = list(certified.thresholds[:-1])
             else:
                 cal = calibrate_exits(
-                    fit.oof_probs, teacher, self.labels, exits, num_layers,
+                    fit.oof_probs, teacher, cert_labels, exits, num_layers,
                     budget=self.budget, criterion=self.criterion, patience=self.patience, reference_probs=reference_probs,
                 )
                 for w in cal.warnings:
@@ -283,7 +322,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         if certified is not None:
             extra_policy["certificate"] = certified.certificate.to_dict()
         else:
-            extra_policy["certificate"] = uncertified_certificate(calibration, self.labels is not None)
+            extra_policy["certificate"] = uncertified_certificate(calibration, cert_labels is not None)
         if learned:
             extra_policy["exit_policy"] = certified.policy.to_dict()
         attach_exit_heads(
@@ -398,10 +437,13 @@ def collect_exit_features(
     pooling: str,
     batch_size: int = 32,
     progress: bool = True,
+    on_batch=None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Run the model on ``texts`` with the cut tensors exposed (ONNX Runtime, CPU).
 
     Returns the pooled features ``[N, F]`` of every cut and the full model's probabilities ``[N, C]``.
+    ``on_batch(rows, attention_mask, [hidden states per cut])``, if given, sees every batch's raw cut
+    tensors (the trained heads cache them).
     The model is left as it was (the extra outputs exist only in the serialised probe).
     """
     import onnxruntime as ort
@@ -440,6 +482,8 @@ def collect_exit_features(
         if finals is None:
             finals = np.empty((n, p.shape[1]), np.float64)
         finals[rows] = p
+        if on_batch is not None:
+            on_batch(rows, feeds["attention_mask"], outs[1:])
         for j, h in enumerate(outs[1:]):
             f = pool_features(h, feeds["attention_mask"], pooling)
             if feats[j] is None:

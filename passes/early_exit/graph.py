@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.early_exit.heads import ExitHead
+from dyncompile.passes.early_exit.heads import ATTN_MASK_BIAS, ExitHead
 
 __all__ = ["GraphBuilder", "NEVER_THRESHOLD"]
 
@@ -59,12 +59,16 @@ class GraphBuilder:
         m = self.op("Cast", [attention_mask], {"to": ir.DataType.FLOAT})
         return self.op("Unsqueeze", [m, self.const(np.array([-1], np.int64), "mask_axes")])
 
-    def pool(self, hidden: ir.Value, mask3: ir.Value | None, pooling: str) -> ir.Value:
-        """Pool ``hidden`` ``[B, S, H]`` to ``[B, F]`` the way the exit head was fitted (cls, mean, cls+mean)."""
+    def pool(self, hidden: ir.Value, mask3: ir.Value | None, pooling: str, query: np.ndarray | None = None) -> ir.Value:
+        """Pool ``hidden`` ``[B, S, H]`` to ``[B, F]`` the way the exit head was fitted.
+
+        ``cls``, ``mean``, ``cls+mean``, or ``cls+mean+attn`` with the attention ``query`` ``[H]`` (as
+        :func:`~dyncompile.passes.early_exit.heads.attention_pool`).
+        """
         parts = []
-        if pooling in ("cls", "cls+mean"):
+        if pooling in ("cls", "cls+mean", "cls+mean+attn"):
             parts.append(self.op("Gather", [hidden, self.const(np.array(0, np.int64), "cls_index")], {"axis": 1}))
-        if pooling in ("mean", "cls+mean"):
+        if pooling in ("mean", "cls+mean", "cls+mean+attn"):
             if mask3 is None:
                 parts.append(self.reduce("ReduceMean", hidden, [1], 0, "mean"))
             else:
@@ -72,11 +76,20 @@ class GraphBuilder:
                 n = self.reduce("ReduceSum", mask3, [1], 0, "sum_m")
                 n = self.op("Max", [n, self.const(np.array(1.0, np.float32), "one")])
                 parts.append(self.op("Div", [s, n]))
+        if pooling == "cls+mean+attn":
+            q = np.asarray(query, np.float32).reshape(-1, 1)
+            scores = self.op("MatMul", [hidden, self.const(q, "attn_query")])  # [B, S, 1]
+            if mask3 is not None:
+                bias = self.op("Mul", [self.op("Sub", [mask3, self.const(np.float32(1.0), "attn_one")]),
+                                       self.const(np.float32(-ATTN_MASK_BIAS), "attn_big")])
+                scores = self.op("Add", [scores, bias])
+            weights = self.op("Softmax", [scores], {"axis": 1})
+            parts.append(self.reduce("ReduceSum", self.op("Mul", [hidden, weights]), [1], 0, "attn_pool"))
         return parts[0] if len(parts) == 1 else self.op("Concat", parts, {"axis": -1})
 
     def head(self, head: ExitHead, hidden: ir.Value, mask3: ir.Value | None) -> ir.Value:
         """Logits ``[B, C]`` of ``head`` on layer states ``hidden`` ``[B, S, H]``."""
-        x = self.pool(hidden, mask3, head.pooling)
+        x = self.pool(hidden, mask3, head.pooling, head.attn_query)
         for i, (w, b, act) in enumerate(head.layers):
             x = self.op("Add", [self.op("MatMul", [x, self.const(w, f"W{i}")]), self.const(b, f"b{i}")])
             if act == "tanh":

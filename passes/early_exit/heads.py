@@ -1,7 +1,8 @@
 """The exit-head model: pooling, activations, ``ExitHead`` and its JSON form (numpy only).
 
 An exit head turns one layer's hidden states ``[N, S, H]`` into class probabilities:
-``pool`` (:func:`pool_features`: ``cls``, ``mean`` or ``cls+mean``) then a stack of dense layers
+``pool`` (:func:`pool_features`: ``cls``, ``mean``, ``cls+mean`` or ``cls+mean+attn``, the last with a learned
+attention query, see :func:`attention_pool`) then a stack of dense layers
 (activation ``none``/``tanh``/``relu``/``gelu``) then softmax. Feature standardisation (and the
 optional PCA projection used while fitting) is folded into the first dense layer, so a head is exactly
 ``softmax(act(x W1 + b1) W2 + b2)``: MatMul/Add/activation/Softmax, nothing else, which
@@ -27,25 +28,56 @@ __all__ = [
     "CalibrationError",
     "ExitHead",
     "activate",
+    "attention_pool",
     "pool_features",
     "softmax",
 ]
 
-POOLINGS = ("cls", "mean", "cls+mean")
+POOLINGS = ("cls", "mean", "cls+mean", "cls+mean+attn")
+#: Added to the attention scores of padding tokens (their softmax weight underflows to exactly 0).
+ATTN_MASK_BIAS = -1e9
 ACTIVATIONS = ("none", "tanh", "relu", "gelu")
 
 HEAD_FORMAT = "dyncompile.exit_head/v1"
 
 
-def pool_features(hidden: np.ndarray, attention_mask: np.ndarray | None, pooling: str) -> np.ndarray:
+def attention_pool(hidden: np.ndarray, attention_mask: np.ndarray | None, query: np.ndarray) -> np.ndarray:
+    """Attention pooling ``sum_s softmax_s(h_s . q + bias_s) h_s`` ``[N, H]`` (float32).
+
+    ``bias_s`` is 0 for a token the mask keeps and :data:`ATTN_MASK_BIAS` for padding, so padding gets
+    weight 0; ``query`` ``[H]`` is learned (a zero query gives the masked mean). The ONNX lowering
+    (:meth:`dyncompile.passes.early_exit.graph.GraphBuilder.pool`) computes the same ops in the same order.
+    """
+    h = np.asarray(hidden, np.float32)
+    q = np.asarray(query, np.float32).reshape(-1)
+    if q.shape[0] != h.shape[2]:
+        raise CalibrationError(f"attention query has {q.shape[0]} entries, the hidden states {h.shape[2]}")
+    s = h @ q  # [N, S]
+    if attention_mask is not None:
+        s = s + (np.asarray(attention_mask).astype(np.float32) - np.float32(1.0)) * np.float32(-ATTN_MASK_BIAS)
+    s = s - s.max(axis=1, keepdims=True)
+    e = np.exp(s)
+    a = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    return np.einsum("nsh,ns->nh", h, a).astype(np.float32)
+
+
+def pool_features(
+    hidden: np.ndarray, attention_mask: np.ndarray | None, pooling: str, query: np.ndarray | None = None
+) -> np.ndarray:
     """Pool layer hidden states ``[N, S, H]`` into head features ``[N, F]`` (float32).
 
     ``cls``: ``hidden[:, 0, :]`` (F = H). ``mean``: mean over the tokens whose ``attention_mask`` is
     non-zero (F = H; a row with an all-zero mask gives zeros). ``cls+mean``: ``[cls, mean]`` (F = 2H).
+    ``cls+mean+attn``: ``[cls, mean, attention_pool(query)]`` (F = 3H; needs ``query`` ``[H]``).
     ``attention_mask`` ``[N, S]`` may be ``None`` for ``cls`` (and means "all tokens" for ``mean``).
     """
     if pooling not in POOLINGS:
         raise CalibrationError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLINGS)}")
+    if pooling == "cls+mean+attn":
+        if query is None:
+            raise CalibrationError("cls+mean+attn pooling needs the head's attention query")
+        base = pool_features(hidden, attention_mask, "cls+mean")
+        return np.concatenate([base, attention_pool(hidden, attention_mask, query)], axis=1)
     hidden = np.asarray(hidden)
     if hidden.ndim != 3 or hidden.shape[1] == 0:
         raise CalibrationError(
@@ -130,11 +162,13 @@ class ExitHead:
             output are the logits (its activation is normally ``"none"``). Standardisation of the
             features is already folded into the first layer: feed raw pooled features.
         info: free-form JSON-able facts (exit index, OOF accuracy, fitting recipe).
+        attn_query: ``[H]`` float32, the attention query of ``cls+mean+attn`` pooling (else ``None``).
     """
 
     pooling: str
     layers: list[tuple[np.ndarray, np.ndarray, str]]
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    attn_query: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
@@ -157,6 +191,19 @@ class ExitHead:
             width = w.shape[1]
             fixed.append((w, b, act))
         self.layers = fixed
+        if (self.pooling == "cls+mean+attn") != (self.attn_query is not None):
+            raise CalibrationError("an exit head has an attention query exactly when its pooling is cls+mean+attn")
+        if self.attn_query is not None:
+            self.attn_query = np.asarray(self.attn_query, np.float32).reshape(-1)
+            if 3 * self.attn_query.shape[0] != self.in_features:
+                raise CalibrationError(
+                    f"cls+mean+attn pooling of width-{self.attn_query.shape[0]} states gives "
+                    f"{3 * self.attn_query.shape[0]} features, the first layer expects {self.in_features}"
+                )
+
+    def features(self, hidden: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
+        """The pooled features ``[N, F]`` this head reads, from layer states ``[N, S, H]``."""
+        return pool_features(hidden, attention_mask, self.pooling, self.attn_query)
 
     @property
     def in_features(self) -> int:
@@ -190,7 +237,7 @@ class ExitHead:
                 for w, b, act in self.layers
             ],
             "info": self.info,
-        }
+        } | ({"attn_query": _encode_array(self.attn_query, encoding)} if self.attn_query is not None else {})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExitHead:
@@ -205,7 +252,8 @@ class ExitHead:
                 (_decode_array(layer["W"], f"layer {i} W"), _decode_array(layer["b"], f"layer {i} b"), layer["activation"])
                 for i, layer in enumerate(d["layers"])
             ]
-            return cls(pooling=d["pooling"], layers=layers, info=dict(d.get("info", {})))
+            query = _decode_array(d["attn_query"], "attn_query") if "attn_query" in d else None
+            return cls(pooling=d["pooling"], layers=layers, info=dict(d.get("info", {})), attn_query=query)
         except KeyError as exc:
             raise CalibrationError(f"exit head description lacks the field {exc}") from exc
 

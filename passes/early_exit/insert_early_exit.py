@@ -299,12 +299,17 @@ def _make_early_exit(
     budget_reference: str = "original",
     confidence: str | float | None = None,
     batch_sizes: str | int | None = None,
+    metric: str | None = None,
 ):
     """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass.
 
     Options left at None take the compile's flags (``--budget``, ``--confidence``, ``--lowering``,
-    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``, ``--batch-sizes``), then the defaults (budget 1.0
-    certified at confidence 0.9, lowering auto, entropy, every layer, fitted heads, no batch sizes declared).
+    ``--criterion``, ``--exits``, ``--never-exit``, ``--heads``, ``--batch-sizes``, ``--metric``), then the defaults
+    (budget 1.0 certified at confidence 0.9, lowering auto, entropy, every layer, fitted (linear) heads, no batch
+    sizes declared, metric accuracy). ``heads=trained``: attention-pooling + MLP heads distilled from the full
+    model (PyTorch). ``metric=agreement``: the budget bounds the disagreement rate with the full model, certified
+    without labels (it also bounds the accuracy drop: a row that agrees with the full model cannot change
+    correctness).
     ``lowering=auto`` picks staged when a declared batch size is above 1, else by provider.
     """
     from pathlib import Path
@@ -339,8 +344,11 @@ def _make_early_exit(
         raise PassConfigError(f"early-exit patience must be in 1..64, got {patience}")
     never_exit = bool(o.get("never_exit", False)) if never_exit is None else never_exit
     heads = heads or o.get("heads") or "fitted"
-    if heads not in ("fitted", "given"):
-        raise PassConfigError(f"heads must be 'fitted' or 'given', got {heads!r}")
+    if heads not in ("fitted", "trained", "given"):
+        raise PassConfigError(f"heads must be 'fitted', 'trained' or 'given', got {heads!r}")
+    metric = metric or o.get("metric") or "accuracy"
+    if metric not in ("accuracy", "agreement"):
+        raise PassConfigError(f"--metric must be accuracy or agreement, got {metric!r}")
     target = o.get("provider") or "cpu"
     sizes = parse_batch_sizes(batch_sizes if batch_sizes is not None else o.get("batch_sizes"))
     if lowering == "auto":
@@ -390,6 +398,8 @@ def _make_early_exit(
         reference_model=context.model_path if budget_reference == "original" and context.model_path else None,
         progress=context.progress,
         confidence=confidence,
+        heads=heads,
+        metric=metric,
     )
     return [fit, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
 
@@ -403,7 +413,8 @@ register_pass(
     choices={
         "lowering": ("if", "staged", "auto"),
         "criterion": ("entropy", "maxprob", "patience", "learned"),
-        "heads": ("fitted", "given"),
+        "heads": ("fitted", "trained", "given"),
+        "metric": ("accuracy", "agreement"),
         "budget_reference": ("original", "self"),
         "pooling": ("cls", "mean", "cls+mean"),
     },

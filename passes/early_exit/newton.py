@@ -224,8 +224,9 @@ def fit_exit_heads_newton(
 
 def _fit(features, teacher_probs, labels, *, pooling, seed, folds, progress, alpha, temperature, l2, pca_dim) -> FitResult:
     t0 = time.perf_counter()
-    if pooling not in POOLINGS:
-        raise CalibrationError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLINGS)}")
+    if pooling not in POOLINGS[:3]:
+        raise CalibrationError(f"unknown pooling {pooling!r} for this fit; use one of {', '.join(POOLINGS[:3])} "
+                               "(cls+mean+attn heads are trained: heads='trained')")
     if not isinstance(folds, int | np.integer) or folds < 2:
         raise CalibrationError(f"folds must be an int >= 2 (K-fold cross-fitting), got {folds!r}")
     if not 0.0 <= alpha <= 1.0 or temperature <= 0 or l2 <= 0:
