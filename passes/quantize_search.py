@@ -384,6 +384,20 @@ def certify_quantized(res: QuantSearchResult, quantized: ir.Model, runner: _Runn
     res.certificate = cert
 
 
+def _layer_record(model: ir.Model) -> dict[str, Any] | None:
+    """``{"num_layers", "cuts": {layer: output cut tensor}, "pooling"}`` of the fp32 graph, or None without layers."""
+    from dyncompile.passes.analysis.layers import analyze_model
+
+    try:
+        s = analyze_model(model)
+    except Exception:  # noqa: BLE001 - no layer record: a later pass analyses the graph itself
+        return None
+    if not s.has_layers:
+        return None
+    return {"num_layers": len(s.layers), "cuts": {str(layer.index): layer.output_cut for layer in s.layers},
+            "pooling": s.head.pooling if s.head else "cls"}
+
+
 class SearchInt8FallbackPass(ir.passes.InPlacePass):
     """Accuracy-aware dynamic int8: keep the most sensitive MatMuls in fp32 until a budget share is met.
 
@@ -455,6 +469,7 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
             budget=self.budget, share=self.share, confidence=self.confidence, per_channel=self.per_channel,
             sensitivity_rows=self.sensitivity_rows,
         )
+        layers = _layer_record(model)
         if len(res.excluded) == len(res.table):
             logger.warning("quantize-int8 search: no int8 configuration is expected within %.2f points of the fp32 "
                            "original; every MatMul stays fp32 (a larger budget or budget_share lets int8 in)",
@@ -479,6 +494,11 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
         if result.modified:
             meta = json.loads(result.model.metadata_props.get(_keys.QUANTIZED, "{}"))
             meta.update(search="budget", fp32_nodes=list(res.excluded))
+            values = ir.convenience.create_value_mapping(result.model.graph)
+            if layers and all(c in values for c in layers["cuts"].values()):
+                # fp32 kept in some layers only: the int8 layers no longer repeat exactly, so a later early-exit
+                # reads the layer boundaries found on the fp32 graph from here (their tensors keep their names)
+                meta["layers"] = layers
             result.model.metadata_props[_keys.QUANTIZED] = json.dumps(meta)
         # the search's record, also when every MatMul stayed fp32 (the table says why)
         result.model.metadata_props[_keys.POLICY_PREFIX + "quantization"] = json.dumps(res.to_dict())

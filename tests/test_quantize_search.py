@@ -100,6 +100,15 @@ def test_search_plan_records_table_fallbacks_and_certificate(minilm, tmp_path):
     assert all(names.get(n) == "MatMul" for n in q["excluded"])
     int8 = [n for n in g if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")]
     assert len(int8) == len(table) - k
+    from dyncompile.passes import _keys
+    from dyncompile.passes.early_exit.fit_exit_heads import find_exit_cuts
+
+    # the fp32 graph's layer boundaries travel with the int8 model: a later early-exit reads them from there
+    fp32_layers = find_exit_cuts(tiny_encoder_classifier(num_layers=4, vocab=30522))
+    int8_model = ir.load(res.plan.directory / res.plan.files["model"].path)
+    assert 0 < k < len(table)  # this tiny model needs some fallbacks at 1 point: both branches of the search ran
+    assert json.loads(int8_model.metadata_props[_keys.QUANTIZED])["layers"]["num_layers"] == fp32_layers[0]
+    assert find_exit_cuts(int8_model) == fp32_layers
     c = q["certificate"]
     assert c["rows"] == 210 and c["confidence"] == 0.9 and c["method"] == "betting"
     assert c["bound"] >= c["observed"] and c["certified"] == (c["bound"] <= 1.0)
