@@ -16,6 +16,7 @@ from dyncompile.passes import QuantizeDynamicInt8Pass
 from dyncompile.passes.emit import add_budget_split
 from dyncompile.passes.quantize_search import (
     GATE_INPUT,
+    fallback_counts,
     gated_fake_quant,
     predicted_bound,
     quant_losses,
@@ -50,6 +51,11 @@ def test_gated_fake_quant_is_fp32_at_gate_zero_and_quantize_dynamic_at_gate_one(
     one = np.zeros(len(targets))  # one MatMul alone: a change of the int8 step's size, not round-off
     one[0] = 1
     assert np.abs(_run(gated, feeds, one) - fp32).max() > 100 * np.abs(off - fp32).max()
+
+
+def test_fallback_counts_scan_every_small_count_then_geometrically():
+    assert fallback_counts(36) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32]
+    assert fallback_counts(3) == [0, 1, 2]
 
 
 def test_quant_losses_and_predicted_bound():
@@ -93,7 +99,8 @@ def test_search_plan_records_table_fallbacks_and_certificate(minilm, tmp_path):
     assert {r["node"] for r in table if r["rank"] <= k} == set(q["excluded"])
     assert all(r.get("fp32") for r in table if r["rank"] <= k) and not any(r.get("fp32") for r in table if r["rank"] > k)
     steps = {s["fp32_kept"]: s for s in q["steps"]}
-    assert steps[k]["predicted_bound"] <= 1.0 or k == len(table)
+    assert list(steps) == [j for j in fallback_counts(len(table)) if j <= k]  # the scan stops at the first fit
+    assert steps[k]["predicted_bound"] <= 1.0
     assert all(s["predicted_bound"] > 1.0 for j, s in steps.items() if j < k)
     g = ir.load(res.plan.directory / res.plan.files["model"].path).graph
     names = {n.name: n.op_type for n in g}
