@@ -524,9 +524,9 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
     if format != "dynamic":
         raise PassConfigError(f"quantize-int8 budget_share searches the dynamic int8 format only, not {format!r}; "
                               "use format=dynamic (the CPU EP's) or drop budget_share")
-    if keep_fp32 or reduce_range or per_channel is False:
-        raise PassConfigError("quantize-int8 budget_share chooses the fp32 MatMuls itself on per-channel weights: "
-                              "drop keep_fp32, reduce_range and per_channel=false")
+    if keep_fp32 or reduce_range:
+        raise PassConfigError("quantize-int8 budget_share chooses the fp32 MatMuls itself: drop keep_fp32 and "
+                              "reduce_range")
     if isinstance(share, bool) or not 0.0 < float(share) <= 1.0:
         raise PassConfigError(f"quantize-int8 budget_share is the part of --budget the int8 model may spend, in (0, 1];"
                               f" got {share!r}")
@@ -550,7 +550,7 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
     return SearchInt8FallbackPass(
         texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
         budget=float(budget), share=float(share), confidence=confidence, sensitivity_rows=sensitivity_rows,
-        progress=context.progress,
+        per_channel=per_channel is not False, progress=context.progress,
     )
 
 
