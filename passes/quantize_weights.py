@@ -493,21 +493,30 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), qdq-weights (weight-only QDQ) or auto (by "
     "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out; budget_share=S (with --calib, "
     "--budget B): accuracy-aware search keeping the most sensitive MatMuls in fp32 until int8 alone is expected within "
-    "S*B points of fp32, certified on held-out calibration rows",
+    "S*B points of fp32, certified on held-out calibration rows; fp32_nodes=A+B (dynamic): these MatMul nodes stay fp32 "
+    "(e.g. a search's choice, from `dyncompile inspect`)",
     choices={"format": ("auto", "dynamic", "qdq-weights")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
     keep_fp32: str | None = None, budget_share: float | None = None, sensitivity_rows: int = 256,
+    fp32_nodes: str | None = None,
 ):
     from dyncompile.errors import PassConfigError
 
     if format == "auto":
         format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
     if budget_share is not None:
+        if fp32_nodes:
+            raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "
+                                  "them), not both")
         return _make_int8_search(context, format, per_channel, reduce_range, keep_fp32, budget_share, sensitivity_rows)
+    names = tuple(n for n in (fp32_nodes or "").split("+") if n)
+    if names and format != "dynamic":
+        raise PassConfigError(f"quantize-int8 fp32_nodes applies to format=dynamic, not {format!r}")
     if format == "dynamic":
-        return QuantizeDynamicInt8Pass(per_channel=bool(per_channel), reduce_range=reduce_range, keep_fp32=keep_fp32)
+        return QuantizeDynamicInt8Pass(per_channel=bool(per_channel), reduce_range=reduce_range, keep_fp32=keep_fp32,
+                                       exclude_nodes=names)
     if format == "qdq-weights":
         return QuantizeWeightsInt8Pass(per_channel=True if per_channel is None else per_channel, keep_fp32=keep_fp32)
     raise PassConfigError(f"quantize-int8 format must be dynamic, qdq-weights or auto, got {format!r}")

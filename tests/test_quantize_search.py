@@ -180,3 +180,19 @@ def test_minilm_int8_search_then_early_exit_one_budget(minilm, tmp_path):
     assert split["quantization"]["observed"] <= 0.5 + 1e-9
     assert pol["early_exit"]["calibration"]["reference"]["metric"] == "accuracy"
     assert json.dumps(pol)  # strict JSON
+
+
+def test_fp32_nodes_pins_named_matmuls_in_fp32():
+    """quantize-int8{fp32_nodes=A+B}: a search's choice, given by name (no calibration rows needed)."""
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes import CompileContext, build_passes
+
+    m = tiny_encoder_classifier()
+    names = [t.node for t in quant_targets(m)][:2]
+    p = build_passes(f"quantize-int8{{format=dynamic,per_channel=true,fp32_nodes={'+'.join(names)}}}", CompileContext())[0]
+    assert p(m).modified
+    ops = {n.name: n.op_type for n in m.graph}
+    assert all(ops[n] == "MatMul" for n in names)
+    assert sum(1 for n in m.graph if n.op_type == "MatMulInteger") == len(quant_targets(tiny_encoder_classifier())) - 2
+    with pytest.raises(PassConfigError, match="not both"):
+        build_passes(f"quantize-int8{{budget_share=0.5,fp32_nodes={names[0]}}}", CompileContext(options={"calib": "x"}))
