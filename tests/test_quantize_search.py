@@ -82,7 +82,7 @@ def _tiny_model_dir(tmp_path, minilm):
     return d, calib
 
 
-def test_search_plan_records_table_fallbacks_and_certificate(minilm, tmp_path):
+def test_search_plan_records_table_fallbacks_and_certificate(minilm, tmp_path, capsys):
     """The fallback set is the top of the sensitivity ranking, those MatMuls stay fp32 in the graph, the rest are
     int8; the plan carries the table, the steps and a certificate computed on the held-out rows."""
     d, calib = _tiny_model_dir(tmp_path, minilm)
@@ -119,6 +119,13 @@ def test_search_plan_records_table_fallbacks_and_certificate(minilm, tmp_path):
     c = q["certificate"]
     assert c["rows"] == 210 and c["confidence"] == 0.9 and c["method"] == "betting"
     assert c["bound"] >= c["observed"] and c["certified"] == (c["bound"] <= 1.0)
+    from helpers import run_cli
+
+    rc, out, _ = run_cli(capsys, "inspect", res.plan_dir)
+    assert rc == 0 and f"{k} of {len(table)} MatMuls kept in fp32" in out
+    top = min(table, key=lambda r: r["rank"])
+    line = next(x for x in out.splitlines() if x.strip().startswith("1  ") and top["label"][:20] in x)
+    assert ("fp32" if top.get("fp32") else "int8") in line.split()
 
 
 def test_search_keeps_everything_fp32_when_nothing_fits_and_is_idempotent(minilm, tmp_path):
