@@ -74,11 +74,11 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
             "p50_ms": round(1e3 * float(np.median(lat[r.name])), 2),
             "p90_ms": round(1e3 * float(np.percentile(lat[r.name], 90)), 2),
             "speedup": paired_ratio(1.0 / np.asarray(lat[r.name]), 1.0 / base_lat),
-            "plan": None if c is None else str(c.plan.directory),
+            "plan": None if c is None else Path(c.plan.directory).name,  # no machine paths in stored reports
             "promise": {} if c is None else promise(c.plan.policy),
         }
         rows.append(row)
-    return {"data": str(data), "rows": len(texts), "batch": 1, "provider": "cpu", "results": rows,
+    return {"data": Path(data).name, "rows": len(texts), "batch": 1, "provider": "cpu", "results": rows,
             "machine": machine_info()}
 
 
