@@ -34,6 +34,7 @@ OWNERS: list[tuple[str, str]] = [
     ("route-code/*.json", "dyncompile.tools.studies.route_code"),
     ("stepsaver/stepsaver.json", "dyncompile.tools.studies.stepsaver"),
     ("stepsaver/composition/*.json", "dyncompile.tools.studies.diffusion_plans"),
+    ("quantized-certified/*.json", "dyncompile.tools.studies.quantized_certified"),
     ("quantized-*/*.json", "dyncompile.tools.studies.quantized_early_exit"),
     ("route-sentiment/*.json", "dyncompile.tools.bench.routed"),
     ("under-load/*.json", "dyncompile.tools.studies.under_load"),

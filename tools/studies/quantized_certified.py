@@ -96,7 +96,17 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_markdown(report: dict[str, Any]) -> str:
+    """The markdown this study writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown(report)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from dyncompile.tools.bench.common import render_requested
+
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--name", required=True, help="report stem (e.g. the model)")
     p.add_argument("--plans", nargs="+", required=True, metavar="LABEL=DIR", help="compiled plan directories")
