@@ -185,7 +185,10 @@ def test_minilm_int8_search_then_early_exit_one_budget(minilm, tmp_path):
     split = pol["budget_split"]
     assert split["pipeline"]["certified"] and split["pipeline"]["bound"] <= 1.0
     assert split["quantization"]["observed"] <= 0.5 + 1e-9
-    assert pol["early_exit"]["calibration"]["reference"]["metric"] == "accuracy"
+    # the exits were certified against the fp32 original (run on the calibration rows), with labels
+    assert "running the reference model" in pol["early_exit"]["fit"]["phases"]
+    assert pol["early_exit"]["certificate"]["mode"] == "labels"
+    assert pol["early_exit"]["calibration"]["exit_distribution"]["layers"][-1] == 6  # the fp32 graph's 6 layers
     assert json.dumps(pol)  # strict JSON
 
 
