@@ -168,9 +168,10 @@ def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
     add_model_files(files, "model", save_model(model, req.out_dir, "model.onnx", "main"))
     tok = add_tokenizer(req, files)
     inputs, outputs = io_signature(model.graph)
-    policy = {k[len(_keys.POLICY_PREFIX) :]: v for k, v in model.metadata_props.items() if k.startswith(_keys.POLICY_PREFIX)}
+    policy = prefixed_policies(model)
     if _keys.EARLY_EXIT in model.metadata_props:
         policy["early_exit"] = early_exit_policy(model)
+    add_budget_split(policy)
     if req.task in EMBEDDING_TASKS and isinstance(req.model_config.get("pooling"), dict):
         policy.setdefault("pooling", dict(req.model_config["pooling"]))  # sentence-embedding: how to pool
     return Plan(
@@ -184,6 +185,40 @@ def emit_single(model: ir.Model, req: EmitRequest) -> Plan:
         policy=policy,
         provenance=req.provenance,
     )
+
+
+def prefixed_policies(model: ir.Model) -> dict[str, Any]:
+    """Plan policies a pass recorded as ``dyncompile.policy.NAME`` metadata (JSON text -> JSON value)."""
+    import json
+
+    return {k[len(_keys.POLICY_PREFIX) :]: json.loads(v) for k, v in model.metadata_props.items()
+            if k.startswith(_keys.POLICY_PREFIX)}
+
+
+def add_budget_split(policy: dict[str, Any]) -> None:
+    """``policy["budget_split"]``: how one ``--budget`` was shared by the int8 search and the exits.
+
+    Set when the plan has both an accuracy-aware int8 search (``policy.quantization``) and a certified early
+    exit measured against the fp32 original. Both certificates are computed on the same held-out calibration
+    rows (the same seeded split), so the exits' part is the pipeline's observed drop minus int8's own; the one
+    promise of the plan is the pipeline's bound (int8 + exits against fp32).
+    """
+    q, ee = policy.get("quantization"), policy.get("early_exit")
+    if not isinstance(q, dict) or not isinstance(ee, dict) or not isinstance(ee.get("certificate"), dict):
+        return
+    qc, pc = q.get("certificate") or {}, ee["certificate"]
+    if qc.get("observed") is None or pc.get("observed") is None:
+        return
+    same_rows = qc.get("rows") == pc.get("rows")
+    policy["budget_split"] = {
+        "budget": pc.get("budget"),
+        "confidence": pc.get("confidence"),
+        "quantization": {"share": q.get("share"), "target": q.get("target_points"), "observed": qc["observed"],
+                         "bound": qc.get("bound"), "certified": qc.get("certified"), "fp32_matmuls": len(q.get("excluded") or [])},
+        "exits": {"observed": round(pc["observed"] - qc["observed"], 4) if same_rows else None},
+        "pipeline": {"observed": pc["observed"], "bound": pc.get("bound"), "certified": pc.get("certified"),
+                     "rows": pc.get("rows"), "reference": "fp32 original"},
+    }
 
 
 def early_exit_policy(model: ir.Model) -> dict[str, Any]:

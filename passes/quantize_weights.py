@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -224,15 +225,18 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         reduce_range: bool = False,
         op_types: tuple[str, ...] = ("MatMul",),
         keep_fp32: str | tuple[str, ...] | None = None,
+        exclude_nodes: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.per_channel = bool(per_channel)
         self.reduce_range = bool(reduce_range)
         self.op_types = tuple(op_types)
         self.keep_fp32 = _parse_keep_fp32(keep_fp32)
+        self.exclude_nodes = tuple(exclude_nodes)
 
     def __repr__(self) -> str:
         keep = f", keep_fp32={'+'.join(self.keep_fp32)!r}" if self.keep_fp32 else ""
+        keep += f", exclude_nodes=<{len(self.exclude_nodes)} names>" if self.exclude_nodes else ""
         return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}, op_types={list(self.op_types)}{keep})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -242,6 +246,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         exclude = gelu_fed_matmuls(model) if "ffn-out" in self.keep_fp32 else []
+        exclude = list(dict.fromkeys([*exclude, *self.exclude_nodes]))
         with tempfile.TemporaryDirectory() as tmp:
             src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
             _save_without_value_info(model, src)
@@ -486,22 +491,76 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
 @register_pass(
     "quantize-int8",
     help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), qdq-weights (weight-only QDQ) or auto (by "
-    "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out",
+    "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out; budget_share=S (with --calib, "
+    "--budget B): accuracy-aware search keeping the most sensitive MatMuls in fp32 until int8 alone is expected within "
+    "S*B points of fp32, certified on held-out calibration rows; fp32_nodes=A+B (dynamic): these MatMul nodes stay fp32 "
+    "(e.g. a search's choice, from `dyncompile inspect`)",
     choices={"format": ("auto", "dynamic", "qdq-weights")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
-    keep_fp32: str | None = None,
+    keep_fp32: str | None = None, budget_share: float | None = None, sensitivity_rows: int = 256,
+    fp32_nodes: str | None = None,
 ):
     from dyncompile.errors import PassConfigError
 
     if format == "auto":
         format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
+    if budget_share is not None:
+        if fp32_nodes:
+            raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "
+                                  "them), not both")
+        return _make_int8_search(context, format, per_channel, reduce_range, keep_fp32, budget_share, sensitivity_rows)
+    names = tuple(n for n in (fp32_nodes or "").split("+") if n)
+    if names and format != "dynamic":
+        raise PassConfigError(f"quantize-int8 fp32_nodes applies to format=dynamic, not {format!r}")
     if format == "dynamic":
-        return QuantizeDynamicInt8Pass(per_channel=bool(per_channel), reduce_range=reduce_range, keep_fp32=keep_fp32)
+        return QuantizeDynamicInt8Pass(per_channel=bool(per_channel), reduce_range=reduce_range, keep_fp32=keep_fp32,
+                                       exclude_nodes=names)
     if format == "qdq-weights":
         return QuantizeWeightsInt8Pass(per_channel=True if per_channel is None else per_channel, keep_fp32=keep_fp32)
     raise PassConfigError(f"quantize-int8 format must be dynamic, qdq-weights or auto, got {format!r}")
+
+
+def _make_int8_search(context, format: str, per_channel, reduce_range: bool, keep_fp32, share: float,  # noqa: A002
+                      sensitivity_rows: int):
+    """``quantize-int8{budget_share=S}``: the accuracy-aware search (:mod:`dyncompile.passes.quantize_search`)."""
+    from dyncompile.errors import PassConfigError
+    from dyncompile.io import read_jsonl, texts_and_labels
+    from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence
+    from dyncompile.passes.quantize_search import SearchInt8FallbackPass
+
+    if format != "dynamic":
+        raise PassConfigError(f"quantize-int8 budget_share searches the dynamic int8 format only, not {format!r}; "
+                              "use format=dynamic (the CPU EP's) or drop budget_share")
+    if keep_fp32 or reduce_range:
+        raise PassConfigError("quantize-int8 budget_share chooses the fp32 MatMuls itself: drop keep_fp32 and "
+                              "reduce_range")
+    if isinstance(share, bool) or not 0.0 < float(share) <= 1.0:
+        raise PassConfigError(f"quantize-int8 budget_share is the part of --budget the int8 model may spend, in (0, 1];"
+                              f" got {share!r}")
+    if sensitivity_rows < 32:
+        raise PassConfigError(f"quantize-int8 sensitivity_rows must be >= 32, got {sensitivity_rows}")
+    o = context.options
+    if not o.get("calib"):
+        raise PassConfigError("quantize-int8 budget_share needs calibration rows: pass --calib FILE.jsonl")
+    budget = 1.0 if o.get("budget") is None else o["budget"]
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 100:
+        raise PassConfigError(f"--budget is the accepted accuracy drop in points, >= 0 (at most 100); got {budget!r}")
+    try:
+        confidence = parse_confidence(o.get("confidence"))
+    except CalibrationError as e:
+        raise PassConfigError(str(e)) from None
+    tok = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
+    if tok is None or not Path(tok).is_file():
+        raise PassConfigError(f"quantize-int8 budget_share needs the model's tokenizer.json (looked at {tok}); "
+                              "pass --tokenizer")
+    texts, labels = texts_and_labels(read_jsonl(o["calib"]), context.model_config.get("labels"))
+    return SearchInt8FallbackPass(
+        texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
+        budget=float(budget), share=float(share), confidence=confidence, sensitivity_rows=sensitivity_rows,
+        per_channel=per_channel is not False, progress=context.progress,
+    )
 
 
 @register_pass(

@@ -37,7 +37,12 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
             from dyncompile.passes.early_exit.certify import describe_certificate
 
             lines.append(f"  certificate: {describe_certificate(cert)}")
+        quant = plan.policy.get("quantization")
+        if isinstance(quant, dict) and isinstance(quant.get("table"), list):
+            lines += quantization_lines(quant, plan.policy.get("budget_split"))
         for k, v in plan.policy.items():
+            if k in ("quantization", "budget_split") and isinstance(quant, dict) and isinstance(quant.get("table"), list):
+                continue
             cal = v.get("calibration") if isinstance(v, dict) else None
             if isinstance(cal, dict) and isinstance(cal.get("path"), list):  # the certification path: a count
                 v = {**v, "calibration": {**cal, "path": f"<{len(cal['path'])} configurations, see plan.json>"}}
@@ -53,6 +58,40 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
         lines.append(f"pipeline (-O{pipe.get('opt_level')} on {pipe.get('provider')}): "
                      f"{', '.join(map(str, pipe['passes']))}; inserted: {', '.join(map(str, inserted)) or 'none'}")
     return "\n".join(lines)
+
+
+def quantization_lines(q: dict, split: dict | None = None, top: int = 20) -> list[str]:
+    """The int8 search of a plan: the certificate, the budget split and the per-MatMul sensitivity table.
+
+    Rows sorted by sensitivity (KL of the fp32 outputs to the outputs with that MatMul alone in int8, on the
+    search rows); the ``top`` most sensitive and every fallback are shown, the rest counted.
+    """
+    c = q.get("certificate") or {}
+    out = [f"  quantization: int8 search, target {q.get('target_points')} points = {q.get('share')} x budget "
+           f"{q.get('budget')}; {len(q.get('excluded') or [])} of {len(q['table'])} MatMuls kept in fp32"]
+    if c:
+        bound = "none" if c.get("bound") is None else f"{c['bound']:.2f}"
+        out.append(f"    int8 alone on {c.get('rows')} held-out calibration rows: drop {c.get('observed'):.2f} points, "
+                   f"agreement {c.get('agreement')} %, bound {bound} at {c.get('confidence')} -> "
+                   f"{'certified' if c.get('certified') else 'NOT certified'} within {c.get('target')}")
+    if split:
+        pl, qs, ex = split.get("pipeline") or {}, split.get("quantization") or {}, split.get("exits") or {}
+        out.append(f"    budget split of {split.get('budget')}: int8 observed {qs.get('observed')}, exits observed "
+                   f"{ex.get('observed')}, pipeline observed {pl.get('observed')} bound {pl.get('bound')} "
+                   f"({'certified' if pl.get('certified') else 'NOT certified'}, one certificate vs the fp32 original)")
+    for st in q.get("steps") or []:
+        out.append(f"    search: {st['fp32_kept']:>3} in fp32 -> path-row drop {st['observed_path']:.2f}, agreement "
+                   f"{st['agreement_path']} %, predicted bound {st['predicted_bound']:.2f}")
+    rows = sorted(q["table"], key=lambda r: r.get("rank", 0))
+    out.append(f"    {'rank':>4}  {'MatMul':<28} {'KL':>10} {'flips':>5} {'acc Δ':>7}  precision  why")
+    shown = [r for r in rows if r.get("rank", 0) <= top or r.get("fp32")]
+    for r in shown:
+        acc = "–" if r.get("acc_change") is None else f"{r['acc_change']:+.2f}"
+        out.append(f"    {r.get('rank', 0):>4}  {r['label'][:28]:<28} {r['kl']:>10.2e} {r['flips']:>5} {acc:>7}  "
+                   f"{'fp32' if r.get('fp32') else 'int8':<9}  {r.get('why', '')}")
+    if len(rows) > len(shown):
+        out.append(f"    ... {len(rows) - len(shown)} less sensitive MatMuls, all int8 (plan.json has the full table)")
+    return out
 
 
 def _routed_lines(plan, step) -> list[str]:

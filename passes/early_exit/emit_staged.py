@@ -17,10 +17,12 @@ import onnx_ir.passes.common as common_passes
 from dyncompile.passes import _keys
 from dyncompile.passes.emit import (
     EmitRequest,
+    add_budget_split,
     add_model_files,
     add_tokenizer,
     early_exit_policy,
     io_signature,
+    prefixed_policies,
     register_emitter,
     save_model,
 )
@@ -117,7 +119,8 @@ def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
         {"name": final.name, "dtype": "FLOAT", "shape": [d if isinstance(d, int) else str(d) for d in final.shape]},
         {"name": "exit_layer", "dtype": "INT64", "shape": [str(final.shape[0])]},
     ]
-    policy = {"early_exit": early_exit_policy(model)}
+    policy = {**prefixed_policies(model), "early_exit": early_exit_policy(model)}
+    add_budget_split(policy)
     step = Step(
         "early_exit_staged",
         {

@@ -1,0 +1,510 @@
+"""Accuracy-aware int8: per-MatMul sensitivity and a budget-driven fp32 fallback search.
+
+``quantize-int8{budget_share=S}`` with ``--calib`` and ``--budget B`` quantizes every constant-weight MatMul
+except the most sensitive ones, kept in fp32 until the int8 model alone is expected to stay within ``S * B``
+accuracy points of the fp32 original, and certifies what it chose with the early-exit machinery (the
+Waudby-Smith–Ramdas betting bound of :mod:`dyncompile.passes.early_exit.certify`). Quantization is still ORT's
+(``quantize_dynamic`` with ``nodes_to_exclude``); this module only decides which nodes to exclude.
+
+How (every step on the calibration rows, split as the early-exit certification splits them):
+
+1. **Split.** :func:`~dyncompile.passes.early_exit.certify.stratified_split` with the early-exit defaults
+   (path fraction 0.3, seed 0, strata = labels, else the fp32 predictions): the *search* uses the path rows
+   only, the *certificate* the other 70 % (the test rows). ``--passes quantize-int8,early-exit`` therefore
+   builds its exit path on the same rows the fallback was searched on, and certifies the composed pipeline
+   (int8 + exits, against the fp32 original) once, on rows neither search has seen.
+2. **Sensitivity.** One ONNX Runtime session of a *gated fake-quant* copy of the model
+   (:func:`gated_fake_quant`): every target MatMul reads ``x + g_i (dq(q(x)) - x)`` and ``W + g_i (dq(q(W)) - W)``
+   with ``q`` what ``quantize_dynamic`` does (uint8 per-tensor activations via ``DynamicQuantizeLinear``,
+   symmetric int8 weights per output channel) and ``g`` a graph input. ``g = e_i`` quantizes MatMul ``i`` alone,
+   ``g = 0`` is the fp32 model (to float round-off: the MatMuls read a computed weight, another kernel path):
+   one session measures every configuration, no quantizer runs in the loop. Sensitivity of ``i`` = mean KL(fp32 || int8-only-``i``) on up to ``sensitivity_rows`` path rows
+   (with the flips and the accuracy change, for the table).
+3. **Fallback.** MatMuls sorted by sensitivity; configuration ``k`` keeps the ``k`` most sensitive in fp32.
+   The first ``k`` of :func:`fallback_counts` (0, 1, ..., 8, 12, 16, 24, ...) whose path-row loss
+   (``1[int8 wrong] - 1[fp32 wrong]``, or disagreement without labels) predicts a bound within the target at
+   the test part's size (:func:`predicted_bound`) is chosen; the plan records each ``k`` tried.
+4. **Quantize and certify.** ``quantize_dynamic(nodes_to_exclude=the k names)``; the *real* int8 model (not the
+   simulation) runs on every calibration row; on the test rows its observed drop and its betting UCB at
+   ``--confidence`` are recorded (:class:`QuantSearchResult`), ``certified`` when the bound is within ``S * B``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "GATE_INPUT",
+    "QuantSearchResult",
+    "QuantTarget",
+    "gated_fake_quant",
+    "predicted_bound",
+    "quant_losses",
+    "quant_targets",
+    "certify_quantized",
+    "fallback_counts",
+    "search_fallback",
+]
+
+GATE_INPUT = "dyncompile_quant_gate"
+SEARCH_FORMAT = "dyncompile.quant_search/v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantTarget:
+    """One MatMul the int8 pass may quantize: node name, weight name, layer (0 = outside the layers), label."""
+
+    node: str
+    weight: str
+    layer: int
+    label: str
+
+
+def quant_targets(model: ir.Model) -> list[QuantTarget]:
+    """The main graph's MatMuls with a 2-D float32 initializer weight, in graph order, labelled by layer.
+
+    Labels are ``L<layer>.<j> KxN`` (``j``-th such MatMul of the layer, ``ffn-out`` when a GELU feeds it), or
+    ``head.<j>`` outside the repeated layers (:func:`~dyncompile.passes.analysis.analyze_model`).
+    """
+    from dyncompile.passes.quantize_weights import gelu_fed_matmuls
+
+    g = model.graph
+    layer_of: dict[str, int] = {}
+    try:
+        from dyncompile.passes.analysis.layers import analyze_model
+
+        s = analyze_model(model)
+        for layer in s.layers if s.has_layers else ():
+            for name in layer.node_names:
+                layer_of[name] = layer.index
+    except Exception as e:  # noqa: BLE001 - the labels are cosmetic; the search works without layers
+        logger.info("quantize-int8 search: no layer structure for the labels (%s)", e)
+    gelu = set(gelu_fed_matmuls(model))
+    out, per_layer = [], {}
+    for n, node in enumerate(g):
+        w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
+        if w is None or w.const_value is None or w.name not in g.initializers:
+            continue
+        if w.const_value.dtype != ir.DataType.FLOAT or len(w.const_value.shape) != 2:
+            continue
+        if not node.name:
+            node.name = f"MatMul_{n}"
+        layer = layer_of.get(node.name, 0)
+        j = per_layer.get(layer, 0)
+        per_layer[layer] = j + 1
+        k, m = w.const_value.shape
+        where = f"L{layer}.{j}" if layer else f"head.{j}"
+        out.append(QuantTarget(node.name, w.name, layer, f"{where} {k}x{m}" + (" ffn-out" if node.name in gelu else "")))
+    return out
+
+
+def _fake_quant_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
+    """``dq(q(W))`` as ``quantize_dynamic`` stores it: symmetric int8 in [-127, 127], a scale per column (axis 1)."""
+    a = w.astype(np.float32)
+    amax = np.abs(a).max(axis=0, keepdims=True) if per_channel else np.abs(a).max(keepdims=True)
+    scale = (np.maximum(amax, 1e-12) / 127.0).astype(np.float32)
+    return (np.clip(np.rint(a / scale), -127, 127) * scale).astype(np.float32)
+
+
+def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channel: bool = True) -> bytes:
+    """A serialised copy of ``model`` whose target MatMuls are int8 where the input ``GATE_INPUT[i]`` is 1.
+
+    ``g`` is a float ``[len(targets)]`` graph input. MatMul ``i`` reads ``x + g_i (dq(q(x)) - x)`` and
+    ``W + g_i D_i`` with ``D_i = dq(q(W)) - W`` a constant; ``g_i = 0`` leaves it fp32 (to round-off). ``model``
+    is not modified.
+    """
+    work = ir.from_proto(ir.to_proto(model))
+    g = work.graph
+    gate = ir.Value(name=GATE_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([len(targets)]))
+    g.inputs.append(gate)
+    index = {t.node: i for i, t in enumerate(targets)}
+    for node in [n for n in g if n.op_type == "MatMul" and n.name in index]:
+        i = index[node.name]
+        x, w = node.inputs[0], node.inputs[1]
+        arr = w.const_value.numpy()
+        p = f"dyncompile_fq{i}"
+        idx = ir.Value(name=f"{p}/idx", const_value=ir.tensor(np.array(i, np.int64), name=f"{p}/idx"))
+        wd = _fake_quant_weight(arr, per_channel) - arr.astype(np.float32)
+        wdelta = ir.Value(name=f"{p}/wdelta", const_value=ir.tensor(wd, name=f"{p}/wdelta"))
+        g.register_initializer(idx)
+        g.register_initializer(wdelta)
+        gi = ir.node("Gather", [gate, idx], {"axis": 0}, name=f"{p}/gate")
+        q = ir.node("DynamicQuantizeLinear", [x], num_outputs=3, name=f"{p}/quantize")
+        dq = ir.node("DequantizeLinear", list(q.outputs), name=f"{p}/dequantize")
+        xd = ir.node("Sub", [dq.outputs[0], x], name=f"{p}/xdelta")
+        xg = ir.node("Mul", [xd.outputs[0], gi.outputs[0]], name=f"{p}/xgate")
+        xn = ir.node("Add", [x, xg.outputs[0]], name=f"{p}/x")
+        wg = ir.node("Mul", [wdelta, gi.outputs[0]], name=f"{p}/wgate")
+        wn = ir.node("Add", [w, wg.outputs[0]], name=f"{p}/w")
+        new = [gi, q, dq, xd, xg, xn, wg, wn]
+        for k, n in enumerate(new):
+            for j, o in enumerate(n.outputs):
+                o.name = f"{p}/out{k}_{j}"
+        g.insert_before(node, new)
+        node.replace_input_with(0, xn.outputs[0])
+        node.replace_input_with(1, wn.outputs[0])
+    return ir.to_proto(work).SerializeToString()
+
+
+class _Runner:
+    """Probabilities ``[N, C]`` of a classifier session on calibration texts (length-ordered batches)."""
+
+    def __init__(self, model_bytes: bytes, texts: Sequence[str], tokenizer_file: Path, max_length: int,
+                 batch_size: int = 32) -> None:
+        import onnxruntime as ort
+
+        from dyncompile.passes.early_exit.fit_exit_heads import length_order
+        from dyncompile.runtime.text import TextEncoder
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        self.enc = TextEncoder(tokenizer_file, max_length=max_length)
+        self.texts = list(texts)
+        self.order = length_order(self.enc, self.texts)
+        self.inputs = [i.name for i in self.sess.get_inputs()]
+        self.output = self.sess.get_outputs()[0].name
+        self.batch_size = batch_size
+        self._feeds: dict[tuple[int, ...], dict[str, np.ndarray]] = {}
+
+    def probs(self, rows: np.ndarray, gate: np.ndarray | None = None) -> np.ndarray:
+        """Softmax outputs on ``rows`` (indices into the texts), in that order."""
+        from dyncompile.runtime.rules.exit_rule import softmax
+
+        rows = np.asarray(rows)
+        pos = {int(r): j for j, r in enumerate(rows)}
+        ordered = [int(r) for r in self.order if int(r) in pos]
+        out = None
+        for s in range(0, len(ordered), self.batch_size):
+            chunk = tuple(ordered[s : s + self.batch_size])
+            feeds = self._feeds.get(chunk)
+            if feeds is None:
+                enc = self.enc([self.texts[r] for r in chunk])
+                feeds = self._feeds[chunk] = {k: v for k, v in enc.items() if k in self.inputs}
+            run = dict(feeds)
+            if gate is not None:
+                run[GATE_INPUT] = gate.astype(np.float32)
+            p = softmax(self.sess.run([self.output], run)[0].astype(np.float64))
+            if out is None:
+                out = np.empty((len(rows), p.shape[1]), np.float64)
+            out[[pos[r] for r in chunk]] = p
+        return out
+
+
+def quant_losses(probs: np.ndarray, ref_probs: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+    """Per-row loss of the quantized model against the reference (the early-exit certificate's loss).
+
+    ``1[q wrong] - 1[ref wrong]`` with labels, else ``1[q != ref]``: the int8 model as the only exit.
+    """
+    from dyncompile.passes.early_exit.certify import exit_losses
+
+    return exit_losses(np.asarray(probs)[None], np.asarray(ref_probs).argmax(-1), labels)[0]
+
+
+def predicted_bound(losses: np.ndarray, n_test: int, delta: float, lo: float, seed: int = 0) -> float:
+    """A forecast (points) of the certificate's betting bound on ``n_test`` new rows from path-row ``losses``.
+
+    The betting UCB of the path losses, shuffled (seeded) and repeated to ``n_test`` rows: the bound the
+    certificate would give if the test rows looked like the path rows. Used only to *choose* a configuration
+    on the path rows (a choice that never reads the test rows keeps the certificate valid).
+    """
+    from dyncompile.passes.early_exit.certify import betting_ucb
+
+    x = np.asarray(losses, np.float64)
+    sample = np.resize(x[np.random.default_rng(seed).permutation(len(x))], n_test)
+    return 100.0 * betting_ucb(sample, delta, lo, 1.0)
+
+
+@dataclasses.dataclass
+class QuantSearchResult:
+    """What the search decided and on what evidence (``to_dict`` is the plan's ``policy.quantization``)."""
+
+    excluded: list[str]
+    target_points: float
+    budget: float
+    share: float
+    confidence: float | None
+    table: list[dict[str, Any]]
+    steps: list[dict[str, Any]]
+    rows: dict[str, int]
+    per_channel: bool
+    certificate: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able record with its format tag."""
+        return {"format": SEARCH_FORMAT, **dataclasses.asdict(self)}
+
+
+def fallback_counts(m: int) -> list[int]:
+    """The numbers of fp32 MatMuls the search tries, in order: 0, 1, ..., 8, 12, 16, 24, 32, ... (< m).
+
+    A scan from int8-everywhere up, not a bisection: on a few hundred path rows the loss moves by whole rows and
+    is not monotone in the count (a bisection that lands on an unlucky count skips every smaller one); the
+    first count that meets the target wins, so speed is preferred. ``m`` (every MatMul fp32) is implied.
+    """
+    out, j = list(range(9)), 8
+    while j < m:
+        out += [j, j + j // 2]
+        j *= 2
+    return sorted({c for c in out if c < m})
+
+
+def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    p, q = np.clip(p, 1e-12, 1.0), np.clip(q, 1e-12, 1.0)
+    return (p * (np.log(p) - np.log(q))).sum(-1)
+
+
+def search_fallback(
+    model: ir.Model,
+    texts: Sequence[str],
+    labels: np.ndarray | None,
+    *,
+    tokenizer_file: Path,
+    max_length: int,
+    budget: float,
+    share: float,
+    confidence: float | None,
+    per_channel: bool = True,
+    sensitivity_rows: int = 256,
+    split: float | None = None,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> tuple[QuantSearchResult, _Runner, np.ndarray, np.ndarray]:
+    """Steps 1–3 of the module docstring: the names to keep in fp32 and the evidence.
+
+    Returns ``(result without certificate, runner of the gated model, fp32 probabilities on every row, test
+    rows)``; :func:`certify_quantized` fills the certificate from the real int8 model.
+    """
+    from dyncompile.passes.early_exit.certify import DEFAULT_SPLIT, stratified_split
+
+    split = DEFAULT_SPLIT if split is None else split  # the early-exit certification's split: the same path rows
+    targets = quant_targets(model)
+    if not targets:
+        raise ValueError("no MatMul with a 2-D float32 weight initializer to quantize")
+    runner = _Runner(gated_fake_quant(model, targets, per_channel), texts, tokenizer_file, max_length, batch_size)
+    n, m = len(texts), len(targets)
+    every = np.arange(n)
+    zero = np.zeros(m, np.float32)
+    fp32 = runner.probs(every, zero)
+    y = None if labels is None else np.asarray(labels, np.int64)
+    strata = fp32.argmax(-1) if y is None else y
+    path, test = stratified_split(n, split, seed, strata)
+    sens_rows = path[np.random.default_rng(seed).permutation(len(path))[: min(sensitivity_rows, len(path))]]
+    sens_rows = np.sort(sens_rows)
+    ref_s, ref_p = fp32[sens_rows], fp32[path]
+    table = []
+    for i, t in enumerate(targets):
+        gate = zero.copy()
+        gate[i] = 1.0
+        q = runner.probs(sens_rows, gate)
+        flips = int((q.argmax(-1) != ref_s.argmax(-1)).sum())
+        row = {"node": t.node, "label": t.label, "layer": t.layer, "kl": float(_kl(ref_s, q).mean()), "flips": flips}
+        if y is not None:
+            row["acc_change"] = round(100.0 * float((q.argmax(-1) == y[sens_rows]).mean()
+                                                     - (ref_s.argmax(-1) == y[sens_rows]).mean()), 4)
+        table.append(row)
+    order = sorted(range(m), key=lambda i: -table[i]["kl"])
+    for rank, i in enumerate(order):
+        table[i]["rank"] = rank + 1
+    delta = 0.1 if confidence is None else 1.0 - confidence
+    lo = -1.0 if y is not None else 0.0
+    target = share * budget
+    steps: dict[int, dict[str, Any]] = {}
+
+    def evaluate(k: int) -> float:
+        gate = np.ones(m, np.float32)
+        gate[order[:k]] = 0.0
+        q = runner.probs(path, gate)
+        losses = quant_losses(q, ref_p, None if y is None else y[path])
+        pb = predicted_bound(losses, len(test), delta, lo)
+        steps[k] = {"fp32_kept": k, "observed_path": round(100.0 * float(losses.mean()), 4),
+                    "agreement_path": round(100.0 * float((q.argmax(-1) == ref_p.argmax(-1)).mean()), 4),
+                    "predicted_bound": round(pb, 4)}
+        logger.info("quantize-int8 search: %d of %d MatMuls in fp32: path-row drop %.2f, predicted bound %.2f "
+                    "(target %.2f)", k, m, steps[k]["observed_path"], pb, target)
+        return pb
+
+    k = next((j for j in fallback_counts(m) if evaluate(j) <= target), m)
+    excluded = [targets[i].node for i in order[:k]]
+    for i in order[:k]:
+        table[i]["fp32"] = True
+        table[i]["why"] = f"rank {table[i]['rank']} of {m} by KL; int8 with fewer fallbacks predicted above {target:.2f} points"
+    for row in table:
+        row["kl"] = round(row["kl"], 6)
+    res = QuantSearchResult(
+        excluded=excluded, target_points=round(target, 6), budget=float(budget), share=float(share),
+        confidence=confidence, table=table, steps=[steps[j] for j in sorted(steps)],
+        rows={"calibration": n, "path": len(path), "test": len(test), "sensitivity": len(sens_rows)},
+        per_channel=per_channel,
+    )
+    return res, runner, fp32, test
+
+
+def certify_quantized(res: QuantSearchResult, quantized: ir.Model, runner: _Runner, fp32: np.ndarray,
+                      labels: np.ndarray | None, test: np.ndarray) -> None:
+    """Step 4: run the real int8 model on the test rows; fill ``res.certificate`` (observed drop, betting UCB)."""
+    import onnxruntime as ort
+
+    from dyncompile.passes.early_exit.certify import betting_ucb
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(ir.to_proto(quantized).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    swap = runner.sess
+    runner.sess = sess
+    try:
+        q = runner.probs(test)
+    finally:
+        runner.sess = swap
+    y = None if labels is None else np.asarray(labels, np.int64)[test]
+    ref = fp32[test]
+    losses = quant_losses(q, ref, y)
+    lo = -1.0 if y is not None else 0.0
+    rng = np.random.default_rng(0)
+    cert: dict[str, Any] = {
+        "mode": "labels" if y is not None else "agreement", "rows": int(len(test)),
+        "observed": round(100.0 * float(losses.mean()), 4),
+        "agreement": round(100.0 * float((q.argmax(-1) == ref.argmax(-1)).mean()), 4),
+        "confidence": res.confidence, "target": res.target_points,
+    }
+    if y is not None:
+        cert["fp32_accuracy"] = round(100.0 * float((ref.argmax(-1) == y).mean()), 4)
+        cert["int8_accuracy"] = round(100.0 * float((q.argmax(-1) == y).mean()), 4)
+    if res.confidence is not None:
+        bound = 100.0 * betting_ucb(losses[rng.permutation(len(losses))], 1.0 - res.confidence, lo, 1.0)
+        cert.update(bound=round(bound, 4), certified=bool(bound <= res.target_points + 1e-9), method="betting")
+    else:
+        cert.update(bound=None, certified=False, method="none")
+    res.certificate = cert
+
+
+def _layer_record(model: ir.Model) -> dict[str, Any] | None:
+    """``{"num_layers", "cuts": {layer: output cut tensor}, "pooling"}`` of the fp32 graph, or None without layers."""
+    from dyncompile.passes.analysis.layers import analyze_model
+
+    try:
+        s = analyze_model(model)
+    except Exception:  # noqa: BLE001 - no layer record: a later pass analyses the graph itself
+        return None
+    if not s.has_layers:
+        return None
+    return {"num_layers": len(s.layers), "cuts": {str(layer.index): layer.output_cut for layer in s.layers},
+            "pooling": s.head.pooling if s.head else "cls"}
+
+
+class SearchInt8FallbackPass(ir.passes.InPlacePass):
+    """Accuracy-aware dynamic int8: keep the most sensitive MatMuls in fp32 until a budget share is met.
+
+    Scope: main graph of a classifier (one ``[batch, classes]`` float output) with a tokenizer and calibration
+    rows. What it does: the search of :func:`search_fallback` (sensitivity per MatMul on the path rows,
+    bisection on how many of the most sensitive stay fp32), then :class:`QuantizeDynamicInt8Pass` with those
+    nodes excluded, then :func:`certify_quantized` on the test rows. Records ``dyncompile.quantized`` (as the
+    plain pass, plus the kept names) and the search (``policy.quantization``: sensitivity table, steps,
+    certificate) for the plan and ``dyncompile inspect``.
+
+    Invariants: graph inputs/outputs unchanged; the quantized graph is exactly what ``quantize_dynamic`` makes
+    with ``nodes_to_exclude``. Idempotent: a graph that already holds int8 MatMuls is left alone.
+    """
+
+    def __init__(self, texts: Sequence[str], labels: Sequence[int] | None, *, tokenizer_file: str | Path,
+                 max_length: int = 512, budget: float = 1.0, share: float = 1.0, confidence: float | None = 0.9,
+                 per_channel: bool = True, sensitivity_rows: int = 256, progress: bool = True) -> None:
+        super().__init__()
+        self.texts = list(texts)
+        self.labels = None if labels is None else np.asarray(labels, np.int64)
+        self.tokenizer_file = Path(tokenizer_file)
+        self.max_length = int(max_length)
+        self.budget = float(budget)
+        self.share = float(share)
+        self.confidence = confidence
+        self.per_channel = bool(per_channel)
+        self.sensitivity_rows = int(sensitivity_rows)
+        self.progress = progress
+
+    def __repr__(self) -> str:
+        return (f"SearchInt8FallbackPass(rows={len(self.texts)}, budget={self.budget}, share={self.share}, "
+                f"confidence={self.confidence}, per_channel={self.per_channel})")
+
+    def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
+        from dyncompile.passes.quantize_weights import INT8_OPS, _has_ops
+
+        if _has_ops(model, INT8_OPS):
+            return
+        outs = list(model.graph.outputs)
+        if len(outs) != 1 or outs[0].shape is None or len(outs[0].shape) != 2:
+            raise ir.passes.PreconditionError(
+                "the accuracy-aware int8 search (quantize-int8{budget_share=...}) needs a classifier with one "
+                f"[batch, classes] output; the graph has {[v.name for v in outs]} — drop budget_share to quantize "
+                "without a search")
+        if len(self.texts) < 100:
+            raise ir.passes.PreconditionError(
+                f"the calibration set has {len(self.texts)} rows; the int8 search needs at least 100 (a few "
+                "thousand for budgets near 1 point)")
+        if not self.tokenizer_file.is_file():
+            raise ir.passes.PreconditionError(f"tokenizer file {self.tokenizer_file} not found")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the search and the quantization on ``model`` (scope and invariants: the class docstring)."""
+        import json
+
+        from dyncompile.passes import _keys
+        from dyncompile.passes.quantize_weights import INT8_OPS, QuantizeDynamicInt8Pass, _has_ops
+
+        if _has_ops(model, INT8_OPS) or _keys.POLICY_PREFIX + "quantization" in model.metadata_props:
+            return ir.passes.PassResult(model, modified=False)
+        if not quant_targets(model):
+            from dyncompile.passes._infra import not_fired
+            from dyncompile.passes.quantize_weights import _no_int8_target
+
+            return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
+        res, runner, fp32, test = search_fallback(
+            model, self.texts, self.labels, tokenizer_file=self.tokenizer_file, max_length=self.max_length,
+            budget=self.budget, share=self.share, confidence=self.confidence, per_channel=self.per_channel,
+            sensitivity_rows=self.sensitivity_rows,
+        )
+        layers = _layer_record(model)
+        if len(res.excluded) == len(res.table):
+            logger.warning("quantize-int8 search: no int8 configuration is expected within %.2f points of the fp32 "
+                           "original; every MatMul stays fp32 (a larger budget or budget_share lets int8 in)",
+                           res.target_points)
+            result = ir.passes.PassResult(model, modified=False)
+        else:
+            result = QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=res.excluded)(model)
+        certify_quantized(res, result.model, runner, fp32, self.labels, test)
+        del runner
+        c = res.certificate
+        logger.info(
+            "quantize-int8 search: %d of %d MatMuls kept in fp32; int8 alone on %d held-out calibration rows: "
+            "drop %.2f points, agreement %.2f %%, bound %s (target %.2f = %g x budget %g)",
+            len(res.excluded), len(res.table), c["rows"], c["observed"], c["agreement"],
+            "none" if c["bound"] is None else f"{c['bound']:.2f}", res.target_points, res.share, res.budget,
+        )
+        if res.confidence is not None and not c["certified"]:
+            logger.warning(
+                "quantize-int8 search: the int8 model's own share (%.2f points) is not certified (bound %.2f); "
+                "a following early-exit certifies the whole pipeline against the fp32 original", res.target_points,
+                c["bound"])
+        if result.modified:
+            meta = json.loads(result.model.metadata_props.get(_keys.QUANTIZED, "{}"))
+            meta.update(search="budget", fp32_nodes=list(res.excluded))
+            values = ir.convenience.create_value_mapping(result.model.graph)
+            if layers and all(c in values for c in layers["cuts"].values()):
+                # fp32 kept in some layers only: the int8 layers no longer repeat exactly, so a later early-exit
+                # reads the layer boundaries found on the fp32 graph from here (their tensors keep their names)
+                meta["layers"] = layers
+            result.model.metadata_props[_keys.QUANTIZED] = json.dumps(meta)
+        # the search's record, also when every MatMul stayed fp32 (the table says why)
+        result.model.metadata_props[_keys.POLICY_PREFIX + "quantization"] = json.dumps(res.to_dict())
+        return ir.passes.PassResult(result.model, modified=True)

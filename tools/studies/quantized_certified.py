@@ -1,0 +1,131 @@
+"""int8 under one certified budget: fp32, int8 (naive / accuracy-aware), early exit, int8 x early exit, batch 1.
+
+Takes plan directories compiled by the pipelines a user runs (``dyncompile MODEL --passes ...``; the README of
+the study lists them) and measures them with the fp32 original interleaved in one process, batch 1, on the rows
+of ``--data`` (movie-test: never used to choose anything): per plan the accuracy, its change and the agreement
+with the fp32 original from the very same runs as the latency (median/p90), the paired speedup over fp32 with a
+95 % bootstrap interval over rows (:func:`~dyncompile.tools.bench.common.paired_ratio`), and what the plan
+promises (the certified bound and the budget split of ``policy``). Writes JSON + markdown.
+
+    python -m dyncompile.tools.studies.quantized_certified --name minilm --plans fp32-int8=DIR ... --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dyncompile.tools.bench.common import DATA
+
+
+def promise(policy: dict[str, Any]) -> dict[str, Any]:
+    """What a plan certifies: the pipeline bound (early exit) and/or the int8 search's own, with the split."""
+    out: dict[str, Any] = {}
+    cert = (policy.get("early_exit") or {}).get("certificate") or {}
+    if cert:
+        out.update(budget=cert.get("budget"), confidence=cert.get("confidence"), certified=cert.get("certified"),
+                   observed_calib=cert.get("observed"), bound=cert.get("bound"),
+                   expected_speedup_layers=cert.get("expected_speedup"))
+    q = policy.get("quantization")
+    if isinstance(q, dict):
+        qc = q.get("certificate") or {}
+        out.update(int8_share=q.get("share"), int8_target=q.get("target_points"), int8_fp32_matmuls=len(q["excluded"]),
+                   int8_matmuls=len(q["table"]), int8_observed_calib=qc.get("observed"), int8_bound=qc.get("bound"),
+                   int8_certified=qc.get("certified"))
+    if "budget_split" in policy:
+        out["budget_split"] = policy["budget_split"]
+    return out
+
+
+def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: int, progress: bool) -> dict[str, Any]:
+    import dyncompile
+    from dyncompile.io import read_jsonl, texts_and_labels
+    from dyncompile.tools.bench.common import (
+        interleaved_batch1,
+        machine_info,
+        paired_ratio,
+        plan_runner,
+        reference_runner,
+    )
+
+    compiled = [(name, dyncompile.load(d, provider="cpu")) for name, d in plans]
+    first = compiled[0][1]
+    texts, labels = texts_and_labels(read_jsonl(data, limit=limit), first.plan.labels)
+    runners = [reference_runner("fp32 original", str(first.plan.original_model("bench")), first)]
+    runners += [plan_runner(name, c) for name, c in compiled]
+    lat, probs, exits = interleaved_batch1(runners, texts, len(texts), warmup=warmup, progress=progress)
+    y = np.asarray(labels)
+    ref = np.stack(probs[runners[0].name]).argmax(-1)
+    base_lat = np.asarray(lat[runners[0].name])
+    rows = []
+    for r, c in zip(runners, [None, *[c for _, c in compiled]], strict=True):
+        pred = np.stack(probs[r.name]).argmax(-1)
+        ex = exits[r.name]
+        row = {
+            "name": r.name,
+            "accuracy": round(100 * float((pred == y).mean()), 2),
+            "delta_vs_fp32": round(100 * float((pred == y).mean() - (ref == y).mean()), 2),
+            "agreement_fp32": round(100 * float((pred == ref).mean()), 2),
+            "mean_exit_layer": None if ex[0] is None else round(float(np.mean([int(np.asarray(e).reshape(-1)[0]) for e in ex])), 2),
+            "p50_ms": round(1e3 * float(np.median(lat[r.name])), 2),
+            "p90_ms": round(1e3 * float(np.percentile(lat[r.name], 90)), 2),
+            "speedup": paired_ratio(1.0 / np.asarray(lat[r.name]), 1.0 / base_lat),
+            "plan": None if c is None else Path(c.plan.directory).name,  # no machine paths in stored reports
+            "promise": {} if c is None else promise(c.plan.policy),
+        }
+        rows.append(row)
+    return {"data": Path(data).name, "rows": len(texts), "batch": 1, "provider": "cpu", "results": rows,
+            "machine": machine_info()}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["| plan | acc (%) | Δ vs fp32 | agree fp32 (%) | mean exit | p50 (ms) | p90 (ms) | speedup b1 [95 % CI] | "
+             "certified bound (budget) | int8 bound (target), fp32 MatMuls |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        s, p = r["speedup"], r["promise"]
+        bound = f"{p['bound']:.2f} ({p['budget']:g})" if p.get("bound") is not None else "–"
+        q = (f"{p['int8_bound']:.2f} ({p['int8_target']:g}), {p['int8_fp32_matmuls']}/{p['int8_matmuls']}"
+             if p.get("int8_bound") is not None else "–")
+        lines.append(f"| {r['name']} | {r['accuracy']} | {r['delta_vs_fp32']:+.2f} | {r['agreement_fp32']} | "
+                     f"{r['mean_exit_layer'] if r['mean_exit_layer'] is not None else '–'} | {r['p50_ms']} | {r['p90_ms']} | "
+                     f"{s['ratio']:.2f}x [{s['lo']:.2f}, {s['hi']:.2f}] | {bound} | {q} |")
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The markdown this study writes beside its JSON report, from the JSON alone (``--render JSON``)."""
+    return markdown(report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dyncompile.tools.bench.common import render_requested
+
+    rendered = render_requested(argv, render_markdown)
+    if rendered is not None:
+        return rendered
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--name", required=True, help="report stem (e.g. the model)")
+    p.add_argument("--plans", nargs="+", required=True, metavar="LABEL=DIR", help="compiled plan directories")
+    p.add_argument("--data", default=str(DATA / "movie-test.jsonl"))
+    p.add_argument("--limit", type=int)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", required=True)
+    p.add_argument("-q", "--quiet", action="store_true")
+    a = p.parse_args(argv)
+    plans = [(x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in a.plans]
+    report = run(plans, Path(a.data), a.limit, a.warmup, not a.quiet)
+    report["markdown"] = markdown(report)
+    from dyncompile.tools.bench.common import write_report
+
+    jp, mp = write_report(report, Path(a.out), a.name)
+    print(report["markdown"])
+    print(f"written: {jp} {mp}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
