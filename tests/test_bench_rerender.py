@@ -32,6 +32,9 @@ OWNERS: list[tuple[str, str]] = [
     ("peers-cuda/*.json", "dyncompile.tools.bench.peers"),
     ("speculative-*/*.json", "dyncompile.tools.bench.generate"),
     ("lookahead/*.json", "dyncompile.tools.bench.generate"),
+    ("early-exit-trained/wallclock/*.json", "dyncompile.tools.bench.classify"),
+    ("early-exit-trained/alpha0.5/*-trained-*.json", "dyncompile.tools.bench.classify"),
+    ("contextual-sparsity/kernels.json", "dyncompile.tools.studies.sparsity_kernels"),
     ("serve/*.json", "dyncompile.tools.bench.serve"),
     ("route-code/*.json", "dyncompile.tools.studies.route_code"),
     ("stepsaver/stepsaver.json", "dyncompile.tools.studies.stepsaver"),
@@ -53,6 +56,10 @@ NOT_REPORTS = {
     "speculative-eagle/smollm2-135m-head.json": "the training record `dyncompile train-drafter` writes",
     "speculative-trees/qwen05-verify-curve.json": "`bench.generate curve` output: JSON only, no markdown",
     "lookahead/smollm2-verify-curve-2threads.json": "`bench.generate curve` output: JSON only, no markdown",
+    "early-exit-trained/heads-minilm-l6-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",
+    "early-exit-trained/heads-mpnet-base-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",
+    "early-exit-trained/alpha0.5/heads-minilm-l6-sentiment.json": "studies.trained_heads data of the label-mix run",
+    "early-exit-trained/alpha0.5/heads-mpnet-base-sentiment.json": "studies.trained_heads data of the label-mix run",
     "models.json": "the recorded accuracy of each model recipe (tests/test_models_recipes.py reads it)",
 }
 

@@ -96,14 +96,20 @@ def main() -> None:
               "cpus": os.cpu_count(), "load": os.getloadavg()[0], "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(report, indent=2))
+    md = render_markdown(report)
+    (args.out / "kernels.md").write_text(md)
+    print(md)
+
+
+def render_markdown(report: dict) -> str:
+    """The study's table (the markdown beside ``kernels.json``)."""
     lines = ["| projection | sparsity | active rows | dense ms | gathered ms | dense/gathered time (95 % CI) |",
              "|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in report["rows"]:
         sp = r["speedup"]
         lines.append(f"| {r['projection']} | {r['sparsity']:.2f} | {r['active_rows']} | {r['dense_ms']:.3f} | "
                      f"{r['gathered_ms']:.3f} | {sp['ratio']:.2f} ({sp['lo']:.2f}–{sp['hi']:.2f}) |")
-    (args.out / "kernels.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
