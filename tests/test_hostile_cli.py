@@ -246,7 +246,7 @@ class _FakeImages:
     def generate_images(self, prompts, **kw):
         n = len(prompts)
         return types.SimpleNamespace(images=np.full((n, 4, 4), 128, np.uint8), steps=np.full(n, 3), policy="fixed",
-                                     seconds=0.0, unet_calls=3, to_dict=lambda: {})
+                                     seconds=0.0, unet_calls=3, shallow_calls=0, to_dict=lambda: {})
 
 
 def _png_args(out, *, force=False, prompts=("a shoe",)):

@@ -95,7 +95,7 @@ def run(args) -> int:
     # the 200-step reference images (quality only, not timed)
     ref_path = Path(args.ref) if args.ref else None
     if ref_path and ref_path.is_file():
-        ref = np.load(ref_path)["images"][:n]
+        ref = np.load(ref_path, allow_pickle=False)["images"][:n]
     else:
         ref = np.concatenate([_gen(load["plain"], rows[i:i + 16], steps=200)[0].images for i in range(0, n, 16)])
         if ref_path:
