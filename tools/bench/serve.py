@@ -121,6 +121,7 @@ def _classify_levels(urls: dict[str, str], rows: list[dict], levels: list[int], 
             r["mean_exit_layer"] = round(float(np.mean(exits)), 3) if exits else None
             r["plan"] = name
             r["load_avg"] = load_avg()
+            r["rss_mib_after"] = _health(base).get("rss_mib")  # the answering replica's RSS after this level
             if reference is not None and name in reference:  # label and exit layer of the in-process batch-1 run
                 ref = reference[name]
                 same = [p is not None and (p["label"], p["exit_layer"]) == ref[i % len(ref)] for i, p in enumerate(preds)]
@@ -294,12 +295,15 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"{m['load_avg']}", ""]
     rows = report.get("classify") or report.get("generate") or []
     extra = "accuracy | mean exit" if "classify" in report else "tok/s"
-    header = f"| plan | concurrency | requests | req/s | p50 ms | p99 ms | {extra} | errors | dropped | codes | load |"
+    rss = any("rss_mib_after" in r for r in rows)  # reports written before the column have none
+    header = (f"| plan | concurrency | requests | req/s | p50 ms | p99 ms | {extra} | errors | dropped | codes | load |"
+              + (" RSS after MiB |" if rss else ""))
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for r in rows:
         q = (f"{r.get('accuracy')} | {r.get('mean_exit_layer')}" if "classify" in report else f"{r['tokens_per_s']}")
         lines.append(f"| {r['plan']} | {r['concurrency']} | {r['requests']} | {r['throughput_rps']} | {r['p50_ms']} | "
-                     f"{r['p99_ms']} | {q} | {r['errors']} | {r['dropped']} | {r['codes']} | {r['load_avg']} |")
+                     f"{r['p99_ms']} | {q} | {r['errors']} | {r['dropped']} | {r['codes']} | {r['load_avg']} |"
+                     + (f" {r.get('rss_mib_after')} |" if rss else ""))
     if "tpot" in report:
         t = report["tpot"]
         lines += ["", f"TPOT (concurrency 1, streamed): openai client {t['served_tpot_ms']} ms vs in-process "
