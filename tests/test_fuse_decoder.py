@@ -33,7 +33,7 @@ PROMPT = _CODE[: _CODE.index("def bisect_right")] + "def bisect_right(a, x, lo=0
 def fused_plan(smollm2, module_tmp):
     """fuse-decoder then the speculative pass (prompt lookup): one compile gives the fused graph and a chain plan."""
     root = module_tmp("fuse")
-    return compile_model(smollm2.onnx_path, "fuse-decoder,speculative", root / "plan", drafter="prompt-lookup",
+    return compile_model(smollm2.onnx_path, "fuse-decoder,speculative{measure=false}", root / "plan", drafter="prompt-lookup",
                          progress=False, opt_level=0).plan_dir
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -298,8 +299,10 @@ def test_escape_memory_across_processes_hits_one_limit(run):
             "st = [os.waitpid(p, 0)[1] for p in kids]\nprint('killed', sum(1 for s in st if os.WIFSIGNALED(s)))\n")
     r = run(prog, SandboxLimits(timeout_s=30.0, memory_mb=1024, max_processes=16))
     assert not r.unavailable, r.unavailable
-    assert r.stdout.count("allocated") <= 1  # the second one already breaks the shared limit
-    assert "killed 0" not in r.stdout
+    # two of them at once already break the shared limit: at most one lives to exit by itself (which one the OOM
+    # killer spares varies: the first to allocate may be the one killed after it printed)
+    killed = re.search(r"killed (\d+)", r.stdout)
+    assert killed and int(killed.group(1)) >= 5, r.stdout
     assert r.oom_kills >= 1 and not r.ok  # the limit's kills are reported, never read as a clean exit
 
 
