@@ -53,7 +53,9 @@ def tiny(module_tmp):
     heads = write_random_heads(root / "heads", t)
     spec = f"medusa-heads{{head={heads},topk=3}},explicit-attention,speculative{{tree=true,tree_nodes=6,measure=false}}"
     plan = compile_model(t, spec, root / "plan", opt_level=0).plan_dir
-    return {"root": root, "target": t, "heads": heads, "plan": plan}
+    hybrid = compile_model(t, spec.replace("measure=false", "measure=false,hybrid=true"), root / "hybrid",
+                           opt_level=0).plan_dir
+    return {"root": root, "target": t, "heads": heads, "plan": plan, "hybrid": hybrid}
 
 
 def test_heads_graph_matches_numpy(tiny):
@@ -145,6 +147,16 @@ def test_greedy_token_identical_on_the_tiny_decoder(tiny):
             r = m.generate(prompt, max_new_tokens=20, **opts)
             assert r.token_ids == ref.token_ids, opts
             assert r.stats.drafter == "medusa" and r.stats.drafted > 0 and r.stats.target_calls == r.stats.rounds + 1
+
+
+def test_hybrid_prompt_lookup_and_medusa_is_token_identical(tiny):
+    plan = json.loads((tiny["hybrid"] / "plan.json").read_text())
+    assert plan["steps"][0]["drafter"]["prompt_lookup"] is True
+    m = dyncompile.load(tiny["hybrid"])
+    prompt = [5, 6, 5, 6, 5, 6, 5]
+    ref = m.generate(prompt, max_new_tokens=20, speculative=False)
+    r = m.generate(prompt, max_new_tokens=20, tree={"adaptive": False, "max_nodes": 6, "max_depth": 3, "branching": 3})
+    assert r.token_ids == ref.token_ids and r.stats.drafted > 0
 
 
 # ------------------------------------------------------------------------------------------- exact sampling
