@@ -315,8 +315,9 @@ class SpeculativePass(ir.passes.InPlacePass):
             agree = (drafter["head"].get("eval") or {}).get("head_top1_agreement")
             if agree:
                 draft["alpha0"] = float(agree[0])
-            if self.measure:
-                draft["verify_cost"] = target_verify_costs(model, target)[0]
+            if self.measure:  # the verification cost curve up to the largest tree (root included)
+                sizes = _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
+                draft["verify_cost"] = target_verify_costs(model, target, sizes)[0]
         elif drafter["kind"] == "eagle":  # one layer + fc + the draft-vocabulary head, in weight bytes
             dmodel = model.meta[_keys.EAGLE_MODEL][0]
             draft["draft_cost"] = round(weight_reads(dmodel) / max(1, weight_reads(model)), 4)
