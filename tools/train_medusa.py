@@ -77,9 +77,11 @@ def train_medusa(
     if len(wins) < 4:
         raise DataError(f"the corpus gave {len(wins)} windows of {seq_len} tokens; raise --max-tokens")
     rng = np.random.default_rng(seed)
-    wins = wins[rng.permutation(len(wins))]
+    # eval: the stream's last windows, contiguous (other files than most training windows: neighbouring windows of
+    # one file would make a random split optimistic); training windows shuffled
     n_eval = max(2, len(wins) // 10)
-    eval_w, train_w = wins[:n_eval], wins[n_eval:]
+    eval_w, train_w = wins[-n_eval:], wins[:-n_eval]
+    train_w = train_w[rng.permutation(len(train_w))]
 
     # --- one target pass over the corpus: the LM head's input (normed hidden state) and the target's argmax ---
     captured: dict[str, Any] = {}
@@ -147,6 +149,7 @@ def train_medusa(
         return float(np.mean(ls)), [round(float(a), 4) for a in np.mean(accs, 0)]
 
     ev_before = evaluate()
+    best = (ev_before[0], W.detach().clone(), B.detach().clone(), 0)  # early stopping on the eval loss
     history = []
     t_train = time.perf_counter()
     done = 0
@@ -163,6 +166,15 @@ def train_medusa(
         if step % 20 == 0 or step == steps - 1:
             history.append({"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(float(a), 4) for a in acc.detach()]})
             logger.info("medusa step %d: loss %.3f acc %s", step, float(loss.detach()), history[-1]["acc"])
+        if (step + 1) % 100 == 0 or step == steps - 1:
+            ev_loss, ev_acc = evaluate()
+            history.append({"step": step, "eval_loss": round(ev_loss, 4), "eval_acc": ev_acc})
+            logger.info("medusa step %d: eval loss %.3f acc %s", step, ev_loss, ev_acc)
+            if ev_loss < best[0]:
+                best = (ev_loss, W.detach().clone(), B.detach().clone(), step + 1)
+    with torch.no_grad():  # the weights of the best eval loss
+        W.copy_(best[1])
+        B.copy_(best[2])
     ev = evaluate()
 
     out = Path(out).expanduser()
@@ -181,7 +193,7 @@ def train_medusa(
                    "held_out": list(HELD_OUT), "tokens": int(len(ids)), "train_windows": int(len(train_w)),
                    "eval_windows": int(len(eval_w)), "seq_len": seq_len,
                    "labels": "the target's own argmax (teacher-forced self-distillation)"},
-        "training": {"steps": done, "planned_steps": steps, "batch": batch, "lr": lr, "seed": seed,
+        "training": {"steps": done, "planned_steps": steps, "kept_step": best[3], "batch": batch, "lr": lr, "seed": seed,
                      "torch": torch.__version__, "cache_seconds": round(t_cache, 1),
                      "seconds": round(time.perf_counter() - t_start, 1)},
         "eval": {"loss": round(ev[0], 4), "head_top1_agreement": ev[1],
