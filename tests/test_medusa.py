@@ -231,12 +231,22 @@ def test_chi_square_detects_a_wrong_tree_sampler(tiny, monkeypatch):
 # ------------------------------------------------------------------------------------------- SmolLM2
 
 @pytest.mark.slow
-def test_smollm2_medusa_greedy_token_identical(smollm2, module_tmp):
-    """Random heads of the real size (full vocabulary, the target's LM head shared): identity is the target's."""
+def test_smollm2_trained_medusa_heads_greedy_token_identical(smollm2, module_tmp):
+    """Heads trained on CPU in seconds (train-drafter --kind medusa: a draft vocabulary, so the heads graph holds the
+    LM head's rows for it), compiled and run: greedy output is the target's, drafts are proposed."""
+    pytest.importorskip("torch")
+    from dyncompile.tools.bench.prompt_sets import CODE_FILES
+    from dyncompile.tools.train_medusa import train_medusa
+
     root = module_tmp("medusa_smol")
-    heads = write_random_heads(root / "heads", smollm2.onnx_path, heads=3, scale=0.2)
-    plan = compile_model(smollm2.onnx_path, f"medusa-heads{{head={heads}}},explicit-attention,"
+    info = train_medusa(smollm2.onnx_path.parent, root / "heads", heads=3, steps=20, batch=64, seq_len=64,
+                        max_tokens=2000, draft_vocab=1024, threads=2)
+    assert info["heads"] == 3 and set(CODE_FILES) <= set(info["corpus"]["held_out"])
+    assert np.load(root / "heads" / "medusa_heads.npz")["vocab"].shape == (1024,)
+    plan = compile_model(smollm2.onnx_path, f"medusa-heads{{head={root / 'heads'}}},explicit-attention,"
                          "speculative{tree=true,measure=false}", root / "plan", progress=False, opt_level=0).plan_dir
+    drafter = ir.load(str(plan / "drafter.onnx"))
+    assert drafter.graph.initializers["medusa.lm_head"].const_value.shape == (576, 1024)
     m = dyncompile.load(plan, session_config={"session.intra_op.allow_spinning": "0"})
     code = (Path(sysconfig.get_paths()["stdlib"]) / "bisect.py").read_text()
     prompt = code[: code.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n"
@@ -244,4 +254,4 @@ def test_smollm2_medusa_greedy_token_identical(smollm2, module_tmp):
     for opts in (dict(tree={"adaptive": False, "max_nodes": 16, "max_depth": 3, "branching": 4}),
                  dict(tree=False, draft_length=3, adaptive=False)):
         r = m.generate(prompt, max_new_tokens=24, **opts)
-        assert r.token_ids == ref.token_ids and r.stats.drafted > 0
+        assert r.token_ids == ref.token_ids and r.stats.drafted > 0 and r.stats.drafter == "medusa"
