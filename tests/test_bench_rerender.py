@@ -58,6 +58,7 @@ NOT_REPORTS = {
     "speculative-trees/qwen05-verify-curve.json": "`bench.generate curve` output: JSON only, no markdown",
     "lookahead/smollm2-verify-curve-2threads.json": "`bench.generate curve` output: JSON only, no markdown",
     "medusa/heads-run1-heldout.json": "per-head held-out agreement `train_medusa.evaluate_medusa` returns (README)",
+    "medusa/heads-run2-heldout.json": "per-head held-out agreement `train_medusa.evaluate_medusa` returns (README)",
     "early-exit-trained/heads-minilm-l6-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",
     "early-exit-trained/heads-mpnet-base-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",
     "early-exit-trained/alpha0.5/heads-minilm-l6-sentiment.json": "studies.trained_heads data of the label-mix run",
