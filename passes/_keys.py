@@ -14,6 +14,8 @@ __all__ = [
     "EAGLE",
     "EAGLE_FEATURES",
     "EAGLE_MODEL",
+    "MEDUSA",
+    "MEDUSA_MODEL",
     "EARLY_EXIT",
     "EARLY_EXIT_LOWERING",
     "EARLY_EXIT_LOWERING_CHOICE",
@@ -47,6 +49,7 @@ ROLE = "dyncompile.role"  # "drafter" on a drafter graph
 UNET_CACHE = "dyncompile.unet_cache"  # JSON: cut depth, deep output, refresh schedule, calibration (CacheUNetFeaturesPass)
 STEP_SAVER = "dyncompile.step_saver"  # JSON: step head, stop rule, default policy, calibration (StepSaverPass)
 EAGLE = "dyncompile.eagle"  # JSON: EAGLE head provenance, draft vocabulary, IO names (EagleDrafterPass)
+MEDUSA = "dyncompile.medusa"  # JSON: Medusa heads provenance, heads, topk, IO names (MedusaHeadsPass)
 EAGLE_FEATURES = "dyncompile.eagle.features"  # name of the features output (ExposeFeaturesPass)
 EXPLICIT_ATTENTION = "dyncompile.explicit_attention"  # JSON: the 4-D attention bias input (ExposeAttentionMaskPass)
 POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
@@ -55,11 +58,12 @@ POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NA
 DRAFTER_MODEL = "dyncompile.drafter_model"  # ir.Model of the drafter (SpeculativePass -> emitter)
 SPLIT_DRAFTER_MODEL = "dyncompile.split_drafter.model"  # ir.Model built by SplitDrafterPass
 SPLIT_DRAFTER_VOCAB = "dyncompile.split_drafter.vocab"  # the drafter's vocabulary subset (token ids)
+MEDUSA_MODEL = "dyncompile.medusa.model"  # ir.Model heads graph built by MedusaHeadsPass
 EAGLE_MODEL = "dyncompile.eagle.model"  # (ir.Model drafter, vocab ids) built by EagleDrafterPass
 SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timings + graph fingerprint (reused on a re-run)
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION}
+     ROLE, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA}
 )
-META_KEYS = frozenset({EAGLE_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})
+META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

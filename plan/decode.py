@@ -129,12 +129,14 @@ class DrafterParams:
     A model (``decoder``), prompt lookup, an EAGLE head (``decoder`` fed the target's ``features`` output;
     see :mod:`dyncompile.runtime.decode.eagle`) or lookahead decoding (a Jacobi window of ``window`` columns and
     ``ngram - 1`` levels plus an n-gram pool of ``guesses`` candidates per first token; no model, see
-    :mod:`dyncompile.runtime.decode.lookahead`). ``prompt_lookup`` (model, eagle, lookahead): a *hybrid* drafter
+    :mod:`dyncompile.runtime.decode.lookahead`) or Medusa heads (``heads_model``: a graph reading the target's
+    ``features`` output and giving each of ``heads`` heads' ``topk`` best tokens; see
+    :mod:`dyncompile.runtime.decode.medusa`). ``prompt_lookup`` (model, eagle, lookahead): a *hybrid* drafter
     whose tree holds prompt-lookup candidates (``max_ngram`` / ``min_ngram``) where the context has n-gram matches
     and this drafter's candidates in the rest of the tree budget.
     """
 
-    kind: Literal["model", "prompt-lookup", "eagle", "lookahead"]
+    kind: Literal["model", "prompt-lookup", "eagle", "lookahead", "medusa"]
     name: str = "external"
     decoder: DecoderSpec | None = None
     share_kv: list[int] | None = _field(None, lo=0, hi=100_000)
@@ -151,6 +153,10 @@ class DrafterParams:
     guesses: int = _field(5, lo=0, hi=64)
     #: hybrid: prompt-lookup candidates where the context has n-gram matches, this drafter's elsewhere
     prompt_lookup: bool = False
+    #: medusa: the heads graph (plan file key), its number of heads and the candidates per head in its output
+    heads_model: str | None = None
+    heads: int = _field(3, lo=1, hi=16)
+    topk: int = _field(4, lo=1, hi=64)
 
     def _check(self, where: str) -> None:
         if self.prompt_lookup and self.kind == "prompt-lookup":
@@ -161,6 +167,16 @@ class DrafterParams:
         if self.kind == "lookahead":
             if self.decoder is not None:
                 raise PlanError(f"{where}.decoder: a lookahead drafter has no model (it reads the target's logits)")
+        elif self.kind == "medusa":
+            if self.decoder is not None:
+                raise PlanError(f"{where}.decoder: a medusa drafter has no KV-cache decoder (its heads graph is "
+                                "'heads_model')")
+            missing = [k for k in ("heads_model", "features") if not getattr(self, k)]
+            if missing:
+                raise PlanError(f"{where}: a medusa drafter needs {', '.join(missing)} (a plan file key and the "
+                                "target's features output)")
+            if self.share_kv is not None or self.vocab is not None:
+                raise PlanError(f"{where}: a medusa drafter has no share_kv or vocab (its graph maps its own ids)")
         elif self.kind == "eagle":
             if self.decoder is None:
                 raise PlanError(f"{where}: an eagle drafter needs its 'decoder' spec")
@@ -243,6 +259,8 @@ class SpeculativeParams(GenerateParams):
             keys.append(("drafter.decoder.model", self.drafter.decoder.model))
         if self.drafter.vocab is not None:
             keys.append(("drafter.vocab", self.drafter.vocab))
+        if self.drafter.heads_model is not None:
+            keys.append(("drafter.heads_model", self.drafter.heads_model))
         return keys
 
 

@@ -8,7 +8,8 @@ Modules, in import order (each imports only those above it):
 * ``split_drafter`` — :class:`SplitDrafterPass` (a drafter from the target's first k layers) and its graph surgery;
 * ``expose_features`` — :class:`ExposeFeaturesPass` (the target's top-layer features as an output);
 * ``eagle_drafter`` — :class:`EagleDrafterPass` (an EAGLE drafter from a head trained by ``train-drafter``);
-* ``speculative`` — :class:`SpeculativePass` (external / prompt-lookup / split / eagle drafter);
+* ``medusa_heads`` — :class:`MedusaHeadsPass` (Medusa heads trained by ``train-drafter --kind medusa``);
+* ``speculative`` — :class:`SpeculativePass` (external / prompt-lookup / split / eagle / medusa drafter);
 * ``emit`` — the ``generate`` / ``speculative`` plan emitters.
 
 The cost model behind the projections (expected tokens per round, verification cost, speedup) is
@@ -26,6 +27,7 @@ from dyncompile.passes.speculative.decoder_spec import (
 from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
+from dyncompile.passes.speculative.medusa_heads import MedusaHeadsPass
 from dyncompile.passes.speculative.speculative import SpeculativePass
 from dyncompile.passes.speculative.split_drafter import SplitDrafterPass
 
@@ -34,6 +36,7 @@ __all__ = [
     "EagleDrafterPass",
     "ExposeFeaturesPass",
     "ExposeAttentionMaskPass",
+    "MedusaHeadsPass",
     "SpeculativePass",
     "SplitDrafterPass",
     "check_same_tokenizer",

@@ -109,6 +109,8 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     split = d["kind"] == "model" and d.get("name") == "split"
     if d["kind"] == "eagle":
         return _emit_eagle(model, req, rec)
+    if d["kind"] == "medusa":
+        return _emit_medusa(model, req, rec)
     if split:  # always external data, so that the drafter can point into it
         ir.save(model, out / "model.onnx", external_data="model.onnx.data")
         add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
@@ -192,5 +194,36 @@ def _emit_eagle(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
                                          "generation": rec.get("generation", {})})
     policy: dict[str, Any] = {"speculative": {"drafter": "eagle", "draft": rec.get("draft", {})},
                               "eagle": json.loads(model.metadata_props[_keys.EAGLE])}
+    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
+                policy=policy, provenance=req.provenance)
+
+
+def _emit_medusa(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
+    """Target (with its ``medusa_features`` output) + the Medusa heads graph (sharing the target's LM head when the
+    heads cover the full vocabulary)."""
+    d = rec["drafter"]
+    out = req.out_dir
+    files: dict[str, FileRef] = {}
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+    add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
+                                     file_ref(out, "model.onnx.data", "external_data")])
+    heads = model.meta[_keys.MEDUSA_MODEL]
+    shared = _share_weights(heads, model, out / "model.onnx")
+    ir.save(heads, out / "drafter.onnx")
+    files["drafter"] = file_ref(out, "drafter.onnx", "drafter", ["model.onnx.data"] if shared else None)
+    logger.info("medusa heads: %.1f MB of weights shared with the target, %.1f MB of their own", shared / 2**20,
+                (out / "drafter.onnx").stat().st_size / 2**20)
+    step_drafter = {"kind": "medusa", "name": "medusa", "heads_model": "drafter", "features": d["features"],
+                    "heads": d["heads"], "topk": d["topk"]}
+    step_drafter.update(_hybrid(d))
+    tok = _tokenizer_spec(req, files, rec.get("generation") or {})
+    inputs, outputs = io_signature(model.graph)
+    target = dict(rec["target"])
+    target.pop("vocab_size", None)
+    step = Step("speculative_generate", {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}),
+                                         "generation": rec.get("generation", {})})
+    name = "prompt-lookup+medusa" if d.get("prompt_lookup") else "medusa"
+    policy: dict[str, Any] = {"speculative": {"drafter": name, "draft": rec.get("draft", {})},
+                              "medusa": json.loads(model.metadata_props[_keys.MEDUSA])}
     return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
                 policy=policy, provenance=req.provenance)

@@ -9,7 +9,8 @@ Drafters (``--drafter``):
 * ``lookahead`` — no model: lookahead decoding (a Jacobi window of ``window`` columns x ``ngram - 1`` levels and an
   n-gram pool, ``guesses`` pool n-grams per round), verified as one draft tree per round: it needs
   ``explicit-attention`` first and always records a fixed-size tree (``tree=true`` is implied);
-* nothing, after ``split-drafter`` — the drafter that pass built from the target's own first layers.
+* nothing, after ``split-drafter`` — the drafter that pass built from the target's own first layers (or after
+  ``eagle-drafter`` / ``medusa-heads`` — the EAGLE head / the Medusa heads those passes built).
 
 The target graph is not changed: the pass validates both graphs, records how the runtime drives them
 (inputs, logits, KV pairs), the drafter and the draft-length policy under ``dyncompile.speculative`` in the
@@ -234,6 +235,11 @@ class SpeculativePass(ir.passes.InPlacePass):
             )
         if self.drafter in MODEL_FREE:
             return
+        if self.drafter is None and _keys.MEDUSA in model.metadata_props:
+            if _keys.MEDUSA_MODEL not in model.meta:
+                raise DrafterError("this model records Medusa heads but their graph is not in memory; compile from the "
+                                   "original model with --passes medusa-heads{head=DIR},speculative")
+            return
         if self.drafter is None and _keys.EAGLE in model.metadata_props:
             if _keys.EAGLE_MODEL not in model.meta:
                 raise DrafterError("this model records an EAGLE drafter but its graph is not in memory; compile from the "
@@ -267,6 +273,10 @@ class SpeculativePass(ir.passes.InPlacePass):
                 "share_kv": None,
                 "tokenizer_check": self.tokenizer_check,
             }
+        elif _keys.MEDUSA in model.metadata_props:
+            rec = json.loads(model.metadata_props[_keys.MEDUSA])
+            drafter = {"kind": "medusa", "name": "medusa", "features": rec["features"], "heads": rec["heads"],
+                       "topk": rec["topk"], "head": rec["head"]}
         elif _keys.EAGLE in model.metadata_props:
             rec = json.loads(model.metadata_props[_keys.EAGLE])
             dmodel = model.meta[_keys.EAGLE_MODEL][0]
@@ -299,6 +309,15 @@ class SpeculativePass(ir.passes.InPlacePass):
             draft["alpha0"] = sd.get("acceptance")
             draft["draft_cost"] = sd.get("draft_cost")
             draft["verify_cost"] = sd.get("verify_cost")
+        elif drafter["kind"] == "medusa":  # K residual blocks + the draft-vocabulary LM head, in weight bytes
+            draft["draft_cost"] = round(weight_reads(model.meta[_keys.MEDUSA_MODEL]) / max(1, weight_reads(model)), 4)
+            draft["draft_cost_source"] = "weight bytes"
+            agree = (drafter["head"].get("eval") or {}).get("head_top1_agreement")
+            if agree:
+                draft["alpha0"] = float(agree[0])
+            if self.measure:  # the verification cost curve up to the largest tree (root included)
+                sizes = _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
+                draft["verify_cost"] = target_verify_costs(model, target, sizes)[0]
         elif drafter["kind"] == "eagle":  # one layer + fc + the draft-vocabulary head, in weight bytes
             dmodel = model.meta[_keys.EAGLE_MODEL][0]
             draft["draft_cost"] = round(weight_reads(dmodel) / max(1, weight_reads(model)), 4)
@@ -363,6 +382,8 @@ class SpeculativePass(ir.passes.InPlacePass):
         props[_keys.TASK] = "text-generation"
         if isinstance(self.drafter, ir.Model):
             model.meta[_keys.DRAFTER_MODEL] = self.drafter
+        elif self.drafter is None and _keys.MEDUSA in model.metadata_props:
+            model.meta[_keys.DRAFTER_MODEL] = model.meta[_keys.MEDUSA_MODEL]
         elif self.drafter is None and _keys.EAGLE in model.metadata_props:
             model.meta[_keys.DRAFTER_MODEL] = model.meta[_keys.EAGLE_MODEL][0]
         elif self.drafter is None:
@@ -376,7 +397,7 @@ class SpeculativePass(ir.passes.InPlacePass):
     def ensures(self, model: ir.Model) -> None:
         """Check what the pass promises on its output."""
         rec = json.loads(model.metadata_props[_keys.SPECULATIVE])
-        if rec["drafter"]["kind"] in ("model", "eagle") and _keys.DRAFTER_MODEL not in model.meta:
+        if rec["drafter"]["kind"] in ("model", "eagle", "medusa") and _keys.DRAFTER_MODEL not in model.meta:
             raise ir.passes.PostconditionError("the drafter graph did not reach model.meta")
 
 
@@ -440,7 +461,7 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "token-identical to the target, sampling exact; options draft_length=4, max_draft (16 for prompt-lookup, 8 for "
     "model drafters), adaptive=true, tree=false, tree_nodes=16; --drafter lookahead: window=5, ngram=4, guesses=5 "
     "(a fixed tree, after explicit-attention); hybrid=true: prompt lookup's matches in the same tree as the drafter's",
-    after=("split-drafter", "eagle-drafter"),
+    after=("split-drafter", "eagle-drafter", "medusa-heads"),
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int | None = None,
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,

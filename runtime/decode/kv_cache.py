@@ -116,6 +116,15 @@ class KVDecoder:
                 f"the {role} model of the plan lacks the input {self.keep_name!r} named in the plan; "
                 "the plan and its ONNX files disagree — recompile"
             )
+        if role == "target":  # the target is fed exactly what the plan names (drafters may take extra inputs)
+            fed = {spec.input_ids, self.mask_name, self.pos_name, self.bias_name, self.keep_name,
+                   *(e.past for e in spec.kv)}
+            unfed = sorted(names - fed)
+            if unfed:
+                raise PlanError(
+                    f"the {role} model of the plan needs inputs {unfed[:4]} the plan does not name (e.g. a null "
+                    "position_ids or attention_mask); the plan and its ONNX files disagree — recompile"
+                )
         self.output_names = [spec.logits, *(e.present for e in spec.kv)]
         #: further outputs of the graph (e.g. ``features`` for an EAGLE drafter), fetched on every call
         self.extra_names = [o for o in (x.name for x in session.get_outputs()) if o not in self.output_names]

@@ -35,7 +35,7 @@ from the measured verification cost curve and what branch nodes have bought so f
 Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.decode.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
 "vocab": file key|null}``, ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``, ``{"kind": "eagle", ...}`` or
-``{"kind": "lookahead", "window": 5, "ngram": 4, "guesses": 5}``; ``"prompt_lookup": true`` on a model, eagle or
+``{"kind": "lookahead", "window": 5, "ngram": 4, "guesses": 5}`` or ``{"kind": "medusa", "heads_model": file key, ...}``; ``"prompt_lookup": true`` on a model, eagle or
 lookahead drafter makes it a hybrid with prompt lookup: :class:`~dyncompile.runtime.decode.drafters.HybridDrafter`), ``draft``
 (``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``), ``generation``.
 """
@@ -337,6 +337,11 @@ class SpeculativeGenerateStep(GenerateStep):
             from dyncompile.runtime.decode.lookahead import LookaheadDrafter
 
             self.drafter = LookaheadDrafter(d.window, d.ngram, d.guesses)
+        elif d.kind == "medusa":  # Medusa heads on the target's last hidden state (runtime/decode/medusa.py)
+            from dyncompile.runtime.decode.medusa import MedusaDrafter
+
+            self.drafter = MedusaDrafter(ctx.session(d.heads_model), features=d.features, heads=d.heads, topk=d.topk,
+                                         timer=self.timer)
         elif d.kind == "eagle":  # EAGLE head on the target's features (runtime/decode/eagle.py)
             from dyncompile.runtime.decode.eagle import EagleDecoder, EagleDrafter
 

@@ -1,0 +1,257 @@
+"""Medusa heads: the heads graph (golden against numpy), the pass (idempotent, refuses foreign heads), the plan schema,
+Medusa's sparse tree, greedy token identity with the target alone and exact sampling (chi-square, with a negative
+control) on tiny generated decoders with random heads, and one real-model check on SmolLM2-135M."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import dyncompile
+import dyncompile.runtime.decode.speculative as runtime_speculative
+from dyncompile.errors import PlanError
+from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir
+from dyncompile.passes.compiler import compile_model
+from dyncompile.passes.speculative.decoder_spec import DrafterError
+from dyncompile.passes.speculative.medusa_heads import FEATURES, MedusaHeadsPass, lm_head_of
+from dyncompile.plan.decode import DrafterParams, SpeculativeParams
+from dyncompile.plan._typed import from_json
+from dyncompile.runtime.decode.drafters import TreeBudget
+from dyncompile.runtime.decode.medusa import sparse_tree
+from dyncompile.tools.train_drafter import fingerprint
+
+EOS_UNUSED = 99
+
+
+def write_random_heads(out: Path, target_onnx: Path, *, heads: int = 3, scale: float = 0.5, seed: int = 0,
+                       vocab: np.ndarray | None = None) -> Path:
+    """Random Medusa heads for ``target_onnx`` (token identity and exact sampling hold for any heads)."""
+    _, _, w_lm, _ = lm_head_of(ir.load(str(target_onnx)))
+    H, V = w_lm.shape
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "medusa_heads.npz", w=(rng.standard_normal((heads, H, H)) * scale / np.sqrt(H)).astype(np.float32),
+             b=(rng.standard_normal((heads, H)) * 0.1).astype(np.float32),
+             vocab=np.arange(V) if vocab is None else np.asarray(vocab, np.int64))
+    (out / "medusa_heads.json").write_text(json.dumps({
+        "format": "dyncompile.medusa_heads/v1", "target": "tiny", "heads": heads,
+        "lm_head": {"fingerprint": fingerprint(w_lm)}, "eval": {"head_top1_agreement": [0.5] * heads}}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(module_tmp):
+    root = module_tmp("medusa_tiny")
+    t = write_decoder_dir(root / "t", tiny_decoder(num_layers=2, vocab=8, seed=0, logit_scale=1.5), eos=EOS_UNUSED)
+    heads = write_random_heads(root / "heads", t)
+    spec = f"medusa-heads{{head={heads},topk=3}},explicit-attention,speculative{{tree=true,tree_nodes=6,measure=false}}"
+    plan = compile_model(t, spec, root / "plan", opt_level=0).plan_dir
+    hybrid = compile_model(t, spec.replace("measure=false", "measure=false,hybrid=true"), root / "hybrid",
+                           opt_level=0).plan_dir
+    return {"root": root, "target": t, "heads": heads, "plan": plan, "hybrid": hybrid}
+
+
+def test_heads_graph_matches_numpy(tiny):
+    plan = json.loads((tiny["plan"] / "plan.json").read_text())
+    d = plan["steps"][0]["drafter"]
+    assert d == {"kind": "medusa", "name": "medusa", "heads_model": "drafter", "features": FEATURES, "heads": 3,
+                 "topk": 3}
+    onnx.checker.check_model(str(tiny["plan"] / "drafter.onnx"), full_check=True)
+    # the full-vocabulary heads share the target's LM head tensor (external data of the target)
+    assert plan["files"]["drafter"]["external_data"] == ["model.onnx.data"]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(str(tiny["plan"] / "drafter.onnx"), so, providers=["CPUExecutionProvider"])
+    z = np.load(tiny["heads"] / "medusa_heads.npz")
+    _, _, w_lm, _ = lm_head_of(ir.load(str(tiny["target"])))
+    h = np.random.default_rng(1).standard_normal((2, w_lm.shape[0])).astype(np.float32)
+    logp, ids = s.run(["medusa_logp", "medusa_ids"], {FEATURES: h})
+    for k in range(3):
+        a = h @ z["w"][k] + z["b"][k]
+        lg = (h + a / (1 + np.exp(-a))) @ w_lm
+        ref = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+        top = np.argsort(-ref, -1)[:, :3]
+        np.testing.assert_array_equal(ids[k], top)
+        np.testing.assert_allclose(logp[k], np.take_along_axis(ref, top, -1), atol=1e-4)
+
+
+def test_target_features_are_the_lm_head_input(tiny):
+    m = ir.load(str(tiny["plan"] / "model.onnx"))
+    f = next(v for v in m.graph.outputs if v.name == FEATURES)
+    node, h, _, _ = lm_head_of(m)
+    assert h is f and [o.name for o in m.graph.outputs][0] == "logits"
+
+
+def test_pass_is_idempotent_and_refuses_foreign_heads(tiny, tmp_path):
+    m = ir.load(str(tiny["target"]))
+    n_nodes = len(list(m.graph))
+    p = MedusaHeadsPass(tiny["heads"], topk=3)
+    assert p(m).modified is True
+    assert p(m).modified is False
+    assert len(list(m.graph)) == n_nodes  # one more output, no compute
+    other = write_decoder_dir(tmp_path / "o", tiny_decoder(num_layers=2, vocab=8, seed=5), eos=EOS_UNUSED)
+    with pytest.raises(DrafterError, match="another LM head"):
+        MedusaHeadsPass(tiny["heads"])(ir.load(str(other)))
+    with pytest.raises(DrafterError, match="holds no Medusa heads"):
+        MedusaHeadsPass(tmp_path)(ir.load(str(other)))
+
+
+def _drafter(**kw):
+    d = {"kind": "medusa", "heads_model": "drafter", "features": FEATURES, "heads": 3, "topk": 4, **kw}
+    return from_json(DrafterParams, d, "plan step: drafter")
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"heads": 0}, "heads"), ({"heads": 17}, "heads"), ({"topk": 0}, "topk"), ({"topk": 65}, "topk"),
+    ({"heads_model": None}, "heads_model"), ({"features": None}, "features"),
+    ({"share_kv": [0]}, "share_kv"), ({"vocab": "v"}, "vocab"),
+])
+def test_schema_refuses_bad_medusa_params(kw, msg):
+    assert _drafter().heads == 3
+    with pytest.raises(PlanError, match=msg):
+        _drafter(**kw)
+
+
+def test_schema_names_the_heads_file():
+    step = {"target": {"model": "model", "kv": [{"past": "p", "present": "q"}]},
+            "drafter": {"kind": "medusa", "heads_model": "drafter", "features": FEATURES}}
+    sp = from_json(SpeculativeParams, step, "plan step")
+    assert ("drafter.heads_model", "drafter") in sp.file_keys()
+
+
+def test_sparse_tree_takes_the_most_probable_paths():
+    ids = np.asarray([[10, 11, 12], [20, 21, 22]])
+    logp = np.log(np.asarray([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]))
+    t = sparse_tree(7, ids, logp, TreeBudget(max_nodes=4, max_depth=2, branching=3))
+    # path scores: 10 .6, 10-20 .30, 10-21 .24, 11 .3 (tie with 10-20: shallower and earlier first), 11-20 .15 ...
+    got = {tuple(t.tokens[i] for i in t.path_to(n)[1:]) for n in range(1, len(t))}
+    assert got == {(10,), (10, 20), (11,), (10, 21)} and t.tokens[0] == 7
+    assert t.children[0][0] == 1 and t.tokens[1] == 10  # the first child is the best one
+    chain = sparse_tree(7, ids, logp, TreeBudget(max_nodes=8, max_depth=1, branching=2))
+    assert sorted(chain.tokens[1:]) == [10, 11] and chain.max_depth == 1
+
+
+def test_greedy_token_identical_on_the_tiny_decoder(tiny):
+    m = dyncompile.load(tiny["plan"])
+    for prompt in ([1, 2, 3, 4], [5, 6, 5, 6, 5]):
+        ref = m.generate(prompt, max_new_tokens=20, speculative=False)
+        for opts in (dict(tree=False, draft_length=3, adaptive=False),
+                     dict(tree={"adaptive": False, "max_nodes": 6, "max_depth": 3, "branching": 3})):
+            r = m.generate(prompt, max_new_tokens=20, **opts)
+            assert r.token_ids == ref.token_ids, opts
+            assert r.stats.drafter == "medusa" and r.stats.drafted > 0 and r.stats.target_calls == r.stats.rounds + 1
+
+
+def test_hybrid_prompt_lookup_and_medusa_is_token_identical(tiny):
+    plan = json.loads((tiny["hybrid"] / "plan.json").read_text())
+    assert plan["steps"][0]["drafter"]["prompt_lookup"] is True
+    m = dyncompile.load(tiny["hybrid"])
+    prompt = [5, 6, 5, 6, 5, 6, 5]
+    ref = m.generate(prompt, max_new_tokens=20, speculative=False)
+    r = m.generate(prompt, max_new_tokens=20, tree={"adaptive": False, "max_nodes": 6, "max_depth": 3, "branching": 3})
+    assert r.token_ids == ref.token_ids and r.stats.drafted > 0
+
+
+# ------------------------------------------------------------------------------------------- exact sampling
+
+def _chi_square_p(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    from dyncompile.runtime.rules.chi2 import chi2_sf
+
+    n = observed.sum()
+    e = expected_probs.reshape(-1) * n
+    o = observed.reshape(-1).astype(float)
+    small = e < 5
+    e, o = np.append(e[~small], e[small].sum()), np.append(o[~small], o[small].sum())
+    if e[-1] == 0:
+        e, o = e[:-1], o[:-1]
+    return chi2_sf(float(((o - e) ** 2 / e).sum()), len(e) - 1)
+
+
+def _exact_joint(m, prompt):
+    """The target's own distribution of new tokens 2 and 3 (token 1 marginalised), by enumeration."""
+    from dyncompile.runtime.rules.sampling import probs_from_logits
+
+    tgt = m.handlers[0].target
+    tgt.reset()
+    p1 = probs_from_logits(tgt.forward(prompt)[-1], 1.0)
+    joint = np.zeros((8, 8))
+    for a in range(8):
+        for b in range(8):
+            tgt.reset()
+            lg = tgt.forward([*prompt, a, b])
+            joint[b] += p1[a] * probs_from_logits(lg[-2], 1.0)[b] * probs_from_logits(lg[-1], 1.0)
+    return joint
+
+
+def _sample_joint(m, prompt, n):
+    counts = np.zeros((8, 8))
+    acc = drafted = 0
+    tree = {"adaptive": False, "max_nodes": 6, "max_depth": 2, "branching": 3}
+    for seed in range(n):
+        r = m.generate(prompt, max_new_tokens=4, sample=True, temperature=1.0, seed=seed, tree=tree)
+        counts[r.token_ids[1], r.token_ids[2]] += 1
+        acc += r.stats.accepted
+        drafted += r.stats.drafted
+    return counts, acc, drafted
+
+
+def test_medusa_tree_sampling_reproduces_the_target_distribution(tiny):
+    m = dyncompile.load(tiny["plan"])
+    expected = _exact_joint(m, [1, 2, 3, 4])
+    counts, acc, drafted = _sample_joint(m, [1, 2, 3, 4], 2000)
+    assert acc > 300 and drafted - acc > 300  # drafts were both accepted and rejected
+    assert _chi_square_p(counts, expected) > 1e-3
+
+
+def test_chi_square_detects_a_wrong_tree_sampler(tiny, monkeypatch):
+    """Negative control: accepting a node's first child whenever it exists is not exact; the test rejects it."""
+    m = dyncompile.load(tiny["plan"])
+    expected = _exact_joint(m, [1, 2, 3, 4])
+
+    def first_child(tree, p, rng):
+        from dyncompile.runtime.rules.sampling import sample_from
+
+        path = [0]
+        while tree.children[path[-1]]:
+            path.append(tree.children[path[-1]][0])
+        return path, sample_from(p[path[-1]], rng)
+
+    monkeypatch.setattr(runtime_speculative, "accept_sampling", first_child)
+    counts, _, _ = _sample_joint(m, [1, 2, 3, 4], 1000)
+    assert _chi_square_p(counts, expected) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- SmolLM2
+
+@pytest.mark.slow
+def test_smollm2_trained_medusa_heads_greedy_token_identical(smollm2, module_tmp):
+    """Heads trained on CPU in seconds (train-drafter --kind medusa: a draft vocabulary, so the heads graph holds the
+    LM head's rows for it), compiled and run: greedy output is the target's, drafts are proposed."""
+    pytest.importorskip("torch")
+    from dyncompile.tools.bench.prompt_sets import CODE_FILES
+    from dyncompile.tools.train_medusa import train_medusa
+
+    root = module_tmp("medusa_smol")
+    info = train_medusa(smollm2.onnx_path.parent, root / "heads", heads=3, steps=20, batch=64, seq_len=64,
+                        max_tokens=2000, draft_vocab=1024, threads=2)
+    assert info["heads"] == 3 and set(CODE_FILES) <= set(info["corpus"]["held_out"])
+    assert np.load(root / "heads" / "medusa_heads.npz")["vocab"].shape == (1024,)
+    plan = compile_model(smollm2.onnx_path, f"medusa-heads{{head={root / 'heads'}}},explicit-attention,"
+                         "speculative{tree=true,measure=false}", root / "plan", progress=False, opt_level=0).plan_dir
+    drafter = ir.load(str(plan / "drafter.onnx"))
+    assert drafter.graph.initializers["medusa.lm_head"].const_value.shape == (576, 1024)
+    m = dyncompile.load(plan, session_config={"session.intra_op.allow_spinning": "0"})
+    code = (Path(sysconfig.get_paths()["stdlib"]) / "bisect.py").read_text()
+    prompt = code[: code.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n"
+    ref = m.generate(prompt, max_new_tokens=24, speculative=False)
+    for opts in (dict(tree={"adaptive": False, "max_nodes": 16, "max_depth": 3, "branching": 4}),
+                 dict(tree=False, draft_length=3, adaptive=False)):
+        r = m.generate(prompt, max_new_tokens=24, **opts)
+        assert r.token_ids == ref.token_ids and r.stats.drafted > 0 and r.stats.drafter == "medusa"
