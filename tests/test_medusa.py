@@ -21,8 +21,8 @@ from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir
 from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative.decoder_spec import DrafterError
 from dyncompile.passes.speculative.medusa_heads import FEATURES, MedusaHeadsPass, lm_head_of
-from dyncompile.plan.decode import DrafterParams, SpeculativeParams
 from dyncompile.plan._typed import from_json
+from dyncompile.plan.decode import DrafterParams, SpeculativeParams
 from dyncompile.runtime.decode.drafters import TreeBudget
 from dyncompile.runtime.decode.medusa import sparse_tree
 from dyncompile.tools.train_drafter import fingerprint

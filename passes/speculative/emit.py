@@ -199,8 +199,10 @@ def _emit_eagle(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
 
 
 def _emit_medusa(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
-    """Target (with its ``medusa_features`` output) + the Medusa heads graph (sharing the target's LM head when the
-    heads cover the full vocabulary)."""
+    """Target (with its ``medusa_features`` output) + the Medusa heads graph.
+
+    The heads graph shares the target's LM head when the heads cover the full vocabulary.
+    """
     d = rec["drafter"]
     out = req.out_dir
     files: dict[str, FileRef] = {}

@@ -1,5 +1,6 @@
-"""``medusa-heads``: build a Medusa drafter (Cai et al. 2024, Medusa-1 heads) from heads trained by ``train-drafter
---kind medusa``, and expose the target's last hidden state it reads.
+"""``medusa-heads``: build a Medusa drafter (Cai et al. 2024, Medusa-1 heads) and expose the feature it reads.
+
+The heads are trained by ``train-drafter --kind medusa``; the exposed feature is the target's last hidden state.
 
 The target's LM head reads ``h`` (the hidden state after the final norm) and gives token ``t + 1``; Medusa head
 ``k`` (``k = 0..K-1``) gives token ``t + k + 2`` from the same ``h``:

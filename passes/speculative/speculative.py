@@ -258,7 +258,7 @@ class SpeculativePass(ir.passes.InPlacePass):
                 f"({self.drafter_source or 'split drafter'}) {dv}; the drafter must share the target's tokenizer"
             )
 
-    def _record(self, model: ir.Model) -> dict[str, Any]:
+    def _record(self, model: ir.Model) -> dict[str, Any]:  # noqa: C901 - one branch per drafter kind
         target = decoder_spec(model, "model", what="target model")
         if self.drafter == PROMPT_LOOKUP:
             drafter: dict[str, Any] = {"kind": PROMPT_LOOKUP, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
