@@ -98,6 +98,31 @@ def _hybrid(d: dict[str, Any]) -> dict[str, Any]:
     return {"prompt_lookup": True, "max_ngram": d.get("max_ngram", 3), "min_ngram": d.get("min_ngram", 1)}
 
 
+def _save_target_external(model: ir.Model, out: Path, files: dict[str, FileRef]) -> None:
+    """Save the target with its weights in ``model.onnx.data``, the file a drafter's shared weights point into."""
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+    add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
+                                     file_ref(out, "model.onnx.data", "external_data")])
+
+
+def _speculative_plan(model: ir.Model, req: EmitRequest, rec: dict[str, Any], files: dict[str, FileRef],
+                      step_drafter: dict[str, Any], policy: dict[str, Any]) -> Plan:
+    """The ``speculative_generate`` plan of every drafter kind.
+
+    The target, ``step_drafter`` (+ a hybrid's prompt lookup), the recorded draft policy and generation settings,
+    the tokenizer and ``policy``.
+    """
+    step_drafter.update(_hybrid(rec["drafter"]))
+    tok = _tokenizer_spec(req, files, rec.get("generation") or {})
+    inputs, outputs = io_signature(model.graph)
+    target = dict(rec["target"])
+    target.pop("vocab_size", None)
+    step = Step("speculative_generate", {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}),
+                                         "generation": rec.get("generation", {})})
+    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
+                policy=policy, provenance=req.provenance)
+
+
 @register_emitter("speculative")
 def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     """Write the target, its drafter and the speculative-generation plan that runs them."""
@@ -112,9 +137,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
     if d["kind"] == "medusa":
         return _emit_medusa(model, req, rec)
     if split:  # always external data, so that the drafter can point into it
-        ir.save(model, out / "model.onnx", external_data="model.onnx.data")
-        add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
-                                         file_ref(out, "model.onnx.data", "external_data")])
+        _save_target_external(model, out, files)
     else:
         add_model_files(files, "model", save_model(model, out, "model.onnx", "main"))
     if d["kind"] == "model":
@@ -142,15 +165,6 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
         step_drafter = {"kind": "lookahead", "window": d["window"], "ngram": d["ngram"], "guesses": d["guesses"]}
     else:
         step_drafter = {"kind": d["kind"], "max_ngram": d.get("max_ngram", 3), "min_ngram": d.get("min_ngram", 1)}
-    step_drafter.update(_hybrid(d))
-    tok = _tokenizer_spec(req, files, rec.get("generation") or {})
-    inputs, outputs = io_signature(model.graph)
-    target = dict(rec["target"])
-    target.pop("vocab_size", None)
-    step = Step(
-        "speculative_generate",
-        {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}), "generation": rec.get("generation", {})},
-    )
     name = d.get("name", d["kind"])
     policy: dict[str, Any] = {"speculative": {"drafter": f"prompt-lookup+{name}" if d.get("prompt_lookup") else name,
                                               "draft": rec.get("draft", {})}}
@@ -160,8 +174,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
         policy["speculative"]["tokenizer_check"] = d["tokenizer_check"]
     if split:
         policy["split_drafter"] = json.loads(model.metadata_props[_keys.SPLIT_DRAFTER])
-    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
-                policy=policy, provenance=req.provenance)
+    return _speculative_plan(model, req, rec, files, step_drafter, policy)
 
 
 def _emit_eagle(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
@@ -169,9 +182,7 @@ def _emit_eagle(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
     d = rec["drafter"]
     out = req.out_dir
     files: dict[str, FileRef] = {}
-    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
-    add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
-                                     file_ref(out, "model.onnx.data", "external_data")])
+    _save_target_external(model, out, files)
     drafter, vocab = model.meta[_keys.EAGLE_MODEL]
     shared = _share_weights(drafter, model, out / "model.onnx")
     ir.save(drafter, out / "drafter.onnx")
@@ -185,17 +196,9 @@ def _emit_eagle(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
     spec["model"] = "drafter"
     step_drafter = {"kind": "eagle", "name": "eagle", "decoder": spec, "vocab": "drafter_vocab",
                     "features": d["features"], "feature_input": d["feature_input"], "hidden_output": d["hidden_output"]}
-    step_drafter.update(_hybrid(d))
-    tok = _tokenizer_spec(req, files, rec.get("generation") or {})
-    inputs, outputs = io_signature(model.graph)
-    target = dict(rec["target"])
-    target.pop("vocab_size", None)
-    step = Step("speculative_generate", {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}),
-                                         "generation": rec.get("generation", {})})
     policy: dict[str, Any] = {"speculative": {"drafter": "eagle", "draft": rec.get("draft", {})},
                               "eagle": json.loads(model.metadata_props[_keys.EAGLE])}
-    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
-                policy=policy, provenance=req.provenance)
+    return _speculative_plan(model, req, rec, files, step_drafter, policy)
 
 
 def _emit_medusa(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan:
@@ -206,9 +209,7 @@ def _emit_medusa(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan
     d = rec["drafter"]
     out = req.out_dir
     files: dict[str, FileRef] = {}
-    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
-    add_model_files(files, "model", [file_ref(out, "model.onnx", "main", ["model.onnx.data"]),
-                                     file_ref(out, "model.onnx.data", "external_data")])
+    _save_target_external(model, out, files)
     heads = model.meta[_keys.MEDUSA_MODEL]
     shared = _share_weights(heads, model, out / "model.onnx")
     ir.save(heads, out / "drafter.onnx")
@@ -217,15 +218,7 @@ def _emit_medusa(model: ir.Model, req: EmitRequest, rec: dict[str, Any]) -> Plan
                 (out / "drafter.onnx").stat().st_size / 2**20)
     step_drafter = {"kind": "medusa", "name": "medusa", "heads_model": "drafter", "features": d["features"],
                     "heads": d["heads"], "topk": d["topk"]}
-    step_drafter.update(_hybrid(d))
-    tok = _tokenizer_spec(req, files, rec.get("generation") or {})
-    inputs, outputs = io_signature(model.graph)
-    target = dict(rec["target"])
-    target.pop("vocab_size", None)
-    step = Step("speculative_generate", {"target": target, "drafter": step_drafter, "draft": rec.get("draft", {}),
-                                         "generation": rec.get("generation", {})})
     name = "prompt-lookup+medusa" if d.get("prompt_lookup") else "medusa"
     policy: dict[str, Any] = {"speculative": {"drafter": name, "draft": rec.get("draft", {})},
                               "medusa": json.loads(model.metadata_props[_keys.MEDUSA])}
-    return Plan(task="text-generation", files=files, steps=[step], inputs=inputs, outputs=outputs, tokenizer=tok,
-                policy=policy, provenance=req.provenance)
+    return _speculative_plan(model, req, rec, files, step_drafter, policy)
