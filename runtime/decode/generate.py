@@ -502,10 +502,14 @@ class GenerationAPI(TaskAPI):
         except Exception as e:
             if not is_ort_error(e):
                 raise
-            raise PlanError(
-                f"ONNX Runtime failed generating with plan {self.model.plan.directory}: {first_line(e)}; the plan and "
-                "its ONNX files disagree — recompile"
-            ) from None
+            raise self._ort_failure(e) from None
+
+    def _ort_failure(self, e: BaseException) -> PlanError:
+        """The one clear error for an ONNX Runtime failure while generating (the plan and its files disagree)."""
+        return PlanError(
+            f"ONNX Runtime failed generating with plan {self.model.plan.directory}: {first_line(e)}; the plan and "
+            "its ONNX files disagree — recompile"
+        )
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         """Continue ``prompt`` (see :func:`generate` for the keyword arguments); a list of text prompts gives a list.
@@ -515,16 +519,13 @@ class GenerationAPI(TaskAPI):
         """
         if isinstance(prompt, list | tuple) and prompt and all(isinstance(p, str) for p in prompt):
             return [self.generate(p, **kwargs) for p in prompt]  # a list of prompts: one result each, in order
+        if self.text_step is None:
+            return self._generate_guarded(prompt, **kwargs)
         try:
-            if self.text_step is not None:
-                k, res, checks = self.text_step.generate(prompt, **kwargs)
-                self.model.last_info = {"candidate": self.text_step.names[k], "candidate_index": k, "checks": checks}
-                return res
-            return generate(self.model, prompt, **kwargs)
+            k, res, checks = self.text_step.generate(prompt, **kwargs)
         except Exception as e:
             if not is_ort_error(e):
                 raise
-            raise PlanError(
-                f"ONNX Runtime failed generating with plan {self.model.plan.directory}: {first_line(e)}; the plan and "
-                "its ONNX files disagree — recompile"
-            ) from None
+            raise self._ort_failure(e) from None
+        self.model.last_info = {"candidate": self.text_step.names[k], "candidate_index": k, "checks": checks}
+        return res
