@@ -136,7 +136,7 @@ def _worker(args, rows: list[dict], shard: int, nshard: int, phase: str, part: P
             tw = json.loads((part / "twins.json").read_text())
             settings = {_twin_name(a, m): ("plain", {"steps": _mixed_steps(m, len(rows))[idx]}) for a, m in tw.items()}
         res = _chunked(load, settings, mine, args.chunk)
-        for j, (name, r) in enumerate(res.items()):
+        for j, r in enumerate(res.values()):
             out[f"images_{j}"] = np.concatenate(r["images"])
             out[f"steps_{j}"] = np.concatenate(r["steps"])
         meta["settings"] = {name: {k: r[k] for k in ("seconds", "shallow", "calls")} for name, r in res.items()}
