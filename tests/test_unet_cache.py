@@ -386,7 +386,21 @@ def test_calibration_picks_the_cheapest_schedule_within_budget_and_records_it(tm
                        out, calib=str(calib), progress=False)
     fc = json.loads((out / "plan.json").read_text())["steps"][-1]["feature_cache"]
     assert fc["calibration"]["tried"] == tried and fc["depth"] == rec["depth"]
-    img = dyncompile.load(out, provider="cpu").generate_images(["a bag"], steps=4)
+    # the calibration measures what the bench measures: the plan's images with the same prompts and seeds (torch
+    # noise, the asset's seeds), SSIM to the plan's 8-step image, cached against caching off at the same steps
+    from dyncompile.passes.step_saver.metrics import ssim
+
+    plan = dyncompile.load(out, provider="cpu")
+    prompts = [json.loads(line)["prompt"] for line in calib.read_text().splitlines()]
+    seeds = [1_000_000 + i for i in range(len(prompts))]
+    gen = dict(seed=seeds, noise_source="torch")
+    ref = plan.generate_images(prompts, steps=8, cache_interval=1, **gen).images
+    off = plan.generate_images(prompts, steps=4, cache_interval=1, **gen).images
+    on = plan.generate_images(prompts, steps=4, **gen).images
+    assert abs(float(ssim(off, ref).mean()) - fc["calibration"]["uncached_mean_ssim"]) <= 1e-5
+    assert abs(float(ssim(on, ref).mean()) - fc["calibration"]["chosen_mean_ssim"]) <= 1e-5
+    assert fc["calibration"]["noise"] == "torch"
+    img = plan.generate_images(["a bag"], steps=4)
     assert img.shallow_calls == 4 - sum(
         FeatureCacheParams("s", "d", "d", fc["depth"], fc["interval"], fc["warmup"], fc["final"]).refreshes(k, None, 4)
         for k in range(4))

@@ -10,11 +10,15 @@ on the cached feature. Because the shallow graph is cut at emit time, passes tha
 ``quantize-int8``) apply to both graphs.
 
 Choice of cut and schedule: given (``depth=``, ``interval=``, ``warmup=``, ``refresh_steps=``), or calibrated
-on calibration prompts (``--calib PROMPTS.jsonl``, TRAIN captions; seed 1,000,000 + line index, numpy noise as
-the step-saver's): the candidates (depth <= ``max_depth``, ``intervals``, early-dense warm-ups) are tried in
-order of estimated cost (MACs of the shallow graph, from shape inference) and the first whose mean SSIM to the
-``reference_steps`` image is within ``max_ssim_drop`` of the uncached loop's at ``steps`` wins. The choice and
-its measured quality go into the plan (``feature_cache.calibration``).
+on calibration prompts (``--calib PROMPTS.jsonl``, TRAIN captions; seed 1,000,000 + line index unless the line
+has a ``seed``). The quality measure is the bench's: mean SSIM to the ``reference_steps`` image of the same
+prompt and seed, compared with the uncached loop at the same ``steps``, with the asset's noise (``noise=torch``:
+``torch.randn`` seeded per prompt, as the bench; ``noise=numpy`` needs no torch). The reference images and the
+uncached loop are computed once. The candidates (depth <= ``max_depth``, ``intervals``, and each schedule form:
+uniform, denser refresh early (``warmup``), late (``final``) or both, over ``steps/10`` and ``steps/5`` steps) are
+tried in order of estimated cost (MACs of the shallow graph, from shape inference); the first within
+``max_ssim_drop`` — the cheapest — wins. If none is, the pass stops with an error that names the nearest
+candidate. The choice, its measured quality and its worst prompt go into the plan (``feature_cache.calibration``).
 
 Invariants: the noise prediction output is unchanged (the full graph only gains an output; ``interval`` 1 gives
 the uncached loop's outputs); a graph without a skip Concat is left alone with a warning that says why; a
@@ -85,7 +89,8 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
     """
 
     def __init__(self, pipeline_dir=None, *, depth=None, interval=None, warmup=0, final=0, refresh_steps=None, calib=None,
-                 max_ssim_drop=0.01, steps=20, reference_steps=200, max_depth=3, intervals="2/3/4/5/6", limit=16) -> None:
+                 max_ssim_drop=0.01, steps=20, reference_steps=200, max_depth=3, intervals="2/3/4/5/6", limit=48,
+                 noise="torch") -> None:
         super().__init__()
         self.depth = None if depth is None else int(depth)
         self.interval = None if interval is None else int(interval)
@@ -116,11 +121,14 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         self.max_depth = int(max_depth)
         self.intervals = _ints(intervals, "intervals") or [2, 3, 4, 5, 6]
         self.limit = int(limit)
+        if noise not in ("torch", "numpy"):
+            raise PassConfigError(f"cache-unet noise={noise!r}: 'torch' (the asset's seeds, as the bench) or 'numpy'")
+        self.noise = noise
 
     def __repr__(self) -> str:
         src = (f"depth={self.depth}, interval={self.interval}" if self.calib is None else
                f"calib={self.calib!r}, max_ssim_drop={self.max_ssim_drop}, steps={self.steps}, "
-               f"max_depth={self.max_depth}, intervals={self.intervals}, limit={self.limit}")
+               f"max_depth={self.max_depth}, intervals={self.intervals}, limit={self.limit}, noise={self.noise}")
         return f"CacheUNetFeaturesPass({src}, warmup={self.warmup}, final={self.final}, refresh_steps={self.refresh_steps})"
 
     def requires(self, model: ir.Model) -> None:
@@ -189,43 +197,54 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         rows = _read_calib(self.calib, self.limit)
         ctx, null, _ = _pipeline_features(pipe, [r["prompt"] for r in rows])
         shape = conv.get("sample_shape") or [int(d) for d in list(model.graph.inputs[0].shape)[1:]]
-        noise = make_noise([r["seed"] for r in rows], shape, "numpy")
+        noise = make_noise([r["seed"] for r in rows], shape, self.noise)
         scale, crop = float(conv["guidance_scale"]), conv.get("output_crop")
         sched_cfg = pipe.scheduler_config
         cands = []
-        edge = max(1, self.steps // 5)
+        forms = {(0, 0)}
+        for e in {max(1, self.steps // 10), max(1, self.steps // 5)}:
+            forms |= {(e, 0), (0, e), (e, e)}
         for d in range(1, min(self.max_depth, len(skips)) + 1):
             for n in self.intervals:
-                for w, f in sorted({(0, 0), (edge, 0), (0, edge)}):
+                for w, f in sorted(forms):
                     full = refresh_count(self.steps, n, w, None, f)
                     cost = (full + (self.steps - full) * shares[d - 1]) / self.steps
                     cands.append((cost, d, n, w, f))
         cands.sort()
         run = _Runner(model, skips, make_scheduler(sched_cfg), crop)
         ref = to_uint8(run.sample(None, None, ctx, null, noise, self.reference_steps, scale), crop)
-        base = float(ssim(to_uint8(run.sample(None, None, ctx, null, noise, self.steps, scale), crop), ref).mean())
+        base_per = ssim(to_uint8(run.sample(None, None, ctx, null, noise, self.steps, scale), crop), ref)
+        base = float(base_per.mean())
         tried = []
         chosen = None
         for cost, d, n, w, f in cands:
             if cost >= 1:
                 continue
             img = to_uint8(run.sample(d, schedule(n, w, f), ctx, null, noise, self.steps, scale), crop)
-            m = float(ssim(img, ref).mean())
-            tried.append({"depth": d, "interval": n, "warmup": w, "final": f, "est_cost": round(cost, 4), "mean_ssim": round(m, 5)})
+            per = ssim(img, ref)
+            m = float(per.mean())
+            worst = float((base_per - per).max())
+            tried.append({"depth": d, "interval": n, "warmup": w, "final": f, "est_cost": round(cost, 4), "mean_ssim": round(m, 5),
+                          "worst_prompt_drop": round(worst, 4)})
             logger.info("cache-unet calibration: depth %d interval %d warmup %d final %d: est. cost %.3f, mean SSIM %.4f "
                         "(uncached %.4f)", d, n, w, f, cost, m, base)
             if base - m <= self.max_ssim_drop:
                 chosen = (d, n, w, f, cost, m)
                 break
         if chosen is None:
+            near = max(tried, key=lambda t: t["mean_ssim"]) if tried else None
+            nearest = "" if near is None else (
+                f"; the nearest was depth {near['depth']}, interval {near['interval']}, warmup {near['warmup']}, final "
+                f"{near['final']} at {near['mean_ssim']:.4f} (drop {base - near['mean_ssim']:.4f})")
             raise PassConfigError(f"cache-unet: no candidate keeps mean SSIM within {self.max_ssim_drop} of the uncached "
                                   f"loop's {base:.4f} at {self.steps} steps on {len(rows)} calibration prompts "
-                                  f"(tried {len(tried)}); raise max_ssim_drop or give depth= and interval=")
+                                  f"(tried {len(tried)}{nearest}); raise max_ssim_drop or limit=, or give depth= and interval=")
         d, n, w, f, cost, m = chosen
-        calibration = {"prompts": len(rows), "split": "calibration", "noise": "numpy", "steps": self.steps,
+        calibration = {"prompts": len(rows), "split": "calibration", "noise": self.noise, "steps": self.steps,
                        "reference_steps": self.reference_steps, "max_ssim_drop": self.max_ssim_drop,
                        "uncached_mean_ssim": round(base, 5), "chosen_mean_ssim": round(m, 5),
-                       "ssim_drop": round(base - m, 5), "est_cost_per_step": round(cost, 4), "tried": tried}
+                       "ssim_drop": round(base - m, 5), "worst_prompt_drop": tried[-1]["worst_prompt_drop"],
+                       "est_cost_per_step": round(cost, 4), "tried": tried}
         return d, n, w, f, None, calibration
 
 
@@ -298,9 +317,10 @@ class _Runner:
 )
 def _make_cache_unet(context, depth: int | None = None, interval: int | None = None, warmup: int = 0, final: int = 0,
                      refresh_steps: str | None = None, max_ssim_drop: float = 0.01, steps: int = 20,
-                     reference_steps: int = 200, max_depth: int = 3, intervals: str = "2/3/4/5/6", limit: int = 16):
+                     reference_steps: int = 200, max_depth: int = 3, intervals: str = "2/3/4/5/6", limit: int = 48,
+                     noise: str = "torch"):
     return CacheUNetFeaturesPass(
         context.options.get("pipeline_dir"), depth=depth, interval=interval, warmup=warmup, final=final, refresh_steps=refresh_steps,
         calib=context.options.get("calib"), max_ssim_drop=max_ssim_drop, steps=steps, reference_steps=reference_steps,
-        max_depth=max_depth, intervals=intervals, limit=limit,
+        max_depth=max_depth, intervals=intervals, limit=limit, noise=noise,
     )

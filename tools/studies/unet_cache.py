@@ -10,6 +10,14 @@ of the uniform plan, floor/ceil mixed over prompts to match the mean); paired bo
 
     python -m dyncompile.tools.studies.unet_cache --plain fd --cached c20 --ss ss --ss-cached ssc \
         --ss-cached-int8 ssc8 --steps 20 --n 64 --out bench-results/unet-cache
+
+``--workers N`` splits the prompts over N worker processes (prompt ``i`` to worker ``i % N``; one ORT thread each
+with ``--threads 1``), in three rounds: the 200-step references, the settings, then the uniform twins (their step
+counts come from the settings' summed times, so every worker runs the same twins). Each worker interleaves the
+settings on its own prompts, so the speed ratios are paired within a worker; the report sums the seconds over
+the workers and lists each worker's ratios. Each worker writes its images and timings to ``--partials``; a run
+that finds a worker's file there reuses it, so the generation can run on one machine (``--generate-only``) and
+the metrics on another, from the same files.
 """
 
 from __future__ import annotations
@@ -62,7 +70,14 @@ def main(argv=None) -> int:
     p.add_argument("--ref", help="npz cache of the 200-step reference images (made if absent)")
     p.add_argument("--real-images", required=True, help="Fashion-MNIST t10k-images-idx3-ubyte.gz (FD-proxy)")
     p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=1, help="worker processes (prompt i to worker i %% N)")
+    p.add_argument("--partials", help="folder of the workers' files (default OUT/partials)")
+    p.add_argument("--generate-only", action="store_true", help="stop once the workers' files exist (no metrics)")
+    p.add_argument("--machine-note", default="", help="where the workers ran, for the report")
+    p.add_argument("--report-name", help="file stem of the report (default unet-cache)")
+    p.add_argument("--shard", help=argparse.SUPPRESS)  # I/N:PHASE, set by the parent for a worker
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run(args)
 
@@ -80,81 +95,195 @@ def _mixed_steps(mean: float, n: int) -> np.ndarray:
     return np.maximum(k, 1)
 
 
-def run(args) -> int:
+_PLANS = (("plain", "plain"), ("cached", "cached"), ("ss", "ss"), ("ssc", "ss_cached"), ("ssc8", "ss_cached_int8"))
+
+
+def _settings(args, K: int) -> dict[str, tuple]:
+    """Setting name -> (plan, generate kwargs), in the order they run."""
+    s: dict[str, tuple] = {f"uniform {K}": ("plain", {"steps": K}), f"caching alone, {K} steps": ("cached", {"steps": K})}
+    for key, name in (("ss", "StepSaver alone"), ("ss_cached", "caching x StepSaver"),
+                      ("ss_cached_int8", "caching x StepSaver x int8")):
+        if getattr(args, key):
+            s[name] = ({"ss": "ss", "ss_cached": "ssc", "ss_cached_int8": "ssc8"}[key], {"policy": "predicted"})
+    return s
+
+
+def _twin_name(name: str, mean_steps: float) -> str:
+    return f"uniform at the wall-clock of '{name}' ({mean_steps:.2f} steps)"
+
+
+def _worker(args, rows: list[dict], shard: int, nshard: int, phase: str, part: Path) -> None:
+    """One worker: its prompts (``i % nshard == shard``) through one phase; images and timings to ``part``."""
     import dyncompile
 
+    idx = np.arange(len(rows))[shard::nshard]
+    mine = [rows[i] for i in idx]
+    K = args.steps
+    plans = {k: getattr(args, a) for k, a in _PLANS if getattr(args, a)}
+    need = {"ref": ["plain"], "main": list(plans), "twins": ["plain"]}[phase]
+    load = {k: dyncompile.load(plans[k], provider=args.provider, threads=args.threads) for k in need}
+    out: dict[str, np.ndarray] = {"idx": idx}
+    meta: dict = {"machine": machine_info(), "shard": shard, "workers": nshard, "phase": phase}
+    if phase == "ref":  # the 200-step references (quality only, not timed)
+        out["images"] = np.concatenate([_gen(load["plain"], mine[i:i + 16], steps=200)[0].images
+                                        for i in range(0, len(mine), 16)])
+    else:
+        for m in load.values():  # session warm-up, untimed
+            _gen(m, mine[:1], steps=2)
+        if phase == "main":
+            settings = _settings(args, K)
+        else:
+            tw = json.loads((part / "twins.json").read_text())
+            settings = {_twin_name(a, m): ("plain", {"steps": _mixed_steps(m, len(rows))[idx]}) for a, m in tw.items()}
+        res = _chunked(load, settings, mine, args.chunk)
+        for j, r in enumerate(res.values()):
+            out[f"images_{j}"] = np.concatenate(r["images"])
+            out[f"steps_{j}"] = np.concatenate(r["steps"])
+        meta["settings"] = {name: {k: r[k] for k in ("seconds", "shallow", "calls")} for name, r in res.items()}
+        if phase == "main":  # fixed 100 (the speedup denominator), interleaved with uniform K on the first prompts
+            t100 = tK = 0.0
+            sub = mine[: args.timing_n]
+            for i in range(0, len(sub), 4):
+                t100 += _gen(load["plain"], sub[i:i + 4], steps=100)[1]
+                tK += _gen(load["plain"], sub[i:i + 4], steps=K)[1]
+            meta["fixed_100"] = {"prompts": len(sub), "seconds_100": t100, "seconds_K": tK}
+    out["meta"] = np.array(json.dumps(meta))
+    tmp = part / f"{phase}-{shard}-of-{nshard}.tmp.npz"
+    np.savez(tmp, **out)
+    tmp.replace(part / f"{phase}-{shard}-of-{nshard}.npz")
+
+
+def _chunked(load, settings, rows, chunk) -> dict:
+    """Every setting on ``rows``, interleaved in chunks (per-row step counts: one call per count in the chunk)."""
+    res = {k: {"images": [], "steps": [], "seconds": 0.0, "shallow": 0, "calls": 0} for k in settings}
+    for i in range(0, len(rows), chunk):
+        for name, (m, kw) in settings.items():
+            kw = dict(kw)
+            r0 = rows[i:i + chunk]
+            if isinstance(kw.get("steps"), np.ndarray):
+                ks = kw.pop("steps")[i:i + chunk]
+                imgs = None
+                for k in np.unique(ks):
+                    sel = np.flatnonzero(ks == k)
+                    r, sec = _gen(load[m], [r0[j] for j in sel], steps=int(k), **kw)
+                    if imgs is None:
+                        imgs = np.zeros((len(ks), *r.images.shape[1:]), np.uint8)
+                    imgs[sel] = r.images
+                    res[name]["seconds"] += sec
+                    res[name]["shallow"] += r.shallow_calls
+                    res[name]["calls"] += r.unet_calls
+                res[name]["images"].append(imgs)
+                res[name]["steps"].append(ks)
+                continue
+            r, sec = _gen(load[m], r0, **kw)
+            res[name]["images"].append(r.images)
+            res[name]["steps"].append(np.asarray(r.steps))
+            res[name]["seconds"] += sec
+            res[name]["shallow"] += r.shallow_calls
+            res[name]["calls"] += r.unet_calls
+    return res
+
+
+def _phase(args, rows, phase: str, part: Path) -> list[dict]:
+    """Run ``phase`` on every worker whose file is missing (subprocesses when ``--workers`` > 1); read them all."""
+    import os
+    import subprocess
+
+    N = max(1, args.workers)
+    files = [part / f"{phase}-{i}-of-{N}.npz" for i in range(N)]
+    todo = [i for i in range(N) if not files[i].is_file()]
+    if todo and N == 1:
+        _worker(args, rows, 0, 1, phase, part)
+    elif todo:
+        argv = list(args.argv)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+        procs = [subprocess.Popen([sys.executable, "-m", "dyncompile.tools.studies.unet_cache", *argv,
+                                   "--partials", str(part), "--shard", f"{i}/{N}:{phase}"], env=env) for i in todo]
+        bad = [i for i, pr in zip(todo, procs) if pr.wait() != 0]
+        if bad:
+            raise DataError(f"unet_cache: workers {bad} of the '{phase}' round failed (their output is above)")
+    out = []
+    for f in files:
+        d = np.load(f, allow_pickle=False)
+        out.append({k: d[k] for k in d.files if k != "meta"} | {"meta": json.loads(str(d["meta"]))})
+    return out
+
+
+def _merge(parts: list[dict], n: int) -> dict[str, dict]:
+    """Per setting: images and steps in prompt order, seconds and calls summed, and each worker's seconds."""
+    names = list(parts[0]["meta"]["settings"])
+    res = {}
+    for j, name in enumerate(names):
+        first = parts[0][f"images_{j}"]
+        imgs = np.zeros((n, *first.shape[1:]), first.dtype)
+        steps = np.zeros(n, np.int64)
+        for p in parts:
+            imgs[p["idx"]] = p[f"images_{j}"]
+            steps[p["idx"]] = p[f"steps_{j}"]
+        st = [p["meta"]["settings"][name] for p in parts]
+        res[name] = {"images": [imgs], "steps": [steps], "seconds": sum(s["seconds"] for s in st),
+                     "shallow": sum(s["shallow"] for s in st), "calls": sum(s["calls"] for s in st),
+                     "worker_seconds": [s["seconds"] for s in st]}
+    return res
+
+
+def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not Path(args.real_images).is_file():
+    if not args.generate_only and not Path(args.real_images).is_file():
         raise DataError(f"real test images not found: {args.real_images} (apt-get download dataset-fashion-mnist; dpkg -x)")
     rows = select_prompts("test", args.n)
     n = len(rows)
-    load = {k: dyncompile.load(v, provider=args.provider, threads=args.threads) for k, v in
-            (("plain", args.plain), ("cached", args.cached), ("ss", args.ss), ("ssc", args.ss_cached),
-             ("ssc8", args.ss_cached_int8)) if v}
+    part = Path(args.partials) if args.partials else out / "partials"
+    part.mkdir(parents=True, exist_ok=True)
+    if args.shard:  # a worker
+        sh, phase = args.shard.split(":")
+        i, N = (int(v) for v in sh.split("/"))
+        logging.getLogger().setLevel(logging.WARNING)
+        _worker(args, rows, i, N, phase, part)
+        return 0
+    K = args.steps
     # the 200-step reference images (quality only, not timed)
     ref_path = Path(args.ref) if args.ref else None
     if ref_path and ref_path.is_file():
         ref = np.load(ref_path, allow_pickle=False)["images"][:n]
     else:
-        ref = np.concatenate([_gen(load["plain"], rows[i:i + 16], steps=200)[0].images for i in range(0, n, 16)])
+        rp = _phase(args, rows, "ref", part)
+        ref = np.zeros((n, *rp[0]["images"].shape[1:]), np.uint8)
+        for p in rp:
+            ref[p["idx"]] = p["images"]
         if ref_path:
             np.savez(ref_path, images=ref)
-    K = args.steps
-    # settings: name -> (model, kwargs, per-row step counts or None)
-    settings: dict[str, tuple] = {f"uniform {K}": ("plain", {"steps": K}), f"caching alone, {K} steps": ("cached", {"steps": K})}
-    if "ss" in load:
-        settings["StepSaver alone"] = ("ss", {"policy": "predicted"})
-    if "ssc" in load:
-        settings["caching x StepSaver"] = ("ssc", {"policy": "predicted"})
-    if "ssc8" in load:
-        settings["caching x StepSaver x int8"] = ("ssc8", {"policy": "predicted"})
-    res = {k: {"images": [], "steps": [], "seconds": 0.0, "shallow": 0, "calls": 0} for k in settings}
-
-    def chunked(names):
-        for i in range(0, n, args.chunk):
-            for name in names:
-                m, kw = settings[name][:2]
-                kw = dict(kw)
-                if isinstance(kw.get("steps"), np.ndarray):  # per-row counts: one call per count in the chunk
-                    ks = kw.pop("steps")[i:i + args.chunk]
-                    imgs = np.zeros((len(ks), *ref.shape[1:]), np.uint8)
-                    for k in np.unique(ks):
-                        sel = np.flatnonzero(ks == k)
-                        r, sec = _gen(load[m], [rows[i + j] for j in sel], steps=int(k), **kw)
-                        imgs[sel] = r.images
-                        res[name]["seconds"] += sec
-                        res[name]["shallow"] += r.shallow_calls
-                        res[name]["calls"] += r.unet_calls
-                    res[name]["images"].append(imgs)
-                    res[name]["steps"].append(ks)
-                    continue
-                r, sec = _gen(load[m], rows[i:i + args.chunk], **kw)
-                res[name]["images"].append(r.images)
-                res[name]["steps"].append(np.asarray(r.steps))
-                res[name]["seconds"] += sec
-                res[name]["shallow"] += r.shallow_calls
-                res[name]["calls"] += r.unet_calls
-
-    chunked(list(settings))
-    # fixed 100 (the speedup denominator): timed on the first timing-n prompts, interleaved with uniform K
-    t100 = tK = 0.0
-    sub = rows[: args.timing_n]
-    for i in range(0, len(sub), 4):
-        t100 += _gen(load["plain"], sub[i:i + 4], steps=100)[1]
-        tK += _gen(load["plain"], sub[i:i + 4], steps=K)[1]
-    per_step = tK / K / len(sub)  # seconds per image-step of the uncached plan (the timing subset)
-    sec_100 = t100 / len(sub)
-    # uniform at the same wall-clock cost as each cached setting
+    mp = _phase(args, rows, "main", part)
+    res = _merge(mp, n)
+    settings = _settings(args, K)
+    fx = [p["meta"]["fixed_100"] for p in mp]
+    nsub = sum(f["prompts"] for f in fx)
+    t100, tK = sum(f["seconds_100"] for f in fx), sum(f["seconds_K"] for f in fx)
+    per_step = tK / K / nsub  # seconds per image-step of the uncached plan (the timing subset)
+    sec_100 = t100 / nsub
+    # uniform at the same wall-clock cost as each cached setting (from the seconds summed over the workers)
+    tw = {}
     for name in [s for s in settings if "caching" in s]:
         cost = res[name]["seconds"] / n  # seconds per image
         uni_per_step = res[f"uniform {K}"]["seconds"] / n / K
-        mean_steps = cost / uni_per_step
-        tw = f"uniform at the wall-clock of '{name}' ({mean_steps:.2f} steps)"
-        settings[tw] = ("plain", {"steps": _mixed_steps(mean_steps, n)})
-        res[tw] = {"images": [], "steps": [], "seconds": 0.0, "shallow": 0, "calls": 0, "twin_of": name}
-    twins = [s for s in settings if s.startswith("uniform at the wall-clock")]
-    chunked(twins)
+        tw[name] = round(cost / uni_per_step, 4)
+    twf = part / "twins.json"
+    if twf.is_file():
+        old = json.loads(twf.read_text())
+        if old != tw:
+            raise DataError(f"{twf} holds twins {old} from other main-round files than these ({tw}); clear {part}")
+    else:
+        twf.write_text(json.dumps(tw))
+    tp = _phase(args, rows, "twins", part)
+    twres = _merge(tp, n)
+    for a, m in tw.items():
+        twres[_twin_name(a, m)]["twin_of"] = a
+    res.update(twres)
+    twins = list(twres)
+    if args.generate_only:
+        print(f"worker files in {part}: ref, main, twins for {args.workers} workers")
+        return 0
 
     thr = texture_thresholds()
     proxy = Proxy(shared_dir() / "assets/fashion-diffusion/proxy/classifier.onnx")
@@ -182,37 +311,54 @@ def run(args) -> int:
             "cond_acc": float((logits.argmax(1) == cls).mean()),
         }
     ca = f"caching alone, {K} steps"
-    report[ca]["speedup_vs_uniform_same_steps"] = res[f"uniform {K}"]["seconds"] / res[ca]["seconds"]
+
+    def ratio(base: str, k: str) -> None:
+        report[k]["speedup_vs_uniform_same_steps"] = res[base]["seconds"] / res[k]["seconds"]
+        if len(res[k]["worker_seconds"]) > 1:  # paired within each worker
+            report[k]["speedup_vs_uniform_same_steps_per_worker"] = [
+                b / c for b, c in zip(res[base]["worker_seconds"], res[k]["worker_seconds"])]
+
+    ratio(f"uniform {K}", ca)
     if "StepSaver alone" in report:
         for k in ("caching x StepSaver", "caching x StepSaver x int8"):
             if k in report:
-                report[k]["speedup_vs_uniform_same_steps"] = res["StepSaver alone"]["seconds"] / res[k]["seconds"]
+                ratio("StepSaver alone", k)
     cis = {}
-    for tw in twins:
-        a = res[tw]["twin_of"]
-        A, U = per[a], per[tw]
+    for t in twins:
+        a = res[t]["twin_of"]
+        A, U = per[a], per[t]
         cis[a] = {
-            "uniform_twin": tw, "twin_seconds_ratio": res[tw]["seconds"] / res[a]["seconds"],
+            "uniform_twin": t, "twin_seconds_ratio": res[t]["seconds"] / res[a]["seconds"],
             "mean_ssim_to_200": bootstrap_diff(A["ssim"], U["ssim"]),
             "share_ssim_ge_0.95": bootstrap_diff(A["ssim"] >= TAU, U["ssim"] >= TAU),
             "texture_adherence": bootstrap_diff(A["tex"]["_hits"], U["tex"]["_hits"], A["tex"]["_named"]),
         }
     drop = bootstrap_diff(per[ca]["ssim"], per[f"uniform {K}"]["ssim"])
+    import dyncompile
+
+    fcs = {}
+    for k, a in _PLANS:
+        if getattr(args, a):
+            fc = _fc(dyncompile.load(getattr(args, a), provider="cpu"))
+            if fc:
+                fcs[k] = fc
     result = {
         "prompts": n, "prompt_set": f"first {n} TEST captions in eval_rank order (held out; never used for calibration)",
         "seeds": "torch.randn(generator=manual_seed(eval_rank)) — the asset's seeds", "tau": TAU,
         "provider": args.provider, "threads": args.threads, "chunk": args.chunk,
-        "fixed_100_seconds_per_image": sec_100, "fixed_100_timing_prompts": len(sub),
-        "uncached_seconds_per_image_step": per_step, "machine": machine_info(),
-        "plans": {k: Path(v).name for k, v in (("plain", args.plain), ("cached", args.cached), ("ss", args.ss),
-                                                          ("ss_cached", args.ss_cached), ("ss_cached_int8", args.ss_cached_int8)) if v},
-        "feature_cache": {k: _fc(m) for k, m in load.items() if _fc(m)},
+        "workers": max(1, args.workers), "machine_note": args.machine_note,
+        "fixed_100_seconds_per_image": sec_100, "fixed_100_timing_prompts": nsub,
+        "uncached_seconds_per_image_step": per_step, "machine": mp[0]["meta"]["machine"],
+        "plans": {k: Path(getattr(args, a)).name for k, a in _PLANS if getattr(args, a)},
+        "feature_cache": fcs,
         "settings": report, "caching_alone_minus_uniform_same_steps_ssim": drop, "vs_uniform_same_wall_clock": cis,
     }
-    write_json_atomic(out / "unet-cache.json", result)
-    (out / "unet-cache.md").write_text(render_markdown(json.loads((out / "unet-cache.json").read_text())))
-    grid_png({k: per[k] for k in per}, rows, out / "samples_grid.png", cols=min(12, n))
-    print((out / "unet-cache.md").read_text())
+    stem = "unet-cache" if not args.report_name else args.report_name
+    write_json_atomic(out / f"{stem}.json", result)
+    (out / f"{stem}.md").write_text(render_markdown(json.loads((out / f"{stem}.json").read_text())))
+    grid_png({k: per[k] for k in per}, rows, out / f"{stem}-samples_grid.png" if args.report_name else out / "samples_grid.png",
+             cols=min(12, n))
+    print((out / f"{stem}.md").read_text())
     return 0
 
 
@@ -234,12 +380,20 @@ def markdown(r: dict) -> str:
     lines = [f"# cache-unet bench — {r['prompts']} held-out prompts, {r['provider']} EP, {r['threads']} thread(s)", "",
              "| setting | mean steps | shallow calls | images/s | vs fixed 100 | vs same steps uncached | mean SSIM to 200 | "
              "share ≥ 0.95 | texture adherence | FD-proxy | cond. acc |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if r.get("workers", 1) > 1:
+        lines[2:2] = [f"{r['workers']} worker processes ({r['machine_note'] or r['machine'].get('cpu')}); images/s is per "
+                      f"worker (prompts over the seconds summed over the workers)", ""]
     for k, s in r["settings"].items():
         same = "" if s["speedup_vs_uniform_same_steps"] is None else f"{s['speedup_vs_uniform_same_steps']:.2f}x"
         lines.append(f"| {k} | {s['mean_steps']:.2f} | {100 * s['shallow_share_of_unet_calls']:.0f} % | {s['images_per_s']:.2f} | "
                      f"{s['speedup_vs_fixed_100']:.2f}x | {same} | {s['mean_ssim_to_200']:.4f} | "
                      f"{100 * s['share_ssim_ge_0.95']:.1f} % | {100 * s['texture_adherence']['all']:.1f} % | "
                      f"{s['fd_proxy']:.2f} | {100 * s['cond_acc']:.1f} % |")
+    pw = {k: s["speedup_vs_uniform_same_steps_per_worker"] for k, s in r["settings"].items()
+          if s.get("speedup_vs_uniform_same_steps_per_worker")}
+    if pw:
+        lines += ["", "Speed-up over the same steps uncached, paired within each worker: " + "; ".join(
+            f"{k}: median {np.median(v):.2f}x, range {min(v):.2f}x–{max(v):.2f}x" for k, v in pw.items())]
     lines += ["", f"Caching alone minus uniform at the same steps, mean SSIM (paired bootstrap, 95 % CI): "
               f"{_ci(r['caching_alone_minus_uniform_same_steps_ssim'])}", "",
               "Cached setting minus uniform steps at the same wall-clock cost (paired bootstrap over prompts, 95 % CI):", "",
