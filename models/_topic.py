@@ -146,7 +146,7 @@ def fine_tune(base_dir: Path, train_rows: list[dict[str, Any]]):
         logger.info("fine-tune epoch %d: mean loss %.4f (%.0f s)", epoch + 1, tot / steps_per_epoch,
                     time.perf_counter() - t0)
     model.eval()
-    return model, tokenizer, {"epochs": log, "steps": total, "wall_s": round(time.perf_counter() - t0, 1),
+    return model, tokenizer, {"epoch_log": log, "steps": total, "wall_s": round(time.perf_counter() - t0, 1),
                               "threads": torch.get_num_threads(), "device": "cpu", "precision": "fp32"}
 
 

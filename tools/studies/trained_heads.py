@@ -52,11 +52,13 @@ def _apply_trained(heads, probs_out, rows, mask, hiddens):
 
 def collect_and_fit(model_name: str, data_dir: Path, *, extra_split: str | None = "movie-train",
                     extra_rows: int | None = None, progress: bool = True, train_options: dict | None = None,
-                    prefix: str = "movie") -> dict:
+                    prefix: str = "movie", max_length: int = 512) -> dict:
     """Fit linear and trained heads on movie-calib; probabilities of both on movie-test (and ``extra_split``).
 
     ``prefix`` names the split files: ``<prefix>-calib/test/train.jsonl`` in ``data_dir`` (another task's
     splits, e.g. ``bbc``); the returned dict keeps the keys ``calib``, ``movie-test``, ``movie-train``.
+    ``max_length``: tokens per row (512, the default, is what the movie runs used; give the model's own
+    ``max_length`` — what the compiled plan tokenizes to — for texts longer than it).
     """
     import onnx_ir as ir
 
@@ -71,7 +73,7 @@ def collect_and_fit(model_name: str, data_dir: Path, *, extra_split: str | None 
     num_layers, cuts, _ = find_exit_cuts(model)
     exits = [k for k in sorted(cuts) if k < num_layers]
     names = [cuts[k] for k in exits]
-    kw = dict(tokenizer_file=mdir / "tokenizer.json", max_length=512, pooling="cls+mean", progress=progress)
+    kw = dict(tokenizer_file=mdir / "tokenizer.json", max_length=max_length, pooling="cls+mean", progress=progress)
     calib = read_jsonl(data_dir / f"{prefix}-calib.jsonl")
     cache = HiddenCache()
     t0 = time.perf_counter()
@@ -288,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="minilm-l6-sentiment")
     ap.add_argument("--data", type=Path, default=None, help="folder with movie-calib/test/train.jsonl")
     ap.add_argument("--prefix", default="movie", help="split files <prefix>-calib/test/train.jsonl (default movie)")
+    ap.add_argument("--max-length", type=int, default=512,
+                    help="tokens per row (default 512; give the model's max_length, as the plan uses, for long texts)")
     ap.add_argument("--uncertified", action="store_true",
                     help="also report the uncertified (--confidence none) thresholds next to the certified ones")
     ap.add_argument("--out", type=Path, required=True)
@@ -314,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_npz and npz.is_file():
             d = load_probs(npz)
         else:
-            d = collect_and_fit(name, data, extra_rows=args.extra_rows, prefix=args.prefix)
+            d = collect_and_fit(name, data, extra_rows=args.extra_rows, prefix=args.prefix,
+                                max_length=args.max_length)
             save_probs(d, npz)
         rep = analyse(d, splits=args.splits, uncertified=args.uncertified)
         rep["data_prefix"] = args.prefix
+        rep["max_length"] = args.max_length
         sizes = [int(s) for s in args.curve_sizes.split(",")]
         curve = agreement_curve(d, "trained", sizes)
         curves[name] = curve
