@@ -15,7 +15,9 @@ movie-train with the heads applied batch by batch (no cache), so that:
 * the agreement curve: certified disagreement bound vs observed vs number of unlabeled certifying rows
   (movie-calib out-of-fold rows first, then movie-train rows, which no head saw; labels unused).
 
-Movie-test is used for reporting only: nothing here is chosen on it.
+Movie-test is used for reporting only: nothing here is chosen on it. Another task's splits are read with
+``--prefix`` (``<prefix>-calib/test/train.jsonl``, e.g. the ``minilm-l6-bbc-news`` model's ``data/`` folder, with
+``--max-length 64``, what its plan tokenizes to); ``--uncertified`` adds the ``--confidence none`` thresholds.
 
     python -m dyncompile.tools.studies.trained_heads --models minilm-l6-sentiment --out bench-results/early-exit-trained
 
@@ -137,8 +139,8 @@ def _apply(tc_thresholds, criterion, probs, teacher, labels, costs):
 def analyse(d: dict, *, budget: float = 1.0, splits: int = 60, uncertified: bool = False) -> dict:
     """Per-exit AUC/agreement, oracle, certified (accuracy / agreement), re-split violation rate, per head kind.
 
-    ``uncertified``: also the in-sample thresholds of ``--confidence none`` (``uncertified_<metric>``: the
-    fastest configuration whose observed calibration loss is within the budget, no bound).
+    ``uncertified``: also the thresholds of ``--confidence none`` (``uncertified_<metric>``: the in-sample
+    calibration on every calibration row, ``uncertified_exits``; no bound).
     """
     from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
     from dyncompile.tools.studies.early_exit_resplit import resplit
@@ -315,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name in args.models.split(","):
         npz = args.out / f"probs-{name}.npz"
-        if args.from_npz and npz.is_file():
+        reused = args.from_npz and npz.is_file()
+        if reused:
             d = load_probs(npz)
         else:
             d = collect_and_fit(name, data, extra_rows=args.extra_rows, prefix=args.prefix,
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             save_probs(d, npz)
         rep = analyse(d, splits=args.splits, uncertified=args.uncertified)
         rep["data_prefix"] = args.prefix
-        rep["max_length"] = args.max_length
+        rep["max_length"] = None if reused else args.max_length  # a reused npz does not record it
         sizes = [int(s) for s in args.curve_sizes.split(",")]
         curve = agreement_curve(d, "trained", sizes)
         curves[name] = curve
