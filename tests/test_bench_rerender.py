@@ -35,6 +35,7 @@ OWNERS: list[tuple[str, str]] = [
     ("medusa/smollm2-*.json", "dyncompile.tools.bench.generate"),
     ("early-exit-trained/wallclock/*.json", "dyncompile.tools.bench.classify"),
     ("early-exit-trained/alpha0.5/*-trained-*.json", "dyncompile.tools.bench.classify"),
+    ("early-exit-trained/bbc-news/wallclock/*.json", "dyncompile.tools.bench.classify"),
     ("contextual-sparsity/kernels.json", "dyncompile.tools.studies.sparsity_kernels"),
     ("serve/*.json", "dyncompile.tools.bench.serve"),
     ("route-code/*.json", "dyncompile.tools.studies.route_code"),
@@ -63,6 +64,7 @@ NOT_REPORTS = {
     "early-exit-trained/heads-mpnet-base-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",
     "early-exit-trained/alpha0.5/heads-minilm-l6-sentiment.json": "studies.trained_heads data of the label-mix run",
     "early-exit-trained/alpha0.5/heads-mpnet-base-sentiment.json": "studies.trained_heads data of the label-mix run",
+    "early-exit-trained/bbc-news/heads-minilm-l6-bbc-news.json": "studies.trained_heads data of the BBC News (second task) run",
     "models.json": "the recorded accuracy of each model recipe (tests/test_models_recipes.py reads it)",
 }
 

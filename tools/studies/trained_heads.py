@@ -15,7 +15,9 @@ movie-train with the heads applied batch by batch (no cache), so that:
 * the agreement curve: certified disagreement bound vs observed vs number of unlabeled certifying rows
   (movie-calib out-of-fold rows first, then movie-train rows, which no head saw; labels unused).
 
-Movie-test is used for reporting only: nothing here is chosen on it.
+Movie-test is used for reporting only: nothing here is chosen on it. Another task's splits are read with
+``--prefix`` (``<prefix>-calib/test/train.jsonl``, e.g. the ``minilm-l6-bbc-news`` model's ``data/`` folder, with
+``--max-length 64``, what its plan tokenizes to); ``--uncertified`` adds the ``--confidence none`` thresholds.
 
     python -m dyncompile.tools.studies.trained_heads --models minilm-l6-sentiment --out bench-results/early-exit-trained
 
@@ -51,8 +53,15 @@ def _apply_trained(heads, probs_out, rows, mask, hiddens):
 
 
 def collect_and_fit(model_name: str, data_dir: Path, *, extra_split: str | None = "movie-train",
-                    extra_rows: int | None = None, progress: bool = True, train_options: dict | None = None) -> dict:
-    """Fit linear and trained heads on movie-calib; probabilities of both on movie-test (and ``extra_split``)."""
+                    extra_rows: int | None = None, progress: bool = True, train_options: dict | None = None,
+                    prefix: str = "movie", max_length: int = 512) -> dict:
+    """Fit linear and trained heads on movie-calib; probabilities of both on movie-test (and ``extra_split``).
+
+    ``prefix`` names the split files: ``<prefix>-calib/test/train.jsonl`` in ``data_dir`` (another task's
+    splits, e.g. ``bbc``); the returned dict keeps the keys ``calib``, ``movie-test``, ``movie-train``.
+    ``max_length``: tokens per row (512, the default, is what the movie runs used; give the model's own
+    ``max_length`` — what the compiled plan tokenizes to — for texts longer than it).
+    """
     import onnx_ir as ir
 
     from dyncompile.io import read_jsonl
@@ -66,8 +75,8 @@ def collect_and_fit(model_name: str, data_dir: Path, *, extra_split: str | None 
     num_layers, cuts, _ = find_exit_cuts(model)
     exits = [k for k in sorted(cuts) if k < num_layers]
     names = [cuts[k] for k in exits]
-    kw = dict(tokenizer_file=mdir / "tokenizer.json", max_length=512, pooling="cls+mean", progress=progress)
-    calib = read_jsonl(data_dir / "movie-calib.jsonl")
+    kw = dict(tokenizer_file=mdir / "tokenizer.json", max_length=max_length, pooling="cls+mean", progress=progress)
+    calib = read_jsonl(data_dir / f"{prefix}-calib.jsonl")
     cache = HiddenCache()
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -93,7 +102,7 @@ def collect_and_fit(model_name: str, data_dir: Path, *, extra_split: str | None 
     for split, limit in (("movie-test", None), (extra_split, extra_rows)):
         if split is None:
             continue
-        rows = read_jsonl(data_dir / f"{split}.jsonl")[:limit]
+        rows = read_jsonl(data_dir / f"{prefix}-{split.split('-', 1)[1]}.jsonl")[:limit]
         n = len(rows)
         tprobs = [np.zeros((n, teacher_c.shape[1]), np.float32) for _ in exits]
         feats, teacher = collect_exit_features(
@@ -127,8 +136,12 @@ def _apply(tc_thresholds, criterion, probs, teacher, labels, costs):
     }
 
 
-def analyse(d: dict, *, budget: float = 1.0, splits: int = 60) -> dict:
-    """Per-exit AUC/agreement, oracle, certified (accuracy / agreement), re-split violation rate, per head kind."""
+def analyse(d: dict, *, budget: float = 1.0, splits: int = 60, uncertified: bool = False) -> dict:
+    """Per-exit AUC/agreement, oracle, certified (accuracy / agreement), re-split violation rate, per head kind.
+
+    ``uncertified``: also the thresholds of ``--confidence none`` (``uncertified_<metric>``: the in-sample
+    calibration on every calibration row, ``uncertified_exits``; no bound).
+    """
     from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
     from dyncompile.tools.studies.early_exit_resplit import resplit
 
@@ -150,15 +163,18 @@ def analyse(d: dict, *, budget: float = 1.0, splits: int = 60) -> dict:
         r: dict[str, Any] = {"per_exit": per_exit, "oracle_layer_speedup_test": round(oracle, 3)}
         for metric in ("accuracy", "agreement"):
             lab = cal["labels"] if metric == "accuracy" else None
-            try:
-                res, _ = certified_calibration(cal[kind], cal["teacher"], lab, exits, L, budget=budget,
-                                               confidence=CONFIDENCE, criterion="entropy")
-                c = res.certificate
-                r[f"certified_{metric}"] = {"observed": c.observed, "bound": c.bound,
-                                            "expected_speedup_calib": c.expected_speedup,
-                                            **_apply(res.thresholds, "entropy", pt, test["teacher"], test["labels"], costs)}
-            except CertificationError as e:
-                r[f"certified_{metric}"] = {"error": str(e)}
+            for mode, conf in (("certified", CONFIDENCE), ("uncertified", None)) if uncertified else (
+                    ("certified", CONFIDENCE),):
+                try:
+                    res, _ = certified_calibration(cal[kind], cal["teacher"], lab, exits, L, budget=budget,
+                                                   confidence=conf, criterion="entropy")
+                    c = res.certificate
+                    r[f"{mode}_{metric}"] = {"observed": c.observed, "bound": c.bound,
+                                             "expected_speedup_calib": c.expected_speedup,
+                                             **_apply(res.thresholds, "entropy", pt, test["teacher"], test["labels"],
+                                                      costs)}
+                except CertificationError as e:
+                    r[f"{mode}_{metric}"] = {"error": str(e)}
         probs = np.concatenate([cal[kind], pt], axis=1)
         teacher = np.concatenate([cal["teacher"], test["teacher"]])
         labels = np.concatenate([cal["labels"], test["labels"]])
@@ -275,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dyncompile.tools.studies.trained_heads", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="minilm-l6-sentiment")
     ap.add_argument("--data", type=Path, default=None, help="folder with movie-calib/test/train.jsonl")
+    ap.add_argument("--prefix", default="movie", help="split files <prefix>-calib/test/train.jsonl (default movie)")
+    ap.add_argument("--max-length", type=int, default=512,
+                    help="tokens per row (default 512; give the model's max_length, as the plan uses, for long texts)")
+    ap.add_argument("--uncertified", action="store_true",
+                    help="also report the uncertified (--confidence none) thresholds next to the certified ones")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--extra-rows", type=int, default=None, help="movie-train rows to use as unlabeled rows")
     ap.add_argument("--splits", type=int, default=60)
@@ -296,12 +317,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name in args.models.split(","):
         npz = args.out / f"probs-{name}.npz"
-        if args.from_npz and npz.is_file():
+        reused = args.from_npz and npz.is_file()
+        if reused:
             d = load_probs(npz)
         else:
-            d = collect_and_fit(name, data, extra_rows=args.extra_rows)
+            d = collect_and_fit(name, data, extra_rows=args.extra_rows, prefix=args.prefix,
+                                max_length=args.max_length)
             save_probs(d, npz)
-        rep = analyse(d, splits=args.splits)
+        rep = analyse(d, splits=args.splits, uncertified=args.uncertified)
+        rep["data_prefix"] = args.prefix
+        rep["max_length"] = None if reused else args.max_length  # a reused npz does not record it
         sizes = [int(s) for s in args.curve_sizes.split(",")]
         curve = agreement_curve(d, "trained", sizes)
         curves[name] = curve
@@ -316,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                   [e["auc_exit_right_test"] and round(e["auc_exit_right_test"], 3) for e in r["per_exit"]],
                   "agree", [e["agreement_test"] for e in r["per_exit"]])
             print("  cert acc", r["certified_accuracy"], "\n  cert agr", r["certified_agreement"])
+            if args.uncertified:
+                print("  uncert acc", r["uncertified_accuracy"], "\n  uncert agr", r["uncertified_agreement"])
             print("  resplit", {k: v for k, v in r["resplit"].items() if not isinstance(v, list)})
     _plot_curve(curves, args.out / "agreement-curve.png")
     return 0
