@@ -54,6 +54,9 @@ class ClassifierAPI(TaskAPI):
         model: the loaded plan.
     """
 
+    #: the drift guard keeps the exit layers of at most this many recent rows (4 bytes each: 4 MiB)
+    EXIT_LOG_WINDOW = 1 << 20
+
     def __init__(self, model: Any) -> None:
         """Find the text-taking step, if any, and the plan's tokenizer."""
         super().__init__(model)
@@ -64,9 +67,10 @@ class ClassifierAPI(TaskAPI):
             from dyncompile.runtime.text import TextEncoder
 
             self.encoder = TextEncoder.from_plan(plan, plan.tokenizer)
-        # per-row exit layers seen since load (drift guard): one compact array grown by doubling, 4 bytes a row
-        self._exit_log = np.zeros(1024, np.int32)
-        self._exit_rows = 0
+        # per-row exit layers of the most recent rows (drift guard): a ring of at most EXIT_LOG_WINDOW rows,
+        # 4 bytes a row, grown by doubling up to the window, so a long-running server's memory stays bounded
+        self._exit_log = np.zeros(0, np.int32)
+        self._exit_rows = 0  # rows logged since load or reset (the ring holds the last min(this, window))
         self._batch_level_rows = 0  # rows whose exit was decided per batch (If graph, batch > 1)
         self._log_lock = threading.Lock()  # calls from several threads add to the log
 
@@ -122,13 +126,17 @@ class ClassifierAPI(TaskAPI):
         return rows
 
     def _append_exits(self, rows: np.ndarray) -> None:
-        """Add a batch's per-row exits to the log (the caller holds the log lock)."""
+        """Add a batch's per-row exits to the ring of the last :attr:`EXIT_LOG_WINDOW` rows (caller holds the lock)."""
+        window = self.EXIT_LOG_WINDOW
+        rows = rows[-window:]
         end = self._exit_rows + len(rows)
-        if end > len(self._exit_log):
-            grown = np.zeros(max(end, 2 * len(self._exit_log)), np.int32)
+        if end > len(self._exit_log) and len(self._exit_log) < window:  # still growing: keep the rows in order
+            grown = np.zeros(min(window, max(end, 2 * len(self._exit_log), 1024)), np.int32)
             grown[: self._exit_rows] = self._exit_log[: self._exit_rows]
             self._exit_log = grown
-        self._exit_log[self._exit_rows : end] = rows
+        size = len(self._exit_log)
+        pos = (self._exit_rows + np.arange(len(rows))) % size
+        self._exit_log[pos] = rows
         self._exit_rows = end
 
     def classify(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
@@ -155,21 +163,27 @@ class ClassifierAPI(TaskAPI):
         return out
 
     def exit_layers_seen(self) -> np.ndarray:
-        """Per-row exit layers of every row this model classified since load (or :meth:`reset_exit_log`)."""
+        """Per-row exit layers of the rows classified since load (or :meth:`reset_exit_log`), oldest first.
+
+        Every row, or the most recent :attr:`EXIT_LOG_WINDOW` once more have been seen.
+        """
         with self._log_lock:
-            return self._exit_log[: self._exit_rows].astype(np.int64)
+            n, size = self._exit_rows, len(self._exit_log)
+            if n <= size:
+                return self._exit_log[:n].astype(np.int64)
+            return np.roll(self._exit_log, -(n % size)).astype(np.int64)
 
     def reset_exit_log(self) -> None:
         """Forget the exit layers seen so far."""
         with self._log_lock:
-            self._exit_log = np.zeros(1024, np.int32)
+            self._exit_log = np.zeros(0, np.int32)
             self._exit_rows = 0
             self._batch_level_rows = 0
 
     def drift_report(self, exit_layers: Any = None, **kwargs: Any) -> Any:
         """Do the rows seen so far exit like the calibration rows did? (early-exit plans).
 
-        Compares ``exit_layers`` (default: every row classified since load) with the exit-layer
+        Compares ``exit_layers`` (default: :meth:`exit_layers_seen`, the recent rows classified) with the exit-layer
         distribution the compile recorded, by :func:`dyncompile.runtime.drift.check` (keyword arguments:
         ``alpha``, ``min_tv``, ``min_rows``, ``warn``). Logs a warning and returns a verdict with
         ``drift=True`` when they exit in a pattern the calibration did not. If-graph plans decide one exit

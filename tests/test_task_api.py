@@ -57,3 +57,19 @@ def test_methods_of_other_tasks_name_the_plans_task(plans):
                  lambda: gen.drift_report(), lambda: gen.generate_images("a shirt")):
         with pytest.raises(DataError, match="this plan's task is 'text-generation'"):
             call()
+
+
+def test_the_drift_log_keeps_a_window_of_the_most_recent_rows_in_order(plans):
+    m = dyncompile.load(plans["staged"])
+    api = m.task_api
+    api.EXIT_LOG_WINDOW = 5  # an instance override of the class's window (1 << 20 rows)
+    texts = [TEXT, "w1 w2", "w8 w9 w10", "w4", "w5 w6", "w7", "w3 w2 w1"]
+    every = []
+    for i in range(0, len(texts), 2):  # batches of 2 rows: the ring wraps inside and across batches
+        every += [p.exit_layer for p in m.classify(texts[i : i + 2], batch_size=2)]
+    assert api.exit_layers_seen().tolist() == every[-5:]
+    assert len(api._exit_log) == 5  # grown up to the window, never past it
+    m.classify(texts, batch_size=7)  # one batch longer than the window keeps its last rows
+    assert api.exit_layers_seen().tolist() == m.last_info["exit_layer"].tolist()[-5:]
+    api.reset_exit_log()
+    assert api.exit_layers_seen().size == 0
