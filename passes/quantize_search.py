@@ -115,12 +115,15 @@ def _fake_quant_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
     return (np.clip(np.rint(a / scale), -127, 127) * scale).astype(np.float32)
 
 
-def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channel: bool = True) -> bytes:
+def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channel: bool = True,
+                     act_scales: dict[str, float] | None = None) -> bytes:
     """A serialised copy of ``model`` whose target MatMuls are int8 where the input ``GATE_INPUT[i]`` is 1.
 
     ``g`` is a float ``[len(targets)]`` graph input. MatMul ``i`` reads ``x + g_i (dq(q(x)) - x)`` and
-    ``W + g_i D_i`` with ``D_i = dq(q(W)) - W`` a constant; ``g_i = 0`` leaves it fp32 (to round-off). ``model``
-    is not modified.
+    ``W + g_i D_i`` with ``D_i = dq(q(W)) - W`` a constant; ``g_i = 0`` leaves it fp32 (to round-off). ``q(x)`` is
+    dynamic uint8 (``DynamicQuantizeLinear``, as ``quantize_dynamic``) or, with ``act_scales`` (node name ->
+    scale), static symmetric int8 with that fixed scale (as ``quantize_static`` with ``ActivationSymmetric``).
+    ``model`` is not modified.
     """
     work = ir.from_proto(ir.to_proto(model))
     g = work.graph
@@ -138,8 +141,17 @@ def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channe
         g.register_initializer(idx)
         g.register_initializer(wdelta)
         gi = ir.node("Gather", [gate, idx], {"axis": 0}, name=f"{p}/gate")
-        q = ir.node("DynamicQuantizeLinear", [x], num_outputs=3, name=f"{p}/quantize")
-        dq = ir.node("DequantizeLinear", list(q.outputs), name=f"{p}/dequantize")
+        if act_scales is None:
+            q = ir.node("DynamicQuantizeLinear", [x], num_outputs=3, name=f"{p}/quantize")
+            dq = ir.node("DequantizeLinear", list(q.outputs), name=f"{p}/dequantize")
+        else:
+            sc = ir.Value(name=f"{p}/xscale", const_value=ir.tensor(np.array(act_scales[node.name], np.float32),
+                                                                    name=f"{p}/xscale"))
+            zp = ir.Value(name=f"{p}/xzero", const_value=ir.tensor(np.array(0, np.int8), name=f"{p}/xzero"))
+            g.register_initializer(sc)
+            g.register_initializer(zp)
+            q = ir.node("QuantizeLinear", [x, sc, zp], name=f"{p}/quantize")
+            dq = ir.node("DequantizeLinear", [q.outputs[0], sc, zp], name=f"{p}/dequantize")
         xd = ir.node("Sub", [dq.outputs[0], x], name=f"{p}/xdelta")
         xg = ir.node("Mul", [xd.outputs[0], gi.outputs[0]], name=f"{p}/xgate")
         xn = ir.node("Add", [x, xg.outputs[0]], name=f"{p}/x")
@@ -239,6 +251,7 @@ class QuantSearchResult:
     rows: dict[str, int]
     per_channel: bool
     certificate: dict[str, Any] = dataclasses.field(default_factory=dict)
+    int8_format: str = "dynamic"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record with its format tag."""
@@ -276,6 +289,7 @@ def search_fallback(
     confidence: float | None,
     per_channel: bool = True,
     sensitivity_rows: int = 256,
+    act_scales: dict[str, float] | None = None,
     split: float | None = None,
     seed: int = 0,
     batch_size: int = 32,
@@ -291,7 +305,8 @@ def search_fallback(
     targets = quant_targets(model)
     if not targets:
         raise ValueError("no MatMul with a 2-D float32 weight initializer to quantize")
-    runner = _Runner(gated_fake_quant(model, targets, per_channel), texts, tokenizer_file, max_length, batch_size)
+    runner = _Runner(gated_fake_quant(model, targets, per_channel, act_scales), texts, tokenizer_file, max_length,
+                     batch_size)
     n, m = len(texts), len(targets)
     every = np.arange(n)
     zero = np.zeros(m, np.float32)
@@ -345,7 +360,7 @@ def search_fallback(
         excluded=excluded, target_points=round(target, 6), budget=float(budget), share=float(share),
         confidence=confidence, table=table, steps=[steps[j] for j in sorted(steps)],
         rows={"calibration": n, "path": len(path), "test": len(test), "sensitivity": len(sens_rows)},
-        per_channel=per_channel,
+        per_channel=per_channel, int8_format="dynamic" if act_scales is None else "static",
     )
     return res, runner, fp32, test
 
@@ -419,7 +434,8 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
 
     def __init__(self, texts: Sequence[str], labels: Sequence[int] | None, *, tokenizer_file: str | Path,
                  max_length: int = 512, budget: float = 1.0, share: float = 1.0, confidence: float | None = 0.9,
-                 per_channel: bool = True, sensitivity_rows: int = 256, progress: bool = True) -> None:
+                 per_channel: bool = True, sensitivity_rows: int = 256, progress: bool = True, fmt: str = "dynamic",
+                 static_feeds: Sequence[dict[str, np.ndarray]] | None = None) -> None:
         super().__init__()
         self.texts = list(texts)
         self.labels = None if labels is None else np.asarray(labels, np.int64)
@@ -431,10 +447,14 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
         self.per_channel = bool(per_channel)
         self.sensitivity_rows = int(sensitivity_rows)
         self.progress = progress
+        self.fmt = fmt
+        self.static_feeds = None if static_feeds is None else list(static_feeds)
+        if fmt not in ("dynamic", "static") or (fmt == "static" and not self.static_feeds):
+            raise ValueError("fmt is 'dynamic', or 'static' with static_feeds (calibration batches)")
 
     def __repr__(self) -> str:
         return (f"SearchInt8FallbackPass(rows={len(self.texts)}, budget={self.budget}, share={self.share}, "
-                f"confidence={self.confidence}, per_channel={self.per_channel})")
+                f"confidence={self.confidence}, per_channel={self.per_channel}, format={self.fmt})")
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a model the pass cannot work on, with what to do about it."""
@@ -460,26 +480,39 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
         import json
 
         from dyncompile.passes import _keys
-        from dyncompile.passes.quantize_weights import INT8_OPS, QuantizeDynamicInt8Pass, _has_ops
+        from dyncompile.passes.quantize_weights import INT8_OPS, QuantizeDynamicInt8Pass, QuantizeStaticInt8Pass, _has_ops
 
-        if _has_ops(model, INT8_OPS) or _keys.POLICY_PREFIX + "quantization" in model.metadata_props:
+        if (_has_ops(model, {*INT8_OPS, "QuantizeLinear"}) or _keys.QUANTIZED in model.metadata_props
+                or _keys.POLICY_PREFIX + "quantization" in model.metadata_props):
             return ir.passes.PassResult(model, modified=False)
         if not quant_targets(model):
             from dyncompile.passes._infra import not_fired
             from dyncompile.passes.quantize_weights import _no_int8_target
 
             return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
+        act_scales = None
+        if self.fmt == "static":  # the fixed ranges quantize_static's MinMax calibrator will find on the same feeds
+            from dyncompile.passes.smooth_activations import channel_absmax
+
+            targets = quant_targets(model)
+            nodes = {n.name: n for n in model.graph}
+            xs = {t.node: nodes[t.node].inputs[0].name for t in targets}
+            stats = channel_absmax(model, sorted(set(xs.values())), self.static_feeds)
+            act_scales = {k: max(float(stats[v].max()), 1e-12) / 127.0 for k, v in xs.items()}
         res, runner, fp32, test = search_fallback(
             model, self.texts, self.labels, tokenizer_file=self.tokenizer_file, max_length=self.max_length,
             budget=self.budget, share=self.share, confidence=self.confidence, per_channel=self.per_channel,
-            sensitivity_rows=self.sensitivity_rows,
+            sensitivity_rows=self.sensitivity_rows, act_scales=act_scales,
         )
-        layers = _layer_record(model)
+        layers = json.loads(model.metadata_props.get(_keys.SMOOTHED, "{}")).get("layers") or _layer_record(model)
         if len(res.excluded) == len(res.table):
             logger.warning("quantize-int8 search: no int8 configuration is expected within %.2f points of the fp32 "
                            "original; every MatMul stays fp32 (a larger budget or budget_share lets int8 in)",
                            res.target_points)
             result = ir.passes.PassResult(model, modified=False)
+        elif self.fmt == "static":
+            result = QuantizeStaticInt8Pass(self.static_feeds, per_channel=self.per_channel,
+                                            exclude_nodes=res.excluded)(model)
         else:
             result = QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=res.excluded)(model)
         certify_quantized(res, result.model, runner, fp32, self.labels, test)

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "QuantizeDynamicInt8Pass",
+    "QuantizeStaticInt8Pass",
     "QuantizeWeightsInt4Pass",
     "QuantizeWeightsInt8Pass",
     "choose_int8_format",
@@ -373,6 +374,106 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
+class _FeedsReader:
+    """``onnxruntime.quantization.CalibrationDataReader`` over fixed feeds (only the model's inputs)."""
+
+    def __init__(self, feeds: Sequence[dict[str, np.ndarray]], inputs: set[str]) -> None:
+        self._it = iter([{k: v for k, v in f.items() if k in inputs} for f in feeds])
+
+    def get_next(self):
+        """The next feed dict, or None when done (the reader protocol)."""
+        return next(self._it, None)
+
+
+def _quantize_static(src: Path, dst: Path, reader, names: list[str], per_channel: bool) -> None:
+    """ORT's ``quantize_static``: QDQ, int8 symmetric activations (MinMax) and weights, MatMuls ``names`` only."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    quantize_static(
+        src, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"], nodes_to_quantize=names,
+        per_channel=per_channel, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                       "OpTypesToExcludeOutputQuantization": ["MatMul"]},
+    )
+
+
+class QuantizeStaticInt8Pass(ir.passes.InPlacePass):
+    """Static int8 in QDQ form with calibrated activation ranges (``onnxruntime.quantization.quantize_static``).
+
+    Every constant-weight MatMul (2-D float initializer) not in ``exclude_nodes`` reads
+    ``DequantizeLinear(QuantizeLinear(x, s_x, 0))`` and ``DequantizeLinear(q(W), s_W, 0)``: int8 weights
+    (symmetric, one scale per output channel unless ``per_channel=False``) and int8 activations with a fixed
+    symmetric scale ``s_x = max|x| / 127`` from ONNX Runtime's MinMax calibrator run over ``feeds``
+    (``ActivationSymmetric``, as ORT recommends for the CPU EP and OpenVINO). The CPU EP fuses the QDQ pairs into
+    integer MatMul kernels; OpenVINO reads QDQ as its native int8 format. Activation-times-activation MatMuls
+    (attention scores) stay float.
+
+    Scope: main graph. Invariants: graph inputs/outputs unchanged. Records ``dyncompile.quantized``
+    (``scheme=int8-static-qdq``). Idempotent: a model with that key or with QuantizeLinear nodes is left alone.
+    """
+
+    def __init__(self, feeds: Sequence[dict[str, np.ndarray]], per_channel: bool = True,
+                 exclude_nodes: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.feeds = list(feeds)
+        self.per_channel = bool(per_channel)
+        self.exclude_nodes = tuple(exclude_nodes)
+
+    def __repr__(self) -> str:
+        ex = f", exclude_nodes=<{len(self.exclude_nodes)} names>" if self.exclude_nodes else ""
+        return f"QuantizeStaticInt8Pass(per_channel={self.per_channel}, feeds={len(self.feeds)} batches{ex})"
+
+    def requires(self, model: ir.Model) -> None:
+        """Refuse missing calibration feeds or an opset without per-axis QDQ before anything changes."""
+        if _keys.QUANTIZED in model.metadata_props:
+            return
+        if not self.feeds:
+            raise ir.passes.PreconditionError("static int8 needs calibration feeds: pass --calib FILE.jsonl")
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+        if opset < 13:
+            raise ir.passes.PreconditionError(
+                f"static int8 (per-channel QDQ) needs opset >= 13, the model imports opset {opset}; re-export with "
+                "opset >= 13 or use quantize-int8{format=dynamic}")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _keys.QUANTIZED in model.metadata_props or _has_ops(model, {"QuantizeLinear", *INT8_OPS}):
+            return ir.passes.PassResult(model, modified=False)
+        from dyncompile.passes.quantize_search import quant_targets
+
+        excluded = set(self.exclude_nodes)
+        names = [t.node for t in quant_targets(model) if t.node not in excluded]
+        if not names:
+            return not_fired(model, "quantize-int8", _no_int8_target(model) if not excluded else
+                             f"every one of the {len(excluded)} constant-weight MatMuls is kept in fp32",
+                             "leave quantize-int8 out for this model")
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
+            _save_without_value_info(model, src)
+            inputs = {v.name for v in model.graph.inputs}
+            quiet = logging.getLogger()  # ORT's quantizer advises pre-processing on the root logger
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                _quantize_static(src, dst, _FeedsReader(self.feeds, inputs), names, self.per_channel)
+            finally:
+                quiet.setLevel(level)
+            new = ir.load(dst)
+            for v in new.graph.initializers.values():  # detach from the temp file before it goes
+                if v.const_value is not None:
+                    v.const_value = ir.tensor(v.const_value.numpy(), name=v.name)
+        count = sum(1 for n in new.graph if n.op_type == "DequantizeLinear" and n.inputs[0] is not None
+                    and n.inputs[0].const_value is not None)
+        _replace_contents(model, new)
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
+            {"scheme": "int8-static-qdq", "per_channel": self.per_channel, "activations": "int8-symmetric-minmax",
+             "calibration_batches": len(self.feeds), "int8_matmuls": count, "fp32_matmuls_kept": len(excluded)})
+        logger.info("int8 static (QDQ): %d MatMuls, %d kept in fp32, activation ranges from %d calibration batches",
+                    count, len(excluded), len(self.feeds))
+        return ir.passes.PassResult(model, modified=True)
+
+
 def choose_int8_format(provider: str | None) -> tuple[str, str]:
     """``(format, reason)`` for ``quantize-int8{format=auto}`` from the target provider (``--provider``)."""
     if provider == "openvino":
@@ -490,17 +591,18 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
 
 @register_pass(
     "quantize-int8",
-    help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), qdq-weights (weight-only QDQ) or auto (by "
+    help="int8 MatMul weights: format=dynamic (ORT quantize_dynamic), static (QDQ, activation ranges calibrated on "
+    "calib_rows=256 --calib rows), qdq-weights (weight-only QDQ) or auto (by "
     "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out; budget_share=S (with --calib, "
     "--budget B): accuracy-aware search keeping the most sensitive MatMuls in fp32 until int8 alone is expected within "
-    "S*B points of fp32, certified on held-out calibration rows; fp32_nodes=A+B (dynamic): these MatMul nodes stay fp32 "
+    "S*B points of fp32, certified on held-out calibration rows; fp32_nodes=A+B (dynamic, static): these MatMul nodes stay fp32 "
     "(e.g. a search's choice, from `dyncompile inspect`)",
-    choices={"format": ("auto", "dynamic", "qdq-weights")},
+    choices={"format": ("auto", "dynamic", "qdq-weights", "static")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
     keep_fp32: str | None = None, budget_share: float | None = None, sensitivity_rows: int = 256,
-    fp32_nodes: str | None = None,
+    fp32_nodes: str | None = None, calib_rows: int = 256,
 ):
     from dyncompile.errors import PassConfigError
 
@@ -510,29 +612,42 @@ def _make_int8(
         if fp32_nodes:
             raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "
                                   "them), not both")
-        return _make_int8_search(context, format, per_channel, reduce_range, keep_fp32, budget_share, sensitivity_rows)
+        return _make_int8_search(context, format, per_channel, reduce_range, keep_fp32, budget_share, sensitivity_rows,
+                                 calib_rows)
     names = tuple(n for n in (fp32_nodes or "").split("+") if n)
-    if names and format != "dynamic":
-        raise PassConfigError(f"quantize-int8 fp32_nodes applies to format=dynamic, not {format!r}")
+    if names and format not in ("dynamic", "static"):
+        raise PassConfigError(f"quantize-int8 fp32_nodes applies to format=dynamic or static, not {format!r}")
+    if format == "static":
+        if keep_fp32 or reduce_range:
+            raise PassConfigError("quantize-int8 format=static takes fp32_nodes=A+B for fp32 MatMuls; drop keep_fp32 "
+                                  "and reduce_range")
+        if not context.options.get("calib"):
+            raise PassConfigError("quantize-int8 format=static calibrates its activation ranges: pass --calib FILE.jsonl")
+        from dyncompile.passes.smooth_activations import calibration_feeds
+
+        if calib_rows < 8:
+            raise PassConfigError(f"quantize-int8 calib_rows must be >= 8, got {calib_rows}")
+        return QuantizeStaticInt8Pass(calibration_feeds(context, calib_rows, batch_size=1),
+                                      per_channel=per_channel is not False, exclude_nodes=names)
     if format == "dynamic":
         return QuantizeDynamicInt8Pass(per_channel=bool(per_channel), reduce_range=reduce_range, keep_fp32=keep_fp32,
                                        exclude_nodes=names)
     if format == "qdq-weights":
         return QuantizeWeightsInt8Pass(per_channel=True if per_channel is None else per_channel, keep_fp32=keep_fp32)
-    raise PassConfigError(f"quantize-int8 format must be dynamic, qdq-weights or auto, got {format!r}")
+    raise PassConfigError(f"quantize-int8 format must be dynamic, static, qdq-weights or auto, got {format!r}")
 
 
 def _make_int8_search(context, format: str, per_channel, reduce_range: bool, keep_fp32, share: float,  # noqa: A002
-                      sensitivity_rows: int):
+                      sensitivity_rows: int, calib_rows: int = 256):
     """``quantize-int8{budget_share=S}``: the accuracy-aware search (:mod:`dyncompile.passes.quantize_search`)."""
     from dyncompile.errors import PassConfigError
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.passes.early_exit.certify import CalibrationError, parse_confidence
     from dyncompile.passes.quantize_search import SearchInt8FallbackPass
 
-    if format != "dynamic":
-        raise PassConfigError(f"quantize-int8 budget_share searches the dynamic int8 format only, not {format!r}; "
-                              "use format=dynamic (the CPU EP's) or drop budget_share")
+    if format not in ("dynamic", "static"):
+        raise PassConfigError(f"quantize-int8 budget_share searches the dynamic or static int8 formats, not {format!r};"
+                              " use format=dynamic (the CPU EP's), format=static, or drop budget_share")
     if keep_fp32 or reduce_range:
         raise PassConfigError("quantize-int8 budget_share chooses the fp32 MatMuls itself: drop keep_fp32 and "
                               "reduce_range")
@@ -559,8 +674,18 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
     return SearchInt8FallbackPass(
         texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
         budget=float(budget), share=float(share), confidence=confidence, sensitivity_rows=sensitivity_rows,
-        per_channel=per_channel is not False, progress=context.progress,
+        per_channel=per_channel is not False, progress=context.progress, fmt=format,
+        static_feeds=_static_feeds(context, calib_rows) if format == "static" else None,
     )
+
+
+def _static_feeds(context, calib_rows: int):
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes.smooth_activations import calibration_feeds
+
+    if calib_rows < 8:
+        raise PassConfigError(f"quantize-int8 calib_rows must be >= 8, got {calib_rows}")
+    return calibration_feeds(context, calib_rows, batch_size=1)
 
 
 @register_pass(
