@@ -53,6 +53,7 @@ __all__ = [
     "certify_quantized",
     "fallback_counts",
     "search_fallback",
+    "static_qparams",
 ]
 
 GATE_INPUT = "dyncompile_quant_gate"
@@ -107,6 +108,19 @@ def quant_targets(model: ir.Model) -> list[QuantTarget]:
     return out
 
 
+def static_qparams(lo: float, hi: float, symmetric: bool) -> tuple[float, int, bool]:
+    """``(scale, zero point, signed)`` ORT's ``quantize_static`` (MinMax) gives a tensor observed in ``[lo, hi]``.
+
+    uint8: the range widened to hold 0, ``scale = (hi - lo) / 255``, ``zero = round(-lo / scale)``; symmetric int8:
+    ``scale = max(|lo|, |hi|) / 127``, zero 0 (``onnxruntime.quantization.quant_utils.compute_scale_zp``).
+    """
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if symmetric:
+        return max(max(-lo, hi), 1e-12) / 127.0, 0, True
+    scale = max(hi - lo, 1e-12) / 255.0
+    return scale, int(np.clip(np.round(-lo / scale), 0, 255)), False
+
+
 def _fake_quant_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
     """``dq(q(W))`` as ``quantize_dynamic`` stores it: symmetric int8 in [-127, 127], a scale per column (axis 1)."""
     a = w.astype(np.float32)
@@ -116,13 +130,14 @@ def _fake_quant_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
 
 
 def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channel: bool = True,
-                     act_scales: dict[str, float] | None = None) -> bytes:
+                     act_qparams: dict[str, tuple[float, int, bool]] | None = None) -> bytes:
     """A serialised copy of ``model`` whose target MatMuls are int8 where the input ``GATE_INPUT[i]`` is 1.
 
     ``g`` is a float ``[len(targets)]`` graph input. MatMul ``i`` reads ``x + g_i (dq(q(x)) - x)`` and
     ``W + g_i D_i`` with ``D_i = dq(q(W)) - W`` a constant; ``g_i = 0`` leaves it fp32 (to round-off). ``q(x)`` is
-    dynamic uint8 (``DynamicQuantizeLinear``, as ``quantize_dynamic``) or, with ``act_scales`` (node name ->
-    scale), static symmetric int8 with that fixed scale (as ``quantize_static`` with ``ActivationSymmetric``).
+    dynamic uint8 (``DynamicQuantizeLinear``, as ``quantize_dynamic``) or, with ``act_qparams`` (node name ->
+    ``(scale, zero point, signed)``), static with that fixed range (as ``quantize_static``: uint8, or int8 when
+    ``signed``; :func:`static_qparams`).
     ``model`` is not modified.
     """
     work = ir.from_proto(ir.to_proto(model))
@@ -141,13 +156,14 @@ def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channe
         g.register_initializer(idx)
         g.register_initializer(wdelta)
         gi = ir.node("Gather", [gate, idx], {"axis": 0}, name=f"{p}/gate")
-        if act_scales is None:
+        if act_qparams is None:
             q = ir.node("DynamicQuantizeLinear", [x], num_outputs=3, name=f"{p}/quantize")
             dq = ir.node("DequantizeLinear", list(q.outputs), name=f"{p}/dequantize")
         else:
-            sc = ir.Value(name=f"{p}/xscale", const_value=ir.tensor(np.array(act_scales[node.name], np.float32),
-                                                                    name=f"{p}/xscale"))
-            zp = ir.Value(name=f"{p}/xzero", const_value=ir.tensor(np.array(0, np.int8), name=f"{p}/xzero"))
+            scale, zero, signed = act_qparams[node.name]
+            sc = ir.Value(name=f"{p}/xscale", const_value=ir.tensor(np.array(scale, np.float32), name=f"{p}/xscale"))
+            zp = ir.Value(name=f"{p}/xzero", const_value=ir.tensor(np.array(zero, np.int8 if signed else np.uint8),
+                                                                   name=f"{p}/xzero"))
             g.register_initializer(sc)
             g.register_initializer(zp)
             q = ir.node("QuantizeLinear", [x, sc, zp], name=f"{p}/quantize")
@@ -289,7 +305,7 @@ def search_fallback(
     confidence: float | None,
     per_channel: bool = True,
     sensitivity_rows: int = 256,
-    act_scales: dict[str, float] | None = None,
+    act_qparams: dict[str, tuple[float, int, bool]] | None = None,
     split: float | None = None,
     seed: int = 0,
     batch_size: int = 32,
@@ -305,7 +321,7 @@ def search_fallback(
     targets = quant_targets(model)
     if not targets:
         raise ValueError("no MatMul with a 2-D float32 weight initializer to quantize")
-    runner = _Runner(gated_fake_quant(model, targets, per_channel, act_scales), texts, tokenizer_file, max_length,
+    runner = _Runner(gated_fake_quant(model, targets, per_channel, act_qparams), texts, tokenizer_file, max_length,
                      batch_size)
     n, m = len(texts), len(targets)
     every = np.arange(n)
@@ -360,7 +376,7 @@ def search_fallback(
         excluded=excluded, target_points=round(target, 6), budget=float(budget), share=float(share),
         confidence=confidence, table=table, steps=[steps[j] for j in sorted(steps)],
         rows={"calibration": n, "path": len(path), "test": len(test), "sensitivity": len(sens_rows)},
-        per_channel=per_channel, int8_format="dynamic" if act_scales is None else "static",
+        per_channel=per_channel, int8_format="dynamic" if act_qparams is None else "static",
     )
     return res, runner, fp32, test
 
@@ -435,7 +451,8 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
     def __init__(self, texts: Sequence[str], labels: Sequence[int] | None, *, tokenizer_file: str | Path,
                  max_length: int = 512, budget: float = 1.0, share: float = 1.0, confidence: float | None = 0.9,
                  per_channel: bool = True, sensitivity_rows: int = 256, progress: bool = True, fmt: str = "dynamic",
-                 static_feeds: Sequence[dict[str, np.ndarray]] | None = None) -> None:
+                 static_feeds: Sequence[dict[str, np.ndarray]] | None = None,
+                 symmetric_activations: bool = False) -> None:
         super().__init__()
         self.texts = list(texts)
         self.labels = None if labels is None else np.asarray(labels, np.int64)
@@ -448,6 +465,7 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
         self.sensitivity_rows = int(sensitivity_rows)
         self.progress = progress
         self.fmt = fmt
+        self.symmetric_activations = bool(symmetric_activations)
         self.static_feeds = None if static_feeds is None else list(static_feeds)
         if fmt not in ("dynamic", "static") or (fmt == "static" and not self.static_feeds):
             raise ValueError("fmt is 'dynamic', or 'static' with static_feeds (calibration batches)")
@@ -490,19 +508,19 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
             from dyncompile.passes.quantize_weights import _no_int8_target
 
             return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
-        act_scales = None
+        act_qparams = None
         if self.fmt == "static":  # the fixed ranges quantize_static's MinMax calibrator will find on the same feeds
-            from dyncompile.passes.smooth_activations import channel_absmax
+            from dyncompile.passes.smooth_activations import channel_ranges
 
-            targets = quant_targets(model)
             nodes = {n.name: n for n in model.graph}
-            xs = {t.node: nodes[t.node].inputs[0].name for t in targets}
-            stats = channel_absmax(model, sorted(set(xs.values())), self.static_feeds)
-            act_scales = {k: max(float(stats[v].max()), 1e-12) / 127.0 for k, v in xs.items()}
+            xs = {t.node: nodes[t.node].inputs[0].name for t in quant_targets(model)}
+            stats = channel_ranges(model, sorted(set(xs.values())), self.static_feeds)
+            act_qparams = {k: static_qparams(float(stats[v][0].min()), float(stats[v][1].max()),
+                                             self.symmetric_activations) for k, v in xs.items()}
         res, runner, fp32, test = search_fallback(
             model, self.texts, self.labels, tokenizer_file=self.tokenizer_file, max_length=self.max_length,
             budget=self.budget, share=self.share, confidence=self.confidence, per_channel=self.per_channel,
-            sensitivity_rows=self.sensitivity_rows, act_scales=act_scales,
+            sensitivity_rows=self.sensitivity_rows, act_qparams=act_qparams,
         )
         layers = json.loads(model.metadata_props.get(_keys.SMOOTHED, "{}")).get("layers") or _layer_record(model)
         if len(res.excluded) == len(res.table):
@@ -511,8 +529,8 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
                            res.target_points)
             result = ir.passes.PassResult(model, modified=False)
         elif self.fmt == "static":
-            result = QuantizeStaticInt8Pass(self.static_feeds, per_channel=self.per_channel,
-                                            exclude_nodes=res.excluded)(model)
+            result = QuantizeStaticInt8Pass(self.static_feeds, per_channel=self.per_channel, exclude_nodes=res.excluded,
+                                            symmetric_activations=self.symmetric_activations)(model)
         else:
             result = QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=res.excluded)(model)
         certify_quantized(res, result.model, runner, fp32, self.labels, test)

@@ -28,7 +28,7 @@ from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SmoothActivationsPass", "channel_absmax", "smoothing_groups"]
+__all__ = ["SmoothActivationsPass", "channel_absmax", "channel_ranges", "smoothing_groups"]
 
 #: scales are kept in this range: a dead channel (max 0) gets scale 1
 _SCALE_RANGE = (1e-4, 1e4)
@@ -79,8 +79,9 @@ def smoothing_groups(model: ir.Model) -> tuple[list[tuple[ir.Node, list[ir.Node]
                 "scale/bias and feeds a MatMul with a constant 2-D float32 weight")
 
 
-def channel_absmax(model: ir.Model, names: Sequence[str], feeds: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Per-channel (last axis) ``max |x|`` of the values ``names`` over ONNX Runtime runs of ``model`` on ``feeds``."""
+def channel_ranges(model: ir.Model, names: Sequence[str],
+                   feeds: Sequence[dict[str, np.ndarray]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per-channel (last axis) ``(min, max)`` of the values ``names`` over ONNX Runtime runs of ``model`` on ``feeds``."""
     import onnxruntime as ort
 
     proto = ir.to_proto(model)
@@ -93,13 +94,19 @@ def channel_absmax(model: ir.Model, names: Sequence[str], feeds: Sequence[dict[s
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     inputs = {i.name for i in sess.get_inputs()}
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for f in feeds:
         vals = sess.run(list(names), {k: v for k, v in f.items() if k in inputs})
         for name, v in zip(names, vals, strict=True):
-            m = np.abs(np.asarray(v, np.float32)).reshape(-1, v.shape[-1]).max(axis=0)
-            out[name] = m if name not in out else np.maximum(out[name], m)
+            a = np.asarray(v, np.float32).reshape(-1, v.shape[-1])
+            lo, hi = a.min(axis=0), a.max(axis=0)
+            out[name] = (lo, hi) if name not in out else (np.minimum(out[name][0], lo), np.maximum(out[name][1], hi))
     return out
+
+
+def channel_absmax(model: ir.Model, names: Sequence[str], feeds: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-channel (last axis) ``max |x|`` of the values ``names`` over ONNX Runtime runs of ``model`` on ``feeds``."""
+    return {k: np.maximum(-lo, hi) for k, (lo, hi) in channel_ranges(model, names, feeds).items()}
 
 
 def _own_initializer(graph: ir.Graph, v: ir.Value, node: ir.Node, idx: int, array: np.ndarray, suffix: str) -> None:
