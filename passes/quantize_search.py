@@ -498,7 +498,12 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
         import json
 
         from dyncompile.passes import _keys
-        from dyncompile.passes.quantize_weights import INT8_OPS, QuantizeDynamicInt8Pass, QuantizeStaticInt8Pass, _has_ops
+        from dyncompile.passes.quantize_weights import (
+            INT8_OPS,
+            QuantizeDynamicInt8Pass,
+            QuantizeStaticInt8Pass,
+            _has_ops,
+        )
 
         if (_has_ops(model, {*INT8_OPS, "QuantizeLinear"}) or _keys.QUANTIZED in model.metadata_props
                 or _keys.POLICY_PREFIX + "quantization" in model.metadata_props):

@@ -386,8 +386,10 @@ class _FeedsReader:
 
 
 def _quantize_static(src: Path, dst: Path, reader, names: list[str], per_channel: bool, symmetric: bool) -> None:
-    """ORT's ``quantize_static``: QDQ, MinMax activation ranges (uint8, or int8 ``symmetric``), symmetric int8
-    weights, the MatMuls ``names`` only, their outputs left float."""
+    """ORT's ``quantize_static`` on the MatMuls ``names``: QDQ, their outputs left float.
+
+    MinMax activation ranges (uint8, or int8 when ``symmetric``), symmetric int8 weights.
+    """
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     quantize_static(
