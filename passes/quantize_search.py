@@ -4,7 +4,10 @@
 except the most sensitive ones, kept in fp32 until the int8 model alone is expected to stay within ``S * B``
 accuracy points of the fp32 original, and certifies what it chose with the early-exit machinery (the
 Waudby-Smith–Ramdas betting bound of :mod:`dyncompile.passes.early_exit.certify`). Quantization is still ORT's
-(``quantize_dynamic`` with ``nodes_to_exclude``); this module only decides which nodes to exclude.
+(``quantize_dynamic`` with ``nodes_to_exclude``, or with ``format=static`` :class:`~dyncompile.passes.quantize_weights.QuantizeStaticInt8Pass`'s
+``quantize_static``, calibrated on the path rows); this module only decides which nodes to exclude. The static
+search simulates the fixed activation ranges the calibrator will find (:func:`static_qparams`); after
+``smooth-activations`` it searches the smoothed graph.
 
 How (every step on the calibration rows, split as the early-exit certification splits them):
 
@@ -445,7 +448,8 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
     certificate) for the plan and ``dyncompile inspect``.
 
     Invariants: graph inputs/outputs unchanged; the quantized graph is exactly what ``quantize_dynamic`` makes
-    with ``nodes_to_exclude``. Idempotent: a graph that already holds int8 MatMuls is left alone.
+    with ``nodes_to_exclude`` (``fmt="static"``: what :class:`~dyncompile.passes.quantize_weights.QuantizeStaticInt8Pass` makes from ``static_feeds``
+    with ``exclude_nodes``). Idempotent: a graph that already holds int8 MatMuls or QDQ is left alone.
     """
 
     def __init__(self, texts: Sequence[str], labels: Sequence[int] | None, *, tokenizer_file: str | Path,

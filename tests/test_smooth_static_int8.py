@@ -179,24 +179,31 @@ def _tiny_dir(tmp_path, minilm):
 
 
 def test_smooth_then_static_search_pipeline(minilm, tmp_path):
-    """smooth-activations,quantize-int8{format=static,budget_share=...}: the search runs on the smoothed graph in the
-    static format, the fallbacks stay float MatMuls, the rest are QDQ, the certificate is the real static model's."""
+    """smooth-activations,quantize-int8{format=static,budget_share=...},early-exit: the search runs on the smoothed
+    graph in the static format, the fallbacks stay float MatMuls, the rest are QDQ, the certificate is the real
+    static model's; the If lowering puts every weight's DequantizeLinear in the graph of its MatMul (ORT fuses the
+    pair only within one graph)."""
     d, calib = _tiny_dir(tmp_path, minilm)
     res = dyncompile.compile(d / "model.onnx", "smooth-activations{rows=64},quantize-int8{format=static,budget_share=0.5,"
-                             "sensitivity_rows=32,calib_rows=32}", tmp_path / "o", calib=str(calib), budget=6.0,
-                             progress=False)
+                             "sensitivity_rows=32,calib_rows=32},early-exit", tmp_path / "o", calib=str(calib),
+                             budget=6.0, lowering="if", progress=False)
     q = res.plan.policy["quantization"]
     assert q["int8_format"] == "static" and q["certificate"]["rows"] == 210
     assert 0 < len(q["excluded"]) < len(q["table"])  # both kinds of MatMul in the graph
     m = ir.load(res.plan.directory / res.plan.files["model"].path)
     assert json.loads(m.metadata_props[_keys.QUANTIZED])["scheme"] == "int8-static-qdq"
     assert json.loads(m.metadata_props[_keys.SMOOTHED])["groups"] == 4
-    mms = {n.name: n for n in m.graph if n.op_type == "MatMul"}
+    mms = {n.name: n for n in m.graph.all_nodes() if n.op_type == "MatMul"}
     for name in q["excluded"]:
         assert mms[name].inputs[1].const_value is not None
     quantized = [n for n in mms.values() if n.inputs[1].producer() is not None
                  and n.inputs[1].producer().op_type == "DequantizeLinear"]
     assert len(quantized) == len(q["table"]) - len(q["excluded"])
+    assert any(n.op_type == "If" for n in m.graph)
+    weight_dqs = [n for n in m.graph.all_nodes() if n.op_type == "DequantizeLinear" and n.inputs[0].is_initializer()]
+    assert len(weight_dqs) == len(quantized)
+    assert all(u.node.graph is dq.graph for dq in weight_dqs for u in dq.outputs[0].uses())
+    assert any(dq.graph is not m.graph for dq in weight_dqs)  # those of later layers went into the branches
 
 
 @pytest.mark.parametrize("spec, text", [
