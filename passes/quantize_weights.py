@@ -628,13 +628,15 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     "--provider: OpenVINO gets qdq-weights); options per_channel, keep_fp32=ffn-out; budget_share=S (with --calib, "
     "--budget B): accuracy-aware search keeping the most sensitive MatMuls in fp32 until int8 alone is expected within "
     "S*B points of fp32, certified on held-out calibration rows; fp32_nodes=A+B (dynamic, static): these MatMul nodes stay fp32 "
-    "(e.g. a search's choice, from `dyncompile inspect`)",
-    choices={"format": ("auto", "dynamic", "qdq-weights", "static")},
+    "(e.g. a search's choice, from `dyncompile inspect`); forecast=clipped: the search's path-row forecast does not let "
+    "helpful flips cancel harmful ones",
+    choices={"format": ("auto", "dynamic", "qdq-weights", "static"), "forecast": ("labels", "clipped")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
     keep_fp32: str | None = None, budget_share: float | None = None, sensitivity_rows: int = 256,
     fp32_nodes: str | None = None, calib_rows: int = 256, symmetric_activations: bool = False,
+    forecast: str = "labels",
 ):
     from dyncompile.errors import PassConfigError
 
@@ -645,7 +647,7 @@ def _make_int8(
             raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "
                                   "them), not both")
         return _make_int8_search(context, format, per_channel, reduce_range, keep_fp32, budget_share, sensitivity_rows,
-                                 calib_rows, symmetric_activations)
+                                 calib_rows, symmetric_activations, forecast)
     names = tuple(n for n in (fp32_nodes or "").split("+") if n)
     if names and format not in ("dynamic", "static"):
         raise PassConfigError(f"quantize-int8 fp32_nodes applies to format=dynamic or static, not {format!r}")
@@ -671,7 +673,8 @@ def _make_int8(
 
 
 def _make_int8_search(context, format: str, per_channel, reduce_range: bool, keep_fp32, share: float,  # noqa: A002
-                      sensitivity_rows: int, calib_rows: int = 256, symmetric_activations: bool = False):
+                      sensitivity_rows: int, calib_rows: int = 256, symmetric_activations: bool = False,
+                      forecast: str = "labels"):
     """``quantize-int8{budget_share=S}``: the accuracy-aware search (:mod:`dyncompile.passes.quantize_search`)."""
     from dyncompile.errors import PassConfigError
     from dyncompile.io import read_jsonl, texts_and_labels
@@ -709,7 +712,7 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
         budget=float(budget), share=float(share), confidence=confidence, sensitivity_rows=sensitivity_rows,
         per_channel=per_channel is not False, progress=context.progress, fmt=format,
         static_feeds=_static_feeds(context, calib_rows) if format == "static" else None,
-        symmetric_activations=symmetric_activations,
+        symmetric_activations=symmetric_activations, forecast=forecast,
     )
 
 

@@ -219,3 +219,19 @@ def test_static_and_smoothing_options_refused_with_one_clear_error(spec, text):
         build_passes(spec, CompileContext(options={"calib": str(DATA / "movie-calib.jsonl")}))
     with pytest.raises(PassConfigError, match="--calib"):
         build_passes("quantize-int8{format=static}", CompileContext())
+
+
+def test_clipped_forecast_never_lets_helpful_flips_pay_for_harmful_ones(minilm, tmp_path):
+    """forecast=clipped: each count's forecast is at least the labelled forecast's (the loss clipped at 0 is >= the
+    loss), the ranking is the same, and the plan records which forecast chose."""
+    d, calib = _tiny_dir(tmp_path, minilm)
+    spec = "quantize-int8{{budget_share=0.5,sensitivity_rows=32,forecast={}}}"
+    q = {f: dyncompile.compile(d / "model.onnx", spec.format(f), tmp_path / f, calib=str(calib), budget=6.0,
+                               progress=False).plan.policy["quantization"] for f in ("labels", "clipped")}
+    assert q["clipped"]["forecast"] == "clipped" and q["labels"]["forecast"] == "labels"
+    assert [r["rank"] for r in q["clipped"]["table"]] == [r["rank"] for r in q["labels"]["table"]]
+    lab = {s["fp32_kept"]: s for s in q["labels"]["steps"]}
+    both = [s for s in q["clipped"]["steps"] if s["fp32_kept"] in lab]
+    assert both and all(s["predicted_bound"] >= lab[s["fp32_kept"]]["predicted_bound"] - 1e-9 for s in both)
+    # so a count the clipped forecast accepts, the labelled one accepted too: the clipped scan stops no earlier
+    assert len(q["clipped"]["excluded"]) >= len(q["labels"]["excluded"])
