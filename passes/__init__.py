@@ -35,6 +35,7 @@ from dyncompile.passes.fuse_decoder import FuseDecoderPass
 from dyncompile.passes.matmul_to_conv import MatMulToConvPass
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
+from dyncompile.passes.smooth_activations import SmoothActivationsPass
 from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
 from dyncompile.passes.step_saver import pipeline as _step_saver  # noqa: F401  (diffusion plans)
 from dyncompile.passes.trim_logits import TrimLogitsPass
@@ -57,6 +58,7 @@ __all__ = [
     "TrimLogitsPass",
     "CacheUNetFeaturesPass",
     "QuantizeWeightsInt4Pass",
+    "SmoothActivationsPass",
     "VerifyModelPass",
     "WireGivenExitHeadsPass",
     "build_passes",

@@ -26,6 +26,7 @@ __all__ = [
     "POLICY_PREFIX",
     "QUANTIZED",
     "ROLE",
+    "SMOOTHED",
     "SPECULATIVE",
     "SPECULATIVE_MEASURED",
     "SPLIT_DRAFTER",
@@ -43,6 +44,7 @@ EARLY_EXIT = "dyncompile.early_exit"  # JSON: exit heads, cuts, thresholds, cali
 EARLY_EXIT_LOWERING = "dyncompile.early_exit.lowering"  # "if" | "staged" (InsertEarlyExitPass)
 EARLY_EXIT_LOWERING_CHOICE = "dyncompile.early_exit.lowering_choice"  # JSON: provider and reason of the choice
 QUANTIZED = "dyncompile.quantized"  # JSON: scheme of the quantize passes
+SMOOTHED = "dyncompile.smoothed"  # JSON: alpha, groups and fp32 layer cuts (SmoothActivationsPass)
 SPECULATIVE = "dyncompile.speculative"  # JSON: target/drafter specs, draft policy, generation config
 SPLIT_DRAFTER = "dyncompile.split_drafter"  # JSON: SplitDrafterPass decisions and measurements
 ROLE = "dyncompile.role"  # "drafter" on a drafter graph
@@ -64,6 +66,6 @@ SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timi
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA}
+     ROLE, SMOOTHED, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA}
 )
 META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

@@ -145,7 +145,7 @@ def test_search_keeps_everything_fp32_when_nothing_fits_and_is_idempotent(minilm
 
 
 @pytest.mark.parametrize("spec, text", [
-    ("quantize-int8{budget_share=0.5,format=qdq-weights}", "dynamic int8 format only"),
+    ("quantize-int8{budget_share=0.5,format=qdq-weights}", "dynamic or static int8 formats"),
     ("quantize-int8{budget_share=1.5}", "in (0, 1]"),
     ("quantize-int8{budget_share=0.5,keep_fp32=ffn-out}", "drop keep_fp32"),
 ])

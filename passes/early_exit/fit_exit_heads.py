@@ -406,8 +406,9 @@ def find_exit_cuts(model: ir.Model, cuts: dict[int, str] | None = None) -> tuple
     """``(num_layers, {layer: output cut tensor}, head pooling)`` from the graph analysis."""
     from dyncompile.passes.analysis.layers import analyze_model
 
-    recorded = json.loads(model.metadata_props.get(_keys.QUANTIZED, "{}")).get("layers")
-    if not cuts and recorded:  # an int8 search kept some layers fp32: the boundaries it found on the fp32 graph
+    recorded = (json.loads(model.metadata_props.get(_keys.QUANTIZED, "{}")).get("layers")
+                or json.loads(model.metadata_props.get(_keys.SMOOTHED, "{}")).get("layers"))
+    if not cuts and recorded:  # an int8 search kept some layers fp32 (or smoothing added Muls): the fp32 graph's boundaries
         return int(recorded["num_layers"]), {int(k): v for k, v in recorded["cuts"].items()}, recorded["pooling"]
     s = analyze_model(model)
     pooling = s.head.pooling if s.head else "cls"

@@ -1,4 +1,4 @@
-"""int8 under one certified budget: fp32, int8 (naive / accuracy-aware), early exit, int8 x early exit, batch 1.
+"""int8 under one certified budget: fp32, int8 (naive / accuracy-aware), early exit, int8 x early exit, cascade, batch 1.
 
 Takes plan directories compiled by the pipelines a user runs (``dyncompile MODEL --passes ...``; the README of
 the study lists them) and measures them with the fp32 original interleaved in one process, batch 1, on the rows
@@ -25,7 +25,9 @@ from dyncompile.tools.bench.common import DATA
 def promise(policy: dict[str, Any]) -> dict[str, Any]:
     """What a plan certifies: the pipeline bound (early exit) and/or the int8 search's own, with the split."""
     out: dict[str, Any] = {}
-    cert = (policy.get("early_exit") or {}).get("certificate") or {}
+    # early exit's certificate, or a cascade's (policy.routing): both bound the whole plan against its reference
+    cert = ((policy.get("early_exit") or {}).get("certificate") or (policy.get("routing") or {}).get("certificate")
+            or {})
     if cert:
         out.update(budget=cert.get("budget"), confidence=cert.get("confidence"), certified=cert.get("certified"),
                    observed_calib=cert.get("observed"), bound=cert.get("bound"),
@@ -41,7 +43,8 @@ def promise(policy: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: int, progress: bool) -> dict[str, Any]:
+def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: int, progress: bool,
+        provider: str = "cpu") -> dict[str, Any]:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench.common import (
@@ -52,7 +55,7 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
         reference_runner,
     )
 
-    compiled = [(name, dyncompile.load(d, provider="cpu")) for name, d in plans]
+    compiled = [(name, dyncompile.load(d, provider=provider)) for name, d in plans]
     first = compiled[0][1]
     texts, labels = texts_and_labels(read_jsonl(data, limit=limit), first.plan.labels)
     runners = [reference_runner("fp32 original", str(first.plan.original_model("bench")), first)]
@@ -78,7 +81,7 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
             "promise": {} if c is None else promise(c.plan.policy),
         }
         rows.append(row)
-    return {"data": Path(data).name, "rows": len(texts), "batch": 1, "provider": "cpu", "results": rows,
+    return {"data": Path(data).name, "rows": len(texts), "batch": 1, "provider": provider, "results": rows,
             "machine": machine_info()}
 
 
@@ -113,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=str(DATA / "movie-test.jsonl"))
     p.add_argument("--limit", type=int)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--provider", default="cpu", help="execution provider of every session (cpu, openvino)")
     p.add_argument("--out", required=True)
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     plans = [(x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in a.plans]
-    report = run(plans, Path(a.data), a.limit, a.warmup, not a.quiet)
+    report = run(plans, Path(a.data), a.limit, a.warmup, not a.quiet, a.provider)
     report["markdown"] = markdown(report)
     from dyncompile.tools.bench.common import write_report
 
