@@ -135,8 +135,11 @@ class ClassifierAPI(TaskAPI):
             grown[: self._exit_rows] = self._exit_log[: self._exit_rows]
             self._exit_log = grown
         size = len(self._exit_log)
-        pos = (self._exit_rows + np.arange(len(rows))) % size
-        self._exit_log[pos] = rows
+        start = self._exit_rows % size
+        if start + len(rows) <= size:  # the common case: one slice, no index arrays per call
+            self._exit_log[start : start + len(rows)] = rows
+        else:  # wraps around the ring's end
+            self._exit_log[(start + np.arange(len(rows))) % size] = rows
         self._exit_rows = end
 
     def classify(self, texts: Sequence[str] | str, batch_size: int = 32) -> list[Prediction]:
