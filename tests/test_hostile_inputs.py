@@ -437,7 +437,7 @@ def test_bad_policy_values_are_refused(plan_copy, capsys, what):
         ("cleanup{cse=1}", ["cse", "true or false"]),
         ("early-exit{budjet=2}", ["budjet", "budget", "lowering"]),
         ("verify{colour=red}", ["colour", "full_check"]),
-        ("quantize-int8{format=static}", ["static", "dynamic", "qdq-weights"]),
+        ("quantize-int8{format=fp8}", ["fp8", "dynamic", "static", "qdq-weights"]),
         ("quantize-int4{block_size=nan}", ["block_size", "int"]),
         ("early-exit{lowering=sideways}", ["sideways", "staged"]),
         ("split-drafter{bridge=quadratic}", ["quadratic", "linear"]),
