@@ -125,3 +125,16 @@ def lower_if(m):
     res = run_pipeline([InsertEarlyExitPass("if")], m, check="each")
     assert res.modified
     return m
+
+
+def tiny_classifier_dir(tmp_path: Path, minilm) -> tuple[Path, Path]:
+    """A 4-layer tiny encoder classifier with MiniLM's tokenizer in ``tmp_path/tiny``, and a 300-row calib file."""
+    from dyncompile.models.synthetic import tiny_encoder_classifier
+
+    d = tmp_path / "tiny"
+    d.mkdir()
+    ir.save(tiny_encoder_classifier(num_layers=4, vocab=30522), d / "model.onnx")
+    shutil.copy(minilm.tokenizer_path, d / "tokenizer.json")
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join((DATA / "movie-calib.jsonl").read_text().splitlines()[:300]) + "\n")
+    return d, calib

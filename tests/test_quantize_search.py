@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import DATA, ort_session, random_token_feeds
+from helpers import DATA, ort_session, random_token_feeds, tiny_classifier_dir
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
@@ -72,20 +71,10 @@ def test_quant_losses_and_predicted_bound():
     assert predicted_bound(some, 5000, 0.1, -1.0) < b1  # more test rows: a tighter bound
 
 
-def _tiny_model_dir(tmp_path, minilm):
-    d = tmp_path / "tiny"
-    d.mkdir()
-    ir.save(tiny_encoder_classifier(num_layers=4, vocab=30522), d / "model.onnx")
-    shutil.copy(minilm.tokenizer_path, d / "tokenizer.json")
-    calib = tmp_path / "calib.jsonl"
-    calib.write_text("\n".join((DATA / "movie-calib.jsonl").read_text().splitlines()[:300]) + "\n")
-    return d, calib
-
-
 def test_search_plan_records_table_fallbacks_and_certificate(minilm, tmp_path, capsys):
     """The fallback set is the top of the sensitivity ranking, those MatMuls stay fp32 in the graph, the rest are
     int8; the plan carries the table, the steps and a certificate computed on the held-out rows."""
-    d, calib = _tiny_model_dir(tmp_path, minilm)
+    d, calib = tiny_classifier_dir(tmp_path, minilm)
     res = dyncompile.compile(d / "model.onnx", "quantize-int8{budget_share=0.5,sensitivity_rows=64}", tmp_path / "o",
                              calib=str(calib), budget=2.0, progress=False)
     q = res.plan.policy["quantization"]
@@ -129,7 +118,7 @@ def test_search_plan_records_table_fallbacks_and_certificate(minilm, tmp_path, c
 
 
 def test_search_keeps_everything_fp32_when_nothing_fits_and_is_idempotent(minilm, tmp_path):
-    d, calib = _tiny_model_dir(tmp_path, minilm)
+    d, calib = tiny_classifier_dir(tmp_path, minilm)
     res = dyncompile.compile(d / "model.onnx", "quantize-int8{budget_share=0.1,sensitivity_rows=32}", tmp_path / "o",
                              calib=str(calib), budget=0.0, progress=False)
     q = res.plan.policy["quantization"]

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import DATA, ort_session, random_token_feeds
+from helpers import DATA, ort_session, random_token_feeds, tiny_classifier_dir
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
@@ -166,24 +166,12 @@ def test_static_int8_fuses_every_matmul_on_the_cpu_ep(tmp_path):
     assert "MatMul" not in ops and ops.count("Gemm") == 1
 
 
-def _tiny_dir(tmp_path, minilm):
-    import shutil
-
-    d = tmp_path / "tiny"
-    d.mkdir()
-    ir.save(tiny_encoder_classifier(num_layers=4, vocab=30522), d / "model.onnx")
-    shutil.copy(minilm.tokenizer_path, d / "tokenizer.json")
-    calib = tmp_path / "calib.jsonl"
-    calib.write_text("\n".join((DATA / "movie-calib.jsonl").read_text().splitlines()[:300]) + "\n")
-    return d, calib
-
-
 def test_smooth_then_static_search_pipeline(minilm, tmp_path):
     """smooth-activations,quantize-int8{format=static,budget_share=...},early-exit: the search runs on the smoothed
     graph in the static format, the fallbacks stay float MatMuls, the rest are QDQ, the certificate is the real
     static model's; the If lowering puts every weight's DequantizeLinear in the graph of its MatMul (ORT fuses the
     pair only within one graph)."""
-    d, calib = _tiny_dir(tmp_path, minilm)
+    d, calib = tiny_classifier_dir(tmp_path, minilm)
     res = dyncompile.compile(d / "model.onnx", "smooth-activations{rows=64},quantize-int8{format=static,budget_share=0.5,"
                              "sensitivity_rows=32,calib_rows=32},early-exit", tmp_path / "o", calib=str(calib),
                              budget=6.0, lowering="if", progress=False)
@@ -224,7 +212,7 @@ def test_static_and_smoothing_options_refused_with_one_clear_error(spec, text):
 def test_clipped_forecast_never_lets_helpful_flips_pay_for_harmful_ones(minilm, tmp_path):
     """forecast=clipped: each count's forecast is at least the labelled forecast's (the loss clipped at 0 is >= the
     loss), the ranking is the same, and the plan records which forecast chose."""
-    d, calib = _tiny_dir(tmp_path, minilm)
+    d, calib = tiny_classifier_dir(tmp_path, minilm)
     spec = "quantize-int8{{budget_share=0.5,sensitivity_rows=32,forecast={}}}"
     q = {f: dyncompile.compile(d / "model.onnx", spec.format(f), tmp_path / f, calib=str(calib), budget=6.0,
                                progress=False).plan.policy["quantization"] for f in ("labels", "clipped")}
