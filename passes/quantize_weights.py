@@ -181,6 +181,22 @@ def _save_without_value_info(model: ir.Model, path: Path) -> None:
     onnx.save_model(proto, path, save_as_external_data=proto.ByteSize() > 1_800_000_000)
 
 
+def _ort_quantized(model: ir.Model, quantize) -> ir.Model:
+    """``quantize(src, dst)`` on a temporary copy of ``model``; the quantized model, detached from the files.
+
+    ``quantize`` calls an ``onnxruntime.quantization`` entry point, which works on files.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
+        _save_without_value_info(model, src)
+        quantize(src, dst)
+        new = ir.load(dst)
+        for v in new.graph.initializers.values():  # detach from the temp file before it goes
+            if v.const_value is not None:
+                v.const_value = ir.tensor(v.const_value.numpy(), name=v.name)
+    return new
+
+
 def _parse_keep_fp32(keep_fp32) -> tuple[str, ...]:
     from dyncompile.errors import PassConfigError
 
@@ -248,22 +264,9 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
 
         exclude = gelu_fed_matmuls(model) if "ffn-out" in self.keep_fp32 else []
         exclude = list(dict.fromkeys([*exclude, *self.exclude_nodes]))
-        with tempfile.TemporaryDirectory() as tmp:
-            src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
-            _save_without_value_info(model, src)
-            quantize_dynamic(
-                src,
-                dst,
-                op_types_to_quantize=list(self.op_types),
-                per_channel=self.per_channel,
-                reduce_range=self.reduce_range,
-                weight_type=QuantType.QInt8,
-                nodes_to_exclude=exclude,
-            )
-            new = ir.load(dst)
-            for v in new.graph.initializers.values():  # detach from the temp file before it goes
-                if v.const_value is not None:
-                    v.const_value = ir.tensor(v.const_value.numpy(), name=v.name)
+        new = _ort_quantized(model, lambda src, dst: quantize_dynamic(
+            src, dst, op_types_to_quantize=list(self.op_types), per_channel=self.per_channel,
+            reduce_range=self.reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=exclude))
         modified = _has_ops(new, INT8_OPS)
         if not modified:
             return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
@@ -477,22 +480,15 @@ class QuantizeStaticInt8Pass(ir.passes.InPlacePass):
             return not_fired(model, "quantize-int8", _no_int8_target(model) if not excluded else
                              f"every one of the {len(excluded)} constant-weight MatMuls is kept in fp32",
                              "leave quantize-int8 out for this model")
-        with tempfile.TemporaryDirectory() as tmp:
-            src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
-            _save_without_value_info(model, src)
-            inputs = {v.name for v in model.graph.inputs}
-            quiet = logging.getLogger()  # ORT's quantizer advises pre-processing on the root logger
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)
-            try:
-                _quantize_static(src, dst, _FeedsReader(self.feeds, inputs), names, self.per_channel,
-                                 self.symmetric_activations)
-            finally:
-                quiet.setLevel(level)
-            new = ir.load(dst)
-            for v in new.graph.initializers.values():  # detach from the temp file before it goes
-                if v.const_value is not None:
-                    v.const_value = ir.tensor(v.const_value.numpy(), name=v.name)
+        reader = _FeedsReader(self.feeds, {v.name for v in model.graph.inputs})
+        quiet = logging.getLogger()  # ORT's quantizer advises pre-processing on the root logger
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            new = _ort_quantized(model, lambda src, dst: _quantize_static(
+                src, dst, reader, names, self.per_channel, self.symmetric_activations))
+        finally:
+            quiet.setLevel(level)
         _float_for_other_readers(new, set(names))
         count = sum(1 for n in new.graph if n.op_type == "DequantizeLinear" and n.inputs[0] is not None
                     and n.inputs[0].const_value is not None)
@@ -657,11 +653,7 @@ def _make_int8(
                                   "and reduce_range")
         if not context.options.get("calib"):
             raise PassConfigError("quantize-int8 format=static calibrates its activation ranges: pass --calib FILE.jsonl")
-        from dyncompile.passes.smooth_activations import calibration_feeds
-
-        if calib_rows < 8:
-            raise PassConfigError(f"quantize-int8 calib_rows must be >= 8, got {calib_rows}")
-        return QuantizeStaticInt8Pass(calibration_feeds(context, calib_rows, batch_size=1),
+        return QuantizeStaticInt8Pass(_static_feeds(context, calib_rows),
                                       per_channel=per_channel is not False, exclude_nodes=names,
                                       symmetric_activations=symmetric_activations)
     if format == "dynamic":
@@ -702,10 +694,7 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
         confidence = parse_confidence(o.get("confidence"))
     except CalibrationError as e:
         raise PassConfigError(str(e)) from None
-    tok = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
-    if tok is None or not Path(tok).is_file():
-        raise PassConfigError(f"quantize-int8 budget_share needs the model's tokenizer.json (looked at {tok}); "
-                              "pass --tokenizer")
+    tok = context.require_tokenizer("quantize-int8 budget_share")
     texts, labels = texts_and_labels(read_jsonl(o["calib"]), context.model_config.get("labels"))
     return SearchInt8FallbackPass(
         texts, labels, tokenizer_file=tok, max_length=int(context.model_config.get("max_length", 512)),
@@ -717,6 +706,7 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
 
 
 def _static_feeds(context, calib_rows: int):
+    """Activation-calibration feeds for ``format=static``: ``calib_rows`` --calib rows, one row a batch."""
     from dyncompile.errors import PassConfigError
     from dyncompile.passes.smooth_activations import calibration_feeds
 
