@@ -68,6 +68,19 @@ class CompileContext:
     progress: bool = True
     tokenizer: Path | None = None
 
+    def tokenizer_file(self) -> Path | None:
+        """``tokenizer``, else the tokenizer.json beside the model (a context built without the compiler)."""
+        return self.tokenizer or (self.model_path.parent / "tokenizer.json" if self.model_path else None)
+
+    def require_tokenizer(self, who: str) -> Path:
+        """:meth:`tokenizer_file`, or a :class:`~dyncompile.errors.PassConfigError` naming ``who`` needs it."""
+        from dyncompile.errors import PassConfigError
+
+        tok = self.tokenizer_file()
+        if tok is None or not Path(tok).is_file():
+            raise PassConfigError(f"{who} needs the model's tokenizer.json (looked at {tok}); pass --tokenizer")
+        return Path(tok)
+
 
 @dataclasses.dataclass(frozen=True)
 class PassOption:

@@ -214,8 +214,6 @@ def calibration_feeds(context, rows: int, batch_size: int = 16) -> list[dict[str
     ``quantize-int8`` search or ``early-exit`` after this pass still certifies on rows nothing has read;
     at most ``rows`` of them, in length order (little padding).
     """
-    from pathlib import Path
-
     from dyncompile.errors import PassConfigError
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.passes.early_exit.certify import DEFAULT_SPLIT, stratified_split
@@ -225,9 +223,7 @@ def calibration_feeds(context, rows: int, batch_size: int = 16) -> list[dict[str
     o = context.options
     if not o.get("calib"):
         raise PassConfigError("calibration rows are needed: pass --calib FILE.jsonl")
-    tok = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
-    if tok is None or not Path(tok).is_file():
-        raise PassConfigError(f"the model's tokenizer.json is needed (looked at {tok}); pass --tokenizer")
+    tok = context.require_tokenizer("calibrating activation ranges")
     texts, labels = texts_and_labels(read_jsonl(o["calib"]), context.model_config.get("labels"))
     if labels is None:
         raise PassConfigError("smooth-activations reads only the calibration rows the certificate does not test on, "

@@ -347,8 +347,6 @@ def _make_early_exit(
     correctness).
     ``lowering=auto`` picks staged when a declared batch size is above 1, else by provider.
     """
-    from pathlib import Path
-
     from dyncompile.errors import PassConfigError
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.passes.early_exit.fit_exit_heads import FitExitHeadsPass
@@ -396,10 +394,7 @@ def _make_early_exit(
     rows = read_jsonl(o["calib"])
     labels_names = context.model_config.get("labels")
     texts, labels = texts_and_labels(rows, labels_names)
-    tok = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
-    if tok is None or not Path(tok).is_file():
-        raise PassConfigError(f"early exit needs the model's tokenizer.json (looked at {tok}); pass --tokenizer")
-    tok = Path(tok)
+    tok = context.require_tokenizer("early exit")
     max_length = int(context.model_config.get("max_length", 512))
     if heads == "given":
         from dyncompile.passes.early_exit.wire_given_exit_heads import WireGivenExitHeadsPass

@@ -553,7 +553,7 @@ def _make_split_drafter(
     from tokenizers import Tokenizer
 
     texts = read_calibration_text(context.options["calib"])
-    tok_path = context.tokenizer or (context.model_path.parent / "tokenizer.json" if context.model_path else None)
+    tok_path = context.tokenizer_file()
     if tok_path is None or not Path(tok_path).is_file():
         raise DrafterError(
             f"split-drafter tokenizes the calibration text with the target's tokenizer, but {tok_path} is missing; "
