@@ -43,6 +43,7 @@ OWNERS: list[tuple[str, str]] = [
     ("stepsaver/composition/*.json", "dyncompile.tools.studies.diffusion_plans"),
     ("unet-cache/*.json", "dyncompile.tools.studies.unet_cache"),
     ("quantized-certified/*.json", "dyncompile.tools.studies.quantized_certified"),
+    ("quantized-cuda/*.json", "dyncompile.tools.bench.classify"),
     ("quantized-*/*.json", "dyncompile.tools.studies.quantized_early_exit"),
     ("route-sentiment/*.json", "dyncompile.tools.bench.routed"),
     ("under-load/*.json", "dyncompile.tools.studies.under_load"),

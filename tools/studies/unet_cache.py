@@ -67,6 +67,10 @@ def main(argv=None) -> int:
     p.add_argument("--timing-n", type=int, default=8, help="prompts the fixed-100 timing runs on")
     p.add_argument("--provider", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the execution provider, over dyncompile's defaults (repeatable), e.g. "
+                   "cudnn_conv_algo_search=HEURISTIC: the CUDA EP's default exhaustive search re-times every "
+                   "convolution for each new batch shape, which StepSaver's per-prompt step counts keep creating")
     p.add_argument("--ref", help="npz cache of the 200-step reference images (made if absent)")
     p.add_argument("--real-images", required=True, help="Fashion-MNIST t10k-images-idx3-ubyte.gz (FD-proxy)")
     p.add_argument("--out", required=True)
@@ -121,7 +125,9 @@ def _worker(args, rows: list[dict], shard: int, nshard: int, phase: str, part: P
     K = args.steps
     plans = {k: getattr(args, a) for k, a in _PLANS if getattr(args, a)}
     need = {"ref": ["plain"], "main": list(plans), "twins": ["plain"]}[phase]
-    load = {k: dyncompile.load(plans[k], provider=args.provider, threads=args.threads) for k in need}
+    opts = dict(o.split("=", 1) for o in args.provider_option) or None
+    load = {k: dyncompile.load(plans[k], provider=args.provider, threads=args.threads, provider_options=opts)
+            for k in need}
     out: dict[str, np.ndarray] = {"idx": idx}
     meta: dict = {"machine": machine_info(), "shard": shard, "workers": nshard, "phase": phase}
     if phase == "ref":  # the 200-step references (quality only, not timed)
@@ -345,7 +351,8 @@ def run(args) -> int:
     result = {
         "prompts": n, "prompt_set": f"first {n} TEST captions in eval_rank order (held out; never used for calibration)",
         "seeds": "torch.randn(generator=manual_seed(eval_rank)) — the asset's seeds", "tau": TAU,
-        "provider": args.provider, "threads": args.threads, "chunk": args.chunk,
+        "provider": args.provider, "provider_options": dict(o.split("=", 1) for o in args.provider_option),
+        "threads": args.threads, "chunk": args.chunk,
         "workers": max(1, args.workers), "machine_note": args.machine_note,
         "fixed_100_seconds_per_image": sec_100, "fixed_100_timing_prompts": nsub,
         "uncached_seconds_per_image_step": per_step, "machine": mp[0]["meta"]["machine"],
