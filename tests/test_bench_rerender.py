@@ -61,6 +61,7 @@ NOT_REPORTS = {
     "lookahead/smollm2-verify-curve-2threads.json": "`bench.generate curve` output: JSON only, no markdown",
     "medusa/heads-run1-heldout.json": "per-head held-out agreement `train_medusa.evaluate_medusa` returns (README)",
     "medusa/heads-run2-heldout.json": "per-head held-out agreement `train_medusa.evaluate_medusa` returns (README)",
+    "medusa/qwen05-gpu-eval-curve.json": "eval curve parsed from the GPU training log of the Qwen heads (README)",
     "early-exit-trained/heads-minilm-l6-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",
     "early-exit-trained/heads-mpnet-base-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",
     "early-exit-trained/alpha0.5/heads-minilm-l6-sentiment.json": "studies.trained_heads data of the label-mix run",

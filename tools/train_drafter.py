@@ -97,6 +97,25 @@ def load_corpus_tokens(corpus: str | Path | None, tokenizer_json: Path, *, max_t
     return np.concatenate(chunks)[:max_tokens]
 
 
+def load_target(target: Path, device: Any = "cpu") -> Any:
+    """The frozen fp32 PyTorch target: a model directory with ``hf/``, or the ``.gguf`` it was built from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if target.suffix == ".gguf":  # the GGUF the model cache was built from (dequantised: the same fp32 weights)
+        model = AutoModelForCausalLM.from_pretrained(str(target.parent), gguf_file=target.name, dtype=torch.float32)
+    else:
+        hf_dir = target / "hf"
+        if not (hf_dir / "config.json").is_file():
+            raise DataError(f"{target} has no hf/config.json: train-drafter needs a model directory built by "
+                            "`dyncompile models build` (or the .gguf it was built from)")
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def _windows(ids: np.ndarray, seq_len: int) -> np.ndarray:
     n = len(ids) // seq_len
     return ids[: n * seq_len].reshape(n, seq_len)
@@ -126,23 +145,12 @@ def train_drafter(
     """Train an EAGLE head for ``target`` (a model directory with ``hf/``) and write it to ``out``."""
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
     t_start = time.perf_counter()
     target = Path(target).expanduser()
     torch.manual_seed(seed)
     dev = torch.device(device)
-    if target.suffix == ".gguf":  # the GGUF the model cache was built from (dequantised: the same fp32 weights)
-        model = AutoModelForCausalLM.from_pretrained(str(target.parent), gguf_file=target.name, dtype=torch.float32)
-    else:
-        hf_dir = target / "hf"
-        if not (hf_dir / "config.json").is_file():
-            raise DataError(f"{target} has no hf/config.json: train-drafter needs a model directory built by "
-                            "`dyncompile models build` (or the .gguf it was built from)")
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    model = model.to(dev).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = load_target(target, dev)
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
     tok_json = target / "tokenizer.json"
@@ -374,9 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kind == "medusa":
         from dyncompile.tools.train_medusa import train_medusa
 
-        if args.device != "cpu":
-            raise DataError("--kind medusa trains on the CPU (the target runs once; the heads are small)")
-        info = train_medusa(args.target, args.out, heads=args.heads, corpus=args.corpus, steps=args.steps,
+        info = train_medusa(args.target, args.out, heads=args.heads, corpus=args.corpus, device=args.device, steps=args.steps,
                             batch=args.batch, seq_len=args.seq_len, lr=args.lr, draft_vocab=args.draft_vocab,
                             max_tokens=args.max_tokens, seed=args.seed, max_seconds=args.max_seconds)
         print(f"medusa heads written to {args.out}: held-out top-1 agreement with the target per head "

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.tools.train_drafter import HELD_OUT, _windows, fingerprint, load_corpus_tokens
+from dyncompile.tools.train_drafter import HELD_OUT, _windows, fingerprint, load_corpus_tokens, load_target
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def train_medusa(
     *,
     heads: int = 3,
     corpus: str | Path | None = None,
+    device: str = "cpu",
     steps: int = 300,
     batch: int = 256,
     seq_len: int = 256,
@@ -52,9 +53,10 @@ def train_medusa(
     max_seconds: float | None = None,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """Train ``heads`` Medusa heads for ``target`` (a model directory with ``hf/``) and write them to ``out``."""
+    """Train ``heads`` Medusa heads for ``target`` (a model directory with ``hf/``, or the ``.gguf`` it was built
+    from, with a pre-tokenized ``.npy`` corpus) and write them to ``out``. ``device="cuda"`` runs the target pass
+    and the training on the GPU (the cached hidden states then live in GPU memory)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if heads < 1 or heads > 16:
         raise DataError(f"--heads must be in 1..16, got {heads}")
@@ -62,14 +64,9 @@ def train_medusa(
     if threads:
         torch.set_num_threads(int(threads))
     target = Path(target).expanduser()
-    hf_dir = target / "hf"
-    if not (hf_dir / "config.json").is_file():
-        raise DataError(f"{target} has no hf/config.json: train-drafter needs a model directory built by "
-                        "`dyncompile models build`")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    dev = torch.device(device)
+    model = load_target(target, dev)
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
     ids = load_corpus_tokens(corpus, target / "tokenizer.json", max_tokens=max_tokens, eos=eos)
@@ -87,14 +84,16 @@ def train_medusa(
     captured: dict[str, Any] = {}
     hook = model.lm_head.register_forward_hook(lambda m, a, o: captured.__setitem__("h", a[0]))
 
+    step = 4 if dev.type == "cpu" else 32
+
     def run(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         hs, ys = [], []
         with torch.no_grad():
-            for i in range(0, len(windows), 4):
-                x = torch.as_tensor(windows[i : i + 4])
+            for i in range(0, len(windows), step):
+                x = torch.as_tensor(windows[i : i + step]).to(dev)
                 logits = model(input_ids=x, use_cache=False).logits
-                hs.append(captured.pop("h").float().numpy())
-                ys.append(logits.argmax(-1).numpy())
+                hs.append(captured.pop("h").float().cpu().numpy())
+                ys.append(logits.argmax(-1).cpu().numpy())
         return np.concatenate(hs), np.concatenate(ys)
 
     h_tr, y_tr = run(train_w)
@@ -111,21 +110,21 @@ def train_medusa(
         vocab = np.arange(vocab_size)
     remap = np.full(vocab_size, -100, np.int64)  # label outside the draft vocabulary: ignored by the loss
     remap[vocab] = np.arange(len(vocab))
-    w_head = model.lm_head.weight.detach()[torch.as_tensor(vocab)].float()  # [Vd, H], frozen
+    w_head = model.lm_head.weight.detach()[torch.as_tensor(vocab).to(dev)].float()  # [Vd, H], frozen
 
     K, H = heads, int(h_tr.shape[-1])
     # rows (window, t) with labels for every head: t + K < seq_len
     T = seq_len - K
     def rows(h: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.as_tensor(h[:, :T].reshape(-1, H))
+        x = torch.as_tensor(h[:, :T].reshape(-1, H)).to(dev)
         lab = np.stack([remap[y[:, k + 1 : k + 1 + T]].reshape(-1) for k in range(K)], 1)  # head k: argmax at t+k+1
-        return x, torch.as_tensor(lab)
+        return x, torch.as_tensor(lab).to(dev)
 
     x_tr, l_tr = rows(h_tr, y_tr)
     x_ev, l_ev = rows(h_ev, y_ev)
     del h_tr, h_ev
-    W = torch.nn.Parameter(torch.zeros(K, H, H))  # zero init: each head starts as the target's own LM head
-    B = torch.nn.Parameter(torch.zeros(K, H))
+    W = torch.nn.Parameter(torch.zeros(K, H, H, device=dev))  # zero init: each head starts as the target's LM head
+    B = torch.nn.Parameter(torch.zeros(K, H, device=dev))
     opt = torch.optim.AdamW([W, B], lr=lr, weight_decay=0.0)
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [K, n, Vd]
@@ -145,7 +144,7 @@ def train_medusa(
             for i in range(0, len(x_ev), 1024):
                 lo, a = loss_acc(x_ev[i : i + 1024], l_ev[i : i + 1024])
                 ls.append(float(lo))
-                accs.append(a.numpy())
+                accs.append(a.cpu().numpy())
         return float(np.mean(ls)), [round(float(a), 4) for a in np.mean(accs, 0)]
 
     ev_before = evaluate()
@@ -157,7 +156,7 @@ def train_medusa(
         if max_seconds is not None and time.perf_counter() - t_train > max_seconds:
             logger.info("medusa: stopping at step %d (--max-seconds)", step)
             break
-        pick = torch.as_tensor(rng.integers(0, len(x_tr), size=min(batch, len(x_tr))))
+        pick = torch.as_tensor(rng.integers(0, len(x_tr), size=min(batch, len(x_tr)))).to(dev)
         loss, acc = loss_acc(x_tr[pick], l_tr[pick])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -179,13 +178,14 @@ def train_medusa(
 
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    w_np = W.detach().numpy().astype(np.float32)
-    np.savez(out / "medusa_heads.npz", w=w_np, b=B.detach().numpy().astype(np.float32), vocab=vocab.astype(np.int64))
+    w_np = W.detach().cpu().numpy().astype(np.float32)
+    np.savez(out / "medusa_heads.npz", w=w_np, b=B.detach().cpu().numpy().astype(np.float32),
+             vocab=vocab.astype(np.int64))
     info = {
         "format": MEDUSA_HEAD_FORMAT,
         "target": target.name,
         "target_config": {"hidden_size": H, "vocab_size": vocab_size, "model_type": cfg.model_type},
-        "lm_head": {"fingerprint": fingerprint(model.lm_head.weight.detach().numpy())},
+        "lm_head": {"fingerprint": fingerprint(model.lm_head.weight.detach().cpu().numpy())},
         "heads": K,
         "draft_vocab": int(len(vocab)),
         "draft_vocab_coverage": round(float(counts[vocab].sum() / max(1, counts.sum())), 4),
@@ -194,6 +194,7 @@ def train_medusa(
                    "eval_windows": int(len(eval_w)), "seq_len": seq_len,
                    "labels": "the target's own argmax (teacher-forced self-distillation)"},
         "training": {"steps": done, "planned_steps": steps, "kept_step": best[3], "batch": batch, "lr": lr, "seed": seed,
+                     "device": str(dev),
                      "torch": torch.__version__, "cache_seconds": round(t_cache, 1),
                      "seconds": round(time.perf_counter() - t_start, 1)},
         "eval": {"loss": round(ev[0], 4), "head_top1_agreement": ev[1],
