@@ -20,6 +20,13 @@ tried in order of estimated cost (MACs of the shallow graph, from shape inferenc
 ``max_ssim_drop`` — the cheapest — wins. If none is, the pass stops with an error that names the nearest
 candidate. The choice, its measured quality and its worst prompt go into the plan (``feature_cache.calibration``).
 
+A table by step count (``steps=5/10/15/20/30``, or ``steps=grid``: the grid of a ``step-saver`` that ran
+before): each step count gets its own cheapest rule within ``max_ssim_drop`` of the uncached loop *at that step
+count* (on all calibration prompts), and "no caching" (interval 1) when no candidate is; the cut depth is shared
+(one shallow graph): the depth with the lowest mean estimated cost over the rows wins (``depth=`` fixes it). The
+table and each row's measured quality go into the plan (``feature_cache.schedules``); the runtime picks the row
+from the step count each prompt runs (StepSaver's per-prompt counts).
+
 Invariants: the noise prediction output is unchanged (the full graph only gains an output; ``interval`` 1 gives
 the uncached loop's outputs); a graph without a skip Concat is left alone with a warning that says why; a
 second run with the same options reports ``modified=False``.
@@ -48,6 +55,8 @@ from dyncompile.passes.unet_cache.structure import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["CacheUNetFeaturesPass", "refresh_count", "schedule"]
+
+OFF = (1, 0, 0)  # (interval, warmup, final) of "no caching"
 
 
 def _ints(v, what: str) -> list[int] | None:
@@ -79,12 +88,13 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
     Args:
         pipeline_dir: the pipeline folder (for calibration; None with an explicit depth and interval).
         depth: cut at the depth-th skip Concat counted from the output (1 = highest resolution); None: calibrate.
-        interval: refresh every ``interval`` steps (1 = caching off); None: calibrate.
+        interval: refresh every ``interval`` steps (1 = caching off); None: calibrate (at ``depth`` if given).
         warmup: the first ``warmup`` steps always refresh; final: the last ``final`` steps always refresh.
         refresh_steps: an explicit schedule of 0-based refresh steps (``0/1/2/4/8``), then every ``interval``.
         calib: a JSONL of calibration prompts (``prompt`` or ``text``; optional ``seed``): TRAIN captions.
         max_ssim_drop: calibration budget: mean SSIM to the reference image within this of the uncached loop's.
-        steps: the step count calibration measures at; reference_steps: the long schedule (200).
+        steps: the step count calibration measures at (an int); several (``5/10/15``) or ``grid`` (the step-saver
+            grid): a table with one calibrated rule per step count. reference_steps: the long schedule (200).
         max_depth / intervals: the calibration candidates; limit: calibration prompts used.
     """
 
@@ -106,6 +116,9 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         if self.warmup < 0 or self.final < 0:
             raise PassConfigError(f"cache-unet warmup={warmup}, final={final} must be >= 0")
         explicit = self.depth is not None and self.interval is not None
+        if explicit and calib and (isinstance(steps, str) and not steps.strip().isdigit()):
+            raise PassConfigError(f"cache-unet steps={steps!r} (a table by step count) is calibrated: drop interval= "
+                                  "(depth= may stay) or give a single steps=")
         if not explicit and not calib:
             raise PassConfigError("cache-unet needs depth= and interval= (e.g. cache-unet{depth=2,interval=3}), or "
                                   "--calib PROMPTS.jsonl (TRAIN captions) to choose them for max_ssim_drop")
@@ -116,7 +129,13 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         self.pipeline_dir = None if pipeline_dir is None else str(pipeline_dir)
         self.calib = None if explicit else str(calib)
         self.max_ssim_drop = float(max_ssim_drop)
-        self.steps = int(steps)
+        self.grid = isinstance(steps, str) and steps.strip() == "grid"
+        self.steps_list = None if self.grid else _ints(str(steps) if isinstance(steps, int) else steps, "steps")
+        if self.steps_list is not None and (not self.steps_list or self.steps_list != sorted(set(self.steps_list))
+                                            or self.steps_list[0] < 1):
+            raise PassConfigError(f"cache-unet steps={steps!r}: a step count, increasing step counts (5/10/15) or 'grid'")
+        self.table = self.grid or len(self.steps_list) > 1
+        self.steps = None if self.table else self.steps_list[0]
         self.reference_steps = int(reference_steps)
         self.max_depth = int(max_depth)
         self.intervals = _ints(intervals, "intervals") or [2, 3, 4, 5, 6]
@@ -126,8 +145,9 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         self.noise = noise
 
     def __repr__(self) -> str:
+        steps = "grid" if self.grid else "/".join(map(str, self.steps_list))
         src = (f"depth={self.depth}, interval={self.interval}" if self.calib is None else
-               f"calib={self.calib!r}, max_ssim_drop={self.max_ssim_drop}, steps={self.steps}, "
+               f"calib={self.calib!r}, depth={self.depth}, max_ssim_drop={self.max_ssim_drop}, steps={steps}, "
                f"max_depth={self.max_depth}, intervals={self.intervals}, limit={self.limit}, noise={self.noise}")
         return f"CacheUNetFeaturesPass({src}, warmup={self.warmup}, final={self.final}, refresh_steps={self.refresh_steps})"
 
@@ -166,9 +186,12 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
                 raise PassConfigError(f"cache-unet depth={self.depth}: this U-Net has {len(skips)} skip connections "
                                       f"(depth 1..{len(skips)})")
             depth, interval, warmup, final, refresh = self.depth, self.interval, self.warmup, self.final, self.refresh_steps
-            calibration = None
+            calibration = table = None
         else:
-            depth, interval, warmup, final, refresh, calibration = self._calibrate(model, skips, shares)
+            if self.depth is not None and self.depth > len(skips):
+                raise PassConfigError(f"cache-unet depth={self.depth}: this U-Net has {len(skips)} skip connections "
+                                      f"(depth 1..{len(skips)})")
+            depth, interval, warmup, final, refresh, calibration, table = self._calibrate(model, skips, shares)
         cut = skips[depth - 1]
         annotate(model, [cut.deep])
         deep = next(v for n in model.graph for v in n.outputs if v.name == cut.deep)
@@ -178,20 +201,59 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
             "depth": depth, "deep_output": cut.deep, "concat": cut.node, "interval": interval, "warmup": warmup,
             "final": final, "refresh_steps": refresh,
             "structure": {"skip_concats": len(skips), "shallow_mac_share": [round(s, 4) for s in shares]},
-            "calibration": calibration,
+            "calibration": calibration, "schedules": table,
         }
         model.metadata_props[_keys.UNET_CACHE] = json.dumps(record)
-        logger.info("cache-unet: cut at depth %d (%s), shallow part %.1f%% of the MACs, interval %d, warmup %d, final %d",
-                    depth, cut.node, 100 * shares[depth - 1], interval, warmup, final)
+        logger.info("cache-unet: cut at depth %d (%s), shallow part %.1f%% of the MACs, interval %d, warmup %d, final %d%s",
+                    depth, cut.node, 100 * shares[depth - 1], interval, warmup, final,
+                    "" if not table else "; by step count: " + ", ".join(
+                        f"{r['steps']}: " + ("off" if r["interval"] == 1 else f"{r['interval']}/{r['warmup']}/{r['final']}")
+                        for r in table))
         return ir.passes.PassResult(model, modified=True)
 
-    def _calibrate(self, model: ir.Model, skips, shares):
+    def _candidates(self, steps: int, depths: list[int], shares: list[float]) -> list[tuple]:
+        """(estimated cost per step, depth, interval, warmup, final), cheapest first."""
+        forms = {(0, 0)}
+        for e in {max(1, steps // 10), max(1, steps // 5)}:
+            forms |= {(e, 0), (0, e), (e, e)}
+        cands = []
+        for d in depths:
+            for n in self.intervals:
+                for w, f in sorted(forms):
+                    full = refresh_count(steps, n, w, None, f)
+                    cost = (full + (steps - full) * shares[d - 1]) / steps
+                    if cost < 1:
+                        cands.append((round(cost, 6), d, n, w, f))
+        return sorted(set(cands))
+
+    def _search(self, run, ctx, null, noise, ref, steps: int, depths: list[int], shares, scale):
+        """The cheapest candidate at ``steps`` within the budget (or None), every candidate tried, the uncached SSIM."""
         from dyncompile.passes.step_saver.metrics import ssim
+        from dyncompile.runtime.diffusion.denoise import to_uint8
+
+        base_per = ssim(to_uint8(run.sample(None, None, ctx, null, noise, steps, scale), run.crop), ref)
+        base = float(base_per.mean())
+        tried, chosen = [], None
+        for cost, d, n, w, f in self._candidates(steps, depths, shares):
+            img = to_uint8(run.sample(d, schedule(n, w, f), ctx, null, noise, steps, scale), run.crop)
+            per = ssim(img, ref)
+            m = float(per.mean())
+            tried.append({"depth": d, "interval": n, "warmup": w, "final": f, "est_cost": round(cost, 4),
+                          "mean_ssim": round(m, 5), "worst_prompt_drop": round(float((base_per - per).max()), 4)})
+            logger.info("cache-unet calibration at %d steps: depth %d interval %d warmup %d final %d: est. cost %.3f, "
+                        "mean SSIM %.4f (uncached %.4f)", steps, d, n, w, f, cost, m, base)
+            if base - m <= self.max_ssim_drop:
+                chosen = tried[-1]
+                break
+        return chosen, tried, base
+
+    def _calibrate(self, model: ir.Model, skips, shares):
         from dyncompile.passes.step_saver.pipeline import read_pipeline
         from dyncompile.passes.step_saver.step_saver_pass import _pipeline_features, _read_calib
         from dyncompile.runtime.diffusion.denoise import make_noise, to_uint8
         from dyncompile.runtime.rules.schedulers import make_scheduler
 
+        step_list = self._step_list(model)
         pipe = read_pipeline(self.pipeline_dir)
         conv = pipe.conventions
         rows = _read_calib(self.calib, self.limit)
@@ -199,53 +261,58 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         shape = conv.get("sample_shape") or [int(d) for d in list(model.graph.inputs[0].shape)[1:]]
         noise = make_noise([r["seed"] for r in rows], shape, self.noise)
         scale, crop = float(conv["guidance_scale"]), conv.get("output_crop")
-        sched_cfg = pipe.scheduler_config
-        cands = []
-        forms = {(0, 0)}
-        for e in {max(1, self.steps // 10), max(1, self.steps // 5)}:
-            forms |= {(e, 0), (0, e), (e, e)}
-        for d in range(1, min(self.max_depth, len(skips)) + 1):
-            for n in self.intervals:
-                for w, f in sorted(forms):
-                    full = refresh_count(self.steps, n, w, None, f)
-                    cost = (full + (self.steps - full) * shares[d - 1]) / self.steps
-                    cands.append((cost, d, n, w, f))
-        cands.sort()
-        run = _Runner(model, skips, make_scheduler(sched_cfg), crop)
+        run = _Runner(model, skips, make_scheduler(pipe.scheduler_config), crop)
         ref = to_uint8(run.sample(None, None, ctx, null, noise, self.reference_steps, scale), crop)
-        base_per = ssim(to_uint8(run.sample(None, None, ctx, null, noise, self.steps, scale), crop), ref)
-        base = float(base_per.mean())
-        tried = []
-        chosen = None
-        for cost, d, n, w, f in cands:
-            if cost >= 1:
-                continue
-            img = to_uint8(run.sample(d, schedule(n, w, f), ctx, null, noise, self.steps, scale), crop)
-            per = ssim(img, ref)
-            m = float(per.mean())
-            worst = float((base_per - per).max())
-            tried.append({"depth": d, "interval": n, "warmup": w, "final": f, "est_cost": round(cost, 4), "mean_ssim": round(m, 5),
-                          "worst_prompt_drop": round(worst, 4)})
-            logger.info("cache-unet calibration: depth %d interval %d warmup %d final %d: est. cost %.3f, mean SSIM %.4f "
-                        "(uncached %.4f)", d, n, w, f, cost, m, base)
-            if base - m <= self.max_ssim_drop:
-                chosen = (d, n, w, f, cost, m)
-                break
+        depths = [self.depth] if self.depth is not None else list(range(1, min(self.max_depth, len(skips)) + 1))
+        head = {"prompts": len(rows), "split": "calibration", "noise": self.noise, "reference_steps": self.reference_steps,
+                "max_ssim_drop": self.max_ssim_drop}
+        if not self.table:
+            return self._calibrate_one(run, ctx, null, noise, ref, depths, shares, scale, head, len(rows))
+        # a table by step count: one rule per step count at a shared depth (one shallow graph)
+        per_depth = {}
+        for d in depths:
+            table = []
+            for k in step_list:
+                chosen, tried, base = self._search(run, ctx, null, noise, ref, k, [d], shares, scale)
+                c = chosen or {"interval": 1, "warmup": 0, "final": 0, "est_cost": 1.0, "mean_ssim": round(base, 5),
+                               "worst_prompt_drop": 0.0}
+                table.append({"steps": k, "interval": c["interval"], "warmup": c["warmup"], "final": c["final"],
+                              "refresh_steps": None, "quality": {
+                                  "uncached_mean_ssim": round(base, 5), "mean_ssim": c["mean_ssim"],
+                                  "ssim_drop": round(base - c["mean_ssim"], 5), "worst_prompt_drop": c["worst_prompt_drop"],
+                                  "est_cost_per_step": c["est_cost"], "tried": tried}})
+            per_depth[d] = (float(np.mean([r["quality"]["est_cost_per_step"] for r in table])), table)
+        depth = min(per_depth, key=lambda d: (per_depth[d][0], d))
+        cost, table = per_depth[depth]
+        last = table[-1]
+        calibration = head | {"steps": step_list, "by_steps": True, "mean_est_cost_per_step": round(cost, 4),
+                              "depths_tried": {str(d): round(c, 4) for d, (c, _) in per_depth.items()}}
+        return depth, last["interval"], last["warmup"], last["final"], None, calibration, table
+
+    def _step_list(self, model: ir.Model) -> list[int]:
+        if not self.grid:
+            return self.steps_list
+        meta = model.metadata_props.get(_keys.STEP_SAVER)
+        if not meta:
+            raise PassConfigError("cache-unet steps=grid takes the step counts of the step-saver grid: run step-saver "
+                                  "before cache-unet (--passes step-saver{...},cache-unet{...}) or list them (steps=5/10/15)")
+        return [int(k) for k in json.loads(meta)["head"]["grid"]]
+
+    def _calibrate_one(self, run, ctx, null, noise, ref, depths, shares, scale, head, n):
+        chosen, tried, base = self._search(run, ctx, null, noise, ref, self.steps, depths, shares, scale)
         if chosen is None:
             near = max(tried, key=lambda t: t["mean_ssim"]) if tried else None
             nearest = "" if near is None else (
                 f"; the nearest was depth {near['depth']}, interval {near['interval']}, warmup {near['warmup']}, final "
                 f"{near['final']} at {near['mean_ssim']:.4f} (drop {base - near['mean_ssim']:.4f})")
             raise PassConfigError(f"cache-unet: no candidate keeps mean SSIM within {self.max_ssim_drop} of the uncached "
-                                  f"loop's {base:.4f} at {self.steps} steps on {len(rows)} calibration prompts "
+                                  f"loop's {base:.4f} at {self.steps} steps on {n} calibration prompts "
                                   f"(tried {len(tried)}{nearest}); raise max_ssim_drop or limit=, or give depth= and interval=")
-        d, n, w, f, cost, m = chosen
-        calibration = {"prompts": len(rows), "split": "calibration", "noise": self.noise, "steps": self.steps,
-                       "reference_steps": self.reference_steps, "max_ssim_drop": self.max_ssim_drop,
-                       "uncached_mean_ssim": round(base, 5), "chosen_mean_ssim": round(m, 5),
-                       "ssim_drop": round(base - m, 5), "worst_prompt_drop": tried[-1]["worst_prompt_drop"],
-                       "est_cost_per_step": round(cost, 4), "tried": tried}
-        return d, n, w, f, None, calibration
+        c = chosen
+        calibration = head | {"steps": self.steps, "uncached_mean_ssim": round(base, 5), "chosen_mean_ssim": c["mean_ssim"],
+                              "ssim_drop": round(base - c["mean_ssim"], 5), "worst_prompt_drop": c["worst_prompt_drop"],
+                              "est_cost_per_step": c["est_cost"], "tried": tried}
+        return c["depth"], c["interval"], c["warmup"], c["final"], None, calibration, None
 
 
 class _Runner:
@@ -313,10 +380,10 @@ class _Runner:
     "cache-unet",
     help="diffusion U-Nets: DeepCache-style feature caching: cut at a skip connection, run the deep part only on "
     "refresh steps; depth=D,interval=N (warmup=W, final=F, refresh_steps=0/1/2/4) or --calib PROMPTS.jsonl with "
-    "max_ssim_drop=0.01 (steps=20)",
+    "max_ssim_drop=0.01 (steps=20; steps=5/10/15 or steps=grid: one calibrated rule per step count)",
 )
 def _make_cache_unet(context, depth: int | None = None, interval: int | None = None, warmup: int = 0, final: int = 0,
-                     refresh_steps: str | None = None, max_ssim_drop: float = 0.01, steps: int = 20,
+                     refresh_steps: str | None = None, max_ssim_drop: float = 0.01, steps: str = "20",
                      reference_steps: int = 200, max_depth: int = 3, intervals: str = "2/3/4/5/6", limit: int = 48,
                      noise: str = "torch"):
     return CacheUNetFeaturesPass(
