@@ -149,6 +149,11 @@ def test_bad_options_are_refused(tiny):
         CacheUNetFeaturesPass(depth=1)
     with pytest.raises(PassConfigError, match="refresh_steps"):
         CacheUNetFeaturesPass(depth=1, interval=2, refresh_steps="1/2")
+    for bad in ("5:0", "5", "5:2/4:2", "a:b", "5:2:1:1:1"):
+        with pytest.raises(PassConfigError, match="schedules="):
+            CacheUNetFeaturesPass(depth=1, schedules=bad)
+    with pytest.raises(PassConfigError, match="needs depth="):
+        CacheUNetFeaturesPass(schedules="5:2")
     with pytest.raises(PassConfigError, match="2 skip connections"):
         CacheUNetFeaturesPass(depth=3, interval=2)(ir.load(tiny))
     m = ir.load(tiny)
@@ -277,6 +282,7 @@ def plans(module_tmp):
     out = module_tmp("fdcache")
     dyncompile.compile(pipe, "verify,cleanup", out / "plain", progress=False)
     dyncompile.compile(pipe, "verify,cleanup,cache-unet{depth=2,interval=3}", out / "cached", progress=False)
+    dyncompile.compile(pipe, "verify,cleanup,cache-unet{depth=2,schedules=5:1/6:3:0:1}", out / "table", progress=False)
     return out
 
 
@@ -296,6 +302,21 @@ def test_asset_plan_caching_off_equals_the_uncached_plan(plans):
 
     s = ssim(on.images, a.images)
     assert 0.5 < s.min() and (on.images != a.images).any()
+
+
+def test_asset_plan_with_a_table_by_step_count(plans):
+    """An explicit table: 5-step schedules uncached (the uncached plan's outputs), 6 and more: interval 3, final 1."""
+    plain = dyncompile.load(plans / "plain", provider="cpu")
+    table = dyncompile.load(plans / "table", provider="cpu")
+    fc = json.loads((plans / "table" / "plan.json").read_text())["steps"][-1]["feature_cache"]
+    assert [(r["steps"], r["interval"], r["final"]) for r in fc["schedules"]] == [(5, 1, 0), (6, 3, 1)]
+    assert (fc["interval"], fc["final"]) == (3, 1)  # the plan's own rule: the last row's
+    prompts = ["a dark patterned pullover", "an image of a bag"]
+    for k in (4, 5):
+        off = table.generate_images(prompts, steps=k, seed=0)
+        assert off.shallow_calls == 0 and np.abs(off.samples - plain.generate_images(prompts, steps=k, seed=0).samples).max() <= 1e-5
+    assert table.generate_images(prompts, steps=6, seed=0).shallow_calls == 3  # refresh at 0, 3 and the final step 5
+    assert table.generate_images(prompts, steps=9, seed=0).shallow_calls == 5  # 0, 3, 6, 8
 
 
 def test_asset_plan_with_a_tampered_schedule_is_refused(plans, tmp_path):

@@ -9,7 +9,8 @@ graph (the deep feature as an input; only the shallow down blocks and the up blo
 on the cached feature. Because the shallow graph is cut at emit time, passes that run after this one (e.g.
 ``quantize-int8``) apply to both graphs.
 
-Choice of cut and schedule: given (``depth=``, ``interval=``, ``warmup=``, ``refresh_steps=``), or calibrated
+Choice of cut and schedule: given (``depth=``, ``interval=``, ``warmup=``, ``refresh_steps=``; ``schedules=`` for
+a table by step count, ``STEPS:INTERVAL[:WARMUP[:FINAL]]`` rows joined by ``/``), or calibrated
 on calibration prompts (``--calib PROMPTS.jsonl``, TRAIN captions; seed 1,000,000 + line index unless the line
 has a ``seed``). The quality measure is the bench's: mean SSIM to the ``reference_steps`` image of the same
 prompt and seed, compared with the uncached loop at the same ``steps``, with the asset's noise (``noise=torch``:
@@ -69,6 +70,27 @@ def _ints(v, what: str) -> list[int] | None:
     return out
 
 
+def _table(v) -> list[dict] | None:
+    """``STEPS:INTERVAL[:WARMUP[:FINAL]]`` rows joined by ``/`` (``5:1/10:2:0:3``) -> the plan's ``schedules`` rows."""
+    if v is None or v == "":
+        return None
+    rows = []
+    try:
+        for part in str(v).split("/"):
+            f = [int(x) for x in part.split(":")]
+            if not 2 <= len(f) <= 4 or min(f) < 0 or f[0] < 1 or f[1] < 1:
+                raise ValueError
+            f += [0] * (4 - len(f))
+            rows.append({"steps": f[0], "interval": f[1], "warmup": f[2], "final": f[3], "refresh_steps": None,
+                         "quality": None})
+    except ValueError:
+        raise PassConfigError(f"cache-unet schedules={v!r}: rows STEPS:INTERVAL[:WARMUP[:FINAL]] joined by '/', e.g. "
+                              "5:1/10:2:0:3/20:3:0:5 (interval 1 = no caching at that step count)") from None
+    if [r["steps"] for r in rows] != sorted({r["steps"] for r in rows}):
+        raise PassConfigError(f"cache-unet schedules={v!r}: the rows' step counts must increase")
+    return rows
+
+
 def schedule(interval: int, warmup: int = 0, final: int = 0, refresh_steps: list[int] | None = None):
     """The plan's refresh rule (:class:`~dyncompile.plan.FeatureCacheParams`) for these options."""
     from dyncompile.plan import FeatureCacheParams
@@ -89,6 +111,8 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         pipeline_dir: the pipeline folder (for calibration; None with an explicit depth and interval).
         depth: cut at the depth-th skip Concat counted from the output (1 = highest resolution); None: calibrate.
         interval: refresh every ``interval`` steps (1 = caching off); None: calibrate (at ``depth`` if given).
+        schedules: an explicit table by step count, ``STEPS:INTERVAL[:WARMUP[:FINAL]]`` rows joined by ``/`` (e.g. a
+            calibrated plan's table, compiled again without calibrating); needs ``depth``.
         warmup: the first ``warmup`` steps always refresh; final: the last ``final`` steps always refresh.
         refresh_steps: an explicit schedule of 0-based refresh steps (``0/1/2/4/8``), then every ``interval``.
         calib: a JSONL of calibration prompts (``prompt`` or ``text``; optional ``seed``): TRAIN captions.
@@ -99,7 +123,7 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
     """
 
     def __init__(self, pipeline_dir=None, *, depth=None, interval=None, warmup=0, final=0, refresh_steps=None, calib=None,
-                 max_ssim_drop=0.01, steps=20, reference_steps=200, max_depth=3, intervals="2/3/4/5/6", limit=48,
+                 schedules=None, max_ssim_drop=0.01, steps=20, reference_steps=200, max_depth=3, intervals="2/3/4/5/6", limit=48,
                  noise="torch") -> None:
         super().__init__()
         self.depth = None if depth is None else int(depth)
@@ -115,6 +139,13 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
             raise PassConfigError(f"cache-unet interval={interval}: 1 (refresh every step) or more")
         if self.warmup < 0 or self.final < 0:
             raise PassConfigError(f"cache-unet warmup={warmup}, final={final} must be >= 0")
+        self.schedules = _table(schedules)
+        if self.schedules is not None:
+            if self.depth is None:
+                raise PassConfigError("cache-unet schedules= (a table by step count) needs depth= (the cut)")
+            if self.interval is None:  # the plan's own rule (used where no step count is known): the last row's
+                last = self.schedules[-1]
+                self.interval, self.warmup, self.final = last["interval"], last["warmup"], last["final"]
         explicit = self.depth is not None and self.interval is not None
         if explicit and calib and (isinstance(steps, str) and not steps.strip().isdigit()):
             raise PassConfigError(f"cache-unet steps={steps!r} (a table by step count) is calibrated: drop interval= "
@@ -146,7 +177,9 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
 
     def __repr__(self) -> str:
         steps = "grid" if self.grid else "/".join(map(str, self.steps_list))
-        src = (f"depth={self.depth}, interval={self.interval}" if self.calib is None else
+        table = "" if not self.schedules else ", schedules=" + "/".join(
+            f"{r['steps']}:{r['interval']}:{r['warmup']}:{r['final']}" for r in self.schedules)
+        src = (f"depth={self.depth}, interval={self.interval}{table}" if self.calib is None else
                f"calib={self.calib!r}, depth={self.depth}, max_ssim_drop={self.max_ssim_drop}, steps={steps}, "
                f"max_depth={self.max_depth}, intervals={self.intervals}, limit={self.limit}, noise={self.noise}")
         return f"CacheUNetFeaturesPass({src}, warmup={self.warmup}, final={self.final}, refresh_steps={self.refresh_steps})"
@@ -186,7 +219,7 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
                 raise PassConfigError(f"cache-unet depth={self.depth}: this U-Net has {len(skips)} skip connections "
                                       f"(depth 1..{len(skips)})")
             depth, interval, warmup, final, refresh = self.depth, self.interval, self.warmup, self.final, self.refresh_steps
-            calibration = table = None
+            calibration, table = None, self.schedules
         else:
             if self.depth is not None and self.depth > len(skips):
                 raise PassConfigError(f"cache-unet depth={self.depth}: this U-Net has {len(skips)} skip connections "
@@ -379,15 +412,18 @@ class _Runner:
 @register_pass(
     "cache-unet",
     help="diffusion U-Nets: DeepCache-style feature caching: cut at a skip connection, run the deep part only on "
-    "refresh steps; depth=D,interval=N (warmup=W, final=F, refresh_steps=0/1/2/4) or --calib PROMPTS.jsonl with "
+    "refresh steps; depth=D,interval=N (warmup=W, final=F, refresh_steps=0/1/2/4; schedules=5:1/10:2:0:3 per step "
+    "count) or --calib PROMPTS.jsonl with "
     "max_ssim_drop=0.01 (steps=20; steps=5/10/15 or steps=grid: one calibrated rule per step count)",
 )
 def _make_cache_unet(context, depth: int | None = None, interval: int | None = None, warmup: int = 0, final: int = 0,
-                     refresh_steps: str | None = None, max_ssim_drop: float = 0.01, steps: str = "20",
+                     refresh_steps: str | None = None, schedules: str | None = None, max_ssim_drop: float = 0.01,
+                     steps: str = "20",
                      reference_steps: int = 200, max_depth: int = 3, intervals: str = "2/3/4/5/6", limit: int = 48,
                      noise: str = "torch"):
     return CacheUNetFeaturesPass(
         context.options.get("pipeline_dir"), depth=depth, interval=interval, warmup=warmup, final=final, refresh_steps=refresh_steps,
+        schedules=schedules,
         calib=context.options.get("calib"), max_ssim_drop=max_ssim_drop, steps=steps, reference_steps=reference_steps,
         max_depth=max_depth, intervals=intervals, limit=limit, noise=noise,
     )
