@@ -249,15 +249,20 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         forms = {(0, 0)}
         for e in {max(1, steps // 10), max(1, steps // 5)}:
             forms |= {(e, 0), (0, e), (e, e)}
-        cands = []
+        cands, seen = [], set()
         for d in depths:
             for n in self.intervals:
                 for w, f in sorted(forms):
-                    full = refresh_count(steps, n, w, None, f)
+                    rule = schedule(n, w, f)
+                    pattern = tuple(k for k in range(steps) if rule.refreshes(k, None, steps))
+                    if (d, pattern) in seen:  # the same refresh steps as a candidate already listed
+                        continue
+                    seen.add((d, pattern))
+                    full = len(pattern)
                     cost = (full + (steps - full) * shares[d - 1]) / steps
                     if cost < 1:
                         cands.append((round(cost, 6), d, n, w, f))
-        return sorted(set(cands))
+        return sorted(cands)
 
     def _search(self, run, ctx, null, noise, ref, steps: int, depths: list[int], shares, scale):
         """The cheapest candidate at ``steps`` within the budget (or None), every candidate tried, the uncached SSIM."""
