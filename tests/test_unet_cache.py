@@ -512,7 +512,8 @@ def test_calibrated_table_by_step_count(tmp_path, module_tmp, monkeypatch):
                "an ankle boot"]
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    kw = dict(calib=str(calib), steps="3/6", reference_steps=8, max_depth=2, intervals="2/3", limit=8)
+    kw = dict(calib=str(calib), steps="3/6", reference_steps=8, max_depth=2, intervals="2/3", limit=8,
+              reference=str(tmp_path / "ref.npz"))
     with pytest.raises(PassConfigError, match="steps=grid .* run step-saver before cache-unet"):
         CacheUNetFeaturesPass(str(pipe), **(kw | {"steps": "grid"}))(ir.load(pipe / "unet" / "model.onnx"))
     with pytest.raises(PassConfigError, match="a table by step count"):
@@ -531,10 +532,12 @@ def test_calibrated_table_by_step_count(tmp_path, module_tmp, monkeypatch):
     # a budget nothing meets: every row is "no caching" (a table is not an error, unlike a single steps=)
     plain_sample = _Runner.sample
 
-    def worse(self, depth, *a):
-        out = plain_sample(self, depth, *a)
+    def worse(self, depth, sched, ctx, null, noise, steps, scale):
+        assert steps != 8, "the 8-step reference images come from reference="
+        out = plain_sample(self, depth, sched, ctx, null, noise, steps, scale)
         return out if depth is None else np.random.default_rng(0).uniform(-1, 1, out.shape).astype(np.float32)
 
+    key = str(np.load(tmp_path / "ref.npz")["key"])
     monkeypatch.setattr(_Runner, "sample", worse)
     m2 = ir.load(pipe / "unet" / "model.onnx")
     CacheUNetFeaturesPass(str(pipe), max_ssim_drop=1e-9, depth=1, **kw)(m2)
@@ -542,6 +545,11 @@ def test_calibrated_table_by_step_count(tmp_path, module_tmp, monkeypatch):
     assert [(r["interval"], r["quality"]["ssim_drop"], r["quality"]["est_cost_per_step"]) for r in t2] == [(1, 0.0, 1.0)] * 2
     assert all(len(r["quality"]["tried"]) > 1 for r in t2)
     monkeypatch.undo()
+    # another reference (9 steps): the file's images do not apply; computed again, and the file replaced
+    CacheUNetFeaturesPass(str(pipe), max_ssim_drop=0.999, depth=1, **(kw | {"reference_steps": 9}))(
+        ir.load(pipe / "unet" / "model.onnx"))
+    with np.load(tmp_path / "ref.npz") as f:
+        assert str(f["key"]) != key and len(f["images"]) == 8
 
     def worse_at_3(self, depth, sched, ctx, null, noise, steps, scale):  # caching spoils 3-step images only
         out = plain_sample(self, depth, sched, ctx, null, noise, steps, scale)

@@ -120,11 +120,14 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         steps: the step count calibration measures at (an int); several (``5/10/15``) or ``grid`` (the step-saver
             grid): a table with one calibrated rule per step count. reference_steps: the long schedule (200).
         max_depth / intervals: the calibration candidates; limit: calibration prompts used.
+        reference: an ``.npz`` file that keeps the reference images (the costliest part of calibration) for the
+            next compile: read when its key (prompts, seeds, noise, reference steps, guidance, scheduler, U-Net graph)
+            matches, else computed and written.
     """
 
     def __init__(self, pipeline_dir=None, *, depth=None, interval=None, warmup=0, final=0, refresh_steps=None, calib=None,
                  schedules=None, max_ssim_drop=0.01, steps=20, reference_steps=200, max_depth=3, intervals="2/3/4/5/6", limit=48,
-                 noise="torch") -> None:
+                 noise="torch", reference=None) -> None:
         super().__init__()
         self.depth = None if depth is None else int(depth)
         self.interval = None if interval is None else int(interval)
@@ -174,6 +177,7 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         if noise not in ("torch", "numpy"):
             raise PassConfigError(f"cache-unet noise={noise!r}: 'torch' (the asset's seeds, as the bench) or 'numpy'")
         self.noise = noise
+        self.reference = None if reference in (None, "") else str(reference)
 
     def __repr__(self) -> str:
         steps = "grid" if self.grid else "/".join(map(str, self.steps_list))
@@ -300,7 +304,7 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         noise = make_noise([r["seed"] for r in rows], shape, self.noise)
         scale, crop = float(conv["guidance_scale"]), conv.get("output_crop")
         run = _Runner(model, skips, make_scheduler(pipe.scheduler_config), crop)
-        ref = to_uint8(run.sample(None, None, ctx, null, noise, self.reference_steps, scale), crop)
+        ref = self._reference(model, run, rows, pipe, ctx, null, noise, scale, crop)
         depths = [self.depth] if self.depth is not None else list(range(1, min(self.max_depth, len(skips)) + 1))
         head = {"prompts": len(rows), "split": "calibration", "noise": self.noise, "reference_steps": self.reference_steps,
                 "max_ssim_drop": self.max_ssim_drop}
@@ -326,6 +330,33 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
         calibration = head | {"steps": step_list, "by_steps": True, "mean_est_cost_per_step": round(cost, 4),
                               "depths_tried": {str(d): round(c, 4) for d, (c, _) in per_depth.items()}}
         return depth, last["interval"], last["warmup"], last["final"], None, calibration, table
+
+    def _reference(self, model, run, rows, pipe, ctx, null, noise, scale, crop) -> np.ndarray:
+        """The ``reference_steps`` images of the calibration prompts (from ``reference=`` when its key matches)."""
+        import hashlib
+        import os
+        from pathlib import Path
+
+        from dyncompile.runtime.diffusion.denoise import to_uint8
+
+        key = hashlib.sha256(json.dumps([[r["prompt"] for r in rows], [r["seed"] for r in rows], self.noise,
+                                         self.reference_steps, scale, pipe.scheduler_config, crop]).encode())
+        key.update(ir.to_proto(model).graph.SerializeToString())
+        key = key.hexdigest()
+        path = None if self.reference is None else Path(self.reference)
+        if path is not None and path.is_file():
+            with np.load(path, allow_pickle=False) as f:
+                if str(f["key"]) == key:
+                    logger.info("cache-unet calibration: reference images from %s", path)
+                    return f["images"]
+            logger.warning("cache-unet: %s holds reference images of other prompts, settings or U-Net; computing them "
+                           "again and replacing the file", path)
+        ref = to_uint8(run.sample(None, None, ctx, null, noise, self.reference_steps, scale), crop)
+        if path is not None:
+            tmp = path.with_name(path.name + ".tmp.npz")
+            np.savez(tmp, images=ref, key=np.array(key))
+            os.replace(tmp, path)
+        return ref
 
     def _step_list(self, model: ir.Model) -> list[int]:
         if not self.grid:
@@ -425,10 +456,10 @@ def _make_cache_unet(context, depth: int | None = None, interval: int | None = N
                      refresh_steps: str | None = None, schedules: str | None = None, max_ssim_drop: float = 0.01,
                      steps: str = "20",
                      reference_steps: int = 200, max_depth: int = 3, intervals: str = "2/3/4/5/6", limit: int = 48,
-                     noise: str = "torch"):
+                     noise: str = "torch", reference: str | None = None):
     return CacheUNetFeaturesPass(
         context.options.get("pipeline_dir"), depth=depth, interval=interval, warmup=warmup, final=final, refresh_steps=refresh_steps,
         schedules=schedules,
         calib=context.options.get("calib"), max_ssim_drop=max_ssim_drop, steps=steps, reference_steps=reference_steps,
-        max_depth=max_depth, intervals=intervals, limit=limit, noise=noise,
+        max_depth=max_depth, intervals=intervals, limit=limit, noise=noise, reference=reference,
     )
