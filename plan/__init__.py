@@ -54,6 +54,7 @@ from dyncompile.plan.decode import (
     TreePolicy,
 )
 from dyncompile.plan.diffusion import (
+    CacheScheduleParams,
     DiffusionDenoiseParams,
     DiffusionEncodeParams,
     FeatureCacheParams,
@@ -95,6 +96,7 @@ __all__ = [
     "RULE_KINDS",
     "STEP_SCHEMAS",
     "SUPPORTED_FORMATS",
+    "CacheScheduleParams",
     "Candidate",
     "CandidateCost",
     "Criterion",

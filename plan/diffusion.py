@@ -22,6 +22,7 @@ __all__ = [
     "STEPS",
     "STEP_POLICIES",
     "DiffusionDenoiseParams",
+    "CacheScheduleParams",
     "DiffusionEncodeParams",
     "FeatureCacheParams",
     "NoiseSource",
@@ -107,6 +108,45 @@ class VaeDecoderParams:
     scaling_factor: float = _field(lo=1e-6, hi=1e6)
 
 
+def _refreshes(k: int, steps: int | None, interval: int, warmup: int, final: int, refresh_steps) -> bool:
+    """The refresh rule of :class:`FeatureCacheParams` for one schedule (see there)."""
+    if interval == 1 or (steps is not None and k >= steps - final):
+        return True
+    r = refresh_steps
+    if r is not None:
+        return k in r or (k > r[-1] and (k - r[-1]) % interval == 0)
+    return k < warmup or (k - warmup) % interval == 0
+
+
+def _check_refresh_steps(r, where: str) -> None:
+    if r is not None and (not r or r[0] != 0 or list(r) != sorted(set(r))):
+        raise PlanError(f"{where}.refresh_steps must be increasing step indices starting at 0, got {_short(r)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheScheduleParams:
+    """One row of a feature cache's table by step count: the refresh rule of ``steps``-step schedules.
+
+    A ``K``-step schedule uses the row with the largest ``steps`` <= ``K`` (caching off below the first row).
+    ``interval`` 1 is "no caching" (every step runs the full graph). ``quality`` is the calibration's record of
+    this row (mean SSIM to the reference image, uncached and with this rule, on calibration prompts; informational).
+    """
+
+    steps: int = _field(lo=1, hi=MAX_STEPS)
+    interval: int = _field(1, lo=1, hi=MAX_STEPS)
+    warmup: int = _field(0, lo=0, hi=MAX_STEPS)
+    final: int = _field(0, lo=0, hi=MAX_STEPS)
+    refresh_steps: list[int] | None = _field(None, lo=0, hi=MAX_STEPS - 1)
+    quality: dict[str, Any] | None = None
+
+    def _check(self, where: str) -> None:
+        _check_refresh_steps(self.refresh_steps, where)
+
+    def refreshes(self, k: int, steps: int | None = None) -> bool:
+        """Whether 0-based step ``k`` of a ``steps``-step schedule runs the full graph under this row."""
+        return _refreshes(k, steps, self.interval, self.warmup, self.final, self.refresh_steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureCacheParams:
     """Feature caching across denoising steps (``cache-unet``): which graph runs at which step.
@@ -118,6 +158,11 @@ class FeatureCacheParams:
     ``(k - warmup) % interval == 0``; an explicit ``refresh_steps`` list (0 first, increasing) replaces the warm-up
     and interval rule up to its last entry, after which ``interval`` continues from it. ``interval`` 1 refreshes
     every step (caching off: the uncached loop's outputs).
+
+    ``schedules`` (a table by step count, increasing ``steps``) replaces that rule for every schedule whose step
+    count is known: a ``K``-step schedule uses the row with the largest ``steps`` <= ``K``, and runs uncached
+    below the first row (:class:`CacheScheduleParams`). StepSaver's per-prompt step counts thus each get the
+    rule calibrated for them.
     """
 
     shallow_unet: str
@@ -129,11 +174,24 @@ class FeatureCacheParams:
     final: int = _field(0, lo=0, hi=MAX_STEPS)
     refresh_steps: list[int] | None = _field(None, lo=0, hi=MAX_STEPS - 1)
     calibration: dict[str, Any] | None = None
+    schedules: list[CacheScheduleParams] | None = None
 
     def _check(self, where: str) -> None:
-        r = self.refresh_steps
-        if r is not None and (not r or r[0] != 0 or list(r) != sorted(set(r))):
-            raise PlanError(f"{where}.refresh_steps must be increasing step indices starting at 0, got {_short(r)}")
+        _check_refresh_steps(self.refresh_steps, where)
+        t = self.schedules
+        if t is not None:
+            ks = [r.steps for r in t]
+            if not ks or ks != sorted(set(ks)):
+                raise PlanError(f"{where}.schedules must be a non-empty list of rows with increasing 'steps', got steps "
+                                f"{_short(ks)}")
+
+    def schedule_for(self, steps: int) -> CacheScheduleParams | None:
+        """The ``schedules`` row a ``steps``-step schedule uses (None: below the first row, or no table)."""
+        row = None
+        for r in self.schedules or ():
+            if r.steps <= steps:
+                row = r
+        return row
 
     def refreshes(self, k: int, interval: int | None = None, steps: int | None = None) -> bool:
         """Whether 0-based step ``k`` of a ``steps``-step schedule runs the full graph.
@@ -142,13 +200,10 @@ class FeatureCacheParams:
         """
         if interval is not None:
             return k % interval == 0
-        n = self.interval
-        if n == 1 or (steps is not None and k >= steps - self.final):
-            return True
-        r = self.refresh_steps
-        if r is not None:
-            return k in r or (k > r[-1] and (k - r[-1]) % n == 0)
-        return k < self.warmup or (k - self.warmup) % n == 0
+        if self.schedules is not None and steps is not None:
+            row = self.schedule_for(steps)
+            return True if row is None else row.refreshes(k, steps)
+        return _refreshes(k, steps, self.interval, self.warmup, self.final, self.refresh_steps)
 
 
 @dataclasses.dataclass(frozen=True)

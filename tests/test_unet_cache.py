@@ -149,6 +149,11 @@ def test_bad_options_are_refused(tiny):
         CacheUNetFeaturesPass(depth=1)
     with pytest.raises(PassConfigError, match="refresh_steps"):
         CacheUNetFeaturesPass(depth=1, interval=2, refresh_steps="1/2")
+    for bad in ("5:0", "5", "5:2/4:2", "a:b", "5:2:1:1:1"):
+        with pytest.raises(PassConfigError, match="schedules="):
+            CacheUNetFeaturesPass(depth=1, schedules=bad)
+    with pytest.raises(PassConfigError, match="needs depth="):
+        CacheUNetFeaturesPass(schedules="5:2")
     with pytest.raises(PassConfigError, match="2 skip connections"):
         CacheUNetFeaturesPass(depth=3, interval=2)(ir.load(tiny))
     m = ir.load(tiny)
@@ -277,6 +282,7 @@ def plans(module_tmp):
     out = module_tmp("fdcache")
     dyncompile.compile(pipe, "verify,cleanup", out / "plain", progress=False)
     dyncompile.compile(pipe, "verify,cleanup,cache-unet{depth=2,interval=3}", out / "cached", progress=False)
+    dyncompile.compile(pipe, "verify,cleanup,cache-unet{depth=2,schedules=5:1/6:3:0:1}", out / "table", progress=False)
     return out
 
 
@@ -296,6 +302,21 @@ def test_asset_plan_caching_off_equals_the_uncached_plan(plans):
 
     s = ssim(on.images, a.images)
     assert 0.5 < s.min() and (on.images != a.images).any()
+
+
+def test_asset_plan_with_a_table_by_step_count(plans):
+    """An explicit table: 5-step schedules uncached (the uncached plan's outputs), 6 and more: interval 3, final 1."""
+    plain = dyncompile.load(plans / "plain", provider="cpu")
+    table = dyncompile.load(plans / "table", provider="cpu")
+    fc = json.loads((plans / "table" / "plan.json").read_text())["steps"][-1]["feature_cache"]
+    assert [(r["steps"], r["interval"], r["final"]) for r in fc["schedules"]] == [(5, 1, 0), (6, 3, 1)]
+    assert (fc["interval"], fc["final"]) == (3, 1)  # the plan's own rule: the last row's
+    prompts = ["a dark patterned pullover", "an image of a bag"]
+    for k in (4, 5):
+        off = table.generate_images(prompts, steps=k, seed=0)
+        assert off.shallow_calls == 0 and np.abs(off.samples - plain.generate_images(prompts, steps=k, seed=0).samples).max() <= 1e-5
+    assert table.generate_images(prompts, steps=6, seed=0).shallow_calls == 3  # refresh at 0, 3 and the final step 5
+    assert table.generate_images(prompts, steps=9, seed=0).shallow_calls == 5  # 0, 3, 6, 8
 
 
 def test_asset_plan_with_a_tampered_schedule_is_refused(plans, tmp_path):
@@ -404,3 +425,154 @@ def test_calibration_picks_the_cheapest_schedule_within_budget_and_records_it(tm
     assert img.shallow_calls == 4 - sum(
         FeatureCacheParams("s", "d", "d", fc["depth"], fc["interval"], fc["warmup"], fc["final"]).refreshes(k, None, 4)
         for k in range(4))
+
+
+# ------------------------------------------------------------------ a calibrated rule per step count (table)
+
+_FC = {"shallow_unet": "s", "deep_output": "d", "deep_input": "d", "depth": 1, "interval": 2}
+
+
+def test_schedule_table_picks_the_row_of_the_step_count():
+    p = from_json(FeatureCacheParams, _FC | {"schedules": [
+        {"steps": 4, "interval": 1}, {"steps": 8, "interval": 2, "final": 2}, {"steps": 12, "interval": 3, "warmup": 1}]}, "fc")
+    on = {K: [k for k in range(K) if p.refreshes(k, None, K)] for K in (3, 4, 7, 8, 10, 12, 14)}
+    assert on[3] == [0, 1, 2] and on[4] == [0, 1, 2, 3] and on[7] == list(range(7))  # below the first row, and "off"
+    assert on[8] == [0, 2, 4, 6, 7] and on[10] == [0, 2, 4, 6, 8, 9]  # the 8-step row, up to the next row
+    assert on[12] == [0, 1, 4, 7, 10] and on[14] == [0, 1, 4, 7, 10, 13]
+    assert p.schedule_for(11).steps == 8 and p.schedule_for(3) is None
+    assert [k for k in range(8) if p.refreshes(k, 4, 8)] == [0, 4]  # a call's uniform interval still wins
+    assert [k for k in range(6) if p.refreshes(k)] == [0, 2, 4]  # no step count known: the plan's own rule
+    for bad, msg in (([{"steps": 8}, {"steps": 4}], "increasing 'steps'"), ([{"steps": 4}, {"steps": 4}], "increasing"),
+                     ([], "non-empty"), ([{"steps": 4, "refresh_steps": [1]}], r"schedules\[0\].refresh_steps"),
+                     ([{"steps": 0}], r"schedules\[0\].steps must be"), ([{"steps": 4, "cost": 1}], "unknown field 'cost'")):
+        with pytest.raises(PlanError, match=msg):
+            from_json(FeatureCacheParams, _FC | {"schedules": bad}, "fc")
+
+
+def test_denoise_step_runs_each_prompt_with_the_row_of_its_predicted_step_count(tiny):
+    """The runtime's ``diffusion_denoise`` on StepSaver's per-prompt counts: rows 3 and 6 of the table each run the
+    rule of their own step count (3: caching off, 6: interval 2), as the loop written out for each prompt alone."""
+    from dyncompile.runtime.diffusion.steps import DiffusionDenoiseStep
+
+    model = ir.load(tiny)
+    CacheUNetFeaturesPass(depth=2, interval=3)(model)
+    deep = json.loads(model.metadata_props[_keys.UNET_CACHE])["deep_output"]
+    sessions = {"unet": _session(model), "s": _session(shallow_model(model, deep)), "plain": _session(ir.load(tiny))}
+    params = {"unet": "unet", "scheduler": SCHED, "sample_shape": [1, 8, 8], "guidance_scale": 2.0, "num_inference_steps": 3,
+              "feature_cache": _FC | {"deep_output": deep, "deep_input": deep, "depth": 2, "schedules": [
+                  {"steps": 3, "interval": 1}, {"steps": 6, "interval": 2}]}}
+    step = DiffusionDenoiseStep(Step("diffusion_denoise", params), types.SimpleNamespace(session=sessions.get, plan=None))
+    rng = np.random.default_rng(5)
+    n = 3
+    ctx, null = rng.standard_normal((n, L, D)).astype(np.float32), np.zeros((1, L, D), np.float32)
+    noise = rng.standard_normal((n, 1, 8, 8)).astype(np.float32)
+    want = np.array([3, 6, 6])
+    st = step.run({"ctx": ctx, "null_ctx": null, "noise": noise, "predicted_steps": want, "step_policy": "predicted"})
+    assert st["steps"].tolist() == want.tolist()
+    assert st["shallow_calls"] == 3 and st["unet_calls"] == 3 + 6  # 6 steps, interval 2: steps 1, 3, 5 reuse
+    sched = make_scheduler(SCHED)
+
+    def alone(i, k, reuse):
+        x, h = noise[i:i + 1].copy(), None
+        for j, t in enumerate(sched.timesteps(k)):
+            feeds = {"sample": np.concatenate([x, x]), "timestep": np.full(2, t, np.int64),
+                     "encoder_hidden_states": np.concatenate([null, ctx[i:i + 1]])}
+            if j in reuse:
+                e = sessions["s"].run(None, {"sample": feeds["sample"], "timestep": feeds["timestep"], deep: h})[0]
+            else:
+                e, h = sessions["unet"].run(["out_sample", deep], feeds)
+            x, _ = sched.step(e[:1] + np.float32(2.0) * (e[1:] - e[:1]), t, x, k)
+        return x[0]
+
+    np.testing.assert_allclose(st["samples"][0], alone(0, 3, ()), atol=1e-5)
+    for i in (1, 2):
+        np.testing.assert_allclose(st["samples"][i], alone(i, 6, (1, 3, 5)), atol=1e-5)
+    # the 3-step row is "no caching": the plain U-Net's loop
+    plain = Denoiser(lambda x, t, c: sessions["plain"].run(None, {"sample": x, "timestep": t, "encoder_hidden_states": c})[0],
+                     sched).sample(ctx[:1], null, noise[:1], 3, 2.0)
+    np.testing.assert_allclose(st["samples"][0], plain["samples"][0], atol=1e-5)
+
+
+def test_calibrated_table_by_step_count(tmp_path, module_tmp, monkeypatch):
+    """``steps=2/4`` on the tiny U-Net in a copy of the asset's pipeline folder: one cheapest rule per step count
+    within the budget at that count ("no caching" where none is), recorded with its measured quality, which is the
+    quality of the compiled plan's own images at that step count."""
+    import shutil
+
+    from dyncompile.models import build_model
+    from dyncompile.passes.step_saver.metrics import ssim
+    from dyncompile.passes.unet_cache.cache_unet_pass import _Runner
+
+    src = build_model("fashion-diffusion", progress=False).dir
+    pipe = tmp_path / "pipe"
+    shutil.copytree(src, pipe, ignore=shutil.ignore_patterns("unet"))
+    (pipe / "unet").mkdir()
+    _tiny_unet(pipe / "unet" / "model.onnx", hw=32, tokens=12, width=384)
+    prompts = ["a bag", "a dark coat", "plain sandal", "a shirt", "trousers", "a light dress", "patterned pullover",
+               "an ankle boot"]
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    kw = dict(calib=str(calib), steps="3/6", reference_steps=8, max_depth=2, intervals="2/3", limit=8,
+              reference=str(tmp_path / "ref.npz"))
+    with pytest.raises(PassConfigError, match="steps=grid .* run step-saver before cache-unet"):
+        CacheUNetFeaturesPass(str(pipe), **(kw | {"steps": "grid"}))(ir.load(pipe / "unet" / "model.onnx"))
+    with pytest.raises(PassConfigError, match="a table by step count"):
+        CacheUNetFeaturesPass(str(pipe), depth=1, interval=2, calib=str(calib), steps="3/6")
+    model = ir.load(pipe / "unet" / "model.onnx")
+    assert CacheUNetFeaturesPass(str(pipe), max_ssim_drop=0.999, **kw)(model).modified
+    rec = json.loads(model.metadata_props[_keys.UNET_CACHE])
+    t = rec["schedules"]
+    assert [r["steps"] for r in t] == [3, 6] and rec["calibration"]["by_steps"] and rec["calibration"]["steps"] == [3, 6]
+    assert set(rec["calibration"]["depths_tried"]) == {"1", "2"}
+    for r in t:  # a budget everything meets: the first (cheapest) candidate at that step count wins
+        q = r["quality"]
+        assert len(q["tried"]) == 1 and (r["interval"], r["warmup"], r["final"]) == tuple(
+            q["tried"][0][k] for k in ("interval", "warmup", "final")) and q["tried"][0]["depth"] == rec["depth"]
+    assert (rec["interval"], rec["warmup"], rec["final"]) == (t[-1]["interval"], t[-1]["warmup"], t[-1]["final"])
+    # a budget nothing meets: every row is "no caching" (a table is not an error, unlike a single steps=)
+    plain_sample = _Runner.sample
+
+    def worse(self, depth, sched, ctx, null, noise, steps, scale):
+        assert steps != 8, "the 8-step reference images come from reference="
+        out = plain_sample(self, depth, sched, ctx, null, noise, steps, scale)
+        return out if depth is None else np.random.default_rng(0).uniform(-1, 1, out.shape).astype(np.float32)
+
+    key = str(np.load(tmp_path / "ref.npz")["key"])
+    monkeypatch.setattr(_Runner, "sample", worse)
+    m2 = ir.load(pipe / "unet" / "model.onnx")
+    CacheUNetFeaturesPass(str(pipe), max_ssim_drop=1e-9, depth=1, **kw)(m2)
+    t2 = json.loads(m2.metadata_props[_keys.UNET_CACHE])["schedules"]
+    assert [(r["interval"], r["quality"]["ssim_drop"], r["quality"]["est_cost_per_step"]) for r in t2] == [(1, 0.0, 1.0)] * 2
+    assert all(len(r["quality"]["tried"]) > 1 for r in t2)
+    monkeypatch.undo()
+    # another reference (9 steps): the file's images do not apply; computed again, and the file replaced
+    CacheUNetFeaturesPass(str(pipe), max_ssim_drop=0.999, depth=1, **(kw | {"reference_steps": 9}))(
+        ir.load(pipe / "unet" / "model.onnx"))
+    with np.load(tmp_path / "ref.npz") as f:
+        assert str(f["key"]) != key and len(f["images"]) == 8
+
+    def worse_at_3(self, depth, sched, ctx, null, noise, steps, scale):  # caching spoils 3-step images only
+        out = plain_sample(self, depth, sched, ctx, null, noise, steps, scale)
+        return out if depth is None or steps != 3 else np.random.default_rng(0).uniform(-1, 1, out.shape).astype(np.float32)
+
+    # the compiled plan: a row without caching (3 steps) and a row with (6), each measured as the plan runs it
+    monkeypatch.setattr(_Runner, "sample", worse_at_3)
+    out = module_tmp("fdtable") / "plan"
+    dyncompile.compile(pipe, "cache-unet{steps=3/6,reference_steps=8,depth=1,intervals=2/3,limit=8,max_ssim_drop=0.02}",
+                       out, calib=str(calib), progress=False)
+    monkeypatch.undo()
+    fc = json.loads((out / "plan.json").read_text())["steps"][-1]["feature_cache"]
+    plan = dyncompile.load(out, provider="cpu")
+    gen = dict(seed=[1_000_000 + i for i in range(len(prompts))], noise_source="torch")
+    ref = plan.generate_images(prompts, steps=8, cache_interval=1, **gen).images
+    for r in fc["schedules"]:
+        k, q = r["steps"], r["quality"]
+        off = plan.generate_images(prompts, steps=k, cache_interval=1, **gen)
+        on = plan.generate_images(prompts, steps=k, **gen)
+        assert abs(float(ssim(off.images, ref).mean()) - q["uncached_mean_ssim"]) <= 1e-5
+        assert abs(float(ssim(on.images, ref).mean()) - q["mean_ssim"]) <= 1e-5
+        rule = FeatureCacheParams("s", "d", "d", 1, r["interval"], r["warmup"], r["final"])
+        assert on.shallow_calls == k - sum(rule.refreshes(j, None, k) for j in range(k))
+        if r["interval"] == 1:  # "no caching": the uncached plan's outputs
+            assert on.shallow_calls == 0 and np.abs(on.samples - off.samples).max() <= 1e-5
+    assert [r["interval"] == 1 for r in fc["schedules"]] == [True, False]

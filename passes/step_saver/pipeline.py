@@ -171,7 +171,7 @@ def _emit_shallow_unet(model: ir.Model, rec: dict[str, Any], out: Path, files: d
     return {"shallow_unet": "unet_shallow", "deep_output": deep, "deep_input": deep, "depth": int(rec["depth"]),
             "interval": int(rec["interval"]), "warmup": int(rec["warmup"]), "final": int(rec.get("final", 0)),
             "refresh_steps": rec.get("refresh_steps"),
-            "calibration": rec.get("calibration")}
+            "calibration": rec.get("calibration"), "schedules": rec.get("schedules")}
 
 
 @register_emitter("diffusion")
@@ -213,7 +213,7 @@ def emit_diffusion(model: ir.Model, req: EmitRequest) -> Plan:
     cache = model.metadata_props.get(_keys.UNET_CACHE)
     if cache:
         denoise["feature_cache"] = _emit_shallow_unet(model, json.loads(cache), out, files)
-        policy["unet_cache"] = {k: v for k, v in json.loads(cache).items() if k not in ("fingerprint", "calibration")}
+        policy["unet_cache"] = {k: v for k, v in json.loads(cache).items() if k not in ("fingerprint", "calibration", "schedules")}
     meta = model.metadata_props.get(_keys.STEP_SAVER)
     if meta:
         ss = json.loads(meta)

@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--ss", help="plan with step-saver")
     p.add_argument("--ss-cached", help="plan with step-saver and cache-unet")
     p.add_argument("--ss-cached-int8", help="plan with step-saver, quantize-int8 and cache-unet")
+    p.add_argument("--ss-cached-fixed", help="plan with step-saver and cache-unet with one rule for every step count "
+                   "(beside --ss-cached with a table by step count)")
     p.add_argument("--steps", type=int, default=20, help="the step count of 'caching alone' and its uniform twin")
     p.add_argument("--n", type=int, default=64, help="held-out TEST prompts (first n in eval_rank order)")
     p.add_argument("--chunk", type=int, default=8)
@@ -99,16 +101,19 @@ def _mixed_steps(mean: float, n: int) -> np.ndarray:
     return np.maximum(k, 1)
 
 
-_PLANS = (("plain", "plain"), ("cached", "cached"), ("ss", "ss"), ("ssc", "ss_cached"), ("ssc8", "ss_cached_int8"))
+_PLANS = (("plain", "plain"), ("cached", "cached"), ("ss", "ss"), ("ssc", "ss_cached"), ("ssc8", "ss_cached_int8"),
+          ("sscf", "ss_cached_fixed"))
 
 
 def _settings(args, K: int) -> dict[str, tuple]:
     """Setting name -> (plan, generate kwargs), in the order they run."""
     s: dict[str, tuple] = {f"uniform {K}": ("plain", {"steps": K}), f"caching alone, {K} steps": ("cached", {"steps": K})}
     for key, name in (("ss", "StepSaver alone"), ("ss_cached", "caching x StepSaver"),
-                      ("ss_cached_int8", "caching x StepSaver x int8")):
-        if getattr(args, key):
-            s[name] = ({"ss": "ss", "ss_cached": "ssc", "ss_cached_int8": "ssc8"}[key], {"policy": "predicted"})
+                      ("ss_cached_int8", "caching x StepSaver x int8"),
+                      ("ss_cached_fixed", "caching x StepSaver, one rule for every step count")):
+        if getattr(args, key, None):
+            s[name] = ({"ss": "ss", "ss_cached": "ssc", "ss_cached_int8": "ssc8", "ss_cached_fixed": "sscf"}[key],
+                       {"policy": "predicted"})
     return s
 
 
@@ -123,7 +128,7 @@ def _worker(args, rows: list[dict], shard: int, nshard: int, phase: str, part: P
     idx = np.arange(len(rows))[shard::nshard]
     mine = [rows[i] for i in idx]
     K = args.steps
-    plans = {k: getattr(args, a) for k, a in _PLANS if getattr(args, a)}
+    plans = {k: getattr(args, a) for k, a in _PLANS if getattr(args, a, None)}
     need = {"ref": ["plain"], "main": list(plans), "twins": ["plain"]}[phase]
     opts = dict(o.split("=", 1) for o in args.provider_option) or None
     load = {k: dyncompile.load(plans[k], provider=args.provider, threads=args.threads, provider_options=opts)
@@ -326,7 +331,7 @@ def run(args) -> int:
 
     ratio(f"uniform {K}", ca)
     if "StepSaver alone" in report:
-        for k in ("caching x StepSaver", "caching x StepSaver x int8"):
+        for k in ("caching x StepSaver", "caching x StepSaver x int8", "caching x StepSaver, one rule for every step count"):
             if k in report:
                 ratio("StepSaver alone", k)
     cis = {}
@@ -344,7 +349,7 @@ def run(args) -> int:
 
     fcs = {}
     for k, a in _PLANS:
-        if getattr(args, a):
+        if getattr(args, a, None):
             fc = _fc(dyncompile.load(getattr(args, a), provider="cpu"))
             if fc:
                 fcs[k] = fc
@@ -356,7 +361,7 @@ def run(args) -> int:
         "workers": max(1, args.workers), "machine_note": args.machine_note,
         "fixed_100_seconds_per_image": sec_100, "fixed_100_timing_prompts": nsub,
         "uncached_seconds_per_image_step": per_step, "machine": mp[0]["meta"]["machine"],
-        "plans": {k: Path(getattr(args, a)).name for k, a in _PLANS if getattr(args, a)},
+        "plans": {k: Path(getattr(args, a)).name for k, a in _PLANS if getattr(args, a, None)},
         "feature_cache": fcs,
         "settings": report, "caching_alone_minus_uniform_same_steps_ssim": drop, "vs_uniform_same_wall_clock": cis,
     }
@@ -373,8 +378,13 @@ def _fc(model) -> dict | None:
     for h in model.handlers:
         if h.step.kind == "diffusion_denoise":
             fc = h.step.params.get("feature_cache")
-            return None if fc is None else {k: v for k, v in fc.items() if k != "calibration"} | {
-                "calibration": fc.get("calibration") and {k: v for k, v in fc["calibration"].items() if k != "tried"}}
+            if fc is None:
+                return None
+            rows = [{k: v for k, v in r.items() if k != "quality"} | {"quality": r.get("quality") and {
+                k: v for k, v in r["quality"].items() if k != "tried"}} for r in fc.get("schedules") or []]
+            return {k: v for k, v in fc.items() if k not in ("calibration", "schedules")} | {
+                "calibration": fc.get("calibration") and {k: v for k, v in fc["calibration"].items() if k != "tried"},
+                "schedules": rows or None}
     return None
 
 
@@ -409,6 +419,16 @@ def markdown(r: dict) -> str:
     for k, c in r["vs_uniform_same_wall_clock"].items():
         lines.append(f"| {k} | {c['uniform_twin']} | {c['twin_seconds_ratio']:.2f} | {_ci(c['mean_ssim_to_200'])} | "
                      f"{_ci(c['share_ssim_ge_0.95'])} | {_ci(c['texture_adherence'])} |")
+    for k, fc in r["feature_cache"].items():
+        if fc.get("schedules"):
+            lines += ["", f"Refresh rule by step count of plan '{k}' (depth {fc['depth']}; calibration prompts' quality):", "",
+                      "| steps ≥ | interval | warm-up | final | est. cost per step | uncached SSIM | cached SSIM | drop |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for row in fc["schedules"]:
+                q = row.get("quality") or {}
+                f = [q.get(x) for x in ("est_cost_per_step", "uncached_mean_ssim", "mean_ssim", "ssim_drop")]
+                lines.append(f"| {row['steps']} | {row['interval']}{' (off)' if row['interval'] == 1 else ''} | "
+                             f"{row['warmup']} | {row['final']} | " + " | ".join("" if v is None else f"{v:.4f}" for v in f) + " |")
     lines += ["", "Feature caches: " + json.dumps(r["feature_cache"]), ""]
     return "\n".join(lines)
 
