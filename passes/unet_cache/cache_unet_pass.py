@@ -57,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CacheUNetFeaturesPass", "refresh_count", "schedule"]
 
-OFF = (1, 0, 0)  # (interval, warmup, final) of "no caching"
-
 
 def _ints(v, what: str) -> list[int] | None:
     if v is None or v == "":
@@ -292,7 +290,7 @@ class CacheUNetFeaturesPass(ir.passes.InPlacePass):
     def _calibrate(self, model: ir.Model, skips, shares):
         from dyncompile.passes.step_saver.pipeline import read_pipeline
         from dyncompile.passes.step_saver.step_saver_pass import _pipeline_features, _read_calib
-        from dyncompile.runtime.diffusion.denoise import make_noise, to_uint8
+        from dyncompile.runtime.diffusion.denoise import make_noise
         from dyncompile.runtime.rules.schedulers import make_scheduler
 
         step_list = self._step_list(model)
