@@ -119,6 +119,20 @@ def test_no_c_compiler_is_one_clear_error_and_the_pass_changes_nothing(monkeypat
     assert ir.to_onnx_text(m, exclude_initializers=True) == before
 
 
+def test_cli_without_a_c_compiler_is_one_clear_error_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    from helpers import assert_clean_error, run_cli
+
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    monkeypatch.setenv("DYNCOMPILE_HOME", str(tmp_path / "home"))
+    d = tmp_path / "tiny"
+    write_decoder_dir(d, tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu"), eos=99)
+    write_word_tokenizer(d, VOCAB)
+    rc, _, err = run_cli(capsys, d / "model.onnx", "--passes",
+                         "sparsify-activations{calib_tokens=64,heldout_tokens=64,window=32}", "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "no C compiler was found", "Install one")
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------------------------- pass
 
 
