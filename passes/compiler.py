@@ -178,9 +178,9 @@ def _ship_custom_ops(model: ir.Model, plan: Plan, out: Path) -> None:
     import json
     import shutil
 
+    import dyncompile.runtime.kernels as kernels
     from dyncompile.passes.sparsify_activations import SPARSITY, uses_sparse_rows
     from dyncompile.plan import file_ref
-    import dyncompile.runtime.kernels as kernels
 
     drafter = model.meta.get(_keys.DRAFTER_MODEL)
     graphs = {"sparsity": model, "drafter_sparsity": drafter if isinstance(drafter, ir.Model) else None}

@@ -265,8 +265,8 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Rewrite ``model`` in place (scope and invariants: the module docstring)."""
-        from dyncompile.passes.speculative.decoder_spec import decoder_spec
         import dyncompile.runtime.kernels as kernels
+        from dyncompile.passes.speculative.decoder_spec import decoder_spec
 
         if uses_sparse_rows(model):
             return ir.passes.PassResult(model, modified=False)

@@ -49,16 +49,18 @@ def _session(model: ir.Model | bytes, lib=None, *, threads: int = 2):
 
 
 def _op_model(w: np.ndarray, threshold: float, *, op: str = "SparseRowsMatMul") -> bytes:
-    from onnx import TensorProto, helper, numpy_helper
-
+    """One node ``y = op(x, W)`` with ``x`` ``[1, s, K]`` and the constant ``W``."""
     k, n = w.shape
-    attrs = {"threshold": threshold} if op != "MatMul" else {}
-    node = helper.make_node(op, ["x", "W"], ["y"], domain="dyncompile" if op != "MatMul" else "", **attrs)
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "s", n])],
-                          [numpy_helper.from_array(w, "W")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("dyncompile", 1)]
-                             ).SerializeToString()
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, "s", k]))
+    wv = ir.val("W", const_value=ir.tensor(w, name="W"))
+    if op == "MatMul":
+        node = ir.node("MatMul", [x, wv])
+    else:
+        node = ir.node(op, [x, wv], {"threshold": float(threshold)}, domain="dyncompile")
+    y = node.outputs[0]
+    y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape([1, "s", n])
+    g = ir.Graph([x], [y], nodes=[node], initializers=[wv], opset_imports={"": 17, "dyncompile": 1})
+    return ir.to_proto(ir.Model(g, ir_version=10)).SerializeToString()
 
 
 # ----------------------------------------------------------------------------------------------- kernel
