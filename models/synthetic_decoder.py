@@ -32,9 +32,14 @@ def tiny_decoder(
     with_kv: bool = True,
     logit_scale: float = 1.0,
     max_positions: int = 512,
+    mlp: str = "relu",
 ) -> ir.Model:
     """A pre-LN causal decoder of ``num_layers`` blocks (``hidden``, ``heads``, vocabulary ``vocab``) with random
-    weights from ``seed``; ``with_kv=False`` drops the cache inputs/outputs, ``logit_scale`` spreads the logits."""
+    weights from ``seed``; ``with_kv=False`` drops the cache inputs/outputs, ``logit_scale`` spreads the logits.
+    ``mlp="swiglu"``: Llama-style gated MLPs ``down(SiLU(gate(x)) * up(x))`` (SiLU as ``g * Sigmoid(g)``, as torch
+    exports it; intermediate size ``2 * hidden``) instead of ``fc2(Relu(fc1(x)))``."""
+    if mlp not in ("relu", "swiglu"):
+        raise ValueError(f"mlp must be 'relu' or 'swiglu', not {mlp!r}")
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
     tape = ir.tape.Tape()
@@ -119,7 +124,16 @@ def tiny_decoder(
         probs = tape.op("Softmax", [tape.op("Add", [scores, bias])], {"axis": -1})
         ctx = tape.op("Reshape", [tape.op("Transpose", [tape.op("MatMul", [probs, v])], {"perm": [0, 2, 1, 3]}), merge_shape])
         h = tape.op("Add", [h, tape.op("MatMul", [ctx, wo])])
-        h = tape.op("Add", [h, tape.op("MatMul", [tape.op("Relu", [tape.op("MatMul", [ln(h), w1])]), w2])])
+        if mlp == "swiglu":
+            wg = weight((hidden, 2 * hidden), 1.0 / np.sqrt(hidden), f"layers.{i}.gate")
+            wu = weight((hidden, 2 * hidden), 1.0 / np.sqrt(hidden), f"layers.{i}.up")
+            wd = weight((2 * hidden, hidden), 0.5 / np.sqrt(2 * hidden), f"layers.{i}.down")
+            xn = ln(h)
+            g = tape.op("MatMul", [xn, wg])
+            act = tape.op("Mul", [tape.op("Mul", [g, tape.op("Sigmoid", [g])]), tape.op("MatMul", [xn, wu])])
+            h = tape.op("Add", [h, tape.op("MatMul", [act, wd])])
+        else:
+            h = tape.op("Add", [h, tape.op("MatMul", [tape.op("Relu", [tape.op("MatMul", [ln(h), w1])]), w2])])
     w_lm = weight((hidden, vocab), logit_scale / np.sqrt(hidden), "lm_head.weight")
     logits = tape.op("MatMul", [ln(h), w_lm])
     logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape(["batch", "seq", vocab])

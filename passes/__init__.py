@@ -36,6 +36,7 @@ from dyncompile.passes.matmul_to_conv import MatMulToConvPass
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
 from dyncompile.passes.smooth_activations import SmoothActivationsPass
+from dyncompile.passes.sparsify_activations import SparsifyActivationsPass
 from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
 from dyncompile.passes.step_saver import pipeline as _step_saver  # noqa: F401  (diffusion plans)
 from dyncompile.passes.trim_logits import TrimLogitsPass
@@ -59,6 +60,7 @@ __all__ = [
     "CacheUNetFeaturesPass",
     "QuantizeWeightsInt4Pass",
     "SmoothActivationsPass",
+    "SparsifyActivationsPass",
     "VerifyModelPass",
     "WireGivenExitHeadsPass",
     "build_passes",

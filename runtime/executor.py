@@ -116,6 +116,11 @@ class RuntimeContext:
         so.log_severity_level = self.log_severity
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, str(v))
+        for key, fr in self.plan.files.items():
+            if fr.role == "custom_ops":  # dyncompile's own ORT custom ops (sparsify-activations), sha256-checked
+                import dyncompile.runtime.kernels as kernels
+
+                kernels.register(so, self.plan.path_of(key), fr.sha256)
         return so
 
     def _new_session(self, file_key: str):

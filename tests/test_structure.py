@@ -31,6 +31,7 @@ PASSES_MAY_IMPORT_FROM_RUNTIME = (
     "dyncompile.runtime.text",
     "dyncompile.runtime.providers",
     "dyncompile.runtime.diffusion.denoise",
+    "dyncompile.runtime.kernels",
 )
 
 

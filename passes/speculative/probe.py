@@ -56,6 +56,10 @@ def session_for(model: ir.Model):
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    import dyncompile.runtime.kernels as kernels
+
+    if any(n.domain == kernels.DOMAIN for n in model.graph):  # sparsify-activations: dyncompile's own custom op
+        kernels.register(so, *kernels.library())
     in_memory = _infra.in_memory_weight_bytes(model)
     if in_memory > _infra.PROTO_LIMIT:
         logger.info("cost probe: %.1f GB of rewritten weights in memory: opening the model through a temporary "

@@ -1,0 +1,407 @@
+"""``sparsify-activations``: training-free contextual sparsity (TEAL-style) on a decoder's gated MLPs.
+
+A decoder MLP is ``down(SiLU(gate(x)) * up(x))``. Many entries of its inputs (the post-norm ``x`` read by gate and
+up, and the product ``h`` read by down) are near zero on a given token; dropping the entries ``|v| <= t`` drops
+the matching *rows* of the weight (``v W = sum_i v_i W[i, :]``). A batch-1 CPU decode step is memory-bound, so it
+gets faster only if the dropped rows are never read: each projection becomes ``dyncompile.SparseRowsMatMul``
+(:mod:`dyncompile.runtime.kernels`, an ONNX Runtime custom operator built at first use) with a threshold ``t``.
+
+Thresholds (TEAL, Liu et al. 2024): per layer and per input (``x`` shared by gate and up, ``h`` for down), the
+``sparsity``-quantile of ``|v|`` over calibration text run through the dense model: each site drops that share of
+its rows on text like the calibration text. ``budget=P`` instead searches the largest sparsity (0.05 grid) whose
+held-out perplexity increase stays within ``P`` percent. Calibration text: CPython standard-library ``.py`` files,
+minus the benchmarks' prompt files and held-out quality files (:data:`EXCLUDED_FILES`); the held-out perplexity
+check runs on other files of the same library, disjoint from the calibration ones.
+
+Scope: main graph of a KV-cache decoder; each ``MatMul(h, W_down)`` with ``h = Mul(SiLU(MatMul(x, W_gate)),
+MatMul(x, W_up))`` (SiLU as ``Mul(g, Sigmoid(g))``, either operand order), constant 2-D float32 weights.
+Invariants: graph inputs/outputs, names and every other node unchanged; the weights are the same initializers
+(the op reads them in place); with threshold 0 the outputs equal the dense graph's within float round-off.
+Records ``dyncompile.sparsity`` (op, thresholds, achieved sparsity, held-out quality, the library's sha256);
+the compiler ships the library with the plan. Idempotent: a graph holding the op already is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from dyncompile.passes._infra import not_fired, register_pass
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EXCLUDED_FILES",
+    "SPARSITY",
+    "MlpLayer",
+    "SparsifyActivationsPass",
+    "corpus_windows",
+    "mlp_layers",
+    "uses_sparse_rows",
+]
+
+SPARSITY = "dyncompile.sparsity"  # JSON record of this pass (metadata key)
+#: standard-library files never read here: the benchmark prompts' files (tools/bench/prompt_sets.py CODE_FILES +
+#: GROUNDED_DOC_FILES, as tools/train_drafter.py HELD_OUT) and `bench quality`'s held-out files (HELDOUT_FILES).
+#: A test keeps this list equal to theirs (passes may not import tools).
+EXCLUDED_FILES = (
+    "argparse.py", "base64.py", "bisect.py", "calendar.py", "colorsys.py", "csv.py", "difflib.py", "fnmatch.py",
+    "fractions.py", "heapq.py", "ipaddress.py", "json/__init__.py", "shlex.py", "statistics.py", "string.py",
+    "textwrap.py",
+    "functools.py", "enum.py", "dataclasses.py", "pathlib.py", "tokenize.py", "pprint.py", "gettext.py", "ftplib.py",
+    "sched.py", "queue.py", "random.py", "glob.py",
+)
+_GRID = tuple(round(0.05 * k, 2) for k in range(1, 20))  # budget search: 0.05 .. 0.95
+_SAMPLES_PER_WINDOW = 16384
+
+
+@dataclasses.dataclass
+class MlpLayer:
+    """One gated MLP: its three projections, the input gate and up share, and down's input."""
+
+    gate: ir.Node
+    up: ir.Node
+    down: ir.Node
+    x: ir.Value
+    h: ir.Value
+
+
+def _const_weight(node: ir.Node | None) -> bool:
+    if node is None or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return False
+    w = node.inputs[1]
+    return (w is not None and w.const_value is not None and w.const_value.dtype == ir.DataType.FLOAT
+            and len(w.const_value.shape) == 2)
+
+
+def _silu_input(v: ir.Value) -> ir.Value | None:
+    """``g`` if ``v = Mul(g, Sigmoid(g))`` (either order), else None."""
+    p = v.producer()
+    if p is None or p.op_type != "Mul" or len(p.inputs) != 2:
+        return None
+    for a, b in (p.inputs, p.inputs[::-1]):
+        s = b.producer() if b is not None else None
+        if s is not None and s.op_type == "Sigmoid" and s.inputs[0] is a:
+            return a
+    return None
+
+
+def mlp_layers(model: ir.Model) -> tuple[list[MlpLayer], str]:
+    """The gated MLPs of the main graph in graph order, and why none when the list is empty."""
+    layers, gated_shape = [], 0
+    for down in model.graph:
+        if not _const_weight(down):
+            continue
+        h = down.inputs[0]
+        p = h.producer()
+        if p is None or p.op_type != "Mul" or len(p.inputs) != 2:
+            continue
+        for a, b in (p.inputs, p.inputs[::-1]):
+            g = _silu_input(a) if a is not None else None
+            gate, up = (g.producer() if g is not None else None), (b.producer() if b is not None else None)
+            if g is None:
+                continue
+            gated_shape += 1
+            if not (_const_weight(gate) and _const_weight(up)) or gate.inputs[0] is not up.inputs[0]:
+                continue
+            k = gate.inputs[1].const_value.shape[0]
+            if up.inputs[1].const_value.shape[0] != k or down.inputs[1].const_value.shape[0] != \
+                    gate.inputs[1].const_value.shape[1]:
+                continue
+            layers.append(MlpLayer(gate, up, down, gate.inputs[0], h))
+            break
+    if layers:
+        return layers, ""
+    if gated_shape:
+        return [], (f"{gated_shape} SiLU-gated products feed a MatMul, but none has gate and up as constant-weight "
+                    "float32 MatMuls reading the same input")
+    return [], ("the graph has no gated MLP (MatMul reading Mul(SiLU(MatMul(x, W_gate)), MatMul(x, W_up)) with "
+                "constant float32 weights): nothing to sparsify")
+
+
+def uses_sparse_rows(model: ir.Model) -> bool:
+    """Whether ``model``'s main graph holds the ``dyncompile`` custom op (its sessions need the library)."""
+    from dyncompile.runtime.kernels import DOMAIN
+
+    return any(n.domain == DOMAIN for n in model.graph)
+
+
+# ----------------------------------------------------------------------------------------------- text
+
+
+def corpus_windows(tokenizer_json: Path, *, tokens: int, window: int, part: str, root: Path | None = None,
+                   seed: int = 0) -> list[list[int]]:
+    """Token windows of ``window`` tokens (about ``tokens`` in all) from the stdlib's ``.py`` files.
+
+    The files (sorted, minus :data:`EXCLUDED_FILES` and third-party folders) are shuffled with ``seed`` and cut in
+    two: ``part="calib"`` reads the even positions, ``part="heldout"`` the odd ones, so the two never share a file.
+    Each file gives at most two windows (the set spans many modules).
+    """
+    from tokenizers import Tokenizer
+
+    from dyncompile.errors import DataError
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    excluded = {root / f for f in EXCLUDED_FILES}
+    files = [p for p in sorted(root.rglob("*.py")) if p not in excluded
+             and not any(x in ("site-packages", "dist-packages", "test", "tests", "idlelib") for x in
+                         p.relative_to(root).parts)]
+    if not files:
+        raise DataError(f"no standard-library .py files under {root} for the sparsity calibration")
+    order = np.random.default_rng(seed).permutation(len(files))
+    pick = order[0::2] if part == "calib" else order[1::2]
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    out: list[list[int]] = []
+    for i in pick:
+        try:
+            text = files[i].read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tok.encode(text, add_special_tokens=False).ids
+        for s in range(0, min(len(ids) - window + 1, 2 * window), window):
+            out.append(list(ids[s : s + window]))
+        if len(out) * window >= tokens:
+            break
+    return out[: max(1, math.ceil(tokens / window))]
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+def _session(model: ir.Model, extra_outputs: Sequence[str] = ()):
+    """A CPU session on ``model`` (custom-op library registered if needed) with ``extra_outputs`` exposed."""
+    from dyncompile.passes.speculative.probe import session_for
+
+    added = []
+    have = {v.name for v in model.graph.outputs}
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    for name in extra_outputs:
+        if name not in have:
+            model.graph.outputs.append(values[name])
+            added.append(values[name])
+    try:
+        return session_for(model)
+    finally:
+        for v in added:
+            model.graph.outputs.remove(v)
+
+
+def _run(sess, spec, window: Sequence[int], names: Sequence[str]):
+    from dyncompile.passes.speculative.probe import prefill_feeds
+
+    feeds = prefill_feeds(spec, list(window))
+    inputs = {i.name for i in sess.get_inputs()}
+    return sess.run(list(names), {k: v for k, v in feeds.items() if k in inputs})
+
+
+def _nll(logits: np.ndarray, window: Sequence[int]) -> tuple[float, int]:
+    """Summed next-token NLL of ``window`` under ``logits`` ``[1, n, V]`` and the number of predictions."""
+    z = np.asarray(logits[0, :-1], np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(z).sum(axis=-1))
+    tgt = np.asarray(window[1:], np.int64)
+    return float((lse - z[np.arange(len(tgt)), tgt]).sum()), len(tgt)
+
+
+def _ppl(model: ir.Model, spec, windows, sites: Sequence[str] = (), thresholds: Sequence[float] = ()):
+    """Perplexity of ``windows`` under ``model`` and, per site, the share of ``|v| <= threshold`` entries."""
+    sess = _session(model, sites)
+    logits_name = spec["logits"]
+    tot, n = 0.0, 0
+    below = np.zeros(len(sites))
+    count = np.zeros(len(sites))
+    for w in windows:
+        outs = _run(sess, spec, w, [logits_name, *sites])
+        s, k = _nll(outs[0], w)
+        tot, n = tot + s, n + k
+        for j, (v, t) in enumerate(zip(outs[1:], thresholds, strict=True)):
+            a = np.abs(np.asarray(v, np.float32))
+            below[j] += float((a <= t).sum())
+            count[j] += a.size
+    ppl = math.exp(tot / max(n, 1))
+    return ppl, (below / np.maximum(count, 1)).tolist()
+
+
+class SparsifyActivationsPass(ir.passes.InPlacePass):
+    """Replace each gated MLP's three projections by ``dyncompile.SparseRowsMatMul`` with calibrated thresholds.
+
+    Scope and invariants: the module docstring. ``sparsity`` in [0, 1): the share of each site's entries dropped
+    on calibration text (0: threshold 0, only exact zeros dropped; the graph then equals the dense one within
+    float round-off). ``budget`` (percent, > 0): search the largest sparsity on the 0.05 grid whose held-out
+    perplexity increase is within it (``sparsity`` is then ignored). ``calib`` / ``heldout``: token windows
+    (:func:`corpus_windows`); ``heldout`` may be empty when no budget is asked (then no quality is recorded).
+    """
+
+    def __init__(self, calib: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]] = (), *,
+                 sparsity: float = 0.5, budget: float | None = None) -> None:
+        super().__init__()
+        self.calib = [list(w) for w in calib]
+        self.heldout = [list(w) for w in heldout]
+        self.sparsity = float(sparsity)
+        self.budget = None if budget is None else float(budget)
+
+    def __repr__(self) -> str:
+        what = f"budget={self.budget}%" if self.budget is not None else f"sparsity={self.sparsity}"
+        return f"SparsifyActivationsPass({what}, calib={len(self.calib)} windows, heldout={len(self.heldout)})"
+
+    def requires(self, model: ir.Model) -> None:
+        """Refuse a sparsity outside [0, 1), a non-positive budget, or no text, before anything changes."""
+        if not 0.0 <= self.sparsity < 1.0:
+            raise ir.passes.PreconditionError(f"sparsify-activations sparsity must be in [0, 1), got {self.sparsity}")
+        if self.budget is not None and not self.budget > 0:
+            raise ir.passes.PreconditionError(f"sparsify-activations budget must be > 0 (percent), got {self.budget}")
+        if not self.calib or any(len(w) < 2 for w in self.calib):
+            raise ir.passes.PreconditionError("sparsify-activations needs calibration windows of >= 2 tokens")
+        if self.budget is not None and not self.heldout:
+            raise ir.passes.PreconditionError("sparsify-activations budget= needs held-out windows")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Rewrite ``model`` in place (scope and invariants: the module docstring)."""
+        import dyncompile.runtime.kernels as kernels
+        from dyncompile.passes.speculative.decoder_spec import decoder_spec
+
+        if uses_sparse_rows(model):
+            return ir.passes.PassResult(model, modified=False)
+        layers, why = mlp_layers(model)
+        if not layers:
+            return not_fired(model, "sparsify-activations", why, "leave sparsify-activations out for this model")
+        lib, lib_sha = kernels.library()  # no compiler / header: one clear error before anything changes
+        _, lib_meta = kernels.build_library()
+        spec = decoder_spec(model, "model", what="model to sparsify")
+        sites = [name for layer in layers for name in (layer.x.name, layer.h.name)]
+        samples = self._calibrate(model, spec, sites)
+        dense_ppl = _ppl(model, spec, self.heldout)[0] if self.heldout else None
+        nodes = self._rewrite(model, layers)
+
+        def apply(s: float) -> list[float]:
+            ts = [float(np.quantile(samples[name], s)) if s > 0 else 0.0 for name in sites]
+            for node, t in zip(nodes, _per_node(ts), strict=True):
+                node.attributes["threshold"] = ir.AttrFloat32("threshold", t)
+            return ts
+
+        searched = []
+        if self.budget is not None:
+            lo, hi, best = 0, len(_GRID) - 1, 0.0
+            while lo <= hi:  # perplexity grows with sparsity: bisect the grid
+                mid = (lo + hi) // 2
+                s = _GRID[mid]
+                apply(s)
+                p = _ppl(model, spec, self.heldout)[0]
+                inc = 100.0 * (p / dense_ppl - 1.0)
+                searched.append({"sparsity": s, "perplexity": round(p, 4), "increase_pct": round(inc, 3)})
+                logger.info("sparsify-activations: sparsity %.2f -> held-out perplexity %.3f (+%.2f %%)", s, p, inc)
+                if inc <= self.budget:
+                    best, lo = s, mid + 1
+                else:
+                    hi = mid - 1
+            sparsity = best
+        else:
+            sparsity = self.sparsity
+        ts = apply(sparsity)
+        quality, achieved = None, None
+        if self.heldout:
+            p, below = _ppl(model, spec, self.heldout, sites, ts)
+            quality = {"heldout_windows": len(self.heldout), "heldout_tokens": sum(len(w) for w in self.heldout),
+                       "perplexity_dense": round(dense_ppl, 4), "perplexity": round(p, 4),
+                       "increase_pct": round(100.0 * (p / dense_ppl - 1.0), 3)}
+            achieved = {"gate_up": round(float(np.mean(below[0::2])), 4), "down": round(float(np.mean(below[1::2])), 4)}
+        record = {
+            "op": f"{kernels.DOMAIN}.{kernels.OP_TYPE}",
+            "sparsity": sparsity,
+            "mode": "budget" if self.budget is not None else "sparsity",
+            **({"budget_pct": self.budget, "searched": searched} if self.budget is not None else {}),
+            "layers": [{"layer": i, "gate_up": {"threshold": ts[2 * i], "rows": _rows(nodes[3 * i])},
+                        "down": {"threshold": ts[2 * i + 1], "rows": _rows(nodes[3 * i + 2])}}
+                       for i in range(len(layers))],
+            "achieved_sparsity_heldout": achieved,
+            "quality": quality,
+            "calibration": {"windows": len(self.calib), "tokens": sum(len(w) for w in self.calib),
+                            "method": "per-site quantile of |activation| (TEAL)"},
+            "library": {"file": lib.name, "sha256": lib_sha, "flags": lib_meta.get("flags"),
+                        "compile_seconds": lib_meta.get("compile_seconds"), "source_sha256": lib_meta.get("source_sha256")},
+        }
+        model.metadata_props[SPARSITY] = json.dumps(record)  # the compiler copies it to the plan's policy
+        logger.info("sparsify-activations: %d MLPs, sparsity %.2f%s", len(layers), sparsity,
+                    f", held-out perplexity +{quality['increase_pct']:.2f} %" if quality else "")
+        return ir.passes.PassResult(model, modified=True)
+
+    def _calibrate(self, model: ir.Model, spec, sites: list[str]) -> dict[str, np.ndarray]:
+        """A random sample of ``|v|`` per site over the calibration windows (dense model)."""
+        sess = _session(model, sites)
+        rng = np.random.default_rng(0)
+        got: dict[str, list[np.ndarray]] = {s: [] for s in sites}
+        for w in self.calib:
+            outs = _run(sess, spec, w, sites)
+            for name, v in zip(sites, outs, strict=True):
+                a = np.abs(np.asarray(v, np.float32)).ravel()
+                got[name].append(a if a.size <= _SAMPLES_PER_WINDOW else a[rng.integers(0, a.size, _SAMPLES_PER_WINDOW)])
+        return {k: np.concatenate(v) for k, v in got.items()}
+
+    @staticmethod
+    def _rewrite(model: ir.Model, layers: list[MlpLayer]) -> list[ir.Node]:
+        """Swap each projection for the custom op (threshold 0 for now); the new nodes, gate/up/down per layer."""
+        from dyncompile.runtime.kernels import DOMAIN, OP_TYPE
+
+        g = model.graph
+        model.graph.opset_imports.setdefault(DOMAIN, 1)
+        new_nodes = []
+        for layer in layers:
+            for mm in (layer.gate, layer.up, layer.down):
+                node = ir.node(OP_TYPE, list(mm.inputs), {"threshold": 0.0}, domain=DOMAIN,
+                               name=f"{mm.name or mm.outputs[0].name}/sparse_rows")
+                out = node.outputs[0]
+                y = mm.outputs[0]
+                g.insert_before(mm, node)
+                name = y.name
+                y.name = None
+                out.name, out.type, out.shape = name, y.type, y.shape
+                ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
+                g.remove(mm, safe=True)
+                new_nodes.append(node)
+        return new_nodes
+
+
+def _rows(node: ir.Node) -> int:
+    return int(node.inputs[1].const_value.shape[0])
+
+
+def _per_node(ts: list[float]) -> list[float]:
+    """Site thresholds (x, h per layer) -> node thresholds (gate, up, down per layer)."""
+    out = []
+    for i in range(0, len(ts), 2):
+        out += [ts[i], ts[i], ts[i + 1]]
+    return out
+
+
+@register_pass(
+    "sparsify-activations",
+    help="contextual sparsity (TEAL): each gated MLP projection skips the weight rows whose input activation is "
+    "below a per-layer threshold (dyncompile.SparseRowsMatMul, a custom ORT op compiled at first use); options "
+    "sparsity=0.5 (share dropped on calibration text) or budget=P (largest sparsity within P %% held-out perplexity "
+    "increase), calib_tokens=4096, heldout_tokens=4096, window=256",
+    before=("explicit-attention", "fuse-decoder", "pack-matmuls", "trim-logits", "matmul-to-conv", "speculative",
+            "split-drafter", "eagle-drafter", "quantize-int8", "quantize-int4"),
+)
+def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, calib_tokens: int = 4096,
+                   heldout_tokens: int = 4096, window: int = 256):
+    from dyncompile.errors import PassConfigError
+
+    if not 0.0 <= sparsity < 1.0:
+        raise PassConfigError(f"sparsify-activations sparsity must be in [0, 1), got {sparsity}")
+    if budget is not None and not budget > 0:
+        raise PassConfigError(f"sparsify-activations budget must be > 0 (percent perplexity increase), got {budget}")
+    if window < 8 or calib_tokens < window or heldout_tokens < window:
+        raise PassConfigError(f"sparsify-activations needs window >= 8 and calib_tokens, heldout_tokens >= window "
+                              f"(got window={window}, calib_tokens={calib_tokens}, heldout_tokens={heldout_tokens})")
+    tok = context.require_tokenizer("sparsity calibration on standard-library text")
+    calib = corpus_windows(tok, tokens=calib_tokens, window=window, part="calib")
+    held = corpus_windows(tok, tokens=heldout_tokens, window=window, part="heldout")
+    return SparsifyActivationsPass(calib, held, sparsity=sparsity, budget=budget)

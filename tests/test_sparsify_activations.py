@@ -1,0 +1,264 @@
+"""sparsify-activations and its kernel: dyncompile.SparseRowsMatMul (an ORT custom op built at first use)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import dyncompile
+from dyncompile.errors import DyncompileError
+from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
+from dyncompile.passes._infra import check_model
+from dyncompile.passes.sparsify_activations import (
+    EXCLUDED_FILES,
+    SPARSITY,
+    SparsifyActivationsPass,
+    mlp_layers,
+    uses_sparse_rows,
+)
+from dyncompile.passes.speculative.decoder_spec import decoder_spec
+from dyncompile.passes.speculative.probe import prefill_feeds
+from dyncompile.runtime import kernels
+
+VOCAB = 32
+
+
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        return kernels.library()
+    except kernels.KernelUnavailable as e:
+        pytest.skip(f"the SparseRowsMatMul kernel cannot be built here: {e}")
+
+
+def _session(model: ir.Model | bytes, lib=None, *, threads: int = 2):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    so.intra_op_num_threads = threads
+    if lib is not None:
+        kernels.register(so, *lib)
+    data = model if isinstance(model, bytes) else ir.to_proto(model).SerializeToString()
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def _op_model(w: np.ndarray, threshold: float, *, op: str = "SparseRowsMatMul") -> bytes:
+    """One node ``y = op(x, W)`` with ``x`` ``[1, s, K]`` and the constant ``W``."""
+    k, n = w.shape
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, "s", k]))
+    wv = ir.val("W", const_value=ir.tensor(w, name="W"))
+    if op == "MatMul":
+        node = ir.node("MatMul", [x, wv])
+    else:
+        node = ir.node(op, [x, wv], {"threshold": float(threshold)}, domain="dyncompile")
+    y = node.outputs[0]
+    y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape([1, "s", n])
+    g = ir.Graph([x], [y], nodes=[node], initializers=[wv], opset_imports={"": 17, "dyncompile": 1})
+    return ir.to_proto(ir.Model(g, ir_version=10)).SerializeToString()
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+
+
+def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_call_size(lib):
+    rng = np.random.default_rng(0)
+    k, n = 96, 200  # n not a multiple of the chunk width: the column tail is exercised
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((1, 40, k)).astype(np.float32)
+    t = float(np.quantile(np.abs(x), 0.6))
+    sess = _session(_op_model(w, t), lib)
+    y = sess.run(None, {"x": x})[0]
+    ref = np.where(np.abs(x) > t, x, 0).astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(y - ref).max() < 1e-4
+    assert not np.allclose(y, x.astype(np.float64) @ w, atol=1e-3)  # the threshold did drop entries
+    # a k-row call (speculative verification, prefill) gives the very bits of k one-row calls (decode)
+    one = np.concatenate([sess.run(None, {"x": x[:, i : i + 1]})[0] for i in range(40)], axis=1)
+    assert np.array_equal(one, y)
+    # and the thread count does not change a bit either (columns are cut in fixed chunks)
+    assert np.array_equal(_session(_op_model(w, t), lib, threads=1).run(None, {"x": x})[0], y)
+
+
+def test_threshold_zero_equals_the_dense_matmul(lib):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    x = rng.standard_normal((1, 5, 64)).astype(np.float32)
+    x[0, 0, :10] = 0.0  # exact zeros are the only entries threshold 0 drops
+    y = _session(_op_model(w, 0.0), lib).run(None, {"x": x})[0]
+    dense = _session(_op_model(w, 0.0, op="MatMul")).run(None, {"x": x})[0]
+    assert np.abs(y - dense).max() < 1e-5
+
+
+def test_a_negative_threshold_is_refused(lib):
+    with pytest.raises(Exception, match="threshold must be >= 0"):
+        _session(_op_model(np.ones((4, 4), np.float32), -1.0), lib)
+
+
+def test_a_library_with_another_sha256_is_not_loaded(lib, tmp_path):
+    import onnxruntime as ort
+
+    path, sha = lib
+    bad = tmp_path / path.name
+    bad.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(kernels.KernelUnavailable, match="refusing to load it"):
+        kernels.register(ort.SessionOptions(), bad, sha)
+
+
+def test_no_c_compiler_is_one_clear_error_and_the_pass_changes_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    monkeypatch.setenv("DYNCOMPILE_HOME", str(tmp_path))
+    with pytest.raises(kernels.KernelUnavailable, match="no C compiler was found.*Install one"):
+        kernels.build_library()
+    m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu")
+    before = ir.to_onnx_text(m, exclude_initializers=True)
+    with pytest.raises(DyncompileError, match="no C compiler"):
+        SparsifyActivationsPass([[1, 2, 3]], sparsity=0.5)(m)
+    assert ir.to_onnx_text(m, exclude_initializers=True) == before
+
+
+def test_cli_without_a_c_compiler_is_one_clear_error_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    from helpers import assert_clean_error, run_cli
+
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    monkeypatch.setenv("DYNCOMPILE_HOME", str(tmp_path / "home"))
+    d = tmp_path / "tiny"
+    write_decoder_dir(d, tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu"), eos=99)
+    write_word_tokenizer(d, VOCAB)
+    rc, _, err = run_cli(capsys, d / "model.onnx", "--passes",
+                         "sparsify-activations{calib_tokens=64,heldout_tokens=64,window=32}", "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "no C compiler was found", "Install one")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------- pass
+
+
+def _windows(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
+
+
+def _outputs(model: ir.Model, lib, ids) -> list[np.ndarray]:
+    return _session(model, lib).run(None, prefill_feeds(decoder_spec(model, "model"), ids))
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5])
+def test_pass_structure_outputs_and_record(lib, sparsity):
+    original = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    assert len(mlp_layers(m)[0]) == 2
+    res = SparsifyActivationsPass(_windows(4, 24, 0), _windows(3, 24, 1), sparsity=sparsity)(m)
+    assert res.modified
+    ops = [n for n in m.graph if n.domain == "dyncompile"]
+    assert [n.op_type for n in ops] == ["SparseRowsMatMul"] * 6
+    assert not mlp_layers(m)[0] and uses_sparse_rows(m)
+    # the projections read the same initializers as before (no copy of a weight)
+    assert {n.inputs[1].name for n in ops} == {f"layers.{i}.{p}" for i in range(2) for p in ("gate", "up", "down")}
+    assert [v.name for v in m.graph.outputs] == [v.name for v in original.graph.outputs]
+    check_model(m, full_check=True)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref, got = _outputs(original, None, ids), _outputs(m, lib, ids)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
+    rec = json.loads(m.metadata_props[SPARSITY])
+    ts = [layer[s]["threshold"] for layer in rec["layers"] for s in ("gate_up", "down")]
+    if sparsity == 0.0:
+        assert diff < 1e-5 and ts == [0.0] * 4
+        assert rec["quality"]["increase_pct"] == 0.0
+    else:
+        assert diff > 1e-3 and all(t > 0 for t in ts)
+        # the thresholds are the calibration quantiles: about half of each site's entries are dropped on other text
+        assert 0.35 < rec["achieved_sparsity_heldout"]["gate_up"] < 0.65
+        assert 0.35 < rec["achieved_sparsity_heldout"]["down"] < 0.65
+    assert rec["library"]["sha256"] == lib[1] and rec["op"] == "dyncompile.SparseRowsMatMul"
+    # a second run finds the op there already
+    assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity)(m).modified
+
+
+def test_budget_picks_the_largest_sparsity_within_it(lib):
+    m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    SparsifyActivationsPass(_windows(4, 24, 0), _windows(3, 24, 1), budget=1.0)(m)
+    rec = json.loads(m.metadata_props[SPARSITY])
+    ok = [s["sparsity"] for s in rec["searched"] if s["increase_pct"] <= 1.0]
+    bad = [s["sparsity"] for s in rec["searched"] if s["increase_pct"] > 1.0]
+    assert rec["sparsity"] == max(ok, default=0.0) and all(b > rec["sparsity"] for b in bad)
+    assert rec["quality"]["increase_pct"] <= 1.0
+
+
+def test_does_not_fire_without_a_gated_mlp(lib, caplog):
+    from dyncompile.passes._infra import run_pipeline
+
+    m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB)  # Relu MLP
+    with caplog.at_level(logging.WARNING):
+        res = run_pipeline([SparsifyActivationsPass(_windows(2, 8, 0))], m, check="none")
+    assert not res.modified
+    assert "no gated MLP" in caplog.text and "leave sparsify-activations out" in caplog.text
+
+
+def test_bad_options_are_refused_before_anything_changes():
+    m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu")
+    for kw in ({"sparsity": 1.0}, {"sparsity": -0.1}, {"budget": 0.0}, {"budget": 2.0}):
+        with pytest.raises(ir.passes.PreconditionError):
+            SparsifyActivationsPass(_windows(2, 8, 0), **kw)(m)
+    assert not uses_sparse_rows(m)
+
+
+def test_excluded_files_are_the_benchmarks_prompt_and_quality_files():
+    from dyncompile.tools.bench.prompt_sets import CODE_FILES, GROUNDED_DOC_FILES
+    from dyncompile.tools.bench.quality import HELDOUT_FILES
+    from dyncompile.tools.train_drafter import HELD_OUT
+
+    assert set(EXCLUDED_FILES) == set(HELD_OUT) | set(HELDOUT_FILES)
+    assert set(CODE_FILES) | set(GROUNDED_DOC_FILES) <= set(EXCLUDED_FILES)
+
+
+# ----------------------------------------------------------------------------------------------- plans
+
+
+@pytest.fixture(scope="module")
+def plans(module_tmp, lib):
+    from dyncompile.passes.compiler import compile_model
+
+    root = module_tmp("sparse")
+    target = write_decoder_dir(root / "target", tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu"),
+                               eos=99)
+    write_word_tokenizer(root / "target", VOCAB)
+    opts = "sparsify-activations{sparsity=0.5,calib_tokens=64,heldout_tokens=64,window=32}"
+    return {
+        "sparse": compile_model(target, opts, root / "sparse", progress=False, opt_level=0).plan_dir,
+        "sparse_pl": compile_model(target, f"{opts},speculative{{measure=false}}", root / "sparse_pl",
+                                   drafter="prompt-lookup", progress=False, opt_level=0).plan_dir,
+    }
+
+
+def test_plan_ships_the_library_and_greedy_speculative_stays_token_identical(plans, lib):
+    plan = json.loads((plans["sparse_pl"] / "plan.json").read_text())
+    ref = plan["files"]["custom_ops"]
+    assert ref["role"] == "custom_ops" and ref["sha256"] == kernels.sha256_of(plans["sparse_pl"] / ref["path"])
+    assert plan["policy"]["sparsity"]["sparsity"] == 0.5
+    alone = dyncompile.load(plans["sparse"])
+    spec = dyncompile.load(plans["sparse_pl"])
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 9, 10, 11, 7, 7, 8]):
+        ref_ids = alone.generate(prompt, max_new_tokens=30).token_ids
+        for opts in ({}, {"draft_length": 6, "adaptive": False}):
+            res = spec.generate(prompt, max_new_tokens=30, **opts)
+            assert res.token_ids == ref_ids, opts
+        assert spec.generate(prompt, max_new_tokens=30, speculative=False).token_ids == ref_ids
+    assert res.stats.drafted > 0  # the drafts were verified in multi-row calls
+
+
+def test_a_changed_library_in_a_plan_is_refused(plans, tmp_path):
+    import shutil
+
+    from dyncompile.errors import PlanError
+
+    copy = tmp_path / "p"
+    shutil.copytree(plans["sparse"], copy)
+    so = next((copy / "kernels").glob("*.so"))
+    so.write_bytes(so.read_bytes() + b"\0")
+    with pytest.raises(PlanError, match="modified after compile"):
+        dyncompile.load(copy)
