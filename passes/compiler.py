@@ -159,7 +159,7 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
     )
     req.out_dir = tmp
     plan = emit_plan(result.model, req)
-    _ship_custom_ops(result.model, plan, tmp)
+    _record_custom_ops(result.model, plan)
     save_plan(plan, tmp)
     try:  # never publish a plan the runtime would refuse (e.g. a bad field copied from the model config)
         load_plan(tmp, verify_hashes=False)
@@ -168,39 +168,33 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
     return plan
 
 
-def _ship_custom_ops(model: ir.Model, plan: Plan, out: Path) -> None:
-    """A plan whose target or drafter holds dyncompile's own custom op gets the op's library as a plan file.
+def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
+    """A plan whose target or drafter holds dyncompile's own custom op names it in ``policy.custom_ops``.
 
-    ``kernels/<library>`` (role ``custom_ops``, sha256 in plan.json like every file): the runtime registers it
-    with each session after checking that sha256. The ``sparsify-activations`` records go to ``policy.sparsity``
-    (target) and ``policy.drafter_sparsity`` (a sparse model drafter).
+    The plan never carries the library: the runtime builds it from the installed package's C source and refuses a
+    plan compiled against another source. Building it here first makes a missing compiler an error at compile
+    time. The ``sparsify-activations`` records go to ``policy.sparsity`` (target) and ``policy.drafter_sparsity``
+    (a sparse model drafter).
     """
     import json
-    import shutil
 
     import dyncompile.runtime.kernels as kernels
     from dyncompile.passes.sparsify_activations import SPARSITY, uses_sparse_rows
-    from dyncompile.plan import file_ref
 
     drafter = model.meta.get(_keys.DRAFTER_MODEL)
     graphs = {"sparsity": model, "drafter_sparsity": drafter if isinstance(drafter, ir.Model) else None}
     users = {k: m for k, m in graphs.items() if m is not None and uses_sparse_rows(m)}
     if not users:
         return
-    lib, sha = kernels.library()
-    rel = f"kernels/{lib.name}"
-    (out / "kernels").mkdir(exist_ok=True)
-    shutil.copyfile(lib, out / rel)
-    plan.files["custom_ops"] = file_ref(out, rel, "custom_ops")
-    if plan.files["custom_ops"].sha256 != sha:
-        raise PlanError(f"copying {lib} into the plan changed it (sha256 {plan.files['custom_ops'].sha256[:12]}… != "
-                        f"{sha[:12]}…); check the disk and compile again")
+    kernels.library()
+    plan.policy["custom_ops"] = {"ops": [f"{kernels.DOMAIN}.{kernels.OP_TYPE}"],
+                                 "source_sha256": kernels.source_sha256()}
     for key, m in users.items():
         rec = m.metadata_props.get(SPARSITY)
         if rec:
             r = json.loads(rec)
             plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "mode", "budget_pct", "achieved_sparsity_heldout",
-                                                  "quality", "library") if k in r}
+                                                  "quality") if k in r}
 
 
 COMPILE_OPTIONS = frozenset(

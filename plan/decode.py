@@ -18,6 +18,7 @@ __all__ = [
     "MAX_DIM",
     "MAX_POSITIONS",
     "POLICIES",
+    "CustomOpsPolicy",
     "STEPS",
     "DecoderSpec",
     "DraftPolicy",
@@ -297,11 +298,24 @@ class SpeculativePolicy:
     draft: DraftPolicy = _field(factory=DraftPolicy)
 
 
+@dataclasses.dataclass(frozen=True)
+class CustomOpsPolicy:
+    """``policy.custom_ops``: dyncompile's own ONNX Runtime custom operators that the plan's graphs use.
+
+    Never a file of the plan: the runtime builds the library from the installed package's own C source into the
+    user's cache (``dyncompile.runtime.kernels``) and registers that, so a plan cannot bring native code. The
+    plan names the source it was compiled against; another source is refused (recompile the plan).
+    """
+
+    ops: list[str]
+    source_sha256: str
+
+
 STEPS: dict[str, Any] = {
     "generate": _generate_from_json(GenerateParams),
     "speculative_generate": _generate_from_json(SpeculativeParams),
 }
 """This module's step kinds -> ``build(params_json, where)`` (merged into :data:`dyncompile.plan.STEP_SCHEMAS`)."""
 
-POLICIES: dict[str, type] = {"speculative": SpeculativePolicy}
+POLICIES: dict[str, type] = {"speculative": SpeculativePolicy, "custom_ops": CustomOpsPolicy}
 """This module's policy names -> schema (merged into :data:`dyncompile.plan.POLICY_SCHEMAS`)."""

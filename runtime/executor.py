@@ -116,11 +116,14 @@ class RuntimeContext:
         so.log_severity_level = self.log_severity
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, str(v))
-        for key, fr in self.plan.files.items():
-            if fr.role == "custom_ops":  # dyncompile's own ORT custom ops (sparsify-activations), sha256-checked
-                import dyncompile.runtime.kernels as kernels
+        ops = self.plan.policy.get("custom_ops")
+        if ops:  # dyncompile's own ORT custom ops (sparsify-activations): built here from the package's source
+            import dyncompile.runtime.kernels as kernels
 
-                kernels.register(so, self.plan.path_of(key), fr.sha256)
+            try:
+                kernels.register_for_plan(so, ops["ops"], ops["source_sha256"])
+            except kernels.KernelUnavailable as e:
+                raise PlanError(f"{self.plan.directory}: {e}") from None
         return so
 
     def _new_session(self, file_key: str):

@@ -235,10 +235,12 @@ def plans(module_tmp, lib):
     }
 
 
-def test_plan_ships_the_library_and_greedy_speculative_stays_token_identical(plans, lib):
+def test_plan_names_the_kernel_never_ships_it_and_greedy_speculative_stays_token_identical(plans, lib):
     plan = json.loads((plans["sparse_pl"] / "plan.json").read_text())
-    ref = plan["files"]["custom_ops"]
-    assert ref["role"] == "custom_ops" and ref["sha256"] == kernels.sha256_of(plans["sparse_pl"] / ref["path"])
+    assert plan["policy"]["custom_ops"] == {"ops": [f"{kernels.DOMAIN}.{kernels.OP_TYPE}"],
+                                           "source_sha256": kernels.source_sha256()}
+    assert all(f["role"] != "custom_ops" for f in plan["files"].values())
+    assert not list(plans["sparse_pl"].rglob("*.so"))  # no native code in a plan
     assert plan["policy"]["sparsity"]["sparsity"] == 0.5
     alone = dyncompile.load(plans["sparse"])
     spec = dyncompile.load(plans["sparse_pl"])
@@ -251,14 +253,19 @@ def test_plan_ships_the_library_and_greedy_speculative_stays_token_identical(pla
     assert res.stats.drafted > 0  # the drafts were verified in multi-row calls
 
 
-def test_a_changed_library_in_a_plan_is_refused(plans, tmp_path):
+def test_a_plan_compiled_against_another_kernel_source_is_refused(plans, tmp_path):
     import shutil
 
     from dyncompile.errors import PlanError
 
     copy = tmp_path / "p"
     shutil.copytree(plans["sparse"], copy)
-    so = next((copy / "kernels").glob("*.so"))
-    so.write_bytes(so.read_bytes() + b"\0")
-    with pytest.raises(PlanError, match="modified after compile"):
-        dyncompile.load(copy)
+    doc = json.loads((copy / "plan.json").read_text())
+    doc["policy"]["custom_ops"]["source_sha256"] = "0" * 64
+    (copy / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match="another SparseRowsMatMul kernel source"):
+        dyncompile.load(copy).generate([1, 2, 3], max_new_tokens=2)
+    doc["policy"]["custom_ops"] = {"ops": ["dyncompile.Evil"], "source_sha256": kernels.source_sha256()}
+    (copy / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match="does not provide"):
+        dyncompile.load(copy).generate([1, 2, 3], max_new_tokens=2)

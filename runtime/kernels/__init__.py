@@ -20,8 +20,10 @@ How the library is made (:func:`build_library`):
   anything loads the file. Written atomically (a half-built library is never seen).
 
 :func:`register` gives an ``onnxruntime.SessionOptions`` the library after checking its sha256 against the one
-expected (the plan's, or the sidecar's). No C compiler (or no header): :class:`KernelUnavailable`, one message
-saying what is missing and how to fix it.
+its build recorded. A plan never carries the library (it would be native code from whoever wrote the plan): it
+names the ops and the sha256 of the C source it was compiled against (``policy.custom_ops``), and the runtime
+registers the library built here from this package's source (:func:`register_for_plan`). No C compiler (or no
+header): :class:`KernelUnavailable`, one message saying what is missing and how to fix it.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ __all__ = [
     "kernels_home",
     "library",
     "register",
+    "register_for_plan",
     "sha256_of",
+    "source_sha256",
 ]
 
 DOMAIN = "dyncompile"
@@ -210,6 +214,30 @@ def library() -> tuple[Path, str]:
         raise KernelUnavailable(f"{lib} changed after it was built (sha256 {got[:12]}… != recorded "
                                 f"{meta['sha256'][:12]}…); delete it and its .json to rebuild")
     return lib, got
+
+
+def source_sha256() -> str:
+    """sha256 of the kernel's C source as installed (what a plan's ``policy.custom_ops`` names)."""
+    return sha256_of(SOURCE)
+
+
+def register_for_plan(session_options, ops: list[str], plan_source_sha256: str) -> None:
+    """Register the library a plan's ``policy.custom_ops`` asks for: the one built here from this package's source.
+
+    Raises:
+        KernelUnavailable: the plan asks for an op this package does not build, or was compiled against another
+            version of the kernel's source, or the library cannot be built here.
+    """
+    unknown = sorted(set(ops) - {f"{DOMAIN}.{OP_TYPE}"})
+    if unknown:
+        raise KernelUnavailable(f"the plan needs custom ops {unknown} that this dyncompile does not provide; "
+                                "compile the plan with this version")
+    mine = source_sha256()
+    if plan_source_sha256 != mine:
+        raise KernelUnavailable(f"the plan was compiled against another {OP_TYPE} kernel source (sha256 "
+                                f"{plan_source_sha256[:12]}…, this installation has {mine[:12]}…); compile the plan "
+                                "again with this version of dyncompile")
+    register(session_options, *library())
 
 
 def register(session_options, path: Path, sha256: str) -> None:
