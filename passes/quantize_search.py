@@ -816,14 +816,14 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
             logger.info("quantize-int4 search: %d int4, %d int8, %d fp32 of %d MatMuls", len(res.int4_nodes),
                         len(res.int8_nodes), len(res.excluded), len(res.table))
         logger.info(
-            "quantize-int8 search: %d of %d MatMuls kept in fp32; int8 alone on %d held-out calibration rows: "
+            "quantize search: %d of %d MatMuls kept in fp32; the quantized model alone on %d held-out calibration rows: "
             "drop %.2f points, agreement %.2f %%, bound %s (target %.2f = %g x budget %g)",
             len(res.excluded), len(res.table), c["rows"], c["observed"], c["agreement"],
             "none" if c["bound"] is None else f"{c['bound']:.2f}", res.target_points, res.share, res.budget,
         )
         if res.confidence is not None and not c["certified"]:
             logger.warning(
-                "quantize-int8 search: the int8 model's own share (%.2f points) is not certified (bound %.2f); "
+                "quantize search: the quantized model's own share (%.2f points) is not certified (bound %.2f); "
                 "a following early-exit certifies the whole pipeline against the fp32 original", res.target_points,
                 c["bound"])
         if result.modified:

@@ -80,7 +80,7 @@ def quantization_lines(q: dict, split: dict | None = None, top: int = 20) -> lis
                    f"{len(q.get('excluded') or [])} fp32")
     if c:
         bound = "none" if c.get("bound") is None else f"{c['bound']:.2f}"
-        out.append(f"    int8 alone on {c.get('rows')} held-out calibration rows: drop {c.get('observed'):.2f} points, "
+        out.append(f"    {'the quantized model' if int4 else 'int8'} alone on {c.get('rows')} held-out calibration rows: drop {c.get('observed'):.2f} points, "
                    f"agreement {c.get('agreement')} %, bound {bound} at {c.get('confidence')} -> "
                    f"{'certified' if c.get('certified') else 'NOT certified'} within {c.get('target')}")
     if split:
