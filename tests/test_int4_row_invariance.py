@@ -36,3 +36,31 @@ def test_row_deviation_measures_the_call_size_effect_only():
     report = {"windows": 1, "prefix": 10, "rows": [{"plan": "x", "rows": 2, "max_abs_logit_diff": 1e-3,
                                                     "mean_abs_logit_diff": 1e-3, "argmax_differs": 0, "positions": 2}]}
     assert "| x | 2 | 1.00e-03 | 1.00e-03 | 0 / 2 |" in markdown(report)
+
+
+class _OneRowDecoder(_CallSizeDecoder):
+    """A decoder whose one-row calls differ (``eps``) from calls of two rows or more, with a cache length."""
+
+    @property
+    def length(self) -> int:
+        return self.pos
+
+    def truncate(self, n: int) -> None:
+        self.pos = n
+
+    def forward(self, ids):
+        ids = np.asarray(ids).reshape(-1)
+        p = self.pos + np.arange(len(ids))
+        self.pos += len(ids)
+        return np.sin(np.outer(p * 7 + ids, np.arange(1, self.vocab + 1))) + (self.eps if len(ids) == 1 else 0.0)
+
+
+def test_greedy_identity_two_row_calls_match_verification_calls():
+    from dyncompile.tools.studies.int4_row_invariance import greedy_identity
+
+    g = greedy_identity(_OneRowDecoder(0.0), list(range(10)), 12)
+    assert g["two_row_vs_chunked_tokens_equal"] and g["two_row_vs_chunked_max_logit_diff"] == 0.0
+    assert g["one_row_vs_two_row_tokens_equal"] and g["one_row_vs_two_row_first_divergence"] is None
+    g = greedy_identity(_OneRowDecoder(0.25), list(range(10)), 12)
+    assert g["two_row_vs_chunked_max_logit_diff"] == 0.0  # the padded greedy run is what verification computes
+    assert g["one_row_vs_chunked_max_logit_diff_before_divergence"] > 0.2  # one-row calls are not

@@ -85,7 +85,7 @@ def quantization_lines(q: dict, split: dict | None = None, top: int = 20) -> lis
                    f"{'certified' if c.get('certified') else 'NOT certified'} within {c.get('target')}")
     if split:
         pl, qs, ex = split.get("pipeline") or {}, split.get("quantization") or {}, split.get("exits") or {}
-        out.append(f"    budget split of {split.get('budget')}: int8 observed {qs.get('observed')}, exits observed "
+        out.append(f"    budget split of {split.get('budget')}: {'quantized' if int4 else 'int8'} observed {qs.get('observed')}, exits observed "
                    f"{ex.get('observed')}, pipeline observed {pl.get('observed')} bound {pl.get('bound')} "
                    f"({'certified' if pl.get('certified') else 'NOT certified'}, one certificate vs the fp32 original)")
     for st in q.get("steps") or []:

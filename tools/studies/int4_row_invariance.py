@@ -36,12 +36,64 @@ def row_deviation(dec, ids: list[int], prefix: int, max_rows: int) -> list[dict[
     return out
 
 
-def run(plans: list[tuple[str, Path]], windows: int, window_tokens: int, prefix: int, max_rows: int) -> dict[str, Any]:
+def greedy_identity(dec, prompt: list[int], new_tokens: int, seed: int = 0) -> dict[str, Any]:
+    """Greedy decoding three ways from ``prompt``: one-row calls (the target alone today), two-row calls (the token
+    and a copy of it, the copy's row and cache slot dropped: every row is computed in a call of >= 2 rows), and
+    verification-like calls of 2..8 rows over the two-row output (a speculative target's calls, any acceptance).
+
+    Returns whether the two-row greedy output is token- and logit-identical to the chunked one, and how the
+    one-row output compares with it.
+    """
+    rng = np.random.default_rng(seed)
+
+    def greedy(pad: bool) -> tuple[list[int], np.ndarray]:
+        dec.reset()
+        last = np.asarray(dec.forward(np.asarray(prompt, np.int64)), np.float64)[-1]
+        toks, rows = [], []
+        for _ in range(new_tokens):
+            t = int(last.argmax())
+            toks.append(t)
+            rows.append(last)
+            n = dec.length
+            last = np.asarray(dec.forward(np.asarray([t, t] if pad else [t], np.int64)), np.float64)[0]
+            if pad:
+                dec.truncate(n + 1)
+        return toks, np.stack(rows)
+
+    one, one_rows = greedy(False)
+    two, two_rows = greedy(True)
+    dec.reset()
+    chunked = [np.asarray(dec.forward(np.asarray(prompt, np.int64)), np.float64)[-1]]
+    i = 0
+    while i < new_tokens - 1:
+        k = int(min(rng.integers(2, 9), new_tokens - 1 - i))
+        if k < 2:  # a last single token: a two-row call as above
+            n = dec.length
+            chunked.append(np.asarray(dec.forward(np.asarray([two[i]] * 2, np.int64)), np.float64)[0])
+            dec.truncate(n + 1)
+            i += 1
+            continue
+        chunked.extend(np.asarray(dec.forward(np.asarray(two[i : i + k], np.int64)), np.float64))
+        i += k
+    chunked = np.stack(chunked[:new_tokens])
+    div = next((j for j, (a, b) in enumerate(zip(one, two, strict=True)) if a != b), None)
+    upto = new_tokens if div is None else div
+    return {"tokens": new_tokens,
+            "two_row_vs_chunked_max_logit_diff": float(np.abs(two_rows - chunked).max()),
+            "two_row_vs_chunked_tokens_equal": bool((chunked.argmax(-1) == np.asarray(two)).all()),
+            "one_row_vs_two_row_tokens_equal": one == two,
+            "one_row_vs_two_row_first_divergence": div,
+            "one_row_vs_chunked_max_logit_diff_before_divergence": float(np.abs(one_rows[:upto] - chunked[:upto]).max())
+            if upto else 0.0}
+
+
+def run(plans: list[tuple[str, Path]], windows: int, window_tokens: int, prefix: int, max_rows: int,
+        greedy_prompts: int = 0, new_tokens: int = 32) -> dict[str, Any]:
     import dyncompile
     from dyncompile.tools.bench.common import machine_info
     from dyncompile.tools.bench.quality import _decoder, heldout_windows
 
-    rows = []
+    rows, greedy = [], []
     wins = None
     for name, d in plans:
         dec, codec = _decoder(dyncompile.load(d))
@@ -51,12 +103,15 @@ def run(plans: list[tuple[str, Path]], windows: int, window_tokens: int, prefix:
         for w in wins:
             for r in row_deviation(dec, w, prefix, max_rows):
                 per_m.setdefault(r["rows"], []).append(r)
+        for w in wins[:greedy_prompts]:
+            g = greedy_identity(dec, w[:prefix], new_tokens)
+            greedy.append({"plan": name, **g})
         for m, rs in sorted(per_m.items()):
             rows.append({"plan": name, "rows": m, "max_abs_logit_diff": max(r["max"] for r in rs),
                          "mean_abs_logit_diff": float(np.mean([r["mean"] for r in rs])),
                          "argmax_differs": sum(r["argmax_differs"] for r in rs), "positions": m * len(rs)})
         del dec
-    return {"rows": rows, "windows": windows, "window_tokens": window_tokens, "prefix": prefix,
+    return {"rows": rows, "greedy": greedy, "windows": windows, "window_tokens": window_tokens, "prefix": prefix,
             "plans": {n: Path(d).name for n, d in plans}, "machine": machine_info()}
 
 
@@ -68,6 +123,16 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         out.append(f"| {r['plan']} | {r['rows']} | {r['max_abs_logit_diff']:.2e} | {r['mean_abs_logit_diff']:.2e} | "
                    f"{r['argmax_differs']} / {r['positions']} |")
+    if report.get("greedy"):
+        out += ["", "Greedy decoding: one-row calls, two-row calls (token + copy, copy dropped), and 2..8-row "
+                "verification calls over the two-row output", "",
+                "| plan | tokens | two-row = chunked (tokens) | max logit diff two-row vs chunked | one-row = two-row (tokens) "
+                "| first divergence | max logit diff one-row vs chunked before it |", "|---|---|---|---|---|---|---|"]
+        for g in report["greedy"]:
+            out.append(f"| {g['plan']} | {g['tokens']} | {g['two_row_vs_chunked_tokens_equal']} | "
+                       f"{g['two_row_vs_chunked_max_logit_diff']:.2e} | {g['one_row_vs_two_row_tokens_equal']} | "
+                       f"{g['one_row_vs_two_row_first_divergence']} | "
+                       f"{g['one_row_vs_chunked_max_logit_diff_before_divergence']:.2e} |")
     return "\n".join(out) + "\n"
 
 
@@ -89,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-tokens", type=int, default=64)
     p.add_argument("--prefix", type=int, default=48)
     p.add_argument("--max-rows", type=int, default=8)
+    p.add_argument("--greedy-prompts", type=int, default=0, help="greedy decoding checks on this many windows")
+    p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.prefix + a.max_rows > a.window_tokens:
         p.error("--prefix + --max-rows must be at most --window-tokens")
     plans = [(x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in a.plans]
-    report = run(plans, a.windows, a.window_tokens, a.prefix, a.max_rows)
+    report = run(plans, a.windows, a.window_tokens, a.prefix, a.max_rows, a.greedy_prompts, a.new_tokens)
     report["markdown"] = markdown(report)
     from dyncompile.tools.bench.common import write_report
 
