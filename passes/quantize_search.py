@@ -52,6 +52,7 @@ __all__ = [
     "GATE_INPUT",
     "Int4Format",
     "QuantSearchResult",
+    "QuantizeMixedInt4Pass",
     "QuantTarget",
     "dequantize_nbits",
     "gated_fake_quant",
@@ -681,6 +682,70 @@ def _layer_record(model: ir.Model) -> dict[str, Any] | None:
             "pooling": s.head.pooling if s.head else "cls"}
 
 
+class QuantizeMixedInt4Pass(ir.passes.InPlacePass):
+    """int4 ``MatMulNBits`` for every constant-weight MatMul but the named int8 (dynamic) and fp32 ones.
+
+    The precisions an int4 search chose, given by name (``quantize-int4{int8_nodes=A+B,fp32_nodes=C}``, names
+    from ``dyncompile inspect``), or the search's own last step. A MatMul whose ``K`` is not a multiple of the
+    block size is int8, as in the search. Scope: main graph. Invariants: graph inputs/outputs unchanged; the int8
+    MatMuls are what ``quantize_dynamic`` makes of them, the int4 ones what ``MatMulNBitsQuantizer`` makes.
+    Records ``dyncompile.quantized`` (scheme ``mixed-int4-int8``). Idempotent: a graph with MatMulNBits or int8
+    MatMuls is left alone.
+    """
+
+    def __init__(self, int4: Int4Format, int8_nodes: Sequence[str] = (), fp32_nodes: Sequence[str] = (), *,
+                 per_channel: bool = True) -> None:
+        super().__init__()
+        self.int4 = int4
+        self.int8_nodes = tuple(int8_nodes)
+        self.fp32_nodes = tuple(fp32_nodes)
+        self.per_channel = bool(per_channel)
+
+    def __repr__(self) -> str:
+        return (f"QuantizeMixedInt4Pass({self.int4}, int8_nodes=<{len(self.int8_nodes)} names>, "
+                f"fp32_nodes=<{len(self.fp32_nodes)} names>)")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        import json
+
+        from dyncompile.passes import _keys
+        from dyncompile.passes.quantize_weights import (
+            INT8_OPS,
+            QuantizeDynamicInt8Pass,
+            QuantizeWeightsInt4Pass,
+            _has_ops,
+        )
+
+        if _has_ops(model, {*INT8_OPS, "MatMulNBits"}):
+            return ir.passes.PassResult(model, modified=False)
+        targets = quant_targets(model)
+        unknown = sorted(set(self.int8_nodes + self.fp32_nodes) - {t.node for t in targets})
+        if unknown:
+            from dyncompile.errors import PassConfigError
+
+            raise PassConfigError(f"quantize-int4: {len(unknown)} named MatMuls are not constant-weight MatMuls of this "
+                                  f"graph (e.g. {unknown[0]!r}); take the names from `dyncompile inspect` of a plan "
+                                  "compiled from the same model")
+        f, keep = self.int4, set(self.fp32_nodes)
+        shapes = {t.node: model.graph.initializers[t.weight].const_value.shape for t in targets}
+        int8 = [t.node for t in targets if t.node not in keep
+                and (t.node in self.int8_nodes or shapes[t.node][0] % f.block_size)]
+        int4 = [t.node for t in targets if t.node not in keep and t.node not in int8]
+        # int8 first: ORT's dynamic quantizer cannot type a graph that holds MatMulNBits already
+        if int8:
+            QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=[*keep, *int4])(model)
+        if int4:
+            QuantizeWeightsInt4Pass(block_size=f.block_size, symmetric=f.symmetric, accuracy_level=f.accuracy_level,
+                                    include_nodes=int4)(model)
+        if not int8 and not int4:
+            return ir.passes.PassResult(model, modified=False)
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
+            {"scheme": "mixed-int4-int8", **f.to_dict(), "per_channel": self.per_channel, "int4_matmuls": len(int4),
+             "int8_matmuls": len(int8), "fp32_matmuls_kept": len(keep)})
+        return ir.passes.PassResult(model, modified=True)
+
+
 class SearchInt8FallbackPass(ir.passes.InPlacePass):
     """Accuracy-aware dynamic int8: keep the most sensitive MatMuls in fp32 until a budget share is met.
 
@@ -758,7 +823,6 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
             INT8_OPS,
             QuantizeDynamicInt8Pass,
             QuantizeStaticInt8Pass,
-            QuantizeWeightsInt4Pass,
             _has_ops,
         )
 
@@ -791,19 +855,7 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
                            res.target_points)
             result = ir.passes.PassResult(model, modified=False)
         elif self.int4 is not None:
-            f = self.int4
-            # int8 first: ORT's dynamic quantizer cannot type a graph that holds MatMulNBits already
-            if res.int8_nodes:
-                QuantizeDynamicInt8Pass(per_channel=self.per_channel,
-                                        exclude_nodes=[*res.excluded, *res.int4_nodes])(model)
-            if res.int4_nodes:
-                QuantizeWeightsInt4Pass(block_size=f.block_size, symmetric=f.symmetric, accuracy_level=f.accuracy_level,
-                                        include_nodes=res.int4_nodes)(model)
-            model.metadata_props[_keys.QUANTIZED] = json.dumps(
-                {"scheme": "mixed-int4-int8", **f.to_dict(), "per_channel": self.per_channel,
-                 "int4_matmuls": len(res.int4_nodes), "int8_matmuls": len(res.int8_nodes),
-                 "fp32_matmuls_kept": len(res.excluded)})
-            result = ir.passes.PassResult(model, modified=True)
+            result = QuantizeMixedInt4Pass(self.int4, res.int8_nodes, res.excluded, per_channel=self.per_channel)(model)
         elif self.fmt == "static":
             result = QuantizeStaticInt8Pass(self.static_feeds, per_channel=self.per_channel, exclude_nodes=res.excluded,
                                             symmetric_activations=self.symmetric_activations)(model)

@@ -762,18 +762,32 @@ def _static_feeds(context, calib_rows: int):
     "lm_head_bits=8 (a decoder's LM head in 8 bits; 4: faster, less faithful; 0: float); budget_share=S (with --calib, "
     "--budget B, a classifier): accuracy-aware search, each MatMul int4, int8 (dynamic) or fp32, raised one level "
     "at a time by sensitivity until the quantized model alone is expected within S*B points of fp32, certified on "
-    "held-out calibration rows (sensitivity_rows, forecast, per_channel as quantize-int8's)",
+    "held-out calibration rows (sensitivity_rows, forecast, per_channel as quantize-int8's); int8_nodes=A+B, "
+    "fp32_nodes=C+D: those MatMuls int8 (dynamic) / fp32, every other int4 (e.g. a search's choice, from `dyncompile "
+    "inspect`)",
     choices={"forecast": ("labels", "clipped")},
 )
 def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy_level: int | None = 4,
                lm_head_bits: int = 8, budget_share: float | None = None, sensitivity_rows: int = 256,
-               forecast: str = "labels", per_channel: bool = True):
+               forecast: str = "labels", per_channel: bool = True, int8_nodes: str | None = None,
+               fp32_nodes: str | None = None):
     from dyncompile.errors import PassConfigError
 
     if block_size < 16 or block_size & (block_size - 1):
         raise PassConfigError(f"quantize-int4 block_size must be a power of two >= 16 (e.g. 32), got {block_size}")
     if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
         raise PassConfigError(f"quantize-int4 accuracy_level must be 0..4 or none, got {accuracy_level}")
+    if int8_nodes or fp32_nodes:
+        from dyncompile.passes.quantize_search import Int4Format, QuantizeMixedInt4Pass
+
+        if budget_share is not None:
+            raise PassConfigError("quantize-int4: give budget_share (search the precisions) or int8_nodes/fp32_nodes "
+                                  "(name them), not both")
+        if accuracy_level not in (0, 4) or lm_head_bits != 8:
+            raise PassConfigError("quantize-int4 int8_nodes/fp32_nodes take accuracy_level 4 or 0 and no lm_head_bits")
+        return QuantizeMixedInt4Pass(Int4Format(block_size, bool(symmetric), int(accuracy_level)),
+                                     [n for n in (int8_nodes or "").split("+") if n],
+                                     [n for n in (fp32_nodes or "").split("+") if n], per_channel=per_channel)
     if budget_share is not None:
         from dyncompile.passes.quantize_search import Int4Format
 

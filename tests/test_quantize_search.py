@@ -355,3 +355,27 @@ def test_int4_search_options_refused_with_one_clear_error(spec, text):
         build_passes(spec, CompileContext(options={"calib": str(DATA / "movie-calib.jsonl")}))
     with pytest.raises(PassConfigError, match="--calib"):
         build_passes("quantize-int4{budget_share=0.5}", CompileContext())
+
+
+def test_int4_pins_named_int8_and_fp32_matmuls():
+    """quantize-int4{int8_nodes=A,fp32_nodes=B}: those two as named, every other MatMul int4; a name not in the
+    graph is one clear error; a second run does nothing."""
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes import CompileContext, build_passes
+
+    m = tiny_encoder_classifier()
+    names = [t.node for t in quant_targets(m)]
+    p = build_passes(f"quantize-int4{{block_size=32,int8_nodes={names[0]},fp32_nodes={names[1]}+{names[2]}}}",
+                     CompileContext())[0]
+    assert p(m).modified
+    ops = {n.name: n.op_type for n in m.graph}
+    assert ops[names[1]] == ops[names[2]] == "MatMul"
+    assert sum(1 for n in m.graph if n.op_type == "MatMulInteger") == 1
+    assert all(ops.get(f"{x}_Q4") == "MatMulNBits" for x in names[3:])
+    assert json.loads(m.metadata_props["dyncompile.quantized"])["int4_matmuls"] == len(names) - 3
+    assert p(m).modified is False
+    bad = build_passes("quantize-int4{int8_nodes=nope}", CompileContext())[0]
+    with pytest.raises(PassConfigError, match="not constant-weight MatMuls"):
+        bad(tiny_encoder_classifier())
+    with pytest.raises(PassConfigError, match="not both"):
+        build_passes("quantize-int4{budget_share=0.5,fp32_nodes=x}", CompileContext(options={"calib": "x"}))
