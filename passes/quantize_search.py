@@ -33,6 +33,11 @@ How (every step on the calibration rows, split as the early-exit certification s
 4. **Quantize and certify.** ``quantize_dynamic(nodes_to_exclude=the k names)``; the *real* int8 model (not the
    simulation) runs on every calibration row; on the test rows its observed drop and its betting UCB at
    ``--confidence`` are recorded (:class:`QuantSearchResult`), ``certified`` when the bound is within ``S * B``.
+
+``quantize-int4{budget_share=S}`` (``int4=``:class:`Int4Format`) runs the same steps with three precisions: the
+gated model has a second gate per MatMul that makes it int4 as ``MatMulNBits`` computes it (:func:`int4_weights`,
+:func:`gated_fake_quant`), every MatMul starts in int4, and the scan walks :func:`precision_moves` (int4 -> int8
+-> fp32, one level a move); the last step is :class:`QuantizeMixedInt4Pass`.
 """
 
 from __future__ import annotations
@@ -748,6 +753,9 @@ class QuantizeMixedInt4Pass(ir.passes.InPlacePass):
 
 class SearchInt8FallbackPass(ir.passes.InPlacePass):
     """Accuracy-aware dynamic int8: keep the most sensitive MatMuls in fp32 until a budget share is met.
+
+    With ``int4`` (an :class:`Int4Format`) the same search over int4 / int8 / fp32 per MatMul, quantized at the
+    end by :class:`QuantizeMixedInt4Pass`.
 
     Scope: main graph of a classifier (one ``[batch, classes]`` float output) with a tokenizer and calibration
     rows. What it does: the search of :func:`search_fallback` (sensitivity per MatMul on the path rows,

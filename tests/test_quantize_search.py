@@ -379,3 +379,18 @@ def test_int4_pins_named_int8_and_fp32_matmuls():
         bad(tiny_encoder_classifier())
     with pytest.raises(PassConfigError, match="not both"):
         build_passes("quantize-int4{budget_share=0.5,fp32_nodes=x}", CompileContext(options={"calib": "x"}))
+
+
+
+@pytest.mark.slow
+def test_minilm_int4_search_certified_alone(minilm, tmp_path):
+    """Real MiniLM: the int4 search (block 32, int8 compute) at a share of 0.5 point keeps most MatMuls in int4,
+    the graph holds what the table says, and the quantized model alone is certified on the held-out rows."""
+    res = dyncompile.compile(minilm.onnx_path, "quantize-int4{budget_share=0.5,block_size=32,sensitivity_rows=64}",
+                             tmp_path / "o", calib=str(DATA / "movie-calib.jsonl"), budget=1.0, progress=False)
+    q = res.plan.policy["quantization"]
+    assert len(q["int4_nodes"]) > len(q["table"]) // 2
+    g = ir.load(res.plan.directory / res.plan.files["model"].path).graph
+    assert sum(1 for n in g if n.op_type == "MatMulNBits") == len(q["int4_nodes"])
+    c = q["certificate"]
+    assert c["certified"] and c["bound"] <= 0.5 and c["rows"] == 1400
