@@ -33,6 +33,11 @@ How (every step on the calibration rows, split as the early-exit certification s
 4. **Quantize and certify.** ``quantize_dynamic(nodes_to_exclude=the k names)``; the *real* int8 model (not the
    simulation) runs on every calibration row; on the test rows its observed drop and its betting UCB at
    ``--confidence`` are recorded (:class:`QuantSearchResult`), ``certified`` when the bound is within ``S * B``.
+
+``quantize-int4{budget_share=S}`` (``int4=``:class:`Int4Format`) runs the same steps with three precisions: the
+gated model has a second gate per MatMul that makes it int4 as ``MatMulNBits`` computes it (:func:`int4_weights`,
+:func:`gated_fake_quant`), every MatMul starts in int4, and the scan walks :func:`precision_moves` (int4 -> int8
+-> fp32, one level a move); the last step is :class:`QuantizeMixedInt4Pass`.
 """
 
 from __future__ import annotations
@@ -50,9 +55,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "GATE_INPUT",
+    "Int4Format",
     "QuantSearchResult",
+    "QuantizeMixedInt4Pass",
     "QuantTarget",
+    "dequantize_nbits",
     "gated_fake_quant",
+    "int4_weights",
+    "precision_moves",
     "predicted_bound",
     "quant_losses",
     "quant_targets",
@@ -127,6 +137,72 @@ def static_qparams(lo: float, hi: float, symmetric: bool) -> tuple[float, int, b
     return scale, int(np.clip(np.round(-lo / scale), 0, 255)), False
 
 
+@dataclasses.dataclass(frozen=True)
+class Int4Format:
+    """The int4 weight format the search may give a MatMul (ORT's ``MatMulNBits``).
+
+    ``block_size`` weights share a scale (and, unless ``symmetric``, a 4-bit zero point); ``accuracy_level`` 4
+    quantizes the activation to int8 per block of ``block_size`` inside the op (int8 dot products), 0 computes
+    in fp32.
+    """
+
+    block_size: int = 32
+    symmetric: bool = False
+    accuracy_level: int = 4
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able record."""
+        return dataclasses.asdict(self)
+
+
+def dequantize_nbits(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
+                     block_size: int) -> np.ndarray:
+    """The ``[K, N]`` float weight a 4-bit ``MatMulNBits`` computes with: ``(q - zp) * scale`` per block.
+
+    ``packed`` ``[N, blocks, block_size / 2]`` (low nibble first), ``scales`` ``[N, blocks]`` (or flat),
+    ``zero_points`` ``[N, ceil(blocks / 2)]`` packed the same way, or None (symmetric: zero point 8).
+    """
+    blocks = (k + block_size - 1) // block_size
+    b = np.asarray(packed, np.uint8).reshape(n, blocks, block_size // 2)
+    q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, blocks, block_size).astype(np.float32)
+    if zero_points is None:
+        zp = np.full((n, blocks), 8.0, np.float32)
+    else:
+        z = np.asarray(zero_points, np.uint8).reshape(n, -1)
+        zp = np.stack([z & 0x0F, z >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float32)
+    w = (q - zp[:, :, None]) * np.asarray(scales, np.float32).reshape(n, blocks)[:, :, None]
+    return np.ascontiguousarray(w.reshape(n, blocks * block_size)[:, :k].T)
+
+
+def int4_weights(model: ir.Model, targets: Sequence[QuantTarget], fmt: Int4Format) -> dict[str, np.ndarray]:
+    """``{node: dq(q4(W))}`` for the targets ORT's ``MatMulNBitsQuantizer`` turns into 4-bit ``MatMulNBits``.
+
+    The weights are the quantizer's own (run once on a copy, then unpacked by :func:`dequantize_nbits`), so the
+    gated model sees exactly the int4 weights the real model will have. Targets whose ``K`` is not a multiple of
+    ``block_size`` are left out (int8 or fp32 only): the activation blocks of :func:`gated_fake_quant` need it.
+    """
+    from dyncompile.passes.quantize_weights import QuantizeWeightsInt4Pass
+
+    shapes = {t.node: model.graph.initializers[t.weight].const_value.shape for t in targets}
+    ok = [t.node for t in targets if shapes[t.node][0] % fmt.block_size == 0]
+    if not ok:
+        return {}
+    work = ir.from_proto(ir.to_proto(model))
+    QuantizeWeightsInt4Pass(block_size=fmt.block_size, symmetric=fmt.symmetric, accuracy_level=fmt.accuracy_level,
+                            include_nodes=ok)(work)
+    inits = work.graph.initializers
+    out = {}
+    for node in work.graph:
+        if node.op_type != "MatMulNBits" or not node.name.endswith("_Q4") or node.name[:-3] not in shapes:
+            continue
+        k, n = node.attributes.get_int("K"), node.attributes.get_int("N")
+        zp = node.inputs[3] if len(node.inputs) > 3 else None
+        out[node.name[:-3]] = dequantize_nbits(
+            inits[node.inputs[1].name].const_value.numpy(), inits[node.inputs[2].name].const_value.numpy(),
+            None if zp is None else inits[zp.name].const_value.numpy(), k, n, fmt.block_size)
+    return out
+
+
 def _fake_quant_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
     """``dq(q(W))`` as ``quantize_dynamic`` stores it: symmetric int8 in [-127, 127], a scale per column (axis 1)."""
     a = w.astype(np.float32)
@@ -136,7 +212,8 @@ def _fake_quant_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
 
 
 def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channel: bool = True,
-                     act_qparams: dict[str, tuple[float, int, bool]] | None = None) -> bytes:
+                     act_qparams: dict[str, tuple[float, int, bool]] | None = None,
+                     int4: dict[str, np.ndarray] | None = None, int4_act_block: int | None = None) -> bytes:
     """A serialised copy of ``model`` whose target MatMuls are int8 where the input ``GATE_INPUT[i]`` is 1.
 
     ``g`` is a float ``[len(targets)]`` graph input. MatMul ``i`` reads ``x + g_i (dq(q(x)) - x)`` and
@@ -144,11 +221,17 @@ def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channe
     dynamic uint8 (``DynamicQuantizeLinear``, as ``quantize_dynamic``) or, with ``act_qparams`` (node name ->
     ``(scale, zero point, signed)``), static with that fixed range (as ``quantize_static``: uint8, or int8 when
     ``signed``; :func:`static_qparams`).
+    With ``int4`` (node name -> ``dq(q4(W))``, :func:`int4_weights`) ``g`` has ``2 * len(targets)`` entries and
+    ``g[len(targets) + i] = 1`` makes MatMul ``i`` int4 as ``MatMulNBits`` computes it: ``W`` read as its int4
+    weight and, with ``int4_act_block`` (``accuracy_level=4``), ``x`` rounded to symmetric int8 per block of that
+    many elements along ``K`` (MLAS's ``QuantizeARow_CompInt8``: scale ``max|x| / 127``, round to nearest even).
     ``model`` is not modified.
     """
     work = ir.from_proto(ir.to_proto(model))
     g = work.graph
-    gate = ir.Value(name=GATE_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([len(targets)]))
+    int4 = int4 or {}
+    m = len(targets)
+    gate = ir.Value(name=GATE_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2 * m if int4 else m]))
     g.inputs.append(gate)
     index = {t.node: i for i, t in enumerate(targets)}
     for node in [n for n in g if n.op_type == "MatMul" and n.name in index]:
@@ -180,13 +263,55 @@ def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channe
         wg = ir.node("Mul", [wdelta, gi.outputs[0]], name=f"{p}/wgate")
         wn = ir.node("Add", [w, wg.outputs[0]], name=f"{p}/w")
         new = [gi, q, dq, xd, xg, xn, wg, wn]
+        if node.name in int4:
+            new += _int4_gate(g, p, m + i, gate, x, xn.outputs[0], wn.outputs[0], arr, int4[node.name], int4_act_block)
         for k, n in enumerate(new):
             for j, o in enumerate(n.outputs):
                 o.name = f"{p}/out{k}_{j}"
         g.insert_before(node, new)
-        node.replace_input_with(0, xn.outputs[0])
-        node.replace_input_with(1, wn.outputs[0])
+        node.replace_input_with(0, new[-2].outputs[0] if node.name in int4 else xn.outputs[0])
+        node.replace_input_with(1, new[-1].outputs[0] if node.name in int4 else wn.outputs[0])
     return ir.to_proto(work).SerializeToString()
+
+
+def _int4_gate(g: ir.Graph, p: str, j: int, gate: ir.Value, x: ir.Value, x8: ir.Value, w8: ir.Value, arr: np.ndarray,
+               w4: np.ndarray, act_block: int | None) -> list[ir.Node]:
+    """The int4 gate ``g_j`` added on top of the int8 one: ``x8 + g_j (dq_blk(x) - x)``, ``w8 + g_j (dq4(W) - W)``.
+
+    The last two nodes compute the MatMul's new activation and weight.
+    """
+    def const(name: str, a: np.ndarray) -> ir.Value:
+        v = ir.Value(name=f"{p}/{name}", const_value=ir.tensor(a, name=f"{p}/{name}"))
+        g.register_initializer(v)
+        return v
+
+    gj = ir.node("Gather", [gate, const("idx4", np.array(j, np.int64))], {"axis": 0}, name=f"{p}/gate4")
+    nodes = [gj]
+    w4d = const("w4delta", (w4 - arr.astype(np.float32)).astype(np.float32))
+    if act_block:
+        k = arr.shape[0]
+        shp = ir.node("Shape", [x], name=f"{p}/a4shape")
+        xr = ir.node("Reshape", [x, const("a4blocks", np.array([-1, k // act_block, act_block], np.int64))],
+                     name=f"{p}/a4reshape")
+        ab = ir.node("Abs", [xr.outputs[0]], name=f"{p}/a4abs")
+        amax = ir.node("ReduceMax", [ab.outputs[0], const("a4axis", np.array([-1], np.int64))], {"keepdims": 1},
+                       name=f"{p}/a4amax")
+        safe = ir.node("Max", [amax.outputs[0], const("a4tiny", np.array(1e-30, np.float32))], name=f"{p}/a4safe")
+        inv = ir.node("Div", [const("a4qmax", np.array(127.0, np.float32)), safe.outputs[0]], name=f"{p}/a4inv")
+        scale = ir.node("Div", [amax.outputs[0], const("a4qmax2", np.array(127.0, np.float32))], name=f"{p}/a4scale")
+        xs = ir.node("Mul", [xr.outputs[0], inv.outputs[0]], name=f"{p}/a4scaled")
+        rq = ir.node("Round", [xs.outputs[0]], name=f"{p}/a4round")
+        dq = ir.node("Mul", [rq.outputs[0], scale.outputs[0]], name=f"{p}/a4dq")
+        back = ir.node("Reshape", [dq.outputs[0], shp.outputs[0]], name=f"{p}/a4back")
+        xd = ir.node("Sub", [back.outputs[0], x], name=f"{p}/a4delta")
+        xg = ir.node("Mul", [xd.outputs[0], gj.outputs[0]], name=f"{p}/a4gate")
+        nodes += [shp, xr, ab, amax, safe, inv, scale, xs, rq, dq, back, xd, xg]
+        xn = ir.node("Add", [x8, xg.outputs[0]], name=f"{p}/x4")
+    else:
+        xn = ir.node("Identity", [x8], name=f"{p}/x4")
+    wg = ir.node("Mul", [w4d, gj.outputs[0]], name=f"{p}/w4gate")
+    wn = ir.node("Add", [w8, wg.outputs[0]], name=f"{p}/w4")
+    return [*nodes, wg, xn, wn]
 
 
 class _Runner:
@@ -275,6 +400,9 @@ class QuantSearchResult:
     certificate: dict[str, Any] = dataclasses.field(default_factory=dict)
     int8_format: str = "dynamic"
     forecast: str = "labels"
+    int4: dict[str, Any] | None = None  #: the int4 format (Int4Format) when the search may use int4
+    int8_nodes: list[str] = dataclasses.field(default_factory=list)  #: with int4: the MatMuls kept 8-bit
+    int4_nodes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record with its format tag."""
@@ -317,11 +445,16 @@ def search_fallback(
     split: float | None = None,
     seed: int = 0,
     batch_size: int = 32,
+    int4: Int4Format | None = None,
 ) -> tuple[QuantSearchResult, _Runner, np.ndarray, np.ndarray]:
-    """Steps 1–3 of the module docstring: the names to keep in fp32 and the evidence.
+    """Steps 1–3 of the module docstring: the names to keep in fp32 (and, with ``int4``, in int8) and the evidence.
+
+    With ``int4`` every MatMul starts in int4 (those whose ``K`` is not a multiple of the block size in int8) and
+    the search raises precisions one level at a time (:func:`precision_moves`): the configuration after ``k``
+    moves is scanned for ``k`` in :func:`fallback_counts` as the fp32 count is without it.
 
     Returns ``(result without certificate, runner of the gated model, fp32 probabilities on every row, test
-    rows)``; :func:`certify_quantized` fills the certificate from the real int8 model.
+    rows)``; :func:`certify_quantized` fills the certificate from the real quantized model.
     """
     from dyncompile.passes.early_exit.certify import DEFAULT_SPLIT, stratified_split
 
@@ -329,11 +462,14 @@ def search_fallback(
     targets = quant_targets(model)
     if not targets:
         raise ValueError("no MatMul with a 2-D float32 weight initializer to quantize")
-    runner = _Runner(gated_fake_quant(model, targets, per_channel, act_qparams), texts, tokenizer_file, max_length,
-                     batch_size)
+    w4 = int4_weights(model, targets, int4) if int4 is not None else {}
+    act_block = int4.block_size if int4 is not None and int4.accuracy_level == 4 else None
+    runner = _Runner(gated_fake_quant(model, targets, per_channel, act_qparams, w4, act_block), texts, tokenizer_file,
+                     max_length, batch_size)
     n, m = len(texts), len(targets)
+    width = 2 * m if w4 else m
     every = np.arange(n)
-    zero = np.zeros(m, np.float32)
+    zero = np.zeros(width, np.float32)
     fp32 = runner.probs(every, zero)
     y = None if labels is None else np.asarray(labels, np.int64)
     strata = fp32.argmax(-1) if y is None else y
@@ -341,55 +477,161 @@ def search_fallback(
     sens_rows = path[np.random.default_rng(seed).permutation(len(path))[: min(sensitivity_rows, len(path))]]
     sens_rows = np.sort(sens_rows)
     ref_s, ref_p = fp32[sens_rows], fp32[path]
-    table = []
-    for i, t in enumerate(targets):
-        gate = zero.copy()
-        gate[i] = 1.0
-        q = runner.probs(sens_rows, gate)
-        flips = int((q.argmax(-1) != ref_s.argmax(-1)).sum())
-        row = {"node": t.node, "label": t.label, "layer": t.layer, "kl": float(_kl(ref_s, q).mean()), "flips": flips}
-        if y is not None:
-            row["acc_change"] = round(100.0 * float((q.argmax(-1) == y[sens_rows]).mean()
-                                                     - (ref_s.argmax(-1) == y[sens_rows]).mean()), 4)
-        table.append(row)
-    order = sorted(range(m), key=lambda i: -table[i]["kl"])
-    for rank, i in enumerate(order):
+
+    table = _sensitivity_table(runner, targets, w4, sens_rows, ref_s, y, width)
+    start = [4 if t.node in w4 else 8 for t in targets] if int4 is not None else [8] * m
+    moves = precision_moves(table, start)
+    first = {}
+    for j, (i, _) in enumerate(moves):
+        first.setdefault(i, j)
+    for rank, i in enumerate(sorted(range(m), key=lambda i: first[i])):
         table[i]["rank"] = rank + 1
     delta = 0.1 if confidence is None else 1.0 - confidence
     lo = -1.0 if y is not None else 0.0
     target = share * budget
     steps: dict[int, dict[str, Any]] = {}
 
+    def levels(k: int) -> list[int]:
+        lv = list(start)
+        for i, to in moves[:k]:
+            lv[i] = to
+        return lv
+
     def evaluate(k: int) -> float:
-        gate = np.ones(m, np.float32)
-        gate[order[:k]] = 0.0
+        lv = levels(k)
+        gate = np.zeros(width, np.float32)
+        for i, b in enumerate(lv):
+            if b == 8:
+                gate[i] = 1.0
+            elif b == 4:
+                gate[m + i] = 1.0
         q = runner.probs(path, gate)
         losses = quant_losses(q, ref_p, None if y is None else y[path])
         if forecast == "clipped":  # a flip that helps does not pay for one that hurts: the loss clipped at 0
             pb = predicted_bound(np.maximum(losses, 0.0), len(test), delta, 0.0)
         else:
             pb = predicted_bound(losses, len(test), delta, lo)
-        steps[k] = {"fp32_kept": k, "observed_path": round(100.0 * float(losses.mean()), 4),
+        steps[k] = {"fp32_kept": lv.count(32), "observed_path": round(100.0 * float(losses.mean()), 4),
                     "agreement_path": round(100.0 * float((q.argmax(-1) == ref_p.argmax(-1)).mean()), 4),
                     "predicted_bound": round(pb, 4)}
-        logger.info("quantize-int8 search: %d of %d MatMuls in fp32: path-row drop %.2f, predicted bound %.2f "
-                    "(target %.2f)", k, m, steps[k]["observed_path"], pb, target)
+        if int4 is not None:
+            steps[k].update(moves=k, int8=lv.count(8), int4=lv.count(4))
+        logger.info("quantize search: %s: path-row drop %.2f, predicted bound %.2f (target %.2f)",
+                    _describe_levels(lv), steps[k]["observed_path"], pb, target)
         return pb
 
-    k = next((j for j in fallback_counts(m) if evaluate(j) <= target), m)
-    excluded = [targets[i].node for i in order[:k]]
-    for i in order[:k]:
-        table[i]["fp32"] = True
-        table[i]["why"] = f"rank {table[i]['rank']} of {m} by KL; int8 with fewer fallbacks predicted above {target:.2f} points"
-    for row in table:
-        row["kl"] = round(row["kl"], 6)
+    k = next((j for j in fallback_counts(len(moves)) if evaluate(j) <= target), len(moves))
+    final = levels(k)
+    excluded = [targets[i].node for i in range(m) if final[i] == 32]
+    _label_precisions(table, final, start, int4, target)
     res = QuantSearchResult(
         excluded=excluded, target_points=round(target, 6), budget=float(budget), share=float(share),
         confidence=confidence, table=table, steps=[steps[j] for j in sorted(steps)],
         rows={"calibration": n, "path": len(path), "test": len(test), "sensitivity": len(sens_rows)},
         per_channel=per_channel, int8_format="dynamic" if act_qparams is None else "static", forecast=forecast,
+        int4=None if int4 is None else int4.to_dict(),
+        int8_nodes=[targets[i].node for i in range(m) if final[i] == 8] if int4 is not None else [],
+        int4_nodes=[targets[i].node for i in range(m) if final[i] == 4],
     )
     return res, runner, fp32, test
+
+
+def _sensitivity_table(runner: _Runner, targets: Sequence[QuantTarget], w4: dict[str, np.ndarray],
+                       rows: np.ndarray, ref: np.ndarray, y: np.ndarray | None, width: int) -> list[dict[str, Any]]:
+    """The sensitivity of each target on ``rows``: KL(fp32 || that MatMul alone in int8), flips, accuracy change.
+
+    With int4 weights, also the same with it alone in int4 (``kl_int4``, ``flips_int4``, ``acc_change_int4``).
+    """
+    m = len(targets)
+
+    def sensitivity(j: int, suffix: str) -> dict[str, Any]:
+        gate = np.zeros(width, np.float32)
+        gate[j] = 1.0
+        q = runner.probs(rows, gate)
+        row = {f"kl{suffix}": float(_kl(ref, q).mean()), f"flips{suffix}": int((q.argmax(-1) != ref.argmax(-1)).sum())}
+        if y is not None:
+            row[f"acc_change{suffix}"] = round(100.0 * float((q.argmax(-1) == y[rows]).mean()
+                                                              - (ref.argmax(-1) == y[rows]).mean()), 4)
+        return row
+
+    table = []
+    for i, t in enumerate(targets):
+        row = {"node": t.node, "label": t.label, "layer": t.layer, **sensitivity(i, "")}
+        if t.node in w4:
+            row.update(sensitivity(m + i, "_int4"))
+        table.append(row)
+    return table
+
+
+def precision_moves(table: Sequence[dict[str, Any]], start: Sequence[int]) -> list[tuple[int, int]]:
+    """The order in which the search raises precisions: ``[(MatMul index, new bits), ...]`` (bits 8 or 32 = fp32).
+
+    Each MatMul's steps (int4 -> int8 -> fp32, from its ``start``) are worth their drop in sensitivity: int4 ->
+    int8 ``kl_int4 - kl``, int8 -> fp32 ``kl`` (the mean KL to fp32 with that MatMul alone quantized). A MatMul
+    whose second step is worth more than its first goes int4 -> fp32 in one move (worth ``kl_int4``, the hull of
+    its steps). Moves are taken most valuable first, each MatMul's in its order. Without int4 (every start 8)
+    this is the int8 search's order: by ``kl``, descending.
+    """
+    import heapq
+
+    heap: list[tuple[float, int, int, int]] = []
+
+    def push(i: int, frm: int) -> None:
+        r = table[i]
+        if frm == 4:
+            up8, up32 = r["kl_int4"] - r["kl"], r["kl"]
+            if up32 >= up8:
+                heapq.heappush(heap, (-r["kl_int4"] / 2.0, i, i, 32))
+            else:
+                heapq.heappush(heap, (-up8, i, i, 8))
+        elif frm == 8:
+            heapq.heappush(heap, (-r["kl"], i, i, 32))
+
+    for i, b in enumerate(start):
+        push(i, b)
+    out = []
+    while heap:
+        _, _, i, to = heapq.heappop(heap)
+        out.append((i, to))
+        if to == 8:
+            push(i, 8)
+    return out
+
+
+def _label_precisions(table: list[dict[str, Any]], final: Sequence[int], start: Sequence[int],
+                      int4: Int4Format | None, target: float) -> None:
+    """Each table row's ``precision`` (``fp32: True`` too, as the int8 search records it) and ``why``."""
+    name = {4: "int4", 8: "int8", 32: "fp32"}
+    for i, row in enumerate(table):
+        row["precision"] = name[final[i]]
+        if final[i] == 32:
+            row["fp32"] = True
+        row["why"] = _why(row, final[i], start[i], int4, target)
+        for key in ("kl", "kl_int4"):
+            if key in row:
+                row[key] = round(row[key], 6)
+
+
+def _describe_levels(lv: Sequence[int]) -> str:
+    return f"{lv.count(4)} int4, {lv.count(8)} int8, {lv.count(32)} fp32 of {len(lv)} MatMuls"
+
+
+def _why(row: dict[str, Any], bits: int, start: int, int4: Int4Format | None, target: float) -> str:
+    """The table's reason for one MatMul's precision."""
+    if bits == 32 and int4 is not None and start == 4:
+        return (f"rank {row['rank']} of the fallback order (KL {row['kl_int4']:.2e} alone in int4, {row['kl']:.2e} "
+                f"in int8); with fewer fallbacks the forecast was above {target:.2f} points")
+    if bits == 32:
+        return (f"rank {row['rank']} of the fallback order (KL {row['kl']:.2e} with it alone in int8); "
+                f"with fewer fallbacks the forecast was above {target:.2f} points")
+    if int4 is None:
+        return ""
+    if bits == 8 and start == 8:
+        return f"K {row['label'].split()[1].split('x')[0]} is not a multiple of block_size {int4.block_size}: no int4"
+    if bits == 8:
+        return (f"kept 8-bit: rank {row['rank']} (KL {row['kl_int4']:.2e} in int4, {row['kl']:.2e} in int8); with it "
+                f"in int4 the forecast was above {target:.2f} points")
+    return f"int4 (KL {row['kl_int4']:.2e} alone in int4)"
 
 
 def certify_quantized(res: QuantSearchResult, quantized: ir.Model, runner: _Runner, fp32: np.ndarray,
@@ -445,8 +687,75 @@ def _layer_record(model: ir.Model) -> dict[str, Any] | None:
             "pooling": s.head.pooling if s.head else "cls"}
 
 
+class QuantizeMixedInt4Pass(ir.passes.InPlacePass):
+    """int4 ``MatMulNBits`` for every constant-weight MatMul but the named int8 (dynamic) and fp32 ones.
+
+    The precisions an int4 search chose, given by name (``quantize-int4{int8_nodes=A+B,fp32_nodes=C}``, names
+    from ``dyncompile inspect``), or the search's own last step. A MatMul whose ``K`` is not a multiple of the
+    block size is int8, as in the search. Scope: main graph. Invariants: graph inputs/outputs unchanged; the int8
+    MatMuls are what ``quantize_dynamic`` makes of them, the int4 ones what ``MatMulNBitsQuantizer`` makes.
+    Records ``dyncompile.quantized`` (scheme ``mixed-int4-int8``). Idempotent: a graph with MatMulNBits or int8
+    MatMuls is left alone.
+    """
+
+    def __init__(self, int4: Int4Format, int8_nodes: Sequence[str] = (), fp32_nodes: Sequence[str] = (), *,
+                 per_channel: bool = True) -> None:
+        super().__init__()
+        self.int4 = int4
+        self.int8_nodes = tuple(int8_nodes)
+        self.fp32_nodes = tuple(fp32_nodes)
+        self.per_channel = bool(per_channel)
+
+    def __repr__(self) -> str:
+        return (f"QuantizeMixedInt4Pass({self.int4}, int8_nodes=<{len(self.int8_nodes)} names>, "
+                f"fp32_nodes=<{len(self.fp32_nodes)} names>)")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        import json
+
+        from dyncompile.passes import _keys
+        from dyncompile.passes.quantize_weights import (
+            INT8_OPS,
+            QuantizeDynamicInt8Pass,
+            QuantizeWeightsInt4Pass,
+            _has_ops,
+        )
+
+        if _has_ops(model, {*INT8_OPS, "MatMulNBits"}):
+            return ir.passes.PassResult(model, modified=False)
+        targets = quant_targets(model)
+        unknown = sorted(set(self.int8_nodes + self.fp32_nodes) - {t.node for t in targets})
+        if unknown:
+            from dyncompile.errors import PassConfigError
+
+            raise PassConfigError(f"quantize-int4: {len(unknown)} named MatMuls are not constant-weight MatMuls of this "
+                                  f"graph (e.g. {unknown[0]!r}); take the names from `dyncompile inspect` of a plan "
+                                  "compiled from the same model")
+        f, keep = self.int4, set(self.fp32_nodes)
+        shapes = {t.node: model.graph.initializers[t.weight].const_value.shape for t in targets}
+        int8 = [t.node for t in targets if t.node not in keep
+                and (t.node in self.int8_nodes or shapes[t.node][0] % f.block_size)]
+        int4 = [t.node for t in targets if t.node not in keep and t.node not in int8]
+        # int8 first: ORT's dynamic quantizer cannot type a graph that holds MatMulNBits already
+        if int8:
+            QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=[*keep, *int4])(model)
+        if int4:
+            QuantizeWeightsInt4Pass(block_size=f.block_size, symmetric=f.symmetric, accuracy_level=f.accuracy_level,
+                                    include_nodes=int4)(model)
+        if not int8 and not int4:
+            return ir.passes.PassResult(model, modified=False)
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
+            {"scheme": "mixed-int4-int8", **f.to_dict(), "per_channel": self.per_channel, "int4_matmuls": len(int4),
+             "int8_matmuls": len(int8), "fp32_matmuls_kept": len(keep)})
+        return ir.passes.PassResult(model, modified=True)
+
+
 class SearchInt8FallbackPass(ir.passes.InPlacePass):
     """Accuracy-aware dynamic int8: keep the most sensitive MatMuls in fp32 until a budget share is met.
+
+    With ``int4`` (an :class:`Int4Format`) the same search over int4 / int8 / fp32 per MatMul, quantized at the
+    end by :class:`QuantizeMixedInt4Pass`.
 
     Scope: main graph of a classifier (one ``[batch, classes]`` float output) with a tokenizer and calibration
     rows. What it does: the search of :func:`search_fallback` (sensitivity per MatMul on the path rows,
@@ -464,8 +773,12 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
                  max_length: int = 512, budget: float = 1.0, share: float = 1.0, confidence: float | None = 0.9,
                  per_channel: bool = True, sensitivity_rows: int = 256, progress: bool = True, fmt: str = "dynamic",
                  static_feeds: Sequence[dict[str, np.ndarray]] | None = None,
-                 symmetric_activations: bool = False, forecast: str = "labels") -> None:
+                 symmetric_activations: bool = False, forecast: str = "labels",
+                 int4: Int4Format | None = None) -> None:
         super().__init__()
+        self.int4 = int4
+        if int4 is not None and fmt != "dynamic":
+            raise ValueError("the int4 search falls back to dynamic int8 (fmt='dynamic')")
         self.texts = list(texts)
         self.labels = None if labels is None else np.asarray(labels, np.int64)
         self.tokenizer_file = Path(tokenizer_file)
@@ -487,7 +800,8 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
 
     def __repr__(self) -> str:
         return (f"SearchInt8FallbackPass(rows={len(self.texts)}, budget={self.budget}, share={self.share}, "
-                f"confidence={self.confidence}, per_channel={self.per_channel}, format={self.fmt})")
+                f"confidence={self.confidence}, per_channel={self.per_channel}, format={self.fmt}"
+                + (f", int4={self.int4})" if self.int4 else ")"))
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a model the pass cannot work on, with what to do about it."""
@@ -520,7 +834,7 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
             _has_ops,
         )
 
-        if (_has_ops(model, {*INT8_OPS, "QuantizeLinear"}) or _keys.QUANTIZED in model.metadata_props
+        if (_has_ops(model, {*INT8_OPS, "QuantizeLinear", "MatMulNBits"}) or _keys.QUANTIZED in model.metadata_props
                 or _keys.POLICY_PREFIX + "quantization" in model.metadata_props):
             return ir.passes.PassResult(model, modified=False)
         if not quant_targets(model):
@@ -540,7 +854,7 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
         res, runner, fp32, test = search_fallback(
             model, self.texts, self.labels, tokenizer_file=self.tokenizer_file, max_length=self.max_length,
             budget=self.budget, share=self.share, confidence=self.confidence, per_channel=self.per_channel,
-            sensitivity_rows=self.sensitivity_rows, act_qparams=act_qparams, forecast=self.forecast,
+            sensitivity_rows=self.sensitivity_rows, act_qparams=act_qparams, forecast=self.forecast, int4=self.int4,
         )
         layers = json.loads(model.metadata_props.get(_keys.SMOOTHED, "{}")).get("layers") or _layer_record(model)
         if len(res.excluded) == len(res.table):
@@ -548,6 +862,8 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
                            "original; every MatMul stays fp32 (a larger budget or budget_share lets int8 in)",
                            res.target_points)
             result = ir.passes.PassResult(model, modified=False)
+        elif self.int4 is not None:
+            result = QuantizeMixedInt4Pass(self.int4, res.int8_nodes, res.excluded, per_channel=self.per_channel)(model)
         elif self.fmt == "static":
             result = QuantizeStaticInt8Pass(self.static_feeds, per_channel=self.per_channel, exclude_nodes=res.excluded,
                                             symmetric_activations=self.symmetric_activations)(model)
@@ -556,20 +872,25 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
         certify_quantized(res, result.model, runner, fp32, self.labels, test)
         del runner
         c = res.certificate
+        if self.int4 is not None:
+            logger.info("quantize-int4 search: %d int4, %d int8, %d fp32 of %d MatMuls", len(res.int4_nodes),
+                        len(res.int8_nodes), len(res.excluded), len(res.table))
         logger.info(
-            "quantize-int8 search: %d of %d MatMuls kept in fp32; int8 alone on %d held-out calibration rows: "
+            "quantize search: %d of %d MatMuls kept in fp32; the quantized model alone on %d held-out calibration rows: "
             "drop %.2f points, agreement %.2f %%, bound %s (target %.2f = %g x budget %g)",
             len(res.excluded), len(res.table), c["rows"], c["observed"], c["agreement"],
             "none" if c["bound"] is None else f"{c['bound']:.2f}", res.target_points, res.share, res.budget,
         )
         if res.confidence is not None and not c["certified"]:
             logger.warning(
-                "quantize-int8 search: the int8 model's own share (%.2f points) is not certified (bound %.2f); "
+                "quantize search: the quantized model's own share (%.2f points) is not certified (bound %.2f); "
                 "a following early-exit certifies the whole pipeline against the fp32 original", res.target_points,
                 c["bound"])
         if result.modified:
             meta = json.loads(result.model.metadata_props.get(_keys.QUANTIZED, "{}"))
             meta.update(search="budget", fp32_nodes=list(res.excluded))
+            if self.int4 is not None:
+                meta.update(int8_nodes=list(res.int8_nodes))
             values = ir.convenience.create_value_mapping(result.model.graph)
             if layers and all(c in values for c in layers["cuts"].values()):
                 # fp32 kept in some layers only: the int8 layers no longer repeat exactly, so a later early-exit

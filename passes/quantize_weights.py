@@ -543,8 +543,11 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     """
 
     def __init__(self, block_size: int = 128, symmetric: bool = False, accuracy_level: int | None = 4,
-                 lm_head_bits: int = 8) -> None:
+                 lm_head_bits: int = 8, include_nodes: Sequence[str] | None = None) -> None:
         super().__init__()
+        #: only these MatMul nodes (by name) go to int4, every other MatMul is left as it is (no Gemm rewrite, no
+        #: LM-head handling): the accuracy-aware search's int4 set; None quantizes every MatMul
+        self.include_nodes = None if include_nodes is None else tuple(include_nodes)
         if int(lm_head_bits) not in (0, 4, 8):
             from dyncompile.errors import PassConfigError
 
@@ -555,9 +558,10 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         self.lm_head_bits = int(lm_head_bits)
 
     def __repr__(self) -> str:
+        inc = "" if self.include_nodes is None else f", include_nodes=<{len(self.include_nodes)} names>"
         return (
             f"QuantizeWeightsInt4Pass(block_size={self.block_size}, symmetric={self.symmetric}, "
-            f"accuracy_level={self.accuracy_level}, lm_head_bits={self.lm_head_bits})"
+            f"accuracy_level={self.accuracy_level}, lm_head_bits={self.lm_head_bits}{inc})"
         )
 
     @staticmethod
@@ -579,6 +583,8 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         head = None
+        if self.include_nodes is not None:
+            return self._call_included(model)
         if self.lm_head_bits != 4:  # the head is found and quantized on its own
             from dyncompile.passes.trim_logits import lm_head
 
@@ -615,6 +621,40 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
              "accuracy_level": self.accuracy_level, "lm_head_bits": self.lm_head_bits if head is not None else 4}
         )
         return ir.passes.PassResult(model, modified=modified)
+
+    def _call_included(self, model: ir.Model) -> ir.passes.PassResult:
+        """int4 for the MatMuls named in ``include_nodes`` only.
+
+        ORT's ``nodes_to_include`` adds to, not limits, the op types it quantizes: every other MatMul is passed as
+        ``nodes_to_exclude``.
+        """
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        include = set(self.include_nodes)
+        found = {n.name for n in model.graph if n.op_type == "MatMul"} & include
+        if not found:
+            return ir.passes.PassResult(model, modified=False)
+        for i, n in enumerate(model.graph):  # an unnamed MatMul could not be excluded by name
+            if n.op_type == "MatMul" and not n.name:
+                n.name = f"dyncompile_matmul_{i}"
+        exclude = [n.name for n in model.graph if n.op_type == "MatMul" and n.name not in include]
+        dirs = external_data_dirs(model)
+        if len(dirs) > 1:
+            raise ValueError(f"initializers read external data from several folders: {sorted(dirs)}")
+        base_dir = dirs.pop() if dirs else None
+        with working_directory(base_dir):
+            q = MatMulNBitsQuantizer(ir.to_proto(model), bits=4, block_size=self.block_size, is_symmetric=self.symmetric,
+                                     accuracy_level=self.accuracy_level, nodes_to_exclude=exclude)
+            q.process()
+        new = ir.from_proto(q.model.model)
+        _rebase_external(new, base_dir)
+        count = sum(1 for n in new.graph if n.op_type == "MatMulNBits")
+        logger.info("quantize-int4: %d of the %d named MatMuls quantized", count, len(found))
+        _replace_contents(model, new)
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
+            {"scheme": "int4-weight-only", "block_size": self.block_size, "symmetric": self.symmetric,
+             "accuracy_level": self.accuracy_level, "int4_matmuls": count})
+        return ir.passes.PassResult(model, modified=count > 0)
 
 
 @register_pass(
@@ -666,7 +706,7 @@ def _make_int8(
 
 def _make_int8_search(context, format: str, per_channel, reduce_range: bool, keep_fp32, share: float,  # noqa: A002
                       sensitivity_rows: int, calib_rows: int = 256, symmetric_activations: bool = False,
-                      forecast: str = "labels"):
+                      forecast: str = "labels", int4=None):
     """``quantize-int8{budget_share=S}``: the accuracy-aware search (:mod:`dyncompile.passes.quantize_search`)."""
     from dyncompile.errors import PassConfigError
     from dyncompile.io import read_jsonl, texts_and_labels
@@ -701,7 +741,7 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
         budget=float(budget), share=float(share), confidence=confidence, sensitivity_rows=sensitivity_rows,
         per_channel=per_channel is not False, progress=context.progress, fmt=format,
         static_feeds=_static_feeds(context, calib_rows) if format == "static" else None,
-        symmetric_activations=symmetric_activations, forecast=forecast,
+        symmetric_activations=symmetric_activations, forecast=forecast, int4=int4,
     )
 
 
@@ -719,15 +759,44 @@ def _static_feeds(context, calib_rows: int):
     "quantize-int4",
     help="weight-only int4 MatMulNBits quantization (block-wise, a scale and zero point per block); options "
     "block_size=128 (32: more faithful, slower), symmetric=false, accuracy_level=4 (int8 compute; 0: fp32 compute), "
-    "lm_head_bits=8 (a decoder's LM head in 8 bits; 4: faster, less faithful; 0: float)",
+    "lm_head_bits=8 (a decoder's LM head in 8 bits; 4: faster, less faithful; 0: float); budget_share=S (with --calib, "
+    "--budget B, a classifier): accuracy-aware search, each MatMul int4, int8 (dynamic) or fp32, raised one level "
+    "at a time by sensitivity until the quantized model alone is expected within S*B points of fp32, certified on "
+    "held-out calibration rows (sensitivity_rows, forecast, per_channel as quantize-int8's); int8_nodes=A+B, "
+    "fp32_nodes=C+D: those MatMuls int8 (dynamic) / fp32, every other int4 (e.g. a search's choice, from `dyncompile "
+    "inspect`)",
+    choices={"forecast": ("labels", "clipped")},
 )
 def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy_level: int | None = 4,
-               lm_head_bits: int = 8):
+               lm_head_bits: int = 8, budget_share: float | None = None, sensitivity_rows: int = 256,
+               forecast: str = "labels", per_channel: bool = True, int8_nodes: str | None = None,
+               fp32_nodes: str | None = None):
     from dyncompile.errors import PassConfigError
 
     if block_size < 16 or block_size & (block_size - 1):
         raise PassConfigError(f"quantize-int4 block_size must be a power of two >= 16 (e.g. 32), got {block_size}")
     if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
         raise PassConfigError(f"quantize-int4 accuracy_level must be 0..4 or none, got {accuracy_level}")
+    if int8_nodes or fp32_nodes:
+        from dyncompile.passes.quantize_search import Int4Format, QuantizeMixedInt4Pass
+
+        if budget_share is not None:
+            raise PassConfigError("quantize-int4: give budget_share (search the precisions) or int8_nodes/fp32_nodes "
+                                  "(name them), not both")
+        if accuracy_level not in (0, 4) or lm_head_bits != 8:
+            raise PassConfigError("quantize-int4 int8_nodes/fp32_nodes take accuracy_level 4 or 0 and no lm_head_bits")
+        return QuantizeMixedInt4Pass(Int4Format(block_size, bool(symmetric), int(accuracy_level)),
+                                     [n for n in (int8_nodes or "").split("+") if n],
+                                     [n for n in (fp32_nodes or "").split("+") if n], per_channel=per_channel)
+    if budget_share is not None:
+        from dyncompile.passes.quantize_search import Int4Format
+
+        if accuracy_level not in (0, 4):
+            raise PassConfigError(f"quantize-int4 budget_share searches accuracy_level 4 (int8 compute) or 0 (fp32 "
+                                  f"compute), got {accuracy_level}")
+        if lm_head_bits != 8:
+            raise PassConfigError("quantize-int4 budget_share chooses every MatMul's precision itself: drop lm_head_bits")
+        return _make_int8_search(context, "dynamic", per_channel, False, None, budget_share, sensitivity_rows,
+                                 forecast=forecast, int4=Int4Format(block_size, bool(symmetric), int(accuracy_level)))
     return QuantizeWeightsInt4Pass(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
                                    lm_head_bits=lm_head_bits)

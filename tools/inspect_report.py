@@ -61,36 +61,50 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
 
 
 def quantization_lines(q: dict, split: dict | None = None, top: int = 20) -> list[str]:
-    """The int8 search of a plan: the certificate, the budget split and the per-MatMul sensitivity table.
+    """The int8 (or int4/int8) search of a plan: the certificate, the budget split and the per-MatMul table.
 
-    Rows sorted by sensitivity (KL of the fp32 outputs to the outputs with that MatMul alone in int8, on the
-    search rows); the ``top`` most sensitive and every fallback are shown, the rest counted.
+    Rows sorted by the search's fallback order (the int8 search: KL of the fp32 outputs to the outputs with that
+    MatMul alone in int8, on the search rows; the int4 search also shows the KL with it alone in int4 and
+    each MatMul's precision and why); the ``top`` first and every fallback are shown, the rest counted.
     """
     c = q.get("certificate") or {}
-    out = [f"  quantization: int8 search, target {q.get('target_points')} points = {q.get('share')} x budget "
-           f"{q.get('budget')}; {len(q.get('excluded') or [])} of {len(q['table'])} MatMuls kept in fp32"]
+    int4 = q.get("int4") if isinstance(q.get("int4"), dict) else None
+    out = [f"  quantization: {'int4/int8' if int4 else 'int8'} search, target {q.get('target_points')} points = "
+           f"{q.get('share')} x budget {q.get('budget')}; {len(q.get('excluded') or [])} of {len(q['table'])} MatMuls "
+           "kept in fp32"]
+    if int4:
+        out.append(f"    int4: MatMulNBits block {int4.get('block_size')}, "
+                   f"{'symmetric' if int4.get('symmetric') else 'zero points'}, accuracy_level "
+                   f"{int4.get('accuracy_level')} ({'int8' if int4.get('accuracy_level') == 4 else 'fp32'} compute); "
+                   f"{len(q.get('int4_nodes') or [])} int4, {len(q.get('int8_nodes') or [])} int8 (dynamic), "
+                   f"{len(q.get('excluded') or [])} fp32")
     if c:
         bound = "none" if c.get("bound") is None else f"{c['bound']:.2f}"
-        out.append(f"    int8 alone on {c.get('rows')} held-out calibration rows: drop {c.get('observed'):.2f} points, "
+        out.append(f"    {'the quantized model' if int4 else 'int8'} alone on {c.get('rows')} held-out calibration rows: drop {c.get('observed'):.2f} points, "
                    f"agreement {c.get('agreement')} %, bound {bound} at {c.get('confidence')} -> "
                    f"{'certified' if c.get('certified') else 'NOT certified'} within {c.get('target')}")
     if split:
         pl, qs, ex = split.get("pipeline") or {}, split.get("quantization") or {}, split.get("exits") or {}
-        out.append(f"    budget split of {split.get('budget')}: int8 observed {qs.get('observed')}, exits observed "
+        out.append(f"    budget split of {split.get('budget')}: {'quantized' if int4 else 'int8'} observed {qs.get('observed')}, exits observed "
                    f"{ex.get('observed')}, pipeline observed {pl.get('observed')} bound {pl.get('bound')} "
                    f"({'certified' if pl.get('certified') else 'NOT certified'}, one certificate vs the fp32 original)")
     for st in q.get("steps") or []:
-        out.append(f"    search: {st['fp32_kept']:>3} in fp32 -> path-row drop {st['observed_path']:.2f}, agreement "
+        mix = f" ({st['int4']} int4, {st['int8']} int8)" if "int4" in st else ""
+        out.append(f"    search: {st['fp32_kept']:>3} in fp32{mix} -> path-row drop {st['observed_path']:.2f}, agreement "
                    f"{st['agreement_path']} %, predicted bound {st['predicted_bound']:.2f}")
     rows = sorted(q["table"], key=lambda r: r.get("rank", 0))
-    out.append(f"    {'rank':>4}  {'MatMul':<28} {'KL':>10} {'flips':>5} {'acc Δ':>7}  precision  why")
-    shown = [r for r in rows if r.get("rank", 0) <= top or r.get("fp32")]
+    kl4 = f" {'KL int4':>10} {'flips4':>6}" if int4 else ""
+    out.append(f"    {'rank':>4}  {'MatMul':<28} {'KL int8':>10} {'flips':>5} {'acc Δ':>7}{kl4}  precision  why")
+    shown = [r for r in rows if r.get("rank", 0) <= top or r.get("fp32") or (int4 and r.get("precision") == "int8")]
     for r in shown:
         acc = "–" if r.get("acc_change") is None else f"{r['acc_change']:+.2f}"
-        out.append(f"    {r.get('rank', 0):>4}  {r['label'][:28]:<28} {r['kl']:>10.2e} {r['flips']:>5} {acc:>7}  "
-                   f"{'fp32' if r.get('fp32') else 'int8':<9}  {r.get('why', '')}")
+        prec = r.get("precision") or ("fp32" if r.get("fp32") else "int8")
+        k4 = (f" {r['kl_int4']:>10.2e} {r['flips_int4']:>6}" if "kl_int4" in r else f" {'–':>10} {'–':>6}") if int4 else ""
+        out.append(f"    {r.get('rank', 0):>4}  {r['label'][:28]:<28} {r['kl']:>10.2e} {r['flips']:>5} {acc:>7}{k4}  "
+                   f"{prec:<9}  {r.get('why', '')}")
     if len(rows) > len(shown):
-        out.append(f"    ... {len(rows) - len(shown)} less sensitive MatMuls, all int8 (plan.json has the full table)")
+        rest = "int4" if int4 else "int8"
+        out.append(f"    ... {len(rows) - len(shown)} less sensitive MatMuls, all {rest} (plan.json has the full table)")
     return out
 
 

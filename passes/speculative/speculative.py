@@ -221,9 +221,11 @@ class SpeculativePass(ir.passes.InPlacePass):
         inexact = call_shape_dependent_ops(model)
         if inexact and not self.allow_inexact_target:
             raise DrafterError(
-                f"the target's {inexact} quantize activations with scales taken over the whole call, so its logits "
-                "depend on how many tokens one call processes (measured on Qwen2.5-Coder-0.5B int4 with int8 compute: "
-                "0.2 vs 2e-5 with fp32 compute) and no speculative decoder can be token-identical to its one-token-"
+                f"the target's {inexact} round activations to int8 (DynamicQuantizeLinear with one scale per call, "
+                "MatMulNBits per block of each row), which turns the last-bit differences between ORT's one-row and "
+                "many-row float kernels into whole int8 steps: its logits depend on how many tokens one call "
+                "processes (measured on Qwen2.5-Coder-0.5B int4 with int8 compute: up to 0.97 vs 6e-5 with fp32 "
+                "compute) and no speculative decoder can be token-identical to its one-token-"
                 "at-a-time output. Quantize the target with quantize-int4{accuracy_level=0} (weights int4, fp32 "
                 "compute), quantize only the drafter, or pass speculative{allow_inexact_target=true} to accept "
                 "near-tie differences"
@@ -405,6 +407,10 @@ def call_shape_dependent_ops(model: ir.Model) -> str | None:
     """Describe the ops whose numerics depend on the number of rows in a call (None if there are none).
 
     Those are MatMulNBits with int8 compute (``accuracy_level`` 4) and dynamic int8 quantization of activations.
+    MatMulNBits quantizes each row on its own (per block of K), so its rows would not depend on the call, but
+    the int8 rounding amplifies the last-bit differences of ORT's one-row kernels elsewhere (such as MLAS SGEMM's
+    ``M == 1`` path): on Qwen2.5-Coder-0.5B int4, block 32, int8 compute, rows are bitwise equal in every call of
+    two rows or more and differ by up to 0.5 in a one-row call (``bench-results/quantized-certified/``).
     """
     found: dict[str, int] = {}
     for node in model.graph.all_nodes():
