@@ -28,6 +28,7 @@ __all__ = [
     "ROLE",
     "SMOOTHED",
     "SPECULATIVE",
+    "SPARSITY",
     "SPECULATIVE_MEASURED",
     "SPLIT_DRAFTER",
     "SPLIT_DRAFTER_MODEL",
@@ -52,6 +53,7 @@ UNET_CACHE = "dyncompile.unet_cache"  # JSON: cut depth, deep output, refresh sc
 STEP_SAVER = "dyncompile.step_saver"  # JSON: step head, stop rule, default policy, calibration (StepSaverPass)
 EAGLE = "dyncompile.eagle"  # JSON: EAGLE head provenance, draft vocabulary, IO names (EagleDrafterPass)
 MEDUSA = "dyncompile.medusa"  # JSON: Medusa heads provenance, heads, topk, IO names (MedusaHeadsPass)
+SPARSITY = "dyncompile.sparsity"  # JSON: thresholds, achieved sparsity, held-out quality (SparsifyActivationsPass)
 EAGLE_FEATURES = "dyncompile.eagle.features"  # name of the features output (ExposeFeaturesPass)
 EXPLICIT_ATTENTION = "dyncompile.explicit_attention"  # JSON: the 4-D attention bias input (ExposeAttentionMaskPass)
 POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
@@ -66,6 +68,6 @@ SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timi
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, SMOOTHED, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA}
+     ROLE, SMOOTHED, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA, SPARSITY}
 )
 META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})

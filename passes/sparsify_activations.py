@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ __all__ = [
     "uses_sparse_rows",
 ]
 
-SPARSITY = "dyncompile.sparsity"  # JSON record of this pass (metadata key)
+SPARSITY = _keys.SPARSITY  # JSON record of this pass (metadata key)
 #: standard-library files never read here: the benchmark prompts' files (tools/bench/prompt_sets.py CODE_FILES +
 #: GROUNDED_DOC_FILES, as tools/train_drafter.py HELD_OUT) and `bench quality`'s held-out files (HELDOUT_FILES).
 #: A test keeps this list equal to theirs (passes may not import tools).
