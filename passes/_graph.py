@@ -5,6 +5,7 @@
   depends on that value's producer even though the value is no input of the node itself.
 * :func:`const_array`: a constant's value as numpy, from an initializer / ``const_value`` or a ``Constant`` node,
   optionally only when it is small (shape arithmetic reads ``Slice`` starts and ``Gather`` indices, never weights).
+* :func:`replace_node_output`: swap a node for the nodes that now compute its output, keeping the output's name.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["backward_slice", "captured_values", "const_array", "constant_node_tensor"]
+__all__ = ["backward_slice", "captured_values", "const_array", "constant_node_tensor", "replace_node_output"]
 
 
 def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
@@ -97,3 +98,17 @@ def const_array(v: ir.Value | None, max_elements: int | None = None) -> np.ndarr
         return tensor.numpy()
     except Exception:  # noqa: BLE001 - unreadable external data etc.
         return None
+
+
+def replace_node_output(graph: ir.Graph, node: ir.Node, y: ir.Value, out: ir.Value) -> None:
+    """Let ``out`` take over ``node``'s output ``y``, then remove ``node``.
+
+    ``out`` (already in ``graph``) gets ``y``'s name, type and shape and every use of it, graph outputs included.
+    """
+    name = y.name
+    y.name = None
+    out.name, out.type = name, y.type
+    if y.shape is not None:
+        out.shape = y.shape
+    ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
+    graph.remove(node, safe=True)

@@ -37,6 +37,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.passes._graph import replace_node_output
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -135,14 +136,7 @@ class MatMulToConvPass(ir.passes.InPlacePass):
                 n.outputs[0].name = f"{stem}.{i}"
                 n.outputs[0].dtype = ir.DataType.FLOAT
             graph.insert_before(node, [u, t, c, back, s])
-            out = s.outputs[0]
-            yname = y.name
-            y.name = None
-            out.name, out.type = yname, y.type
-            if y.shape is not None:
-                out.shape = y.shape
-            ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
-            graph.remove(node, safe=True)
+            replace_node_output(graph, node, y, s.outputs[0])
             del graph.initializers[name]  # read by this node alone (checked), so unused now
             wt.name = name
             graph.register_initializer(wt)

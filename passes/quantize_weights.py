@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from dyncompile.io import external_data_dirs, working_directory
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import replace_node_output
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -117,11 +118,7 @@ def gemms_as_matmuls(model: ir.Model) -> tuple[int, dict[str, str]]:
             new.append(add)
             out = add.outputs[0]
         graph.insert_before(node, new)
-        yname = y.name
-        y.name = None
-        out.name, out.type, out.shape = yname, y.type, y.shape
-        ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        replace_node_output(graph, node, y, out)
         done += 1
     return done, left
 

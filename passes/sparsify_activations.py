@@ -35,6 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import replace_node_output
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -358,14 +359,8 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
             for mm in (layer.gate, layer.up, layer.down):
                 node = ir.node(OP_TYPE, list(mm.inputs), {"threshold": 0.0}, domain=DOMAIN,
                                name=f"{mm.name or mm.outputs[0].name}/sparse_rows")
-                out = node.outputs[0]
-                y = mm.outputs[0]
                 g.insert_before(mm, node)
-                name = y.name
-                y.name = None
-                out.name, out.type, out.shape = name, y.type, y.shape
-                ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
-                g.remove(mm, safe=True)
+                replace_node_output(g, mm, mm.outputs[0], node.outputs[0])
                 new_nodes.append(node)
         return new_nodes
 
