@@ -84,13 +84,13 @@ def train_medusa(
     captured: dict[str, Any] = {}
     hook = model.lm_head.register_forward_hook(lambda m, a, o: captured.__setitem__("h", a[0]))
 
-    step = 4 if dev.type == "cpu" else 32
+    per_call = 4 if dev.type == "cpu" else 32  # windows per target forward
 
     def run(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         hs, ys = [], []
         with torch.no_grad():
-            for i in range(0, len(windows), step):
-                x = torch.as_tensor(windows[i : i + step]).to(dev)
+            for i in range(0, len(windows), per_call):
+                x = torch.as_tensor(windows[i : i + per_call]).to(dev)
                 logits = model(input_ids=x, use_cache=False).logits
                 hs.append(captured.pop("h").float().cpu().numpy())
                 ys.append(logits.argmax(-1).cpu().numpy())

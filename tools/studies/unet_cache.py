@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--shard", help=argparse.SUPPRESS)  # I/N:PHASE, set by the parent for a worker
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.provider_options = dict(o.split("=", 1) for o in args.provider_option)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run(args)
 
@@ -130,9 +131,8 @@ def _worker(args, rows: list[dict], shard: int, nshard: int, phase: str, part: P
     K = args.steps
     plans = {k: getattr(args, a) for k, a in _PLANS if getattr(args, a, None)}
     need = {"ref": ["plain"], "main": list(plans), "twins": ["plain"]}[phase]
-    opts = dict(o.split("=", 1) for o in args.provider_option) or None
-    load = {k: dyncompile.load(plans[k], provider=args.provider, threads=args.threads, provider_options=opts)
-            for k in need}
+    load = {k: dyncompile.load(plans[k], provider=args.provider, threads=args.threads,
+                               provider_options=args.provider_options or None) for k in need}
     out: dict[str, np.ndarray] = {"idx": idx}
     meta: dict = {"machine": machine_info(), "shard": shard, "workers": nshard, "phase": phase}
     if phase == "ref":  # the 200-step references (quality only, not timed)
@@ -356,7 +356,7 @@ def run(args) -> int:
     result = {
         "prompts": n, "prompt_set": f"first {n} TEST captions in eval_rank order (held out; never used for calibration)",
         "seeds": "torch.randn(generator=manual_seed(eval_rank)) — the asset's seeds", "tau": TAU,
-        "provider": args.provider, "provider_options": dict(o.split("=", 1) for o in args.provider_option),
+        "provider": args.provider, "provider_options": args.provider_options,
         "threads": args.threads, "chunk": args.chunk,
         "workers": max(1, args.workers), "machine_note": args.machine_note,
         "fixed_100_seconds_per_image": sec_100, "fixed_100_timing_prompts": nsub,
