@@ -380,3 +380,167 @@ def test_speculative_tree_pass_gives_the_eagle_drafter_the_bias_once(smollm2, ti
     assert "attention_bias" in names and "attention_mask" not in names
     assert json.loads(m.metadata_props[_keys.SPECULATIVE])["drafter"]["decoder"]["attention_bias"] == "attention_bias"
     assert p(m).modified is False
+
+
+# ------------------------------------------------------------------------ EAGLE-3: fused features, training-time test
+
+
+@pytest.fixture(scope="module")
+def fused_head(smollm2, module_tmp):
+    """An EAGLE-3 head (fused low/middle/high features, 2 unrolled draft steps) trained on CPU for a few steps."""
+    pytest.importorskip("torch")
+    from dyncompile.tools.train_drafter import train_drafter
+
+    out = module_tmp("eagle3_head")
+    train_drafter(smollm2.onnx_path.parent, out, steps=4, batch=2, seq_len=48, max_tokens=6000, draft_vocab=1024,
+                  features="fused", ttt_steps=2, eval_every=2, eval_windows=2, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fused_plan(smollm2, fused_head, module_tmp):
+    root = module_tmp("eagle3_plan")
+    res = compile_model(smollm2.onnx_path,
+                        f"eagle-drafter{{head={fused_head}}},explicit-attention,speculative{{tree=true,measure=false}}",
+                        root / "plan", progress=False, opt_level=0)
+    return res.plan_dir
+
+
+def _torch_head(smollm2, arrays):
+    """The trained head as PyTorch modules (fc, fuse, the target's last layer with the head's weights) + the HF target."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2.onnx_path.parent / "hf"), dtype=torch.float32).eval()
+    layer = copy.deepcopy(hf.model.layers[-1])
+    layer.load_state_dict({k[6:]: torch.as_tensor(v) for k, v in arrays.items() if k.startswith("layer.")})
+    h = arrays["fc.weight"].shape[0]
+    fc = torch.nn.Linear(2 * h, h)
+    fc.load_state_dict({"weight": torch.as_tensor(arrays["fc.weight"]), "bias": torch.as_tensor(arrays["fc.bias"])})
+    fuse = torch.nn.Linear(arrays["fuse.weight"].shape[1], h, bias=False)
+    fuse.load_state_dict({"weight": torch.as_tensor(arrays["fuse.weight"])})
+    return hf, torch.nn.ModuleDict({"fc": fc, "layer": layer, "fuse": fuse}).eval()
+
+
+def test_ttt_mask_is_what_a_drafted_token_sees():
+    pytest.importorskip("torch")
+    from dyncompile.tools.train_drafter import _ttt_mask
+
+    # 3 positions, 3 draft steps: step 0 is causal; step j's row t sees step 0 up to t and its own rows t of steps 1..j
+    expected = np.array([
+        [1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1]], bool)
+    np.testing.assert_array_equal(_ttt_mask(3, 3, "cpu").numpy(), expected)
+
+
+def test_fused_head_record(fused_head, smollm2):
+    from dyncompile.tools.train_drafter import feature_layers_for
+
+    info = json.loads((fused_head / "eagle_head.json").read_text())
+    assert info["format"] == "dyncompile.eagle_head/v2"
+    assert info["feature_layers"] == feature_layers_for(30) == [2, 15, 27]
+    assert len(info["eval"]["ttt_agreement"]) == 2 and [c["step"] for c in info["curve"]] == [2, 4]
+    assert info["curve"][-1]["tokens"] == info["training"]["tokens_seen"] == 4 * 2 * 48
+
+
+def test_fused_features_golden_in_ort(smollm2, fused_head, module_tmp):
+    torch = pytest.importorskip("torch")
+    arrays, info, _ = load_head(fused_head)
+    m = ir.load(str(smollm2.onnx_path))
+    outs_before, nodes_before = [v.name for v in m.graph.outputs], len(list(m.graph))
+    p = ExposeFeaturesPass(taps=info["feature_layers"], fuse=arrays["fuse.weight"])
+    assert p(m).modified is True and p(m).modified is False
+    assert [v.name for v in m.graph.outputs] == [*outs_before, "features"]
+    assert len(list(m.graph)) == nodes_before + 2  # one Concat, one MatMul
+    root = module_tmp("eagle3_features")
+    ir.save(m, root / "model.onnx", external_data="model.onnx.data")
+    onnx.checker.check_model(str(root / "model.onnx"), full_check=True)
+    ids = np.asarray([[1, 504, 3458, 282, 4649, 314, 260, 1345, 28, 19, 355, 253]], np.int64)
+    orig, new = _session(smollm2.onnx_path), _session(root / "model.onnx")
+    names = [o.name for o in orig.get_outputs()]
+    a = orig.run(names, _feeds(orig, ids))
+    b = new.run([*names, "features"], _feeds(new, ids))
+    for x, y in zip(a, b[:-1]):
+        np.testing.assert_array_equal(y, x)  # the original outputs are the same values
+    hf, head = _torch_head(smollm2, arrays)
+    with torch.no_grad():
+        hs = hf(input_ids=torch.as_tensor(ids), output_hidden_states=True).hidden_states
+        ref = head["fuse"](torch.cat([hs[k] for k in info["feature_layers"]], -1))[0].numpy()
+    np.testing.assert_allclose(b[-1][0], ref, rtol=0, atol=2e-3 * np.abs(ref).max())
+    with pytest.raises(DrafterError, match="do not fit"):
+        ExposeFeaturesPass(taps=[2, 15, 30], fuse=arrays["fuse.weight"])(ir.load(str(smollm2.onnx_path)))
+
+
+def test_fused_rollout_is_what_the_drafter_computes_at_run_time(smollm2, fused_head, fused_plan):
+    """The trainer's unrolled steps (training-time test) equal the ONNX drafter drafting a chain on the plan's
+    fused features: a catch-up call on true features, then each draft step fed the previous prediction."""
+    torch = pytest.importorskip("torch")
+    from dyncompile.plan import DecoderSpec
+    from dyncompile.runtime.decode.eagle import EagleDecoder
+    from dyncompile.tools.train_drafter import rollout
+
+    arrays, info, _ = load_head(fused_head)
+    m, tgt, _ = _eagle_parts(fused_plan)
+    d = json.loads((fused_plan / "plan.json").read_text())["steps"][0]["drafter"]
+    dec = EagleDecoder(_session(fused_plan / "drafter.onnx"), DecoderSpec.from_params(d["decoder"]),
+                       feature_input=d["feature_input"], hidden_output=d["hidden_output"])
+    ids = _prompt_ids(m)[:30]
+    tgt.reset()
+    tgt.forward(ids)
+    F = tgt.last_outputs["features"]
+    hf, head = _torch_head(smollm2, arrays)
+    x = torch.as_tensor(np.asarray(ids, np.int64))[None]
+    with torch.no_grad():
+        hs = hf(input_ids=x, output_hidden_states=True).hidden_states
+        feat = head["fuse"](torch.cat([hs[k] for k in info["feature_layers"]], -1))
+        np.testing.assert_allclose(F, feat[0].numpy(), rtol=0, atol=2e-3 * float(feat.abs().max()))
+        preds = [p[0].numpy() for p in rollout(head, hf.model, x, feat[:, :-1], 3)]
+    P = 20  # catch-up on rows t < P, then two draft steps after row P - 1
+    dec.reset()
+    _, hid = dec.step(ids[1 : P + 1], F[:P])
+    got = [hid[-1]]
+    for j in (1, 2):
+        _, hid = dec.step([ids[P + j]], hid[-1:])
+        got.append(hid[-1])
+    for j, g in enumerate(got):
+        ref = preds[j][P - 1]
+        assert np.abs(g - ref).max() <= 2e-3 * np.abs(ref).max(), (j, np.abs(g - ref).max())
+    # negative control: step 1's row P - 1 is not step 0's row P (a different feature went in)
+    assert np.abs(preds[1][P - 1] - preds[0][P]).max() > 1e-2 * np.abs(preds[0][P]).max()
+
+
+def test_eagle3_greedy_token_identical(fused_plan):
+    m = dyncompile.load(fused_plan, session_config={"session.intra_op.allow_spinning": "0"})
+    code = (STDLIB / "bisect.py").read_text()
+    prompt = code[: code.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n"
+    ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, speculative=False)
+    for opts in (dict(tree=False, draft_length=3, adaptive=False), dict(tree=True)):
+        res = m.generate(prompt, max_new_tokens=NEW_TOKENS, **opts)
+        assert res.token_ids == ref.token_ids, (opts, res.text, ref.text)
+        assert res.stats.drafter == "eagle"
+    rec = json.loads(ir.load(str(fused_plan / "model.onnx")).metadata_props["dyncompile.eagle"])
+    assert rec["feature_layers"] == [2, 15, 27]
+
+
+def test_training_continues_from_a_saved_head(smollm2, fused_head, tmp_path):
+    pytest.importorskip("torch")
+    from dyncompile.errors import DataError
+    from dyncompile.tools.train_drafter import train_drafter
+
+    before = json.loads((fused_head / "eagle_head.json").read_text())
+    info = train_drafter(smollm2.onnx_path.parent, tmp_path / "more", steps=1, batch=2, seq_len=48, max_tokens=6000,
+                         features="fused", ttt_steps=2, init=fused_head, progress=False)
+    assert info["training"]["tokens_seen"] == before["training"]["tokens_seen"] + 2 * 48
+    assert info["curve"] == before["curve"] and info["training"]["continued_from"]["steps"] == 4
+    with pytest.raises(DataError, match="same --features"):
+        train_drafter(smollm2.onnx_path.parent, tmp_path / "other", steps=1, batch=2, seq_len=48, max_tokens=6000,
+                      init=fused_head, progress=False)

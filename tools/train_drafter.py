@@ -36,7 +36,8 @@ from dyncompile.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HELD_OUT", "corpus_files", "fingerprint", "load_corpus_tokens", "train_drafter"]
+__all__ = ["HELD_OUT", "corpus_files", "feature_layers_for", "fingerprint", "load_corpus_tokens", "rollout",
+           "train_drafter"]
 
 #: stdlib files the benchmark prompts are cut from (tools/bench/prompt_sets.py CODE_FILES + GROUNDED_DOC_FILES):
 #: never trained on.
@@ -46,6 +47,7 @@ HELD_OUT = (
     "textwrap.py",
 )
 HEAD_FORMAT = "dyncompile.eagle_head/v1"
+HEAD_FORMAT_FUSED = "dyncompile.eagle_head/v2"
 
 
 def fingerprint(a: np.ndarray) -> list[float]:
@@ -121,6 +123,62 @@ def _windows(ids: np.ndarray, seq_len: int) -> np.ndarray:
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
+def _ttt_mask(n: int, blocks: int, device: Any) -> Any:
+    """Boolean attention mask (True = attend) over ``blocks`` stacked copies of ``n`` positions (EAGLE-3's
+    training-time test): a row of block 0 sees block 0 causally; row ``t`` of block ``i >= 1`` (the ``i``-th draft
+    step after position ``t``) sees block 0 up to ``t`` (the true-feature cache) and row ``t`` of blocks
+    ``1..i`` (its own earlier draft steps), exactly what a drafted token sees at run time."""
+    import torch
+
+    t = torch.arange(n, device=device)
+    causal = t[None, :] <= t[:, None]
+    diag = torch.eye(n, dtype=torch.bool, device=device)
+    m = torch.zeros(blocks * n, blocks * n, dtype=torch.bool, device=device)
+    for i in range(blocks):
+        m[i * n : (i + 1) * n, :n] = causal
+        for k in range(1, i + 1):
+            m[i * n : (i + 1) * n, k * n : (k + 1) * n] = diag
+    return m
+
+
+def rollout(head: Any, base: Any, x: Any, feat: Any, steps: int) -> list[Any]:
+    """The head's predicted features for ``steps`` draft steps after every position (training-time test).
+
+    ``x``: tokens ``[B, T]``; ``feat``: the step-0 features of positions ``0..T-2`` (``[B, T-1, H]``, fused for
+    EAGLE-3). Step 0 reads ``(x[t+1], feat[t])`` at position ``t``, causally: the drafter's catch-up call on true
+    features. Step ``j >= 1`` reads ``(x[t+1+j], step j-1's output at t)`` at position ``t + j`` and attends as
+    :func:`_ttt_mask` says: the ``j``-th drafted token after position ``t`` at run time. Returns one ``[B, T-1, H]``
+    tensor per step (rows ``t >= T-1-j`` of step ``j`` run past the text and are padding). ``head``: ``fc`` and
+    ``layer``; ``base``: the target's inner model (embeddings and rotary tables)."""
+    import torch
+
+    b, t = x.shape
+    n = t - 1
+    emb = base.embed_tokens(x).float()
+    blocks, preds = [], []
+    for j in range(steps):
+        tok = emb[:, 1 + j :]
+        if j:
+            tok = torch.cat([tok, tok.new_zeros(b, j, tok.shape[-1])], dim=1)
+        blocks.append(head["fc"](torch.cat([tok, feat], dim=-1)))
+        h = torch.cat(blocks, dim=1)
+        pos = torch.cat([torch.arange(n, device=x.device) + i for i in range(j + 1)])[None].expand(b, -1)
+        mask = None if j == 0 else _ttt_mask(n, j + 1, x.device)[None, None]
+        out = head["layer"](h, attention_mask=mask, position_ids=pos, position_embeddings=base.rotary_emb(h, pos),
+                            use_cache=False)
+        feat = (out[0] if isinstance(out, tuple) else out)[:, j * n :]
+        preds.append(feat)
+    return preds
+
+
+def feature_layers_for(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high feature taps for a ``num_layers``-deep target: the residual stream after layers
+    2, ``num_layers // 2`` and ``num_layers - 3`` (Hugging Face ``hidden_states`` indices)."""
+    if num_layers < 4:
+        raise DataError(f"fused features need a target of at least 4 layers, this one has {num_layers}")
+    return sorted({2, num_layers // 2, num_layers - 3})
+
+
 def train_drafter(
     target: str | Path,
     out: str | Path,
@@ -137,15 +195,38 @@ def train_drafter(
     distill_prompt: int = 64,
     distill_new: int = 192,
     p_weight: float = 0.1,
-    noise: float = 0.2,
+    noise: float | None = None,
+    features: str = "top",
+    ttt_steps: int = 1,
+    ttt_decay: float = 0.8,
+    init: str | Path | None = None,
+    eval_every: int = 0,
+    eval_windows: int = 64,
     seed: int = 0,
     max_seconds: float | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train an EAGLE head for ``target`` (a model directory with ``hf/``) and write it to ``out``."""
+    """Train an EAGLE head for ``target`` (a model directory with ``hf/``, or its ``.gguf``) and write it to ``out``.
+
+    ``features="top"``: EAGLE-1/2 (the top-layer feature in, feature regression + distribution loss).
+    ``features="fused"``: EAGLE-3 (Li et al. 2025): the head reads ``fuse([h_low, h_mid, h_high])``, a trained
+    projection of three of the target's layers (:func:`feature_layers_for`); the loss is the distribution loss
+    alone, over ``ttt_steps`` draft steps unrolled on the head's own predicted features (training-time test: step
+    ``j`` feeds step ``j-1``'s output as the feature, attends as a drafted token does at run time (:func:`_ttt_mask`),
+    and is weighted ``ttt_decay ** j``). ``init=HEAD_DIR`` continues from a saved head (same kind, same target):
+    training across several runs, the vocabulary and history carried over. ``eval_every=N`` measures held-out
+    agreement per draft step every ``N`` steps (the curve in ``eagle_head.json``) and saves the head then too, so a
+    run stopped from outside keeps its last checkpoint."""
     import torch
     from tqdm import tqdm
 
+    if features not in ("top", "fused"):
+        raise DataError(f"features must be 'top' or 'fused', not {features!r}")
+    if ttt_steps < 1 or (features == "top" and ttt_steps != 1):
+        raise DataError(f"ttt_steps must be >= 1 (and 1 for features='top'), got {ttt_steps}")
+    fused = features == "fused"
+    if noise is None:
+        noise = 0.0 if fused else 0.2
     t_start = time.perf_counter()
     target = Path(target).expanduser()
     torch.manual_seed(seed)
@@ -153,7 +234,7 @@ def train_drafter(
     model = load_target(target, dev)
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
-    tok_json = target / "tokenizer.json"
+    tok_json = (target.parent if target.suffix == ".gguf" else target) / "tokenizer.json"
     ids = load_corpus_tokens(corpus, tok_json, max_tokens=max_tokens, eos=eos)
     logger.info("corpus: %d tokens", len(ids))
     wins = _windows(ids, seq_len)
@@ -163,11 +244,12 @@ def train_drafter(
     eval_w, train_w = wins[:n_eval], wins[n_eval:]
     amp = dev.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else (lambda: torch.autocast("cpu", enabled=False))
+    prev = _load_init(init, fused) if init else None
 
     # --- self-distillation: the target's own greedy continuations of corpus prefixes ---------------
     distilled = np.zeros((0, distill_prompt + distill_new), np.int64)
     if distill_sequences > 0:
-        gen_bs = 128 if amp else 4
+        gen_bs = 512 if amp else 4
         starts = rng.integers(0, len(ids) - distill_prompt, size=distill_sequences)
         prompts = np.stack([ids[s : s + distill_prompt] for s in starts])
         outs = []
@@ -184,7 +266,9 @@ def train_drafter(
     # --- draft vocabulary: most frequent tokens of the training text (corpus + continuations) -----
     vocab_size = int(cfg.vocab_size)
     counts = np.bincount(np.concatenate([train_w.ravel(), distilled.ravel()]), minlength=vocab_size)
-    if draft_vocab and draft_vocab < vocab_size:
+    if prev is not None:
+        vocab = prev["arrays"]["vocab"].astype(np.int64)
+    elif draft_vocab and draft_vocab < vocab_size:
         vocab = np.sort(np.argsort(-counts, kind="stable")[:draft_vocab])
         if eos not in vocab:
             vocab = np.sort(np.append(vocab[1:] if len(vocab) else vocab, eos))
@@ -193,22 +277,32 @@ def train_drafter(
     coverage = float(counts[vocab].sum() / max(1, counts.sum()))
     vocab_t = torch.as_tensor(vocab, device=dev)
 
-    # --- the head: fc + a copy of the target's last decoder layer --------------------------------
+    # --- the head: [fuse +] fc + a copy of the target's last decoder layer ----------------------------
     import copy
 
     base = model.model
     hidden = int(cfg.hidden_size)
     last_idx = len(base.layers) - 1
+    taps = feature_layers_for(last_idx + 1) if fused else []
     layer = copy.deepcopy(base.layers[last_idx]).float()
     layer_orig = {k: v.detach().cpu().numpy().copy() for k, v in layer.state_dict().items()}
     for p in layer.parameters():
         p.requires_grad_(True)
     fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+    modules = {"fc": fc, "layer": layer}
     with torch.no_grad():  # start as "take the feature" (identity on the feature half)
         fc.weight.zero_()
         fc.weight[:, hidden:] = torch.eye(hidden)
         fc.bias.zero_()
-    head = torch.nn.ModuleDict({"fc": fc, "layer": layer}).to(dev)
+    if fused:  # fuse: [h_low, h_mid, h_high] -> H, starting as "take the high tap"
+        fuse = torch.nn.Linear(len(taps) * hidden, hidden, bias=False)
+        with torch.no_grad():
+            fuse.weight.zero_()
+            fuse.weight[:, -hidden:] = torch.eye(hidden)
+        modules["fuse"] = fuse
+    head = torch.nn.ModuleDict(modules).to(dev)
+    if prev is not None:
+        _restore(head, prev, hidden, taps)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
@@ -218,48 +312,81 @@ def train_drafter(
     hook = norm.register_forward_hook(lambda m, a, o: captured.__setitem__("f", a[0]))
 
     def target_pass(x):
+        """(feature per position, the target's logits over the draft vocabulary)."""
         with torch.no_grad(), autocast():
-            out = model(input_ids=x, use_cache=False)
+            out = model(input_ids=x, use_cache=False, output_hidden_states=fused)
         f = captured.pop("f").float()
+        if fused:
+            f = torch.cat([out.hidden_states[k].float() for k in taps], dim=-1)
         logits = out.logits.float()[..., vocab_t]
         return f, logits
 
-    def head_forward(x, f_in):
-        """x: tokens [B, T]; f_in: features [B, T-1, H] for positions 0..T-2 -> predicted f for 1..T-1."""
-        emb = base.embed_tokens(x[:, 1:]).float()
-        h = head["fc"](torch.cat([emb, f_in], dim=-1))
-        pos = torch.arange(h.shape[1], device=dev)[None].expand(h.shape[0], -1)
-        pe = base.rotary_emb(h, pos)
-        h = head["layer"](h, attention_mask=None, position_ids=pos, position_embeddings=pe, use_cache=False)
-        h = h[0] if isinstance(h, tuple) else h
-        return h
-
     def losses(x):
+        """Per draft step: (feature loss or 0, distribution loss, top-1 agreement); x: tokens [B, T]."""
         f, logits = target_pass(x)
         f_in = f[:, :-1]
         if noise > 0 and head.training:
             f_in = f_in + (torch.rand_like(f_in) - 0.5) * noise
+        out = []
         with autocast():
-            pred = head_forward(x, f_in)
-            plog = torch.nn.functional.linear(norm(pred), w_head).float()
-        tgt = f[:, 1:]
-        scale = tgt.detach().abs().mean()
-        vloss = torch.nn.functional.smooth_l1_loss(pred.float() / scale, tgt / scale)
-        tp = torch.softmax(logits[:, 1:], -1)
-        ploss = -(tp * torch.log_softmax(plog, -1)).sum(-1).mean()
-        acc = (plog.argmax(-1) == logits[:, 1:].argmax(-1)).float().mean()
-        return vloss, ploss, acc
+            preds = rollout(head, base, x, head["fuse"](f_in) if fused else f_in, ttt_steps)
+            for j, pred in enumerate(preds):
+                valid = pred.shape[1] - j  # rows t < n - j have a next token x[t + j + 2] to predict
+                plog = torch.nn.functional.linear(norm(pred[:, :valid]), w_head).float()
+                tl = logits[:, 1 + j :]
+                tp = torch.softmax(tl, -1)
+                ploss = -(tp * torch.log_softmax(plog, -1)).sum(-1).mean()
+                acc = (plog.argmax(-1) == tl.argmax(-1)).float().mean()
+                if fused:
+                    vloss = ploss.new_zeros(())
+                else:
+                    tgt = f[:, 1:]
+                    scale = tgt.detach().abs().mean()
+                    vloss = torch.nn.functional.smooth_l1_loss(pred.float() / scale, tgt / scale)
+                out.append((vloss, ploss, acc))
+        return out
+
+    def evaluate(windows):
+        was = head.training
+        head.eval()
+        ev = []
+        with torch.no_grad():
+            for i in range(0, len(windows), batch):
+                x = torch.as_tensor(windows[i : i + batch], device=dev)
+                ev.append([[float(v) for v in step] for step in losses(x)])
+        head.train(was)
+        return np.asarray(ev).mean(0)  # [ttt_steps, 3]
 
     # training rows: corpus windows and distilled sequences (each cut to seq_len)
     rows = [r for r in train_w]
     for d in distilled:
         rows.append(d[:seq_len] if len(d) >= seq_len else d)
     lengths = {len(r) for r in rows}
-    history = []
+    history = list(prev["info"].get("history", [])) if prev else []
+    curve = list(prev["info"].get("curve", [])) if prev else []
+    tokens_before = int((prev["info"].get("training") or {}).get("tokens_seen", 0)) if prev else 0
+    tokens_seen = tokens_before
+    out = Path(out).expanduser()
+    weights = [ttt_decay ** j for j in range(ttt_steps)]
+    meta = {"hidden": hidden, "last_idx": last_idx, "vocab_size": vocab_size, "cfg": cfg, "vocab": vocab,
+            "coverage": coverage, "ids": ids, "corpus": corpus, "train_w": train_w, "eval_w": eval_w,
+            "seq_len": seq_len, "distilled": distilled, "distill_prompt": distill_prompt, "distill_new": distill_new,
+            "taps": taps, "layer_orig": layer_orig, "target": target}
+
+    def save(done, ev_arr):
+        info = _write_head(out, head, meta, {
+            "steps": done, "planned_steps": steps, "batch": batch, "lr": lr, "p_weight": p_weight, "noise": noise,
+            "seed": seed, "features": features, "ttt_steps": ttt_steps, "ttt_decay": ttt_decay,
+            "tokens_seen": tokens_seen, "continued_from": prev["info"]["training"] if prev else None,
+            "device": str(dev), "torch": torch.__version__, "seconds": round(time.perf_counter() - t_start, 1)},
+            ev_arr, history, curve)
+        return info
+
     head.train()
     bar = tqdm(range(steps), desc="train eagle head", disable=not progress)
     t_train = time.perf_counter()
     done = 0
+    probe = eval_w[:eval_windows]
     for step in bar:
         if max_seconds is not None and time.perf_counter() - t_train > max_seconds:
             logger.info("stopping at step %d: --max-seconds %.0f reached", step, max_seconds)
@@ -269,63 +396,102 @@ def train_drafter(
         pool = [i for i in range(len(rows)) if len(rows[i]) == L]
         pick = rng.choice(pool, size=min(batch, len(pool)), replace=False)
         x = torch.as_tensor(np.stack([rows[i] for i in pick]), device=dev)
-        vloss, ploss, acc = losses(x)
-        loss = vloss + p_weight * ploss
+        per_step = losses(x)
+        loss = sum(w * (v + p_weight * p if not fused else p) for w, (v, p, _) in zip(weights, per_step))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         opt.step()
         sched.step()
+        tokens_seen += int(x.numel())
         if step % 10 == 0 or step == steps - 1:
-            v, pl, a = (float(t.detach()) for t in (vloss, ploss, acc))
-            history.append({"step": step, "vloss": round(v, 5), "ploss": round(pl, 4), "acc": round(a, 4)})
-            bar.set_postfix(v=f"{v:.4f}", p=f"{pl:.3f}", acc=f"{a:.3f}")
+            v, pl, a = (float(t.detach()) for t in per_step[0])
+            history.append({"step": step, "tokens": tokens_seen, "vloss": round(v, 5), "ploss": round(pl, 4),
+                            "acc": [round(float(s[2]), 4) for s in per_step]})
+            bar.set_postfix(p=f"{pl:.3f}", acc="/".join(f"{float(s[2]):.2f}" for s in per_step))
             if not progress and step % 200 == 0:
-                logger.info("step %d: vloss %.4f ploss %.3f acc %.3f", step, v, pl, a)
-    head.eval()
-    ev = []
-    with torch.no_grad():
-        for i in range(0, len(eval_w), batch):
-            x = torch.as_tensor(eval_w[i : i + batch], device=dev)
-            ev.append([float(t) for t in losses(x)])
+                logger.info("step %d: ploss %.3f acc %s", step, pl, [round(float(s[2]), 3) for s in per_step])
+        if eval_every and (step + 1) % eval_every == 0:
+            ev_arr = evaluate(probe)
+            curve.append({"step": step + 1, "tokens": tokens_seen, "ploss": [round(float(e[1]), 4) for e in ev_arr],
+                          "agreement": [round(float(e[2]), 4) for e in ev_arr]})
+            logger.info("eval at %d tokens: agreement per draft step %s", tokens_seen, curve[-1]["agreement"])
+            save(done, ev_arr)
+    ev_arr = evaluate(eval_w)
     hook.remove()
-    ev_arr = np.asarray(ev).mean(0)
+    info = save(done, ev_arr)
+    logger.info("eagle head: eval top-1 agreement per draft step %s; wrote %s", info["eval"]["ttt_agreement"], out)
+    return info
 
-    # --- save --------------------------------------------------------------------------------------
-    out = Path(out).expanduser()
+
+def _load_init(init: str | Path, fused: bool) -> dict[str, Any]:
+    d = Path(init).expanduser()
+    try:
+        info = json.loads((d / "eagle_head.json").read_text(encoding="utf-8"))
+        with np.load(d / "eagle_head.npz", allow_pickle=False) as z:
+            arrays = {k: np.asarray(z[k]) for k in z.files}
+    except (OSError, ValueError) as e:
+        raise DataError(f"--init {d}: not a head written by train-drafter ({e})") from None
+    if ("fuse.weight" in arrays) != fused:
+        raise DataError(f"--init {d} is a {'fused' if 'fuse.weight' in arrays else 'top'}-feature head; "
+                        "continue it with the same --features")
+    return {"arrays": arrays, "info": info}
+
+
+def _restore(head: Any, prev: dict[str, Any], hidden: int, taps: list[int]) -> None:
+    import torch
+
+    arrays, info = prev["arrays"], prev["info"]
+    if (info.get("target_config") or {}).get("hidden_size") != hidden or list(info.get("feature_layers") or []) != taps:
+        raise DataError("--init: that head was trained for another target (hidden size or feature layers differ)")
+    with torch.no_grad():
+        for name, mod in head.items():
+            for k, v in mod.state_dict().items():
+                v.copy_(torch.as_tensor(arrays[f"{name}.{k}"], device=v.device, dtype=v.dtype))
+
+
+def _write_head(out: Path, head: Any, meta: dict[str, Any], training: dict[str, Any], ev_arr: np.ndarray,
+                history: list[dict[str, Any]], curve: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write ``eagle_head.npz`` + ``eagle_head.json`` (each atomically: a checkpoint never half-written)."""
+    import os
+
     out.mkdir(parents=True, exist_ok=True)
-    arrays: dict[str, np.ndarray] = {
-        "fc.weight": fc.weight.detach().cpu().float().numpy(),
-        "fc.bias": fc.bias.detach().cpu().float().numpy(),
-        "vocab": vocab.astype(np.int64),
-    }
+    arrays: dict[str, np.ndarray] = {"vocab": meta["vocab"].astype(np.int64)}
     params = {}
-    for k, v in layer.state_dict().items():
-        arrays[f"layer.{k}"] = v.detach().cpu().float().numpy()
-        params[k] = {"shape": list(v.shape), "replaces": fingerprint(layer_orig[k])}
-    np.savez(out / "eagle_head.npz", **arrays)
+    for name, mod in head.items():
+        for k, v in mod.state_dict().items():
+            arrays[f"{name}.{k}"] = v.detach().cpu().float().numpy()
+            if name == "layer":
+                params[k] = {"shape": list(v.shape), "replaces": fingerprint(meta["layer_orig"][k])}
+    tmp = out / ".eagle_head.npz.tmp"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+    os.replace(tmp, out / "eagle_head.npz")
+    cfg, corpus = meta["cfg"], meta["corpus"]
     info = {
-        "format": HEAD_FORMAT,
-        "target": target.name,
-        "target_config": {"hidden_size": hidden, "num_layers": last_idx + 1, "vocab_size": vocab_size,
-                          "model_type": cfg.model_type},
+        "format": HEAD_FORMAT_FUSED if meta["taps"] else HEAD_FORMAT,
+        "target": meta["target"].name,
+        "target_config": {"hidden_size": meta["hidden"], "num_layers": meta["last_idx"] + 1,
+                          "vocab_size": meta["vocab_size"], "model_type": cfg.model_type},
+        "feature_layers": meta["taps"],
         "layer_params": params,
-        "draft_vocab": int(len(vocab)),
-        "draft_vocab_coverage": round(coverage, 4),
-        "corpus": {"source": str(corpus) if corpus else f"CPython stdlib {sysconfig.get_paths()['stdlib']}",
-                   "held_out": list(HELD_OUT), "tokens": int(len(ids)), "train_windows": int(len(train_w)),
-                   "eval_windows": int(len(eval_w)), "seq_len": seq_len,
-                   "distilled_sequences": int(len(distilled)), "distill_prompt": distill_prompt,
-                   "distill_new": distill_new},
-        "training": {"steps": done, "planned_steps": steps, "batch": batch, "lr": lr, "p_weight": p_weight, "noise": noise, "seed": seed,
-                     "device": str(dev), "torch": torch.__version__,
-                     "seconds": round(time.perf_counter() - t_start, 1)},
-        "eval": {"vloss": round(float(ev_arr[0]), 5), "ploss": round(float(ev_arr[1]), 4),
-                 "draft_top1_agreement": round(float(ev_arr[2]), 4)},
+        "draft_vocab": int(len(meta["vocab"])),
+        "draft_vocab_coverage": round(meta["coverage"], 4),
+        "corpus": {"source": Path(str(corpus)).name if corpus else "CPython stdlib",
+                   "held_out": list(HELD_OUT), "tokens": int(len(meta["ids"])),
+                   "train_windows": int(len(meta["train_w"])), "eval_windows": int(len(meta["eval_w"])),
+                   "seq_len": meta["seq_len"], "distilled_sequences": int(len(meta["distilled"])),
+                   "distill_prompt": meta["distill_prompt"], "distill_new": meta["distill_new"]},
+        "training": training,
+        "eval": {"vloss": round(float(ev_arr[0][0]), 5), "ploss": round(float(ev_arr[0][1]), 4),
+                 "draft_top1_agreement": round(float(ev_arr[0][2]), 4),
+                 "ttt_agreement": [round(float(e[2]), 4) for e in ev_arr]},
+        "curve": curve,
         "history": history,
     }
-    (out / "eagle_head.json").write_text(json.dumps(info, indent=1))
-    logger.info("eagle head: eval top-1 agreement %.3f (one step, true features); wrote %s", ev_arr[2], out)
+    tmp = out / ".eagle_head.json.tmp"
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, out / "eagle_head.json")
     return info
 
 
@@ -360,6 +526,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, help="corpus tokens to read (default 2,000,000 for eagle; 60,000 for "
                    "medusa, whose target pass over them is cached in memory)")
     p.add_argument("--distill", type=int, default=0, metavar="N", help="self-distillation: N target continuations")
+    p.add_argument("--features", choices=("top", "fused"), default="top",
+                   help="eagle: top = the top layer's feature (EAGLE-1/2, default); fused = EAGLE-3: a trained "
+                   "projection of a low, a middle and a high layer's features, distribution loss only")
+    p.add_argument("--ttt-steps", type=int, default=1, metavar="K",
+                   help="eagle, fused: training-time test, K draft steps unrolled on the head's own predictions "
+                   "(EAGLE-3 uses several; default %(default)s)")
+    p.add_argument("--init", metavar="HEAD_DIR", help="eagle: continue training this head (several runs, one curve)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="eagle: held-out agreement per draft step every N steps (the curve in eagle_head.json), "
+                   "saving the head each time")
     p.add_argument("--max-seconds", type=float, help="stop training after this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
@@ -392,8 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     info = train_drafter(args.target, args.out, corpus=args.corpus, device=args.device, steps=args.steps,
                          batch=args.batch, seq_len=args.seq_len, lr=args.lr, draft_vocab=args.draft_vocab,
                          max_tokens=args.max_tokens, distill_sequences=args.distill, seed=args.seed,
-                         max_seconds=args.max_seconds, progress=not args.quiet)
-    print(f"head written to {args.out}: one-step draft agreement {info['eval']['draft_top1_agreement']:.3f} on held-out "
+                         max_seconds=args.max_seconds, progress=not args.quiet, features=args.features,
+                         ttt_steps=args.ttt_steps, init=args.init, eval_every=args.eval_every)
+    print(f"head written to {args.out}: draft agreement per step {info['eval']['ttt_agreement']} on held-out "
           f"windows, draft vocabulary {info['draft_vocab']} ({info['draft_vocab_coverage']:.1%} of corpus tokens), "
           f"{info['training']['seconds']} s")
     return 0

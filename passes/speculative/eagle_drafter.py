@@ -17,6 +17,12 @@ feature ``f_{t+1}``, fed back for the next draft step) and the layer's ``present
 The head's layer tensors are matched to the target's by the fingerprint the trainer recorded of the
 tensor each replaces (transposition-invariant), so a head trained for another model is refused.
 
+EAGLE-3 heads (``dyncompile.eagle_head/v2``, ``train-drafter --features fused``) read a trained projection of a
+low, a middle and a high layer of the target instead of the top layer; the projection runs inside the target's
+call (:class:`ExposeFeaturesPass` with ``taps``/``fuse``), so the drafter graph, its ``eagle_features`` input and
+the runtime are the same for both kinds: while drafting, the head's own output feeds the next step, as it was
+trained to (training-time test).
+
 The pass also exposes the target's features (:class:`ExposeFeaturesPass`), and records the head's
 provenance in ``metadata_props["dyncompile.eagle"]``; the drafter graph and its vocabulary go to
 ``model.meta["dyncompile.eagle.model"]`` for the ``speculative`` pass and the emitter.
@@ -48,6 +54,7 @@ __all__ = ["EAGLE_FORMAT", "FEATURE_INPUT", "HIDDEN_OUTPUT", "EagleDrafterPass",
 
 EAGLE_FORMAT = "dyncompile.eagle/v1"
 HEAD_FORMAT = "dyncompile.eagle_head/v1"
+HEAD_FORMAT_FUSED = "dyncompile.eagle_head/v2"  # EAGLE-3: fused low/middle/high features (``fuse.weight``)
 FEATURE_INPUT = "eagle_features"
 HIDDEN_OUTPUT = "eagle_hidden"
 
@@ -65,18 +72,30 @@ def load_head(head_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, An
         info = json.loads(meta.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DrafterError(f"{meta} is not valid JSON ({e}); retrain the head") from None
-    if info.get("format") != HEAD_FORMAT:
-        raise DrafterError(f"{meta}: format {info.get('format')!r}, expected {HEAD_FORMAT!r}; retrain the head")
+    if info.get("format") not in (HEAD_FORMAT, HEAD_FORMAT_FUSED):
+        raise DrafterError(f"{meta}: format {info.get('format')!r}, expected {HEAD_FORMAT!r} or {HEAD_FORMAT_FUSED!r}; "
+                           "retrain the head")
     sha = hashlib.sha256(npz.read_bytes()).hexdigest()
     try:
         with np.load(npz, allow_pickle=False) as z:
             arrays = {k: np.asarray(z[k]) for k in z.files}
     except (ValueError, OSError) as e:
         raise DrafterError(f"{npz} cannot be read as an npz of arrays ({e}); retrain the head") from None
-    for k in ("fc.weight", "fc.bias", "vocab"):
+    fused = info["format"] == HEAD_FORMAT_FUSED
+    for k in ("fc.weight", "fc.bias", "vocab", *(("fuse.weight",) if fused else ())):
         if k not in arrays:
             raise DrafterError(f"{npz} lacks {k!r}; retrain the head")
+    taps = info.get("feature_layers")
+    if fused and (not isinstance(taps, list) or not taps or not all(isinstance(t, int) and t > 0 for t in taps)):
+        raise DrafterError(f"{meta}: a fused-feature head needs feature_layers (a list of layer numbers); retrain the head")
     return arrays, info, sha
+
+
+def expose_features_for(arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ExposeFeaturesPass:
+    """The target-side pass a head needs: the top-layer feature (EAGLE-1/2) or the fused taps (EAGLE-3)."""
+    if info.get("format") == HEAD_FORMAT_FUSED:
+        return ExposeFeaturesPass(taps=info["feature_layers"], fuse=arrays["fuse.weight"])
+    return ExposeFeaturesPass()
 
 
 def _match(fp: list[float], arr: np.ndarray, rtol: float = 1e-4) -> bool:
@@ -184,7 +203,8 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
 class EagleDrafterPass(ir.passes.InPlacePass):
     """Expose the target's features and build its EAGLE drafter from a trained head.
 
-    Scope: target graph: only :class:`ExposeFeaturesPass` (one extra output, no compute); the drafter is a
+    Scope: target graph: only :class:`ExposeFeaturesPass` (one extra output, no compute; for a fused-feature
+    EAGLE-3 head, the fuse projection of its layer taps: one Concat and one MatMul); the drafter is a
     new ``ir.Model`` sharing the target's tensors, left in ``model.meta`` with its vocabulary.
     Invariants: the target's original outputs are unchanged; ``metadata_props["dyncompile.eagle"]`` records the
     head (file hash, training record summary, IO names). A model that already carries the record with the
@@ -215,7 +235,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         arrays, info, sha = load_head(self.head_dir)
         drafter = build_eagle_drafter(model, arrays, info)
-        ExposeFeaturesPass()(model)
+        expose_features_for(arrays, info)(model)
         vocab = np.asarray(arrays["vocab"], np.int64)
         record = {
             "format": EAGLE_FORMAT,
@@ -226,6 +246,7 @@ class EagleDrafterPass(ir.passes.InPlacePass):
             "feature_input": FEATURE_INPUT,
             "hidden_output": HIDDEN_OUTPUT,
             "draft_vocab": int(len(vocab)),
+            "feature_layers": list(info.get("feature_layers") or []),
         }
         model.metadata_props[_keys.EAGLE] = json.dumps(record, sort_keys=True)
         model.meta[_keys.EAGLE_MODEL] = (drafter, vocab)

@@ -10,10 +10,18 @@ removed or changed. Invariants: every original output is the same value (bit-ide
 count is unchanged; the value is found by :func:`dyncompile.passes.analysis.analyze_model` (the cut after
 the last layer), so a graph without a recognisable layer stack is refused. Idempotent: a graph that
 already has the ``features`` output reports ``modified=False``.
+
+Fused features (EAGLE-3 heads, ``taps=`` + ``fuse=``): ``features`` is instead a trained projection of several
+layers' outputs, ``Concat([h_a, h_b, h_c], -1) @ fuse^T`` (``[batch, seq, hidden]`` again), computed in the
+target's call: two nodes and one initializer (``3H x H``) are added; the original outputs are still the same
+values, bit for bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import onnx_ir as ir
 
 from dyncompile.passes import _keys
@@ -46,8 +54,17 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
     Sketch: ``f = layers(x); logits = head(norm(f))`` -> outputs ``logits, present..., features=f``.
     """
 
+    def __init__(self, taps: Sequence[int] = (), fuse: np.ndarray | None = None) -> None:
+        super().__init__()
+        if bool(taps) != (fuse is not None):
+            raise DrafterError("fused features need both the layer taps and the fuse weight")
+        self.taps = tuple(int(t) for t in taps)
+        self.fuse = None if fuse is None else np.asarray(fuse, np.float32)
+        if self.fuse is not None and (self.fuse.ndim != 2 or self.fuse.shape[1] != len(self.taps) * self.fuse.shape[0]):
+            raise DrafterError(f"the fuse weight is {list(self.fuse.shape)}; expected [hidden, {len(self.taps)} * hidden]")
+
     def __repr__(self) -> str:
-        return "ExposeFeaturesPass()"
+        return f"ExposeFeaturesPass(taps={list(self.taps)})" if self.taps else "ExposeFeaturesPass()"
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a model the pass cannot work on, with what to do about it."""
@@ -63,13 +80,42 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
         g = model.graph
         if any(v.name == FEATURES_OUTPUT for v in g.outputs):
             return ir.passes.PassResult(model, modified=False)
-        v = find_features(model)
+        v = self._fused(model) if self.taps else find_features(model)
         if v.is_graph_output():  # already an output under another name: renaming it would change the interface
             raise DrafterError(f"the last layer's output {v.name!r} is already a graph output; cannot rename it")
         v.name = FEATURES_OUTPUT
         g.outputs.append(v)
         model.metadata_props[_keys.EAGLE_FEATURES] = FEATURES_OUTPUT
         return ir.passes.PassResult(model, modified=True)
+
+    def _fused(self, model: ir.Model) -> ir.Value:
+        """``Concat(cuts after the tap layers) @ fuse^T``, inserted after the last tap."""
+        from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
+
+        s = analyze_model(model)
+        if not s.has_layers:
+            raise DrafterError(f"fused features need a layered decoder; no repeated layer structure was found: {s.message}")
+        if max(self.taps) >= s.num_layers or min(self.taps) < 1:
+            raise DrafterError(f"feature taps {list(self.taps)} do not fit this {s.num_layers}-layer target: the head "
+                               "was trained for another model")
+        values = ir.convenience.create_value_mapping(model.graph)
+        cuts = [values[s.cut_for_layer(k).name] for k in self.taps]
+        hidden = self.fuse.shape[0]
+        for c in cuts:
+            if c.shape is None or c.shape[-1] != hidden:
+                raise DrafterError(f"the fuse weight is for hidden size {hidden}; the target's layer output "
+                                   f"{c.name!r} has shape {c.shape}")
+        g = model.graph
+        w = ir.val("eagle.fuse.weight", const_value=ir.tensor(np.ascontiguousarray(self.fuse.T), name="eagle.fuse.weight"))
+        g.register_initializer(w)
+        cat = ir.node("Concat", cuts, attributes={"axis": -1}, name="eagle.fuse.concat")
+        mm = ir.node("MatMul", [cat.outputs[0], w], name="eagle.fuse.matmul")
+        cat.outputs[0].name = "eagle.fuse.concat_out"
+        cat.outputs[0].dtype = mm.outputs[0].dtype = ir.DataType.FLOAT
+        cat.outputs[0].shape = ir.Shape([*cuts[0].shape[:-1], len(cuts) * hidden])
+        mm.outputs[0].shape = ir.Shape([*cuts[0].shape[:-1], hidden])
+        g.insert_after(cuts[-1].producer(), [cat, mm])  # taps ascend: the deepest cut is produced last
+        return mm.outputs[0]
 
     def ensures(self, model: ir.Model) -> None:
         """Check what the pass promises on its output."""
