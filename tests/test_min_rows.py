@@ -240,3 +240,23 @@ def test_row_invariance_probe_measures_each_padding():
     assert diffs[1] == pytest.approx(0.25) and diffs[2] == diffs[3] == 0.0
     diffs = probe_mod.row_invariance(_RowsSession(0.25, 3), spec, wins, prefix=16, min_rows=(1, 2, 3))
     assert diffs[1] == diffs[2] == pytest.approx(0.25) and diffs[3] == 0.0
+
+
+def test_padding_on_the_shared_kv_buffer(smollm2_fast_plan):
+    """The fixed-address buffer (``kv_buffer=shared``, GQA writes in place): the padding row is written into the
+    buffer and the end moved back, so the next call overwrites it; logits and tokens match the unpadded buffer."""
+    step = json.loads((smollm2_fast_plan / "plan.json").read_text())["steps"][0]
+    spec = step["target"]
+    sess = ort_session(smollm2_fast_plan / "model.onnx", disable_all=False)
+    plain = KVDecoder(sess, DecoderSpec.from_params(spec))
+    padded = KVDecoder(sess, DecoderSpec.from_params({**spec, "min_rows": 2}))
+    assert plain.shared and padded.shared
+    la, lb = plain.forward(list(range(100, 140)), last=1), padded.forward(list(range(100, 140)), last=1)
+    for _ in range(12):
+        assert np.abs(la - lb).max() <= 1e-3 and la.argmax() == lb.argmax()
+        n = padded.slots
+        t = int(la[-1].argmax())
+        la, lb = plain.forward([t]), padded.forward([t])
+        assert padded.slots == padded.length == n + 1 == plain.slots
+    x, y = plain._arrays(), padded._arrays()
+    assert all(a.shape == b.shape and np.abs(a - b).max() <= 1e-3 for a, b in zip(x, y))
