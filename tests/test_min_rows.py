@@ -174,6 +174,15 @@ def test_int8_compute_int4_target_gets_min_rows_2_and_is_token_identical(tiny_ta
     for p in PROMPTS:
         ref = m.generate(p, max_new_tokens=24, speculative=False)
         assert m.generate(p, max_new_tokens=24).token_ids == ref.token_ids, p
+    # onnxruntime-genai cannot pad: the export says so (an -O0 plan: genai feeds no attention bias)
+    from dyncompile.tools.export_genai import genai_config
+
+    t15 = write_decoder_dir(tmp_path / "t15", tiny_decoder(num_layers=3, vocab=16, seed=0), eos=15)  # eos in the vocab
+    write_word_tokenizer(tmp_path / "t15", 16)
+    o0 = compile_model(t15, "quantize-int4{block_size=32,accuracy_level=4},speculative{measure=false}",
+                       tmp_path / "o0", drafter="prompt-lookup", opt_level=0)
+    _, notes = genai_config(dyncompile.load(o0.plan_dir).plan)
+    assert any("min_rows=2" in n and "one-row calls" in n for n in notes), notes
     # fp32 compute needs no padding (and is not probed)
     res = compile_model(tiny_target, "quantize-int4{block_size=32,accuracy_level=0},speculative{measure=false}",
                         tmp_path / "acc0", drafter="prompt-lookup")
