@@ -216,12 +216,13 @@ def _cut(spec: dict[str, Any], presents: Sequence[np.ndarray], length: int) -> l
 
 
 def row_invariance(sess, spec: dict[str, Any], windows: Sequence[Sequence[int]], prefix: int,
-                   min_rows: Sequence[int] = (1, 2), sizes: Sequence[int] = (3, 8)) -> dict[int, float]:
+                   min_rows: Sequence[int] = (1, 2), sizes: Sequence[int] = (2, 3, 8)) -> dict[int, float]:
     """Per ``m`` in ``min_rows``: the largest |logit difference| of a row between a verification call and its own call.
 
     For each window: prefill ``window[:prefix]``, then the next tokens (``max(sizes)``) one call each, every call
     padded to ``m`` rows (the token repeated, the copies' logits and cache slots dropped, as the runtime does), and
-    the same tokens in one call of each of ``sizes`` rows on the prefilled cache. 0.0 means bitwise equal.
+    the same tokens in one call of each of ``sizes`` rows on the prefilled cache (the sizes of at least ``m`` rows:
+    the runtime pads smaller calls too). 0.0 means bitwise equal.
     """
     names = [spec["logits"], *(e["present"] for e in spec["kv"])]
     worst: dict[int, float] = {m: 0.0 for m in min_rows}
@@ -238,7 +239,7 @@ def row_invariance(sess, spec: dict[str, Any], windows: Sequence[Sequence[int]],
                 row = outs[0][0][0]
                 p, length = _cut(spec, outs[1:], length + 1), length + 1
                 for s, v in verify.items():
-                    if i < s:
+                    if i < s and s >= m:  # (a call of fewer than m rows is padded too, like the steps)
                         worst[m] = max(worst[m], float(np.abs(np.asarray(v[i], np.float64) - row).max()))
     return worst
 
@@ -248,7 +249,7 @@ def target_min_rows(model: ir.Model, spec: dict[str, Any], candidates: Sequence[
     """The fewest rows per call that make ``model``'s rows row-invariant on this machine, and what was measured.
 
     ``(None, diffs)`` when no candidate does. A handful of ORT calls on generated token windows (a seeded draw
-    from the vocabulary): ``windows`` x (prefill + 2 verification calls + 8 one-token calls per candidate).
+    from the vocabulary): ``windows`` x (prefill + 3 verification calls + 8 one-token calls per candidate).
     """
     vocab = max(2, int(spec.get("vocab_size") or 1000))
     rng = np.random.default_rng(0)
