@@ -30,6 +30,7 @@ __all__ = [
     "SPECULATIVE",
     "SPARSITY",
     "SPECULATIVE_MEASURED",
+    "SPECULATIVE_ROWS",
     "SPLIT_DRAFTER",
     "SPLIT_DRAFTER_MODEL",
     "SPLIT_DRAFTER_VOCAB",
@@ -65,9 +66,11 @@ SPLIT_DRAFTER_VOCAB = "dyncompile.split_drafter.vocab"  # the drafter's vocabula
 MEDUSA_MODEL = "dyncompile.medusa.model"  # ir.Model heads graph built by MedusaHeadsPass
 EAGLE_MODEL = "dyncompile.eagle.model"  # (ir.Model drafter, vocab ids) built by EagleDrafterPass
 SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timings + graph fingerprint (reused on a re-run)
+SPECULATIVE_ROWS = "dyncompile.speculative.rows"  # SpeculativePass row-invariance probe + graph fingerprint (reused)
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
      ROLE, SMOOTHED, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA, SPARSITY}
 )
-META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED})
+META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED,
+                       SPECULATIVE_ROWS})

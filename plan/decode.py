@@ -52,7 +52,18 @@ class KVEntry:
 
 @dataclasses.dataclass
 class DecoderSpec:
-    """How to drive one KV-cache decoder graph (see :mod:`dyncompile.runtime.decode.generate` for the JSON form)."""
+    """How to drive one KV-cache decoder graph (see :mod:`dyncompile.runtime.decode.generate` for the JSON form).
+
+    ``min_rows`` (default 1: every call as it comes): the fewest token rows any call of this decoder computes. A
+    call of fewer new tokens (a one-token decode step, a verification of the root alone) is padded to
+    ``min_rows`` rows by repeating its last token at the next positions; only the real rows' outputs come back
+    and the padded rows' cache slots are cut, so they leave no trace. For targets whose logits depend on the
+    number of rows in a call only below some count: an int4 target with int8 compute
+    (``quantize-int4{block_size=32,accuracy_level=4}``) is bitwise row-invariant in calls of two rows or more
+    on AVX-512 CPUs but not in one-row calls, so ``min_rows=2`` makes the target alone and its speculative
+    verification calls run the same kernels (token-identical greedy output). The ``speculative`` pass measures
+    this on the compile machine and sets it; only a target's spec may have it (a drafter's stays 1).
+    """
 
     model: str
     input_ids: str = "input_ids"
@@ -70,6 +81,8 @@ class DecoderSpec:
     #: an int64 ``[1]`` input (``trim-logits``; 0 = every row) limiting the logits to the last ``k`` new tokens:
     #: prompts need the last row only
     logits_to_keep: str | None = None
+    #: the fewest rows per call: fewer new tokens are padded with copies of the last one (see the class docstring)
+    min_rows: int = _field(1, lo=1, hi=64)
 
     def _check(self, where: str) -> None:
         if not self.kv:
@@ -95,6 +108,7 @@ class DecoderSpec:
             **({"attention_bias": self.attention_bias} if self.attention_bias else {}),
             **({"kv_buffer": self.kv_buffer} if self.kv_buffer != "concat" else {}),
             **({"logits_to_keep": self.logits_to_keep} if self.logits_to_keep else {}),
+            **({"min_rows": self.min_rows} if self.min_rows != 1 else {}),
         }
 
 
@@ -165,6 +179,9 @@ class DrafterParams:
                             "not prompt-lookup itself")
         if self.min_ngram > self.max_ngram:
             raise PlanError(f"{where}: min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
+        if self.decoder is not None and self.decoder.min_rows != 1:
+            raise PlanError(f"{where}.decoder.min_rows: {self.decoder.min_rows}, but padding calls to a minimum of rows is "
+                            "for the target only (a drafter's calls need not match the target's kernels); give 1")
         if self.kind == "lookahead":
             if self.decoder is not None:
                 raise PlanError(f"{where}.decoder: a lookahead drafter has no model (it reads the target's logits)")

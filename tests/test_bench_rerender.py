@@ -46,6 +46,7 @@ OWNERS: list[tuple[str, str]] = [
     ("stepsaver/composition/*.json", "dyncompile.tools.studies.diffusion_plans"),
     ("unet-cache/*.json", "dyncompile.tools.studies.unet_cache"),
     ("quantized-certified/*-quality.json", "dyncompile.tools.bench.quality"),
+    ("quantized-certified/*-minrows-code.json", "dyncompile.tools.bench.generate"),
     ("quantized-certified/qwen2.5-coder-0.5b*.json", "dyncompile.tools.studies.int4_row_invariance"),
     ("quantized-certified/*.json", "dyncompile.tools.studies.quantized_certified"),
     ("quantized-cuda/*.json", "dyncompile.tools.bench.classify"),

@@ -11,8 +11,8 @@ hash-checked first; nothing in the plan is executed.
 What does not carry over (``NOT_CARRIED``; the command prints the ones that apply to the plan it exported):
 dyncompile's adaptive draft length (a cost model measured at compile time that can also stop drafting, draft
 length 0), the prompt-lookup fallback to shorter n-grams, split/shared-KV drafters and drafters with their own
-vocabulary (refused), copy rollback and IOBinding settings, and dyncompile's session settings. Draft trees do not
-exist in dyncompile's plans, so none are exported.
+vocabulary (refused), copy rollback and IOBinding settings, a target's ``min_rows`` padding, and dyncompile's session
+settings. Draft trees do not exist in dyncompile's plans, so none are exported.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ NOT_CARRIED = {
     "onnxruntime-genai uses its defaults (set model.decoder.session_options to change them)",
     "trees": "draft trees: dyncompile's plans have none (linear drafts only), so none are exported",
     "timing": "dyncompile's measured verify/draft costs (plan.policy) are dropped",
+    "min_rows": "the target's min_rows={min_rows} (dyncompile pads shorter calls so that the target alone and "
+    "verification compute every row with the same kernels: its int8-compute logits depend on the rows per call "
+    "otherwise) has no onnxruntime-genai equivalent: its one-token steps run as one-row calls, so greedy output "
+    "may differ from dyncompile's near ties",
 }
 
 
@@ -140,6 +144,8 @@ def genai_config(plan, *, max_draft_tokens: int | None = None, adaptive_k: int |
         "vocab_size": vocab,
     }
     notes = [NOT_CARRIED["session"], NOT_CARRIED["trees"]]
+    if p.target.min_rows > 1:
+        notes.append(NOT_CARRIED["min_rows"].format(min_rows=p.target.min_rows))
     if family not in GENAI_TYPES:
         notes.append(f"model family {family!r} is not an onnxruntime-genai type name; exported as 'llama' (the graph "
                      "carries the architecture; the type only selects the generic decoder-only runner)")

@@ -5,7 +5,9 @@
 * :func:`measure_step_times` / :func:`relative_verify_costs` / :func:`measure_verify_costs` — seconds of a
   call with ``s`` new tokens on a cache, and the cost of verifying ``s`` tokens relative to one;
 * :func:`target_verify_costs` / :func:`drafter_step_seconds` — the same probe for a target and a drafter;
-* :func:`weight_reads` — bytes of weights a decode step reads (the drafter cost when nothing is timed).
+* :func:`weight_reads` — bytes of weights a decode step reads (the drafter cost when nothing is timed);
+* :func:`row_invariance` / :func:`target_min_rows` — whether a row's logits depend on the number of rows in a
+  call once every call is padded to ``min_rows`` rows (the ``min_rows`` of an int8-compute int4 target).
 
 The cost model these numbers feed is :mod:`dyncompile.runtime.rules.cost_model`.
 """
@@ -33,7 +35,9 @@ __all__ = [
     "measure_verify_costs",
     "prefill_feeds",
     "relative_verify_costs",
+    "row_invariance",
     "session_for",
+    "target_min_rows",
     "target_verify_costs",
     "weight_reads",
 ]
@@ -192,3 +196,68 @@ def weight_reads(model: ir.Model) -> int:
             continue
         total += int(t.nbytes)
     return total
+
+
+#: the largest |logit difference| between a row computed in a verification call and in its own (padded) call that
+#: counts as row-invariant: none (bitwise equal). int8 compute turns any last-bit difference into a possible whole
+#: int8 step, so "small" is no guarantee: a tiny int4 decoder with block 128 differs by 7e-7 at its logits, Qwen2.5-
+#: Coder-0.5B by 0.97; with block 32 both are bitwise equal in calls of two rows or more
+ROW_TOLERANCE = 0.0
+
+
+def _cut(spec: dict[str, Any], presents: Sequence[np.ndarray], length: int) -> list[np.ndarray]:
+    """The present tensors cut to their first ``length`` positions (a padded call's extra rows dropped)."""
+    out = []
+    for e, a in zip(spec["kv"], presents):
+        idx: list[Any] = [slice(None)] * a.ndim
+        idx[e["axis"]] = slice(0, length)
+        out.append(np.ascontiguousarray(a[tuple(idx)]))
+    return out
+
+
+def row_invariance(sess, spec: dict[str, Any], windows: Sequence[Sequence[int]], prefix: int,
+                   min_rows: Sequence[int] = (1, 2), sizes: Sequence[int] = (2, 3, 8)) -> dict[int, float]:
+    """Per ``m`` in ``min_rows``: the largest |logit difference| of a row between a verification call and its own call.
+
+    For each window: prefill ``window[:prefix]``, then the next tokens (``max(sizes)``) one call each, every call
+    padded to ``m`` rows (the token repeated, the copies' logits and cache slots dropped, as the runtime does), and
+    the same tokens in one call of each of ``sizes`` rows on the prefilled cache (the sizes of at least ``m`` rows:
+    the runtime pads smaller calls too). 0.0 means bitwise equal.
+    """
+    names = [spec["logits"], *(e["present"] for e in spec["kv"])]
+    worst: dict[int, float] = {m: 0.0 for m in min_rows}
+    for w in windows:
+        w = [int(t) for t in w]
+        past = sess.run(names, prefill_feeds(spec, w[:prefix]))[1:]
+        toks = w[prefix : prefix + max(sizes)]
+        verify = {s: sess.run(names[:1], prefill_feeds(spec, toks[:s], past=past, past_len=prefix))[0][0]
+                  for s in sizes}
+        for m in min_rows:
+            p, length = past, prefix
+            for i, t in enumerate(toks):
+                outs = sess.run(names, prefill_feeds(spec, [t] * m, past=p, past_len=length))
+                row = outs[0][0][0]
+                p, length = _cut(spec, outs[1:], length + 1), length + 1
+                for s, v in verify.items():
+                    if i < s and s >= m:  # (a call of fewer than m rows is padded too, like the steps)
+                        worst[m] = max(worst[m], float(np.abs(np.asarray(v[i], np.float64) - row).max()))
+    return worst
+
+
+def target_min_rows(model: ir.Model, spec: dict[str, Any], candidates: Sequence[int] = (1, 2), windows: int = 2,
+                    prefix: int = 16) -> tuple[int | None, dict[int, float]]:
+    """The fewest rows per call that make ``model``'s rows row-invariant on this machine, and what was measured.
+
+    ``(None, diffs)`` when no candidate does. A handful of ORT calls on generated token windows (a seeded draw
+    from the vocabulary): ``windows`` x (prefill + 3 verification calls + 8 one-token calls per candidate).
+    """
+    vocab = max(2, int(spec.get("vocab_size") or 1000))
+    rng = np.random.default_rng(0)
+    wins = [rng.integers(0, min(vocab, 32000), prefix + 8).tolist() for _ in range(windows)]
+    sess = session_for(model)
+    diffs: dict[int, float] = {}
+    for m in sorted(candidates):  # the fewest rows first: stop at the first that is row-invariant
+        diffs.update(row_invariance(sess, spec, wins, prefix, (m,)))
+        if diffs[m] <= ROW_TOLERANCE:
+            return m, diffs
+    return None, diffs

@@ -50,7 +50,12 @@ from dyncompile.passes.speculative.decoder_spec import (
     generation_config,
 )
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
-from dyncompile.passes.speculative.probe import drafter_step_seconds, target_verify_costs, weight_reads
+from dyncompile.passes.speculative.probe import (
+    drafter_step_seconds,
+    target_min_rows,
+    target_verify_costs,
+    weight_reads,
+)
 from dyncompile.plan.decode import lookahead_tree_nodes
 
 logger = logging.getLogger(__name__)
@@ -117,9 +122,13 @@ class SpeculativePass(ir.passes.InPlacePass):
     Invariants: the target graph (nodes, initializers, I/O) is unchanged; only ``dyncompile.speculative``
     and ``dyncompile.emitter`` metadata are set; ``model.meta`` (in memory) gets the drafter graph for the
     emitter and the costs timed by this run.
-    Precondition: the target's numerics must not depend on the number of tokens per call (no int8 activation
-    quantization: MatMulNBits accuracy_level=4, DynamicQuantizeLinear), or greedy output could not be
-    token-identical to the target alone; ``allow_inexact_target=True`` overrides.
+    Precondition: the target's numerics must not depend on the number of tokens per call, or greedy output could
+    not be token-identical to the target alone. Targets with int8 activation quantization are checked: one scale per
+    call (``DynamicQuantizeLinear``) is refused; int8-compute ``MatMulNBits`` (``accuracy_level`` 4, one scale per
+    row and block) is measured on this machine (:func:`.probe.target_min_rows`): if padding every call to
+    ``min_rows`` (1 or 2) rows makes a row's logits the same in any call (bitwise), the target's spec gets that
+    ``min_rows`` (the runtime pads; see :class:`~dyncompile.plan.DecoderSpec`), else it is refused.
+    ``allow_inexact_target=True`` skips the check (and the padding).
     Idempotent: a second run finds the same record and reports ``modified=False``; with ``measure=True`` it
     times nothing again, because the costs of the last run are kept while the target and drafter graphs are
     the ones they were timed on (checked by a fingerprint of nodes and initializers; in memory only, so a
@@ -219,7 +228,9 @@ class SpeculativePass(ir.passes.InPlacePass):
         if self.tree and not (target.get("attention_bias") and target.get("position_ids")):
             raise DrafterError(_tree_target_message(model, target))
         inexact = call_shape_dependent_ops(model)
-        if inexact and not self.allow_inexact_target:
+        if inexact and not self.allow_inexact_target and _paddable(model):
+            self._min_rows(model, target)  # refuses a target that padding does not make row-invariant
+        elif inexact and not self.allow_inexact_target:
             raise DrafterError(
                 f"the target's {inexact} round activations to int8 (DynamicQuantizeLinear with one scale per call, "
                 "MatMulNBits per block of each row), which turns the last-bit differences between ORT's one-row and "
@@ -260,8 +271,49 @@ class SpeculativePass(ir.passes.InPlacePass):
                 f"({self.drafter_source or 'split drafter'}) {dv}; the drafter must share the target's tokenizer"
             )
 
+    def _min_rows(self, model: ir.Model, target: dict[str, Any]) -> int:
+        """The target's ``min_rows``: the fewest rows per call (1 or 2) that make its rows row-invariant here.
+
+        Measured once per graph (:func:`.probe.target_min_rows`, kept in ``model.meta`` with the graph's
+        fingerprint); a target that no padding makes row-invariant is refused.
+        """
+        key = _fingerprint(model)
+        last = model.meta.get(_keys.SPECULATIVE_ROWS)
+        if last is not None and last[0] == key:
+            chosen, diffs = last[1]
+        else:
+            chosen, diffs = target_min_rows(model, target, MIN_ROWS_CANDIDATES)
+            model.meta[_keys.SPECULATIVE_ROWS] = (key, (chosen, diffs))
+            measured = ", ".join(f"{d:.1e} with calls of >= {m} row{'s' if m > 1 else ''}" if d else
+                                 f"none (bitwise equal) with calls of >= {m} rows" for m, d in sorted(diffs.items()))
+            if chosen is not None:
+                logger.warning(
+                    "speculative: the target's %s round activations to int8, so a row's logits may depend on the rows "
+                    "in its call; measured on this machine, a row's largest |logit difference| between a verification "
+                    "call and its own call was %s. min_rows=%d%s",
+                    call_shape_dependent_ops(model), measured, chosen,
+                    ": every target call (prompt, one-token steps, verification) computes at least 2 rows, the "
+                    "padding row dropped, so the target alone and speculative decoding are token-identical (a "
+                    "one-token step pays for a second row)" if chosen > 1 else ": no padding needed")
+        if chosen is None:
+            raise DrafterError(
+                f"the target's {call_shape_dependent_ops(model)} round activations to int8 and its logits depend on "
+                f"how many tokens one call processes even with calls padded to {max(MIN_ROWS_CANDIDATES)} rows "
+                f"(measured on this machine, the largest |logit difference| of a row between a verification call "
+                f"and its own call: {', '.join(f'{m} rows: {d:.2g}' for m, d in sorted(diffs.items()))}), so no "
+                "speculative decoder could be token-identical to the target alone. Quantize the target with "
+                "quantize-int4{block_size=32,accuracy_level=4} (int8 compute, row-invariant for calls of >= 2 rows "
+                "on AVX-512 CPUs) or quantize-int4{accuracy_level=0} (fp32 compute), quantize only the drafter, or "
+                "pass speculative{allow_inexact_target=true} to accept near-tie differences"
+            )
+        return chosen
+
     def _record(self, model: ir.Model) -> dict[str, Any]:  # noqa: C901 - one branch per drafter kind
         target = decoder_spec(model, "model", what="target model")
+        if not self.allow_inexact_target and call_shape_dependent_ops(model) and _paddable(model):
+            rows = self._min_rows(model, target)
+            if rows > 1:
+                target["min_rows"] = rows
         if self.drafter == PROMPT_LOOKUP:
             drafter: dict[str, Any] = {"kind": PROMPT_LOOKUP, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
         elif self.drafter == LOOKAHEAD:
@@ -412,17 +464,37 @@ def call_shape_dependent_ops(model: ir.Model) -> str | None:
     ``M == 1`` path): on Qwen2.5-Coder-0.5B int4, block 32, int8 compute, rows are bitwise equal in every call of
     two rows or more and differ by up to 0.5 in a one-row call (``bench-results/quantized-certified/``).
     """
+    found = _row_dependent_ops(model)
+    if not found:
+        return None
+    return ", ".join(f"{n} {op} nodes" for op, n in found.items())
+
+
+INT8_COMPUTE_NBITS = "MatMulNBits(accuracy_level=4)"
+#: the ``min_rows`` the speculative pass tries for an int8-compute int4 target, fewest first
+MIN_ROWS_CANDIDATES = (1, 2)
+
+
+def _row_dependent_ops(model: ir.Model) -> dict[str, int]:
+    """Counts of the ops :func:`call_shape_dependent_ops` describes, by op (and compute type)."""
     found: dict[str, int] = {}
     for node in model.graph.all_nodes():
         if node.op_type == "MatMulNBits":
             attr = node.attributes.get("accuracy_level")
             if attr is not None and attr.as_int() == 4:
-                found["MatMulNBits(accuracy_level=4)"] = found.get("MatMulNBits(accuracy_level=4)", 0) + 1
+                found[INT8_COMPUTE_NBITS] = found.get(INT8_COMPUTE_NBITS, 0) + 1
         elif node.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul"):
             found[node.op_type] = found.get(node.op_type, 0) + 1
-    if not found:
-        return None
-    return ", ".join(f"{n} {op} nodes" for op, n in found.items())
+    return found
+
+
+def _paddable(model: ir.Model) -> bool:
+    """Whether padding calls to a minimum of rows may make the target row-invariant.
+
+    Only int8-compute ``MatMulNBits`` (each row quantized on its own) can be; one int8 scale per call
+    (``DynamicQuantizeLinear``) depends on every row of the call.
+    """
+    return set(_row_dependent_ops(model)) == {INT8_COMPUTE_NBITS}
 
 
 _SCALAR_ATTRS = (ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING, ir.AttributeType.INTS,

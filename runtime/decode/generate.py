@@ -12,6 +12,10 @@ drive them without looking at the graphs again (the runtime never re-derives wha
              "shape": [3, 64]}, ...],                # per-head dims of [batch, heads, past, head_dim]
      "kv_dtype": "float32"}
 
+Optional entries: ``attention_bias``, ``kv_buffer``, ``logits_to_keep`` (written by the passes that add them) and,
+for a target only, ``min_rows`` (default 1: calls of fewer tokens are padded to that many rows, the padding
+dropped; see :class:`~dyncompile.plan.DecoderSpec`).
+
 ``generation`` config: ``eos_token_ids``, ``bos_token_id``, ``max_length`` (positions the model supports),
 ``chat_template`` (optional).
 

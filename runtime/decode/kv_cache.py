@@ -81,6 +81,13 @@ class KVDecoder:
     step copies the cache. Rolling back the newest tokens then only moves ``slots`` back (the next call
     overwrites them); a verified tree's kept path is moved down in the buffer (a few rows). The buffer doubles
     when full (one copy). CPU EP only (on other EPs the plan's ``shared`` falls back to ``concat``).
+
+    Minimum rows (``spec.min_rows`` > 1): a call of fewer new tokens is padded to ``min_rows`` rows with copies of
+    its last token at the next positions (visible to no real row); only the real rows' outputs (logits and extra
+    outputs) come back, and the padded rows' slots are cut from the cache at once (a shared buffer moves its end
+    back; a concatenated cache is sliced, one copy), so they leave no trace. Such a decoder also rolls back by
+    ``"copy"`` (a gap-free cache, like the one the target alone builds): with ``min_rows`` every call of the target
+    alone, prefill and verification computes its rows with the same kernels, and rows keep their logits bitwise.
     """
 
     def __init__(self, session, spec: DecoderSpec, *, role: str = "target", timer: SessionTimer | None = None,
@@ -151,6 +158,10 @@ class KVDecoder:
         """
         if rollback not in ("mask", "copy"):
             raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
+        if self.spec.min_rows > 1 and rollback == "mask":  # masked holes would change the rows' float sums
+            logger.debug("the %s decoder rolls back by copy: it pads calls to %d rows, whose logits must match "
+                         "a gap-free cache's bitwise", self.role, self.spec.min_rows)
+            rollback = "copy"
         self.rollback = rollback if (self.mask_name or self.bias_name) and self.pos_name else "copy"
 
     def set_kv_buffer(self, mode: str | None = None) -> None:
@@ -396,9 +407,12 @@ class KVDecoder:
                     f"the {self.role} model has no 4-D attention bias input, so it cannot verify a draft tree; "
                     "compile with --passes explicit-attention,speculative{tree=true}"
                 )
-        aux = self._aux(n, tree, *(_visible or (None, None)))
         if last is not None and not 1 <= last <= n:
             raise ValueError(f"last={last} for {n} new tokens")
+        pad = max(0, self.spec.min_rows - n)
+        if pad:
+            return self._forward_padded(ids_arr, pad, tree, _visible, last)
+        aux = self._aux(n, tree, *(_visible or (None, None)))
         if self.keep_name:
             aux[self.keep_name] = np.array([n if last is None else last], np.int64)
         self._run(ids_arr, aux)
@@ -406,6 +420,54 @@ class KVDecoder:
         if last is not None and logits.shape[0] != last:  # a graph without trim-logits: every row came back
             logits = self.last_outputs[self.output_names[0]] = logits[-last:]
         return logits
+
+    def _forward_padded(self, ids_arr: np.ndarray, pad: int, tree: DraftTree | None, visible, last: int | None
+                        ) -> np.ndarray:
+        """:meth:`forward` of ``n`` tokens as a call of ``n + pad`` rows (``spec.min_rows``; the class docstring).
+
+        The padded rows repeat the last token at the next positions; no real row attends to them. Their outputs
+        are dropped and their cache slots cut, so the cache and :attr:`last_outputs` are those of the ``n`` tokens.
+        """
+        n = ids_arr.shape[1]
+        m = n + pad
+        padded = np.concatenate([ids_arr, np.repeat(ids_arr[:, -1:], pad, axis=1)], axis=1)
+        if tree is None and visible is None:  # a chain: causal over the n + pad rows
+            aux = self._aux(m)
+        else:  # the real rows' bias and positions, plus pad rows that see the valid past and themselves
+            aux = self._aux(n, tree, *(visible or (None, None)))
+            self._grow(self.slots + m)
+            bias = np.full((1, 1, m, self.slots + m), BIAS_NEG, np.float32)
+            bias[0, 0, :n, : self.slots + n] = aux[self.bias_name][0, 0]
+            bias[0, 0, n:, : self.slots][:, self._mask[0, : self.slots].astype(bool)] = 0.0
+            bias[0, 0, n:, self.slots + n :][np.diag_indices(pad)] = 0.0
+            aux[self.bias_name] = bias
+            pos = np.asarray(aux[self.pos_name], np.int64).reshape(1, n)
+            aux[self.pos_name] = np.concatenate([pos, pos.max() + 1 + np.arange(pad, dtype=np.int64)[None]], axis=1)
+            if self.mask_name:
+                aux[self.mask_name] = self._mask[:, : self.slots + m]
+        keep = n if last is None else last
+        if self.keep_name:  # the last rows of the call hold the pad: keep them too, at least min_rows rows
+            aux[self.keep_name] = np.array([min(m, max(keep + pad, self.spec.min_rows))], np.int64)
+        self._run(padded, aux)
+        outs = {}
+        for k, a in self.last_outputs.items():
+            if k == self.output_names[0]:
+                a = a[: a.shape[0] - pad][-keep:]
+            elif a.ndim and a.shape[0] == m:  # per-row extra outputs (e.g. features)
+                a = a[:n]
+            outs[k] = a
+        self.last_outputs = outs
+        self._drop_tail(pad)
+        return outs[self.output_names[0]]
+
+    def _drop_tail(self, k: int) -> None:
+        """Cut the last ``k`` physical slots, just written by a call (a padded call's extra rows)."""
+        if self.shared:  # the next call overwrites them
+            self.slots -= k
+        else:
+            self._keep(slice(0, self.slots - k))
+            self.slots -= k
+        self.length -= k
 
     def _run(self, ids_arr: np.ndarray, aux: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None) -> None:
         """One session call on ``ids_arr`` ``[1, n]`` plus ``aux`` / ``extra`` feeds on top of the cache.
