@@ -211,6 +211,9 @@ def test_train_drafter_cli_refuses_bad_input_cleanly(tmp_path, capsys):
     rc = cli_main(["train-drafter", str(tmp_path), "--out", str(tmp_path / "head")])
     err = capsys.readouterr().err
     assert rc != 0 and "hf/config.json" in err and "Traceback" not in err
+    rc = cli_main(["train-drafter", str(tmp_path), "--out", str(tmp_path / "head"), "--ttt-steps", "3"])
+    err = capsys.readouterr().err  # training-time test unrolls the fused (EAGLE-3) head only
+    assert rc != 0 and "ttt_steps" in err and "features='top'" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------ EAGLE-2 dynamic draft trees

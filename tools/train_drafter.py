@@ -14,6 +14,14 @@ what the target *does* say). Inputs get uniform noise on the features (EAGLE's t
 of drafting on its own predictions). The draft LM head may cover only the ``draft_vocab`` most frequent
 tokens of the training corpus (mapped back to target ids at run time).
 
+EAGLE-3 (Li et al. 2025; ``features="fused"``, ``--features fused``): the head's feature input is instead
+``fuse([h_low, h_mid, h_high])``, a trained projection of the residual stream after layers 2, ``L // 2`` and
+``L - 3`` (:func:`feature_layers_for`; the ``eagle-drafter`` pass computes it inside the target's call), the
+feature-regression term is dropped, and the loss covers ``ttt_steps`` draft steps unrolled on the head's own
+predicted features with the attention pattern of drafted tokens at run time (:func:`rollout`, :func:`_ttt_mask`;
+"training-time test"). Training can run across several calls: ``init=`` continues a saved head, and
+``eval_every=`` writes a checkpoint and a held-out agreement curve (per draft step, against training tokens).
+
 Writes ``HEAD_DIR/eagle_head.npz`` (fc, the layer's trained tensors by Hugging Face name, each with the
 fingerprint of the target tensor it replaces, the draft vocabulary) and ``eagle_head.json`` (provenance,
 corpus, held-out files, losses, draft accuracy on a held-out slice). The ``eagle-drafter`` pass builds the
@@ -477,7 +485,7 @@ def _write_head(out: Path, head: Any, meta: dict[str, Any], training: dict[str, 
         "layer_params": params,
         "draft_vocab": int(len(meta["vocab"])),
         "draft_vocab_coverage": round(meta["coverage"], 4),
-        "corpus": {"source": Path(str(corpus)).name if corpus else "CPython stdlib",
+        "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
                    "held_out": list(HELD_OUT), "tokens": int(len(meta["ids"])),
                    "train_windows": int(len(meta["train_w"])), "eval_windows": int(len(meta["eval_w"])),
                    "seq_len": meta["seq_len"], "distilled_sequences": int(len(meta["distilled"])),

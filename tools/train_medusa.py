@@ -189,7 +189,7 @@ def train_medusa(
         "heads": K,
         "draft_vocab": int(len(vocab)),
         "draft_vocab_coverage": round(float(counts[vocab].sum() / max(1, counts.sum())), 4),
-        "corpus": {"source": str(corpus) if corpus else f"CPython stdlib {sysconfig.get_paths()['stdlib']}",
+        "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
                    "held_out": list(HELD_OUT), "tokens": int(len(ids)), "train_windows": int(len(train_w)),
                    "eval_windows": int(len(eval_w)), "seq_len": seq_len,
                    "labels": "the target's own argmax (teacher-forced self-distillation)"},

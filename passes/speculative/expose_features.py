@@ -114,7 +114,7 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
         cat.outputs[0].dtype = mm.outputs[0].dtype = ir.DataType.FLOAT
         cat.outputs[0].shape = ir.Shape([*cuts[0].shape[:-1], len(cuts) * hidden])
         mm.outputs[0].shape = ir.Shape([*cuts[0].shape[:-1], hidden])
-        g.insert_after(cuts[-1].producer(), [cat, mm])  # taps ascend: the deepest cut is produced last
+        g.extend([cat, mm])  # at the end: after every tap, also when a later pass re-creates a tap's producer
         return mm.outputs[0]
 
     def ensures(self, model: ir.Model) -> None:
