@@ -84,25 +84,32 @@ def test_expose_features_golden_in_ort(exposed, smollm2):
     np.testing.assert_allclose(normed @ lm.T, b[0][0], rtol=0, atol=2e-3)
 
 
-@pytest.fixture(scope="module")
-def tiny_head(smollm2, module_tmp):
-    """A head trained on CPU for a few steps (token identity does not depend on its quality)."""
+def _train_tiny_head(smollm2, module_tmp, name: str, **options) -> Path:
     pytest.importorskip("torch")
     from dyncompile.tools.train_drafter import train_drafter
 
-    out = module_tmp("eagle_head")
-    train_drafter(smollm2.onnx_path.parent, out, steps=3, batch=2, seq_len=48, max_tokens=6000, draft_vocab=1024,
-                  progress=False)
+    out = module_tmp(name)
+    train_drafter(smollm2.onnx_path.parent, out, batch=2, seq_len=48, max_tokens=6000, draft_vocab=1024,
+                  progress=False, **options)
     return out
+
+
+def _tree_plan(smollm2, head: Path, module_tmp, name: str) -> Path:
+    res = compile_model(smollm2.onnx_path,
+                        f"eagle-drafter{{head={head}}},explicit-attention,speculative{{tree=true,measure=false}}",
+                        module_tmp(name) / "plan", progress=False, opt_level=0)
+    return res.plan_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_head(smollm2, module_tmp):
+    """A head trained on CPU for a few steps (token identity does not depend on its quality)."""
+    return _train_tiny_head(smollm2, module_tmp, "eagle_head", steps=3)
 
 
 @pytest.fixture(scope="module")
 def eagle_plan(smollm2, tiny_head, module_tmp):
-    root = module_tmp("eagle_plan")
-    res = compile_model(smollm2.onnx_path,
-                        f"eagle-drafter{{head={tiny_head}}},explicit-attention,speculative{{tree=true,measure=false}}",
-                        root / "plan", progress=False, opt_level=0)
-    return res.plan_dir
+    return _tree_plan(smollm2, tiny_head, module_tmp, "eagle_plan")
 
 
 def test_head_record_and_held_out_files(tiny_head):
@@ -391,22 +398,13 @@ def test_speculative_tree_pass_gives_the_eagle_drafter_the_bias_once(smollm2, ti
 @pytest.fixture(scope="module")
 def fused_head(smollm2, module_tmp):
     """An EAGLE-3 head (fused low/middle/high features, 2 unrolled draft steps) trained on CPU for a few steps."""
-    pytest.importorskip("torch")
-    from dyncompile.tools.train_drafter import train_drafter
-
-    out = module_tmp("eagle3_head")
-    train_drafter(smollm2.onnx_path.parent, out, steps=4, batch=2, seq_len=48, max_tokens=6000, draft_vocab=1024,
-                  features="fused", ttt_steps=2, eval_every=2, eval_windows=2, progress=False)
-    return out
+    return _train_tiny_head(smollm2, module_tmp, "eagle3_head", steps=4, features="fused", ttt_steps=2, eval_every=2,
+                            eval_windows=2)
 
 
 @pytest.fixture(scope="module")
 def fused_plan(smollm2, fused_head, module_tmp):
-    root = module_tmp("eagle3_plan")
-    res = compile_model(smollm2.onnx_path,
-                        f"eagle-drafter{{head={fused_head}}},explicit-attention,speculative{{tree=true,measure=false}}",
-                        root / "plan", progress=False, opt_level=0)
-    return res.plan_dir
+    return _tree_plan(smollm2, fused_head, module_tmp, "eagle3_plan")
 
 
 def _torch_head(smollm2, arrays):
