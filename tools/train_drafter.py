@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
+from dyncompile.passes.speculative.eagle_drafter import HEAD_FORMAT, HEAD_FORMAT_FUSED  # what the pass reads
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ HELD_OUT = (
     "fractions.py", "heapq.py", "ipaddress.py", "json/__init__.py", "shlex.py", "statistics.py", "string.py",
     "textwrap.py",
 )
-HEAD_FORMAT = "dyncompile.eagle_head/v1"
-HEAD_FORMAT_FUSED = "dyncompile.eagle_head/v2"
 
 
 def fingerprint(a: np.ndarray) -> list[float]:

@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
+from dyncompile.passes.speculative.medusa_heads import HEAD_FILE_FORMAT
 from dyncompile.tools.train_drafter import HELD_OUT, _windows, fingerprint, load_corpus_tokens, load_target
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MEDUSA_HEAD_FORMAT", "evaluate_medusa", "train_medusa"]
 
-MEDUSA_HEAD_FORMAT = "dyncompile.medusa_heads/v1"
+MEDUSA_HEAD_FORMAT = HEAD_FILE_FORMAT  # what the medusa-heads pass reads
 
 
 def train_medusa(

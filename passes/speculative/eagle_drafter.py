@@ -45,7 +45,7 @@ from dyncompile.passes import _keys
 from dyncompile.passes._graph import backward_slice
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
-from dyncompile.passes.speculative.expose_features import FEATURES_OUTPUT, ExposeFeaturesPass
+from dyncompile.passes.speculative.expose_features import FEATURES_OUTPUT, ExposeFeaturesPass, layer_structure
 from dyncompile.passes.speculative.split_drafter import drop_unused_pasts, trim_lm_head
 
 logger = logging.getLogger(__name__)
@@ -137,16 +137,12 @@ def _swap_layer_weights(g: ir.Graph, layer_nodes: set[str], params: dict[str, An
 
 def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ir.Model:
     """The drafter graph (see the module docstring); ``target`` is not modified."""
-    from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
-
     spec = decoder_spec(target, "model", what="target model")
     d = target.clone()
     g = d.graph
     for k in [k for k in d.metadata_props if k.startswith("dyncompile.")]:
         del d.metadata_props[k]
-    s = analyze_model(d)
-    if not s.has_layers:
-        raise DrafterError(f"eagle-drafter needs a layered decoder; no repeated layer structure was found: {s.message}")
+    s = layer_structure(d, "eagle-drafter")
     num = s.num_layers
     cfg = info.get("target_config") or {}
     if cfg.get("num_layers") not in (None, num):

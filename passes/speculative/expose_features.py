@@ -28,21 +28,27 @@ from dyncompile.passes import _keys
 from dyncompile.passes._infra import CompileContext, register_pass
 from dyncompile.passes.speculative.decoder_spec import DrafterError
 
-__all__ = ["FEATURES_OUTPUT", "ExposeFeaturesPass", "find_features"]
+__all__ = ["FEATURES_OUTPUT", "ExposeFeaturesPass", "find_features", "layer_structure"]
 
 FEATURES_OUTPUT = "features"
 
 
-def find_features(model: ir.Model) -> ir.Value:
-    """The value entering the final norm (the last decoder layer's output)."""
+def layer_structure(model: ir.Model, what: str):
+    """:func:`~dyncompile.passes.analysis.analyze_model` of ``model``, refused (for ``what``) without a layer stack."""
     from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
 
+    s = analyze_model(model)
+    if not s.has_layers:
+        raise DrafterError(f"{what} needs a layered decoder; no repeated layer structure was found: {s.message}")
+    return s
+
+
+def find_features(model: ir.Model) -> ir.Value:
+    """The value entering the final norm (the last decoder layer's output)."""
     existing = next((v for v in model.graph.outputs if v.name == FEATURES_OUTPUT), None)
     if existing is not None:
         return existing
-    s = analyze_model(model)
-    if not s.has_layers:
-        raise DrafterError(f"expose-features needs a layered decoder; no repeated layer structure was found: {s.message}")
+    s = layer_structure(model, "expose-features")
     name = s.cut_for_layer(s.num_layers).name
     values = ir.convenience.create_value_mapping(model.graph)
     return values[name]
@@ -89,12 +95,8 @@ class ExposeFeaturesPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def _fused(self, model: ir.Model) -> ir.Value:
-        """``Concat(cuts after the tap layers) @ fuse^T``, inserted after the last tap."""
-        from dyncompile.passes.analysis.layers import analyze_model  # networkx: loaded when used
-
-        s = analyze_model(model)
-        if not s.has_layers:
-            raise DrafterError(f"fused features need a layered decoder; no repeated layer structure was found: {s.message}")
+        """``Concat(cuts after the tap layers) @ fuse^T``, appended at the graph's end."""
+        s = layer_structure(model, "expose-features with fused taps")
         if max(self.taps) >= s.num_layers or min(self.taps) < 1:
             raise DrafterError(f"feature taps {list(self.taps)} do not fit this {s.num_layers}-layer target: the head "
                                "was trained for another model")
