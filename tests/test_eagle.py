@@ -443,6 +443,30 @@ def test_ttt_mask_is_what_a_drafted_token_sees():
     np.testing.assert_array_equal(_ttt_mask(3, 3, "cpu").numpy(), expected)
 
 
+def test_held_out_split_ignores_the_seed_and_distillation_never_reads_it():
+    """A run continuing a head with another --seed must evaluate on the same held-out windows, and the
+    self-distillation prompts must come from training windows only (a held-out window's text would leak)."""
+    from dyncompile.tools.train_drafter import distill_prompts, split_windows
+
+    ids = np.arange(64 * 300, dtype=np.int64)  # every token unique: a slice names its window
+    ev, tr = split_windows(ids, 64)
+    ev2, tr2 = split_windows(ids, 64)
+    np.testing.assert_array_equal(ev, ev2)
+    np.testing.assert_array_equal(tr, tr2)
+    assert len(ev) == 6 and len(ev) + len(tr) == 300
+    assert not set(ev[:, 0]) & set(tr[:, 0])  # disjoint
+    assert set(ev[:, 0]) != set(np.arange(6) * 64)  # shuffled, not the corpus head
+    held = set(ev.ravel())
+    for seed in (0, 1, 7):
+        p = distill_prompts(tr, 500, 16, np.random.default_rng(seed))
+        assert p.shape == (500, 16) and not held & set(p.ravel())
+        assert (np.diff(p, axis=1) == 1).all()  # contiguous slices of one window each
+        assert (p[:, 0] // 64 == p[:, -1] // 64).all()
+    # negative control: prompts drawn from the whole corpus, as before, do hit held-out text
+    starts = np.random.default_rng(0).integers(0, len(ids) - 16, size=500)
+    assert held & set(np.concatenate([ids[s : s + 16] for s in starts]))
+
+
 def test_fused_head_record(fused_head, smollm2):
     from dyncompile.tools.train_drafter import feature_layers_for
 

@@ -130,6 +130,29 @@ def _windows(ids: np.ndarray, seq_len: int) -> np.ndarray:
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
+SPLIT_SEED = 0  # the held-out split never depends on --seed: runs continuing a head (--init) keep its eval windows
+
+
+def split_windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The corpus cut into ``seq_len`` windows, shuffled by :data:`SPLIT_SEED` and split into (eval, train): 2 % of
+    the windows (at least 2) are held out. The split is the same for every ``--seed``, so a run that continues
+    another (``--init``) reports agreement on windows no earlier run trained on."""
+    wins = _windows(ids, seq_len)
+    wins = wins[np.random.default_rng(SPLIT_SEED).permutation(len(wins))]
+    n_eval = max(2, len(wins) // 50)
+    return wins[:n_eval], wins[n_eval:]
+
+
+def distill_prompts(train_w: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` self-distillation prompts of ``length`` tokens, each a slice of one training window (never of a
+    held-out window, so the continuations carry no held-out text into training)."""
+    if length > train_w.shape[1]:
+        raise DataError(f"distillation prompts of {length} tokens do not fit windows of {train_w.shape[1]} tokens")
+    rows = rng.integers(0, len(train_w), size=n)
+    offs = rng.integers(0, train_w.shape[1] - length + 1, size=n)
+    return np.stack([train_w[r, o : o + length] for r, o in zip(rows, offs)])
+
+
 def _ttt_mask(n: int, blocks: int, device: Any) -> Any:
     """Boolean attention mask (True = attend) over ``blocks`` stacked copies of ``n`` positions (EAGLE-3's
     training-time test): a row of block 0 sees block 0 causally; row ``t`` of block ``i >= 1`` (the ``i``-th draft
@@ -244,11 +267,8 @@ def train_drafter(
     tok_json = (target.parent if target.suffix == ".gguf" else target) / "tokenizer.json"
     ids = load_corpus_tokens(corpus, tok_json, max_tokens=max_tokens, eos=eos)
     logger.info("corpus: %d tokens", len(ids))
-    wins = _windows(ids, seq_len)
     rng = np.random.default_rng(seed)
-    wins = wins[rng.permutation(len(wins))]
-    n_eval = max(2, len(wins) // 50)
-    eval_w, train_w = wins[:n_eval], wins[n_eval:]
+    eval_w, train_w = split_windows(ids, seq_len)
     amp = dev.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else (lambda: torch.autocast("cpu", enabled=False))
     prev = _load_init(init, fused) if init else None
@@ -257,8 +277,7 @@ def train_drafter(
     distilled = np.zeros((0, distill_prompt + distill_new), np.int64)
     if distill_sequences > 0:
         gen_bs = 512 if amp else 4
-        starts = rng.integers(0, len(ids) - distill_prompt, size=distill_sequences)
-        prompts = np.stack([ids[s : s + distill_prompt] for s in starts])
+        prompts = distill_prompts(train_w, distill_sequences, distill_prompt, rng)
         outs = []
         bar = tqdm(range(0, len(prompts), gen_bs), desc="self-distillation", disable=not progress)
         with torch.no_grad(), autocast():
@@ -486,7 +505,7 @@ def _write_head(out: Path, head: Any, meta: dict[str, Any], training: dict[str, 
         "draft_vocab_coverage": round(meta["coverage"], 4),
         "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
                    "held_out": list(HELD_OUT), "tokens": int(len(meta["ids"])),
-                   "train_windows": int(len(meta["train_w"])), "eval_windows": int(len(meta["eval_w"])),
+                   "train_windows": int(len(meta["train_w"])), "eval_windows": int(len(meta["eval_w"])), "split_seed": SPLIT_SEED,
                    "seq_len": meta["seq_len"], "distilled_sequences": int(len(meta["distilled"])),
                    "distill_prompt": meta["distill_prompt"], "distill_new": meta["distill_new"]},
         "training": training,
