@@ -188,8 +188,9 @@ def test_drafter_graph_matches_the_torch_head(smollm2, tiny_head, exposed):
         out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=hf.model.rotary_emb(h, pos))
         out = out[0] if isinstance(out, tuple) else out
         ref_logits = hf.lm_head(hf.model.norm(out))[0].numpy()[:, arrays["vocab"]]
-    np.testing.assert_allclose(hid[0], out[0].numpy(), rtol=0, atol=2e-3)
-    np.testing.assert_allclose(logits[0], ref_logits, rtol=0, atol=2e-3)
+    # float32 rounding only: the head's hidden state reaches ~2e3 after a few training steps (18 ulps there = 2e-3)
+    np.testing.assert_allclose(hid[0], out[0].numpy(), rtol=1e-5, atol=2e-3)
+    np.testing.assert_allclose(logits[0], ref_logits, rtol=1e-5, atol=2e-3)
 
 
 def test_a_foreign_head_is_refused(smollm2, tiny_head, tmp_path):
