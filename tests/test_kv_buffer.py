@@ -111,6 +111,37 @@ def test_logits_and_cache_match_the_concat_cache(shared_plan):
         assert np.abs(x - y).max() <= 1e-4
 
 
+class _OnCuda:
+    """A CPU session that reports the CUDA EP first (what KVDecoder reads to place its cache)."""
+
+    def __init__(self, session):
+        self._s = session
+
+    def get_providers(self):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
+def test_the_cuda_ep_concatenates_and_says_why(shared_plan, caplog):
+    """ORT's CUDA GQA takes no attention_bias (nor float32): the plan's GQA runs on the CPU EP there, where a shared
+    buffer would cross PCIe whole twice per call, so a CUDA session concatenates, with the same logits."""
+    path = shared_plan / "model.onnx"
+    spec = decoder_spec(ir.load(str(path)), path.name)
+    spec.pop("vocab_size")
+    spec = DecoderSpec.from_params(spec)
+    session = ort_session(path, disable_all=True)
+    assert spec.kv_buffer == "shared"
+    on_cpu = KVDecoder(session, spec)
+    assert on_cpu.shared  # control: the same plan on the CPU EP shares its buffer
+    with caplog.at_level("INFO", logger="dyncompile.runtime.decode.kv_cache"):
+        on_cuda = KVDecoder(_OnCuda(session), spec)
+    assert on_cuda.kv_device == "cuda" and not on_cuda.shared
+    assert "takes no attention_bias" in caplog.text
+    np.testing.assert_array_equal(on_cuda.forward([1, 2, 3]), on_cpu.forward([1, 2, 3]))
+
+
 def test_adoption_between_shared_and_concat_caches(shared_plan):
     path = shared_plan / "model.onnx"
     shared, concat = _decoder(path), _decoder(path, kv_buffer="concat")

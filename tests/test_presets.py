@@ -123,10 +123,20 @@ def test_classifier_compiles_get_no_preset(tiny_encoder_path, tmp_path):
 
 
 def test_empty_provider_rows_insert_nothing():
-    context = CompileContext(options={"provider": "cuda"}, model_config={"task": "text-generation"})
+    context = CompileContext(options={"provider": "openvino"}, model_config={"task": "text-generation"})
     assert resolve("speculative", context).inserted == ()
     with pytest.raises(PassConfigError, match="opt level"):
         resolve("verify", context, opt_level=3)
+
+
+def test_cuda_decoders_get_the_fused_graph_without_the_cpu_conv_trick():
+    context = CompileContext(options={"provider": "cuda"}, model_config={"task": "text-generation"})
+    merged = resolve("speculative", context)
+    names = merged.names()
+    assert [names[i] for i in merged.inserted] == ["explicit-attention", "fuse-decoder", "pack-matmuls", "trim-logits"]
+    assert names[-1] == "speculative" and "matmul-to-conv" not in names
+    bit_exact = resolve("speculative", context, opt_level=1)
+    assert [bit_exact.names()[i] for i in bit_exact.inserted] == ["explicit-attention", "trim-logits"]
 
 
 def test_passes_command_lists_the_presets(capsys):
