@@ -30,6 +30,7 @@ ONNX drafter from them. PyTorch + transformers are needed (the ``export`` extra)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -141,6 +142,12 @@ def split_windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray
     wins = wins[np.random.default_rng(SPLIT_SEED).permutation(len(wins))]
     n_eval = max(2, len(wins) // 50)
     return wins[:n_eval], wins[n_eval:]
+
+
+def held_out_digest(eval_w: np.ndarray) -> str:
+    """A fingerprint of the held-out windows (sha256 of their tokens, first 16 hex digits): a run continuing a head
+    (``--init``) on another corpus, ``--max-tokens`` or ``--seq-len`` draws other windows, and this says so."""
+    return hashlib.sha256(np.ascontiguousarray(eval_w, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
 def distill_prompts(train_w: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -272,6 +279,16 @@ def train_drafter(
     amp = dev.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else (lambda: torch.autocast("cpu", enabled=False))
     prev = _load_init(init, fused) if init else None
+    held_out = held_out_digest(eval_w)
+    held_out_changed = False
+    if prev is not None:
+        before = (prev["info"].get("corpus") or {}).get("held_out_windows_sha256")
+        held_out_changed = before != held_out
+        if held_out_changed:
+            logger.warning("--init %s was evaluated on other held-out windows (%s; here %s: another corpus, --max-tokens "
+                           "or --seq-len): this run's held-out agreement does not continue its curve, and its held-out "
+                           "windows may hold text that run trained on; keep those options to continue a head",
+                           init, before or "not recorded", held_out)
 
     # --- self-distillation: the target's own greedy continuations of corpus prefixes ---------------
     distilled = np.zeros((0, distill_prompt + distill_new), np.int64)
@@ -404,6 +421,7 @@ def train_drafter(
             "steps": done, "planned_steps": steps, "batch": batch, "lr": lr, "p_weight": p_weight, "noise": noise,
             "seed": seed, "features": features, "ttt_steps": ttt_steps, "ttt_decay": ttt_decay,
             "tokens_seen": tokens_seen, "continued_from": prev["info"]["training"] if prev else None,
+            "held_out_changed": held_out_changed,
             "device": str(dev), "torch": torch.__version__, "seconds": round(time.perf_counter() - t_start, 1)},
             ev_arr, history, curve)
         return info
@@ -506,6 +524,7 @@ def _write_head(out: Path, head: Any, meta: dict[str, Any], training: dict[str, 
         "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
                    "held_out": list(HELD_OUT), "tokens": int(len(meta["ids"])),
                    "train_windows": int(len(meta["train_w"])), "eval_windows": int(len(meta["eval_w"])), "split_seed": SPLIT_SEED,
+                   "held_out_windows_sha256": held_out_digest(meta["eval_w"]),
                    "seq_len": meta["seq_len"], "distilled_sequences": int(len(meta["distilled"])),
                    "distill_prompt": meta["distill_prompt"], "distill_new": meta["distill_new"]},
         "training": training,
