@@ -513,6 +513,22 @@ def choose_int8_format(provider: str | None) -> tuple[str, str]:
     )
 
 
+#: measured slowdowns of weight quantization on the CUDA EP (bench-results/quantized-cuda/, MiniLM-L6 on an H200)
+CUDA_SLOWDOWN = {
+    "quantize-int8": "the CUDA EP has no int8 GEMM for these graphs outside TensorRT: it dequantizes and runs the fp32 "
+                     "MatMul (measured on MiniLM-L6: 0.74x fp32 at batch 1, 0.82x at batch 32)",
+    "quantize-int4": "the CUDA EP's MatMulNBits dequantizes per call (measured on MiniLM-L6: 0.87x fp32 at batch 1, "
+                     "0.92x at batch 32)",
+}
+
+
+def warn_if_cuda(context, name: str) -> None:
+    """Say at the default verbosity that ``name`` was measured to slow models down on the CUDA EP (``--provider``)."""
+    if (context.options.get("provider") or "cpu") == "cuda":
+        logger.warning("%s with --provider cuda: %s; compile without it for the CUDA EP unless your model measures "
+                       "otherwise (`dyncompile bench classify PLAN --provider cuda`)", name, CUDA_SLOWDOWN[name])
+
+
 class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     """Weight-only int4 (block-wise) quantization of MatMul weights into ``com.microsoft.MatMulNBits``.
 
@@ -673,6 +689,7 @@ def _make_int8(
 ):
     from dyncompile.errors import PassConfigError
 
+    warn_if_cuda(context, "quantize-int8")
     if format == "auto":
         format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
     if budget_share is not None:
@@ -770,6 +787,7 @@ def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy
                fp32_nodes: str | None = None):
     from dyncompile.errors import PassConfigError
 
+    warn_if_cuda(context, "quantize-int4")
     if block_size < 16 or block_size & (block_size - 1):
         raise PassConfigError(f"quantize-int4 block_size must be a power of two >= 16 (e.g. 32), got {block_size}")
     if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import onnx_ir as ir
@@ -337,3 +338,17 @@ def test_int8_qdq_weights_refuses_opset_below_13_before_touching_the_model():
     # nothing to do at opset 12 is not an error: a model already quantized is left alone, as before
     m.metadata_props[_keys.QUANTIZED] = "{}"
     assert QuantizeWeightsInt8Pass()(m).modified is False
+
+
+@pytest.mark.parametrize("name", ["quantize-int8", "quantize-int4"])
+def test_weight_quantization_for_the_cuda_ep_says_it_was_measured_slower(name, caplog):
+    """On the CUDA EP int8 and int4 were measured slower than fp32: a compile for it says so at the default
+    verbosity (and still builds the pass); other providers hear nothing."""
+    from dyncompile.passes import CompileContext, build_passes
+
+    for provider, warned in (("cuda", True), ("cpu", False), ("openvino", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dyncompile.passes.quantize_weights"):
+            (p,) = build_passes(name, CompileContext(options={"provider": provider}))
+        assert p is not None
+        assert (f"{name} with --provider cuda" in caplog.text) is warned, provider
