@@ -16,7 +16,9 @@ pack-matmuls, trim-logits, matmul-to-conv`` (the README's fastest exact decoder 
 On the CUDA EP the same graph without ``matmul-to-conv`` (a CPU kernel trick): on Qwen2.5-Coder-0.5B fp32 (H200) the
 fused graph decodes at 1.95x the unfused export's rate end to end and EAGLE-3 over it is 1.33x faster
 (``bench-results/eagle3/``, "CUDA"); ORT runs its GroupQueryAttention on the CPU there (the CUDA kernel takes no
-``attention_bias`` and no float32), and it still wins by cutting ~1,500 kernel launches per step to a few hundred.
+``attention_bias`` and no float32), and it still wins by cutting ~1,500 kernel launches per step to a few hundred;
+on SmolLM2 prompt lookup 1.29x (``bench-results/speculative-cuda/``). It costs prefill (TTFT 2.6x at ORT's default
+threads, 7-8x at 2 threads, where the unfused graph then wins end to end): compile with ``-O0`` for that case.
 On OpenVINO and DirectML no lowering was measured: those rows are empty. Classifiers (early exit) get no lowering; their
 If-vs-staged choice follows the declared batch sizes in the ``early-exit`` pass instead.
 
