@@ -14,7 +14,7 @@ user's pipeline for an optimization level:
 Only what was measured to pay is listed: on the CPU EP a decoder gets ``explicit-attention, fuse-decoder,
 pack-matmuls, trim-logits, matmul-to-conv`` (the README's fastest exact decoder graph, ``bench-results/peers/``).
 On the CUDA EP the same graph without ``matmul-to-conv`` (a CPU kernel trick): on Qwen2.5-Coder-0.5B fp32 (H200) the
-fused graph decodes at 1.95x the unfused export's rate end to end and EAGLE-3 over it is 1.33x faster
+fused graph decodes at 1.95x the unfused export's rate end to end and EAGLE-3 runs 1.33x faster on it
 (``bench-results/eagle3/``, "CUDA"); ORT runs its GroupQueryAttention on the CPU there (the CUDA kernel takes no
 ``attention_bias`` and no float32), and it still wins by cutting ~1,500 kernel launches per step to a few hundred;
 on SmolLM2 prompt lookup 1.29x (``bench-results/speculative-cuda/``). It costs prefill (TTFT 2.6x at ORT's default

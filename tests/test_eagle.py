@@ -576,6 +576,18 @@ def test_training_continues_from_a_saved_head(smollm2, fused_head, tmp_path, cap
                               max_tokens=5000, features="fused", ttt_steps=2, init=fused_head, progress=False)
     assert moved["corpus"]["held_out_windows_sha256"] != digest and moved["training"]["held_out_changed"]
     assert "was evaluated on other held-out windows" in caplog.text
+    # a head written before heads recorded the fingerprint: cannot be checked, and says so (null, not false)
+    import shutil
+
+    old = shutil.copytree(fused_head, tmp_path / "old-head")
+    rec = json.loads((old / "eagle_head.json").read_text())
+    del rec["corpus"]["held_out_windows_sha256"]
+    (old / "eagle_head.json").write_text(json.dumps(rec))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dyncompile.tools.train_drafter"):
+        unknown = train_drafter(smollm2.onnx_path.parent, tmp_path / "from-old", steps=1, batch=2, seq_len=48,
+                                max_tokens=6000, features="fused", ttt_steps=2, init=old, progress=False)
+    assert unknown["training"]["held_out_changed"] is None and "records no fingerprint" in caplog.text
     with pytest.raises(DataError, match="same --features"):
         train_drafter(smollm2.onnx_path.parent, tmp_path / "other", steps=1, batch=2, seq_len=48, max_tokens=6000,
                       init=fused_head, progress=False)

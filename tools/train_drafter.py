@@ -280,15 +280,18 @@ def train_drafter(
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else (lambda: torch.autocast("cpu", enabled=False))
     prev = _load_init(init, fused) if init else None
     held_out = held_out_digest(eval_w)
-    held_out_changed = False
+    held_out_changed: bool | None = False
     if prev is not None:
         before = (prev["info"].get("corpus") or {}).get("held_out_windows_sha256")
-        held_out_changed = before != held_out
-        if held_out_changed:
+        held_out_changed = None if before is None else before != held_out
+        if held_out_changed is None:
+            logger.warning("--init %s records no fingerprint of its held-out windows (written before heads recorded "
+                           "one): this run cannot check that it evaluates on the same windows", init)
+        elif held_out_changed:
             logger.warning("--init %s was evaluated on other held-out windows (%s; here %s: another corpus, --max-tokens "
                            "or --seq-len): this run's held-out agreement does not continue its curve, and its held-out "
                            "windows may hold text that run trained on; keep those options to continue a head",
-                           init, before or "not recorded", held_out)
+                           init, before, held_out)
 
     # --- self-distillation: the target's own greedy continuations of corpus prefixes ---------------
     distilled = np.zeros((0, distill_prompt + distill_new), np.int64)
