@@ -27,6 +27,7 @@ OWNERS: list[tuple[str, str]] = [
     ("restructure-check/early_exit.json", "dyncompile.tools.studies.early_exit"),
     ("restructure-check/pl-all.json", "dyncompile.tools.bench.generate"),
     ("early-exit-resplit/*.json", "dyncompile.tools.studies.early_exit_resplit"),
+    ("peers/q05-prefill-conv-vs-noconv-*.json", "dyncompile.tools.bench.generate"),
     ("peers/*.json", "dyncompile.tools.bench.peers"),
     ("fast-path-default/*.json", "dyncompile.tools.bench.peers"),
     ("peers-cuda/*.json", "dyncompile.tools.bench.peers"),
