@@ -36,10 +36,14 @@ def shared_plan(smollm2_fast_plan):
     return smollm2_fast_plan
 
 
-def _decoder(path: Path, **kw) -> KVDecoder:
+def _spec(path: Path) -> DecoderSpec:
     spec = decoder_spec(ir.load(str(path)), path.name)
     spec.pop("vocab_size")
-    return KVDecoder(ort_session(path, disable_all=True), DecoderSpec.from_params(spec), **kw)
+    return DecoderSpec.from_params(spec)
+
+
+def _decoder(path: Path, **kw) -> KVDecoder:
+    return KVDecoder(ort_session(path, disable_all=True), _spec(path), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +132,7 @@ def test_the_cuda_ep_concatenates_and_says_why(shared_plan, caplog):
     """ORT's CUDA GQA takes no attention_bias (nor float32): the plan's GQA runs on the CPU EP there, where a shared
     buffer would cross PCIe whole twice per call, so a CUDA session concatenates, with the same logits."""
     path = shared_plan / "model.onnx"
-    spec = decoder_spec(ir.load(str(path)), path.name)
-    spec.pop("vocab_size")
-    spec = DecoderSpec.from_params(spec)
+    spec = _spec(path)
     session = ort_session(path, disable_all=True)
     assert spec.kv_buffer == "shared"
     on_cpu = KVDecoder(session, spec)

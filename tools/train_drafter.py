@@ -416,6 +416,7 @@ def train_drafter(
     weights = [ttt_decay ** j for j in range(ttt_steps)]
     meta = {"hidden": hidden, "last_idx": last_idx, "vocab_size": vocab_size, "cfg": cfg, "vocab": vocab,
             "coverage": coverage, "ids": ids, "corpus": corpus, "train_w": train_w, "eval_w": eval_w,
+            "held_out": held_out,
             "seq_len": seq_len, "distilled": distilled, "distill_prompt": distill_prompt, "distill_new": distill_new,
             "taps": taps, "layer_orig": layer_orig, "target": target}
 
@@ -527,7 +528,7 @@ def _write_head(out: Path, head: Any, meta: dict[str, Any], training: dict[str, 
         "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
                    "held_out": list(HELD_OUT), "tokens": int(len(meta["ids"])),
                    "train_windows": int(len(meta["train_w"])), "eval_windows": int(len(meta["eval_w"])), "split_seed": SPLIT_SEED,
-                   "held_out_windows_sha256": held_out_digest(meta["eval_w"]),
+                   "held_out_windows_sha256": meta["held_out"],
                    "seq_len": meta["seq_len"], "distilled_sequences": int(len(meta["distilled"])),
                    "distill_prompt": meta["distill_prompt"], "distill_new": meta["distill_new"]},
         "training": training,

@@ -171,24 +171,27 @@ class KVDecoder:
         if mode not in ("shared", "concat"):
             raise PlanError(f"kv_buffer must be 'shared' or 'concat', not {mode!r}")
         shared = mode == "shared"
-        if shared and self.kv_device == "cuda":
-            # ORT's CUDA GroupQueryAttention has float16/bfloat16 kernels only and rejects an attention_bias input in
-            # any precision, so a fuse-decoder graph runs GQA on the CPU EP: a shared buffer would cross PCIe whole
-            # twice per call (measured on an H200: 18 ms per step at 1,024 slots against 6.6 ms concatenating)
-            logger.info("the %s decoder holds its KV cache by concatenation: on the CUDA EP the plan's "
-                        "GroupQueryAttention runs on the CPU (ONNX Runtime's CUDA kernel takes no attention_bias and "
-                        "no float32), where a shared buffer would be copied whole across PCIe twice per call",
-                        self.role)
-            shared = False
-        if shared and (self.spec.kv_buffer != "shared" or self.kv_device != "cpu" or not self.pos_name
-                       or not self.bias_name):
-            logger.info("the %s decoder holds its KV cache by concatenation: a shared buffer needs a plan that "
-                        "says kv_buffer=shared (explicit-attention,fuse-decoder) and the CPU EP", self.role)
+        why = self._why_not_shared() if shared else None
+        if why:
+            logger.info("the %s decoder holds its KV cache by concatenation: %s", self.role, why)
             shared = False
         self.shared = shared
         if not shared:
             self._bufs, self._cap = [], 0
         self.reset()
+
+    def _why_not_shared(self) -> str | None:
+        """Why this decoder cannot hold a shared buffer (``None``: it can)."""
+        if self.kv_device == "cuda":
+            # ORT's CUDA GroupQueryAttention has float16/bfloat16 kernels only and rejects an attention_bias input in
+            # any precision, so a fuse-decoder graph runs GQA on the CPU EP: a shared buffer would cross PCIe whole
+            # twice per call (measured on an H200: 18 ms per step at 1,024 slots against 6.6 ms concatenating)
+            return ("on the CUDA EP the plan's GroupQueryAttention runs on the CPU (ONNX Runtime's CUDA kernel takes no "
+                    "attention_bias and no float32), where a shared buffer would be copied whole across PCIe twice "
+                    "per call")
+        if self.spec.kv_buffer != "shared" or self.kv_device != "cpu" or not self.pos_name or not self.bias_name:
+            return "a shared buffer needs a plan that says kv_buffer=shared (explicit-attention,fuse-decoder) and the CPU EP"
+        return None
 
     # --- cache -----------------------------------------------------------------------------------
     def _empty(self, e: KVEntry, slots: int = 0) -> np.ndarray:
