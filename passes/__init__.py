@@ -11,7 +11,7 @@ Importing this package registers every built-in pass and plan emitter. Layout:
 * ``early_exit/`` — exit heads, their fitting and calibration, the exit rule, the lowering passes;
 * ``speculative/`` — decoder specs, measurement, the split drafter and the speculative pass;
 * ``analysis/`` — layers, cut tensors and the family of an exported transformer;
-* one module per remaining pass (``cleanup_graph``, ``verify_model``, ``quantize_weights``, ``fuse_decoder``, ``pack_matmuls``,
+* one module per remaining pass (``cleanup_graph``, ``verify_model``, ``causal_attention``, ``cast_float16``, ``quantize_weights``, ``fuse_decoder``, ``pack_matmuls``,
   ``matmul_to_conv``).
 """
 
@@ -25,6 +25,8 @@ from dyncompile.passes._infra import (
     register_pass,
     run_pipeline,
 )
+from dyncompile.passes.cast_float16 import CastFloat16Pass
+from dyncompile.passes.causal_attention import CausalAttentionPass
 from dyncompile.passes.cleanup_graph import CleanupGraphPass
 from dyncompile.passes.early_exit import (
     FitExitHeadsPass,
@@ -45,6 +47,8 @@ from dyncompile.passes.verify_model import VerifyModelPass
 
 __all__ = [
     "PASS_REGISTRY",
+    "CastFloat16Pass",
+    "CausalAttentionPass",
     "CleanupGraphPass",
     "CompileContext",
     "FitExitHeadsPass",

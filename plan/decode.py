@@ -83,6 +83,10 @@ class DecoderSpec:
     logits_to_keep: str | None = None
     #: the fewest rows per call: fewer new tokens are padded with copies of the last one (see the class docstring)
     min_rows: int = _field(1, lo=1, hi=64)
+    #: ``masked`` (the mask inputs say which cache slots each row sees: holes and trees allowed) or ``causal``
+    #: (``causal-attention``: ``attention_mask`` only says how many slots are valid; the runtime keeps the cache
+    #: gap-free and verifies chains)
+    attention: Literal["masked", "causal"] = "masked"
 
     def _check(self, where: str) -> None:
         if not self.kv:
@@ -109,6 +113,7 @@ class DecoderSpec:
             **({"kv_buffer": self.kv_buffer} if self.kv_buffer != "concat" else {}),
             **({"logits_to_keep": self.logits_to_keep} if self.logits_to_keep else {}),
             **({"min_rows": self.min_rows} if self.min_rows != 1 else {}),
+            **({"attention": self.attention} if self.attention != "masked" else {}),
         }
 
 

@@ -115,6 +115,64 @@ def test_logits_and_cache_match_the_concat_cache(shared_plan):
         assert np.abs(x - y).max() <= 1e-4
 
 
+def _device_resident(path: Path) -> KVDecoder:
+    """A shared-buffer decoder that keeps its buffers as the CUDA EP does (ORT values edited through host copies),
+    here in CPU memory, so the bookkeeping runs without a GPU."""
+    dec = _decoder(path, kv_buffer="concat")
+    dec._on_host = False
+    dec.set_kv_buffer()
+    assert dec.shared and dec._bufs == [] and dec._cap == 1024
+    return dec
+
+
+def test_device_resident_buffers_match_host_buffers_and_copy_only_to_edit_rows(shared_plan, monkeypatch):
+    """The CUDA EP's layout: chain steps and tail rollbacks move no rows (no host copy); a tree's kept path off
+    the prefix, adoption and growth each cost exactly one host round trip, and give the host buffer's logits."""
+    path = shared_plan / "model.onnx"
+    host, dev = _decoder(path), _device_resident(path)
+    rng = np.random.default_rng(2)
+
+    def both(ids=None, tree=None):
+        la = host.forward(ids if tree is None else tree.tokens, tree=tree)
+        lb = dev.forward(ids if tree is None else tree.tokens, tree=tree)
+        np.testing.assert_allclose(lb, la, atol=decoder_tolerance(np.abs(la).max()))
+        assert (la.argmax(-1) == lb.argmax(-1)).all()
+
+    both(rng.integers(100, 40000, size=60))
+    buffers = [id(v) for v in dev.past]
+    for _ in range(3):  # speculative chain rounds: verify 4, reject 2
+        both(rng.integers(100, 40000, size=4))
+        host.truncate(host.length - 2)
+        dev.truncate(dev.length - 2)
+    assert dev.host_copies == 0 and [id(v) for v in dev.past] == buffers
+    tree = _tree()
+    both(tree=tree)
+    host.keep_path(len(tree), [0, 1, 3])
+    dev.keep_path(len(tree), [0, 1, 3])
+    assert dev.host_copies == 1
+    both(rng.integers(100, 40000, size=2))
+    other = _device_resident(path)
+    other.adopt(dev, range(len(dev.spec.kv)))
+    assert dev.host_copies == 2 and other.host_copies == 1  # read from one, written into the other
+    step = rng.integers(100, 40000, size=1)
+    np.testing.assert_allclose(other.forward(step), host.forward(step), atol=1e-4)
+    big = rng.integers(100, 40000, size=1100 - other.length)  # past the first 1,024 slots: one copy to grow
+    other.forward(big)
+    assert other._cap > 1024 and other.host_copies == 2 and other.length == 1100
+
+    # negative control: without writing the edited rows back, the tree's kept path is wrong on the device
+    fresh, ref = _device_resident(path), _decoder(path)
+    monkeypatch.setattr(fresh, "_commit", lambda arrays: None)
+    prompt = rng.integers(100, 40000, size=40)
+    fresh.forward(prompt)
+    ref.forward(prompt)
+    for d in (fresh, ref):
+        d.forward(tree.tokens, tree=tree)
+        d.keep_path(len(tree), [0, 1, 3])
+    nxt = rng.integers(100, 40000, size=1)
+    assert np.abs(fresh.forward(nxt) - ref.forward(nxt)).max() > 1e-2
+
+
 class _OnCuda:
     """A CPU session that reports the CUDA EP first (what KVDecoder reads to place its cache)."""
 

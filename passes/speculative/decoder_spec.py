@@ -125,6 +125,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         dtype = v.dtype
     vocab = _static(logits.shape[-1]) if logits.shape is not None else None
     shared = _kv_shared(g, [inputs[e["past"]] for e in kv])
+    causal = _causal_gqa(g)
     return {
         "model": file_key,
         "input_ids": "input_ids",
@@ -136,8 +137,21 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         "vocab_size": vocab,
         **({"attention_bias": "attention_bias"} if "attention_bias" in inputs else {}),
         **({"kv_buffer": "shared"} if shared else {}),
+        **({"attention": "causal"} if causal else {}),
         **({"logits_to_keep": "logits_to_keep"} if "logits_to_keep" in inputs else {}),
     }
+
+
+def _causal_gqa(graph: ir.Graph) -> bool:
+    """Whether the graph's attention is causal GroupQueryAttention sized by its ``attention_mask`` input.
+
+    (``causal-attention``): the mask says how many cache slots are valid, not which, so the runtime keeps the
+    cache gap-free and verifies chains only.
+    """
+    from dyncompile.passes.causal_attention import causal_gqa_nodes
+
+    gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    return bool(gqa) and len(causal_gqa_nodes(graph)) == len(gqa) and any(v.name == "attention_mask" for v in graph.inputs)
 
 
 def _kv_shared(graph: ir.Graph, pasts: list[ir.Value]) -> bool:
@@ -145,13 +159,15 @@ def _kv_shared(graph: ir.Graph, pasts: list[ir.Value]) -> bool:
 
     True when each past input is read only by ``GroupQueryAttention`` (as its past key / value, which GQA
     writes in place when past and present share memory; nothing else, e.g. a ``Shape`` that sizes the mask,
-    sees the buffer's capacity) and every such GQA takes the graph's ``attention_bias`` input as its mask
-    (the logical ``past + new`` length then comes from the bias the runtime feeds, and masked slots stay
-    masked) and returns its present key / value as graph outputs.
+    sees the buffer's capacity) and every such GQA takes its logical ``past + new`` length from a mask input the
+    runtime feeds — the graph's ``attention_bias`` (masked slots stay masked) or, for causal GQA
+    (``causal-attention``), the ``attention_mask`` that sizes ``seqlens_k`` — and returns its present key / value
+    as graph outputs.
     """
     outputs = set(graph.outputs)
     bias = next((v for v in graph.inputs if v.name == "attention_bias"), None)
-    if bias is None or not pasts:
+    causal = _causal_gqa(graph)
+    if (bias is None and not causal) or not pasts:
         return False
     for v in pasts:
         uses = list(v.uses())
@@ -160,7 +176,7 @@ def _kv_shared(graph: ir.Graph, pasts: list[ir.Value]) -> bool:
         for node, idx in uses:
             if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft" or idx not in (3, 4):
                 return False
-            if len(node.inputs) < 11 or node.inputs[10] is not bias:
+            if not causal and (len(node.inputs) < 11 or node.inputs[10] is not bias):
                 return False
             if node.outputs[idx - 2] not in outputs:
                 return False

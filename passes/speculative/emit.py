@@ -76,13 +76,19 @@ def emit_generate(model: ir.Model, req: EmitRequest) -> Plan:
 
 
 def _share_weights(drafter: ir.Model, target: ir.Model, saved_target_path: Path) -> int:
-    """Point the drafter's initializers that are the target's own tensors at the saved target's external data."""
+    """Point the drafter's initializers that are the target's own tensors at the saved target's external data.
+
+    A drafter tensor that was the target's but is no longer (a later pass such as ``float16`` replaced the target's)
+    still points into the source model's data file: it is read into memory and saved with the drafter.
+    """
     saved = ir.load(str(saved_target_path))
     by_id = {id(v.const_value): name for name, v in target.graph.initializers.items() if v.const_value is not None}
     shared = 0
     for v in drafter.graph.initializers.values():
         tname = by_id.get(id(v.const_value))
         if tname is None:
+            if isinstance(v.const_value, ir.ExternalTensor):  # a target tensor a later pass replaced (float16):
+                v.const_value = ir.tensor(v.const_value.numpy(), name=v.const_value.name)  # the drafter's own copy
             continue
         ext = saved.graph.initializers[tname].const_value
         if isinstance(ext, ir.ExternalTensor):

@@ -107,6 +107,8 @@ def _tree_target_message(model: ir.Model, target: dict[str, Any]) -> str:
             "so that one call can verify a draft tree")
     if not target.get("position_ids"):
         return f"{need}: this target has no position_ids input; re-export it with position_ids, or leave out tree=true"
+    if target.get("attention") == "causal":
+        return f"{need}: causal-attention replaced it by a causal mask (chains only); leave out causal-attention or tree=true"
     why = explicit_attention.why_no_attention_bias(model)
     if why is not None:
         return (f"{need}: explicit-attention cannot fire on this model ({why}), so draft trees are not available for "

@@ -80,8 +80,17 @@ class KVDecoder:
     GQA writes the new tokens in place after ``slots`` and attends over the bias's ``slots + n`` columns, so no
     step copies the cache. Rolling back the newest tokens then only moves ``slots`` back (the next call
     overwrites them); a verified tree's kept path is moved down in the buffer (a few rows). The buffer doubles
-    when full (one copy). CPU EP only: on other EPs the plan's ``shared`` falls back to ``concat`` (on the CUDA EP
-    because ONNX Runtime's CUDA GQA takes no ``attention_bias`` and no float32, so the graph's GQA runs on the CPU).
+    when full (one copy). On the CPU EP the buffers are numpy arrays ORT reads and writes in place; on the CUDA EP
+    they live in GPU memory (allocated once, 1,024 slots to start), so a step moves only its inputs and the logits
+    across PCIe; the rare edits of the rows themselves (growth, a tree's kept path off the prefix, adoption) go
+    through one host copy each, counted in :attr:`host_copies`. That needs GQA on the GPU: ONNX Runtime's CUDA
+    kernel is float16/bfloat16 only and takes no ``attention_bias``, so on the CUDA EP only a float16 graph with
+    causal attention (``causal-attention,float16``) shares a device buffer; any other concatenates (its GQA runs on
+    the CPU EP, where a shared buffer would cross PCIe whole twice per call). Other EPs fall back to ``concat``.
+
+    Causal attention (``spec.attention == "causal"``, ``causal-attention``): the ``attention_mask`` input only says
+    how many slots are valid, so the cache is kept gap-free: rollback by ``"copy"`` (a shared buffer moves its end
+    back, no copy) and chains only (no trees).
 
     Minimum rows (``spec.min_rows`` > 1): a call of fewer new tokens is padded to ``min_rows`` rows with copies of
     its last token at the next positions (visible to no real row); only the real rows' outputs (logits and extra
@@ -101,6 +110,10 @@ class KVDecoder:
         self.io_binding = bool(io_binding)
         providers = session.get_providers() if hasattr(session, "get_providers") else []
         self.kv_device = "cuda" if providers and providers[0] == "CUDAExecutionProvider" else "cpu"
+        #: shared buffers as host arrays wrapped by CPU ORT values (CPU EP), or ORT values in device memory
+        self._on_host = self.kv_device == "cpu"
+        #: device-resident shared buffers copied to the host and back (growth, tree paths, adoption)
+        self.host_copies = 0
         names = {i.name for i in session.get_inputs()}
         outs = {o.name for o in session.get_outputs()}
         missing = [n for n in [spec.input_ids, *(e.past for e in spec.kv)] if n not in names]
@@ -140,6 +153,8 @@ class KVDecoder:
         #: every output of the last ``forward`` (batch dim dropped): logits, presents, extras
         self.last_outputs: dict[str, np.ndarray] = {}
         self.dtype = _NP_DTYPES.get(spec.kv_dtype, np.float32)
+        #: causal attention (``causal-attention``): the mask sizes the cache, so it stays gap-free
+        self.causal = spec.attention == "causal"
         self.set_rollback(rollback)
         self._mask = np.ones((1, 1024), np.int64)  # validity of each physical cache slot, then ones
         self._arange = np.arange(1024, dtype=np.int64)[None]
@@ -159,6 +174,8 @@ class KVDecoder:
         """
         if rollback not in ("mask", "copy"):
             raise PlanError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
+        if self.causal and rollback == "mask":  # holes would be attended: the mask only counts slots
+            rollback = "copy"
         if self.spec.min_rows > 1 and rollback == "mask":  # masked holes would change the rows' float sums
             logger.debug("the %s decoder rolls back by copy: it pads calls to %d rows, whose logits must match "
                          "a gap-free cache's bitwise", self.role, self.spec.min_rows)
@@ -182,15 +199,17 @@ class KVDecoder:
 
     def _why_not_shared(self) -> str | None:
         """Why this decoder cannot hold a shared buffer (``None``: it can)."""
-        if self.kv_device == "cuda":
+        if self.kv_device == "cuda" and not (self.causal and self.spec.kv_dtype in ("float16", "FLOAT16", "bfloat16")):
             # ORT's CUDA GroupQueryAttention has float16/bfloat16 kernels only and rejects an attention_bias input in
-            # any precision, so a fuse-decoder graph runs GQA on the CPU EP: a shared buffer would cross PCIe whole
-            # twice per call (measured on an H200: 18 ms per step at 1,024 slots against 6.6 ms concatenating)
+            # any precision, so such a graph runs GQA on the CPU EP: a shared buffer would cross PCIe whole twice per
+            # call (measured on an H200: 18 ms per step at 1,024 slots against 6.6 ms concatenating)
             return ("on the CUDA EP the plan's GroupQueryAttention runs on the CPU (ONNX Runtime's CUDA kernel takes no "
-                    "attention_bias and no float32), where a shared buffer would be copied whole across PCIe twice "
-                    "per call")
-        if self.spec.kv_buffer != "shared" or self.kv_device != "cpu" or not self.pos_name or not self.bias_name:
-            return "a shared buffer needs a plan that says kv_buffer=shared (explicit-attention,fuse-decoder) and the CPU EP"
+                    "attention_bias and no float32; compile with causal-attention,float16 for one it runs), where a "
+                    "shared buffer would be copied whole across PCIe twice per call")
+        if self.spec.kv_buffer != "shared" or self.kv_device not in ("cpu", "cuda") or not self.pos_name \
+                or not (self.bias_name or (self.causal and self.mask_name)):
+            return ("a shared buffer needs a plan that says kv_buffer=shared (explicit-attention,fuse-decoder) and the "
+                    "CPU or CUDA EP")
         return None
 
     # --- cache -----------------------------------------------------------------------------------
@@ -205,7 +224,7 @@ class KVDecoder:
         self.length = self.slots = 0
         self._mask[:] = 1
         if self.shared:  # the buffers are kept (the next call overwrites them from slot 0)
-            self._reserve(256)
+            self._reserve(self._first_capacity)
             return
         self.past = [self._empty(e) for e in self.spec.kv]
         if self.io_binding:
@@ -217,20 +236,44 @@ class KVDecoder:
         idx[e.axis] = index
         return tuple(idx)
 
+    @property
+    def _first_capacity(self) -> int:
+        """Slots of a new shared buffer: 256 on the host; 1,024 in device memory, where growing costs a host copy."""
+        return 256 if self._on_host else 1024
+
+    def _buffers(self) -> list[np.ndarray]:
+        """The shared buffers as arrays to edit: the buffers themselves on the host, else host copies.
+
+        After editing copies, :meth:`_commit` writes them back.
+        """
+        if self._on_host:
+            return self._bufs
+        self.host_copies += 1
+        return [np.array(v.numpy(), copy=True) for v in self.past]
+
+    def _commit(self, arrays: list[np.ndarray]) -> None:
+        """Write edited :meth:`_buffers` back into device-resident buffers (same addresses; no-op on the host)."""
+        if not self._on_host:
+            for v, a in zip(self.past, arrays):
+                v.update_inplace(np.ascontiguousarray(a))
+
     def _reserve(self, total: int) -> None:
         """Shared buffers of at least ``total`` slots (doubling; the ``slots`` in use are copied over)."""
         if total <= self._cap:
             return
-        cap = max(256, 2 * total) if self._cap else max(256, total)
+        first = self._first_capacity
+        cap = max(first, 2 * total) if self._cap else max(first, total)
+        old = self._buffers() if self._cap and self.slots else None
         bufs = []
         for i, e in enumerate(self.spec.kv):
             b = self._empty(e, cap)
-            if self._bufs and self.slots:
-                b[self._seq(e, slice(0, self.slots))] = self._bufs[i][self._seq(e, slice(0, self.slots))]
+            if old is not None:
+                b[self._seq(e, slice(0, self.slots))] = old[i][self._seq(e, slice(0, self.slots))]
             bufs.append(b)
-        self._bufs, self._cap = bufs, cap
-        # CPU OrtValues over the numpy buffers (no copy): ORT reads and writes them in place
+        self._cap = cap
+        # CPU OrtValues over the numpy buffers (no copy): ORT reads and writes them in place; on a device, one upload
         self.past = [self._ortvalue(b) for b in bufs]
+        self._bufs = bufs if self._on_host else []
 
     def _ortvalue(self, a: np.ndarray):
         import onnxruntime as ort
@@ -240,7 +283,7 @@ class KVDecoder:
     def _arrays(self) -> list[np.ndarray]:
         """The past tensors as arrays over the ``slots`` in use (views of the buffers when shared)."""
         if self.shared:
-            return [b[self._seq(e, slice(0, self.slots))] for b, e in zip(self._bufs, self.spec.kv)]
+            return [b[self._seq(e, slice(0, self.slots))] for b, e in zip(self._buffers(), self.spec.kv)]
         return [v.numpy() for v in self.past] if self.io_binding else list(self.past)
 
     def _set_arrays(self, arrays: list[np.ndarray]) -> None:
@@ -249,9 +292,11 @@ class KVDecoder:
     def _keep(self, keep) -> None:
         """Keep the physical slots ``keep`` (a slice or an index array) of every past tensor (one copy)."""
         if self.shared:  # move them to the front of each buffer, in place
-            for b, e in zip(self._bufs, self.spec.kv):
+            bufs = self._buffers()
+            for b, e in zip(bufs, self.spec.kv):
                 rows = b[self._seq(e, keep)]
                 b[self._seq(e, slice(0, rows.shape[e.axis]))] = rows
+            self._commit(bufs)
             return
         self._set_arrays([np.ascontiguousarray(a[self._seq(e, keep)]) for a, e in zip(self._arrays(), self.spec.kv)])
 
@@ -310,8 +355,10 @@ class KVDecoder:
             if self.shared:
                 self.slots = 0
                 self._reserve(other.slots + 1)
-                for b, e, a in zip(self._bufs, self.spec.kv, src):
+                bufs = self._buffers()
+                for b, e, a in zip(bufs, self.spec.kv, src):
                     b[self._seq(e, slice(0, other.slots))] = a
+                self._commit(bufs)
             else:
                 self.past = [np.array(a) for a in src]
                 if self.io_binding:
@@ -377,8 +424,10 @@ class KVDecoder:
             raise PlanError(f"the {self.role} model cannot drop tree nodes: it has no attention mask input")
         base = self.slots - n
         if self.shared:  # move the kept nodes down to base..base+len(keep) (a few rows per tensor)
-            for b, e in zip(self._bufs, self.spec.kv):
+            bufs = self._buffers()
+            for b, e in zip(bufs, self.spec.kv):
                 b[self._seq(e, slice(base, base + len(keep)))] = b[self._seq(e, np.asarray(keep) + base)]
+            self._commit(bufs)
             self.slots = base + len(keep)
             self.length -= n - len(keep)
             return

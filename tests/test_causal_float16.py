@@ -1,0 +1,212 @@
+"""causal-attention and float16 on the real SmolLM2-135M export: the graph ONNX Runtime's CUDA attention kernel takes.
+
+Golden structure, the checker, second runs, cases where each pass does not fire; logits of the causal graph against
+the bias graph it came from (ORT_DISABLE_ALL) through prefill, verification chunks and rollbacks, on a shared buffer
+and concatenated; the float16 graph's logits against float32's; greedy and speculative token identity; the plan's
+``attention: causal`` and what the runtime does with it (gap-free rollback, no trees, a shared buffer on the CUDA EP).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from helpers import ort_session  # tests/ is on pythonpath
+
+import dyncompile
+from dyncompile.errors import DyncompileError
+from dyncompile.models._export import decoder_tolerance
+from dyncompile.passes._infra import NotFired, check_model
+from dyncompile.passes.cast_float16 import CastFloat16Pass
+from dyncompile.passes.causal_attention import CausalAttentionPass
+from dyncompile.passes.compiler import compile_model
+from dyncompile.passes.speculative.decoder_spec import decoder_spec
+from dyncompile.plan import DecoderSpec
+from dyncompile.runtime.decode.kv_cache import KVDecoder
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+_CODE = (STDLIB / "bisect.py").read_text()
+PROMPT = _CODE[: _CODE.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n"
+NEW_TOKENS = 24
+FUSED = "explicit-attention,fuse-decoder,pack-matmuls,trim-logits"
+
+
+@pytest.fixture(scope="module")
+def plans(smollm2, module_tmp):
+    """The bias graph, its causal rewrite and the float16 causal graph, each with a prompt-lookup chain plan."""
+    root = module_tmp("causal16")
+    out = {}
+    for name, extra in (("bias", ""), ("causal", ",causal-attention"), ("half", ",causal-attention,float16")):
+        out[name] = compile_model(smollm2.onnx_path, f"{FUSED}{extra},speculative{{measure=false}}", root / name,
+                                  drafter="prompt-lookup", progress=False, opt_level=0).plan_dir
+    return out
+
+
+def _spec(path: Path) -> DecoderSpec:
+    spec = decoder_spec(ir.load(str(path)), path.name)
+    spec.pop("vocab_size")
+    return DecoderSpec.from_params(spec)
+
+
+def _decoder(path: Path, **kw) -> KVDecoder:
+    return KVDecoder(ort_session(path, disable_all=True), _spec(path), **kw)
+
+
+def _gqa(model: ir.Model) -> list[ir.Node]:
+    return [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+
+
+def test_causal_structure_checker_and_second_run(plans):
+    bias = ir.load(str(plans["bias"] / "model.onnx"))
+    model = ir.load(str(plans["causal"] / "model.onnx"))
+    names = [v.name for v in model.graph.inputs]
+    assert "attention_bias" not in names and "attention_mask" in names
+    mask = model.graph.inputs[names.index("attention_mask")]
+    assert mask.dtype == ir.DataType.INT64 and len(mask.shape) == 2
+    # every other input and every output unchanged, in order
+    assert [n for n in names if n != "attention_mask"] == [v.name for v in bias.graph.inputs if v.name != "attention_bias"]
+    assert [v.name for v in model.graph.outputs] == [v.name for v in bias.graph.outputs]
+    gqa = _gqa(model)
+    assert len(gqa) == len(_gqa(bias)) == 30
+    for node in gqa:
+        assert node.attributes.get_int("causal") == 1
+        assert len(node.inputs) == 9  # no position_ids (do_rotary takes positions from seqlens_k), no bias
+        assert node.inputs[5].name == "causal_attention.seqlens_k"
+        assert node.inputs[6].name == "causal_attention.total_sequence_length"
+    spec = _spec(plans["causal"] / "model.onnx")
+    assert spec.attention == "causal" and spec.kv_buffer == "shared" and spec.attention_bias is None
+    assert _spec(plans["bias"] / "model.onnx").attention == "masked"
+    check_model(model, full_check=True)
+    assert CausalAttentionPass()(model).modified is False  # done already
+
+
+def test_causal_attention_does_not_fire_without_a_fused_bias_graph(smollm2):
+    orig = ir.load(str(smollm2.onnx_path))
+    res = CausalAttentionPass()(orig)
+    assert isinstance(res, NotFired) and not res.modified and "no GroupQueryAttention" in res.message()
+    from dyncompile.passes.fuse_decoder import FuseDecoderPass
+
+    fused = ir.load(str(smollm2.onnx_path))
+    assert FuseDecoderPass()(fused).modified  # GQA with the graph's own mask, no attention_bias input
+    res = CausalAttentionPass()(fused)
+    assert isinstance(res, NotFired) and "no attention_bias graph input" in res.message()
+
+
+def test_causal_logits_match_the_bias_graph_through_chunks_and_rollbacks(plans):
+    """The causal graph on a gap-free cache computes what the bias graph computes fed the causal bias."""
+    ref = _decoder(plans["bias"] / "model.onnx", rollback="copy", kv_buffer="concat")
+    shared = _decoder(plans["causal"] / "model.onnx")
+    concat = _decoder(plans["causal"] / "model.onnx", kv_buffer="concat")
+    assert shared.shared and not concat.shared
+    assert shared.rollback == concat.rollback == "copy"  # the plan's causal attention: no masked holes
+    rng = np.random.default_rng(0)
+    for op, n in [("f", 20), ("f", 4), ("t", 2), ("f", 3), ("f", 1), ("t", 3), ("f", 5), ("f", 1)]:
+        if op == "t":
+            for d in (ref, shared, concat):
+                d.truncate(d.length - n)
+            assert shared.slots == shared.length and concat.slots == concat.length
+            continue
+        ids = rng.integers(100, 40000, size=n)
+        expect = ref.forward(ids)
+        tol = decoder_tolerance(np.abs(expect).max())
+        np.testing.assert_allclose(shared.forward(ids), expect, atol=tol)
+        np.testing.assert_allclose(concat.forward(ids), expect, atol=tol)
+
+
+def test_a_causal_graph_cannot_express_a_hole_in_the_cache(plans):
+    """Negative control for the runtime's gap-free rule: a slot masked in the middle of the cache (what a draft tree's
+    rejected node leaves) is skipped by the bias graph, while the causal graph's mask only counts valid slots, so its
+    logits go wrong; hence the plan's ``attention: causal`` forces rollback by copy and refuses trees."""
+    bias = _decoder(plans["bias"] / "model.onnx", kv_buffer="concat")
+    causal = _decoder(plans["causal"] / "model.onnx", kv_buffer="concat")
+    rng = np.random.default_rng(1)
+    prompt, nxt = rng.integers(100, 40000, size=12), [int(rng.integers(100, 40000))]
+    for d in (bias, causal):
+        d.forward(prompt)
+    np.testing.assert_allclose(causal.forward(nxt), bias.forward(nxt), atol=1e-3)  # control: gap-free, they agree
+    for d in (bias, causal):  # drop slot 5 as a tree's rejected node would be dropped: masked, not removed
+        d._mask[0, 5] = 0
+        d.length -= 1
+    assert np.abs(causal.forward(nxt) - bias.forward(nxt)).max() > 1.0
+
+
+def test_trees_are_refused_on_a_causal_graph(smollm2, tmp_path):
+    with pytest.raises(DyncompileError) as e:
+        compile_model(smollm2.onnx_path, f"{FUSED},causal-attention,speculative{{tree=true,measure=false}}",
+                      tmp_path / "p", drafter="prompt-lookup", progress=False, opt_level=0)
+    assert "causal-attention" in str(e.value)
+
+
+def test_float16_structure_checker_and_second_run(plans):
+    model = ir.load(str(plans["half"] / "model.onnx"))
+    ref = ir.load(str(plans["causal"] / "model.onnx"))
+    assert [v.name for v in model.graph.inputs] == [v.name for v in ref.graph.inputs]
+    assert [v.name for v in model.graph.outputs] == [v.name for v in ref.graph.outputs]
+    floats = {v.name: v.dtype for v in model.graph.inputs if v.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16)}
+    assert floats and set(floats.values()) == {ir.DataType.FLOAT16}  # the KV cache
+    outs = {v.name: v.dtype for v in model.graph.outputs}
+    assert outs["logits"] == ir.DataType.FLOAT
+    assert {d for n, d in outs.items() if n.startswith("present.")} == {ir.DataType.FLOAT16}
+    assert not [n for n, v in model.graph.initializers.items() if v.const_value.dtype == ir.DataType.FLOAT]
+    assert _spec(plans["half"] / "model.onnx").kv_dtype == "float16"
+    check_model(model, full_check=True)
+    assert CastFloat16Pass()(model).modified is False
+
+
+def test_float16_does_not_fire_on_a_classifier(minilm_model_path):
+    model = ir.load(str(minilm_model_path))
+    res = CastFloat16Pass()(model)
+    assert isinstance(res, NotFired) and "not a KV-cache decoder" in res.message()
+
+
+def test_float16_logits_track_float32_and_greedy_tokens_agree(plans):
+    """float16 is lossy: the bound is float16's own rounding over 30 layers, and the tokens must still agree."""
+    a, b = _decoder(plans["causal"] / "model.onnx"), _decoder(plans["half"] / "model.onnx")
+    rng = np.random.default_rng(2)
+    ids = rng.integers(100, 40000, size=40)
+    la, lb = a.forward(ids), b.forward(ids)
+    assert lb.dtype == np.float32
+    err = np.abs(la - lb).max(axis=-1) / np.abs(la).max(axis=-1)
+    assert err.max() < 0.02 and err.max() > 1e-5  # close, and really computed in half precision
+    assert (la.argmax(-1) == lb.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", ["causal", "half"])
+def test_greedy_and_speculative_are_token_identical(plans, name):
+    m = dyncompile.load(plans[name], session_config={"session.intra_op.allow_spinning": "0"})
+    alone = m.generate(PROMPT, max_new_tokens=NEW_TOKENS, speculative=False)
+    spec = m.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert spec.token_ids == alone.token_ids
+    assert spec.stats.target_calls < NEW_TOKENS  # drafts were accepted (and rejected ones rolled back)
+    if name == "causal":  # fp32: the same tokens as the bias graph it came from
+        ref = dyncompile.load(plans["bias"], session_config={"session.intra_op.allow_spinning": "0"})
+        assert ref.generate(PROMPT, max_new_tokens=NEW_TOKENS, speculative=False).token_ids == alone.token_ids
+
+
+class _OnCuda:
+    """A CPU session that reports the CUDA EP first (what KVDecoder reads to place its cache)."""
+
+    def __init__(self, session):
+        self._s = session
+
+    def get_providers(self):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
+def test_the_cuda_ep_shares_a_device_buffer_only_for_the_float16_causal_graph(plans, monkeypatch):
+    """ORT's CUDA GQA takes float16 without attention_bias: only that graph keeps a shared buffer on the CUDA EP."""
+    import onnxruntime as ort
+
+    # no GPU here: the "device" buffers are CPU ORT values (the placement decision is what is under test)
+    monkeypatch.setattr(KVDecoder, "_ortvalue", lambda self, a: ort.OrtValue.ortvalue_from_numpy(a, "cpu", 0))
+    for name, shared in (("bias", False), ("causal", False), ("half", True)):
+        path = plans[name] / "model.onnx"
+        dec = KVDecoder(_OnCuda(ort_session(path, disable_all=True)), _spec(path))
+        assert dec.kv_device == "cuda" and dec.shared is shared, name
+        assert dec._on_host is False
