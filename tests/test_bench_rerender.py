@@ -31,6 +31,8 @@ OWNERS: list[tuple[str, str]] = [
     ("peers/*.json", "dyncompile.tools.bench.peers"),
     ("fast-path-default/*.json", "dyncompile.tools.bench.peers"),
     ("peers-cuda/*.json", "dyncompile.tools.bench.peers"),
+    ("speculative-cuda/*-peers.json", "dyncompile.tools.bench.peers"),
+    ("speculative-cuda/*-quality.json", "dyncompile.tools.bench.quality"),
     ("speculative-*/*.json", "dyncompile.tools.bench.generate"),
     ("lookahead/*.json", "dyncompile.tools.bench.generate"),
     ("eagle3/*-peers.json", "dyncompile.tools.bench.peers"),

@@ -210,3 +210,14 @@ def test_the_cuda_ep_shares_a_device_buffer_only_for_the_float16_causal_graph(pl
         dec = KVDecoder(_OnCuda(ort_session(path, disable_all=True)), _spec(path))
         assert dec.kv_device == "cuda" and dec.shared is shared, name
         assert dec._on_host is False
+
+
+def test_the_cuda_preset_puts_the_fused_graph_before_causal_attention_and_float16():
+    """The documented CUDA command names only causal-attention,float16: -O2 must lower the graph before them."""
+    from dyncompile.passes import presets
+
+    wanted = [p for p, _ in presets.PRESETS["cuda"]["text-generation"]]
+    merged, inserted, left_out = presets.place(["eagle-drafter", "causal-attention", "float16", "speculative"], wanted)
+    assert merged == ["eagle-drafter", "explicit-attention", "fuse-decoder", "pack-matmuls", "trim-logits",
+                      "causal-attention", "float16", "speculative"]
+    assert not left_out
