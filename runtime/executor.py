@@ -54,6 +54,7 @@ class LoadOptions:
     provider_options: dict[str, Any] | None = None
     session_config: dict[str, str] | None = None
     spinning: bool = True
+    cuda_graph: bool = False
 
 
 class RuntimeContext:
@@ -126,7 +127,7 @@ class RuntimeContext:
                 raise PlanError(f"{self.plan.directory}: {e}") from None
         return so
 
-    def _new_session(self, file_key: str):
+    def _new_session(self, file_key: str, providers=None):
         """An ORT session made from the bytes of ``file_key`` that were hashed, never from a path.
 
         :func:`~dyncompile.plan.model_bytes.read_model` reads the ONNX file and its external data once and checks
@@ -139,13 +140,37 @@ class RuntimeContext:
             names = list(mb.external)
             bufs = [mb.external[n] for n in names]
             so.add_external_initializers_from_files_in_memory(names, bufs, [len(b) for b in bufs])
-        s = self.ort.InferenceSession(mb.model, so, providers=self.providers)
+        s = self.ort.InferenceSession(mb.model, so, providers=providers or self.providers)
         if getattr(s, "_model_bytes", None) is not None:
             # ORT's Python wrapper keeps the model bytes for the session's life, only to re-create the session when
             # its own EP fallback kicks in; dyncompile picks fallbacks itself (--fallback), so let them go (a model
             # with inline weights: its size in memory)
             s.disable_fallback()
             s._model_bytes = None
+        return s
+
+    def graph_session(self, file_key: str):
+        """A CUDA EP session of ``file_key`` with ``enable_cuda_graph`` (its own session; see :class:`KVDecoder`).
+
+        ``None`` when the provider is not CUDA or ONNX Runtime refuses graph capture for this model (logged with
+        its reason, e.g. nodes outside the CUDA EP); the caller then uses :meth:`session`.
+        """
+        if self.provider != "CUDAExecutionProvider":
+            logger.info("CUDA graphs need the CUDA EP; %s runs without them", file_key)
+            return None
+        key = f"{file_key}#cuda-graph"
+        s = self._sessions.get(key)
+        if s is None:
+            (name, opts), *rest = self.providers
+            try:
+                s = self._new_session(file_key, [(name, {**opts, "enable_cuda_graph": "1"}), *rest])
+            except Exception as e:  # ORT raises its own Fail types
+                if not is_ort_error(e):
+                    raise
+                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                logger.warning("CUDA graphs are not available for %s (%s); running without them", file_key, first)
+                return None
+            self._sessions[key] = s
         return s
 
     def session(self, file_key: str):
@@ -307,6 +332,7 @@ def load(
     session_config: dict[str, str] | None = None,
     spinning: bool = True,
     verify_hashes: bool = True,
+    cuda_graph: bool = False,
 ) -> CompiledModel:
     """Load a compiled plan directory for execution on ``provider`` (``cpu``, ``openvino``, ``cuda``, ``directml``).
 
@@ -324,10 +350,13 @@ def load(
             (:data:`~dyncompile.runtime.providers.NO_SPINNING_SESSION_CONFIG`), 10-15 % faster when other busy
             processes compete for the cores.
         verify_hashes: check every file's sha256 against the plan (default on).
+        cuda_graph: on the CUDA EP, replay a decoder's one-token steps as a CUDA graph (needs a float16
+            ``causal-attention`` plan without ``trim-logits``; otherwise it runs without and says why at INFO).
     """
     check_ort_flavours()
     plan = load_plan(plan_dir, verify_hashes=verify_hashes, known_step_kinds=known_step_kinds())
     options = LoadOptions(provider=provider, fallback=fallback, threads=threads, optimization=optimization,
-                          provider_options=provider_options, session_config=session_config, spinning=spinning)
+                          provider_options=provider_options, session_config=session_config, spinning=spinning,
+                          cuda_graph=bool(cuda_graph))
     ctx = RuntimeContext(plan, options)
     return CompiledModel(plan, ctx)

@@ -39,8 +39,10 @@ def plans(smollm2, module_tmp):
     """The bias graph, its causal rewrite and the float16 causal graph, each with a prompt-lookup chain plan."""
     root = module_tmp("causal16")
     out = {}
-    for name, extra in (("bias", ""), ("causal", ",causal-attention"), ("half", ",causal-attention,float16")):
-        out[name] = compile_model(smollm2.onnx_path, f"{FUSED}{extra},speculative{{measure=false}}", root / name,
+    for name, passes in (("bias", FUSED), ("causal", f"{FUSED},causal-attention"),
+                         ("half", f"{FUSED},causal-attention,float16"),
+                         ("notrim", "explicit-attention,fuse-decoder,pack-matmuls,causal-attention")):
+        out[name] = compile_model(smollm2.onnx_path, f"{passes},speculative{{measure=false}}", root / name,
                                   drafter="prompt-lookup", progress=False, opt_level=0).plan_dir
     return out
 
@@ -221,3 +223,68 @@ def test_the_cuda_preset_puts_the_fused_graph_before_causal_attention_and_float1
     assert merged == ["eagle-drafter", "explicit-attention", "fuse-decoder", "pack-matmuls", "trim-logits",
                       "causal-attention", "float16", "speculative"]
     assert not left_out
+
+
+def test_graph_steps_match_plain_steps_through_growth_and_rollback(plans, monkeypatch):
+    """The CUDA-graph step's fixed bindings (a capacity-wide attention_mask, ids / positions / logits updated in
+    place) give the plain step's logits bit for bit; growing the buffer rebinds under a new graph id. Run on the CPU
+    EP (no GPU here): what ORT captures on the GPU is exactly these bound calls."""
+    path = plans["notrim"] / "model.onnx"
+    plain = _decoder(path)
+    graphed = _decoder(path)
+    monkeypatch.setattr(graphed, "_why_no_graph", lambda: None)
+    graphed.set_cuda_graph(True)
+    assert plain.shared and graphed.cuda_graph
+    rng = np.random.default_rng(3)
+    ids = rng.integers(100, 40000, size=20)
+    np.testing.assert_array_equal(graphed.forward(ids), plain.forward(ids))  # several tokens: not a graph step
+    assert graphed.graph_steps == 0
+    for i in range(260):  # past the first 256 slots: the buffer grows once
+        if i == 100:  # a verification chunk and a rollback between graph steps
+            chunk = rng.integers(100, 40000, size=3)
+            np.testing.assert_array_equal(graphed.forward(chunk), plain.forward(chunk))
+            graphed.truncate(graphed.length - 2)
+            plain.truncate(plain.length - 2)
+        tok = [int(rng.integers(100, 40000))]
+        np.testing.assert_array_equal(graphed.forward(tok), plain.forward(tok))
+    assert graphed.graph_steps == 260 and graphed._graph_id == 2 and graphed.length == plain.length
+
+
+def test_graph_steps_say_why_they_cannot_run(plans, caplog):
+    """Without a graph-enabled CUDA session, or with trim-logits' host-side slice start, steps run as before."""
+    with caplog.at_level("INFO", logger="dyncompile.runtime.decode.kv_cache"):
+        dec = _decoder(plans["notrim"] / "model.onnx", cuda_graph=True)
+    assert not dec.cuda_graph and "enable_cuda_graph" in caplog.text
+
+    class _GraphCuda(_OnCuda):
+        def get_provider_options(self):
+            return {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}
+
+    import onnxruntime as ort
+
+    def cpu_values(self, a):
+        return ort.OrtValue.ortvalue_from_numpy(a, "cpu", 0)
+
+    for name, why in (("half", "trim-logits"), ("bias", "causal-attention")):
+        path = plans[name] / "model.onnx"
+        with caplog.at_level("INFO", logger="dyncompile.runtime.decode.kv_cache"):
+            caplog.clear()
+            KVDecoder._ortvalue, saved = cpu_values, KVDecoder._ortvalue
+            try:
+                dec = KVDecoder(_GraphCuda(ort_session(path, disable_all=True)), _spec(path), cuda_graph=True)
+            finally:
+                KVDecoder._ortvalue = saved
+        assert not dec.cuda_graph and why in caplog.text, name
+
+
+def test_cuda_graph_on_the_cpu_ep_loads_and_runs_without_graphs(plans, caplog):
+    """``cuda_graph=True`` is a request: on another EP the plan runs as before and says why."""
+    with caplog.at_level("INFO", logger="dyncompile.runtime.executor"):
+        m = dyncompile.load(plans["notrim"], cuda_graph=True, session_config={"session.intra_op.allow_spinning": "0"})
+    assert "CUDA graphs need the CUDA EP" in caplog.text
+    target = m.handlers[-1].target
+    assert not target.cuda_graph
+    ref = dyncompile.load(plans["notrim"], session_config={"session.intra_op.allow_spinning": "0"})
+    assert (m.generate(PROMPT, max_new_tokens=8, speculative=False).token_ids
+            == ref.generate(PROMPT, max_new_tokens=8, speculative=False).token_ids)
+    assert target.graph_steps == 0

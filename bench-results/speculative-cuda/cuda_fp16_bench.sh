@@ -7,7 +7,7 @@
 # provides the CUDA 13 libraries and the HF export of the restored weights). Narrative: README.md beside this file.
 #
 #   PARTS=DIR BUNDLE_SHA=... [DYNCOMPILE_HOME=DIR] [SITE=DIR] [WORK=DIR] [OUT=DIR] \
-#     bash bench-results/speculative-cuda/cuda_fp16_bench.sh setup|check|target|peers
+#     bash bench-results/speculative-cuda/cuda_fp16_bench.sh setup|check|target|peers|graph-check|graph
 #
 # run from the repository root. Carried into $PARTS as p00..p17 (50,000,000-byte pieces of one tar, sha256 in
 # $BUNDLE_SHA):
@@ -17,10 +17,13 @@
 #           (`restore_decoder_data --make-map`): the fp32 weights are rebuilt there from the GGUF, sha256-checked
 #   heads/  qwen05-eagle3 (`dyncompile train-drafter`, bench-results/eagle3/README.md)
 #
-#   setup   reassemble, install, restore the model, compile three plans, build onnxruntime-genai's fp16 CUDA model
+#   setup   reassemble, install, restore the model, compile the plans, build onnxruntime-genai's fp16 CUDA model
+#           (GRAPH_ONLY=1: only the two float16 plans)
 #   check   where ORT places the float16 graph's nodes; greedy tokens on the CUDA EP (shared buffer, concat) vs fp32
 #   target  bench generate: float16 plan --also the float32 fused plan (UNFUSED=1: then --also the unfused plan)
 #   peers   bench peers: the float16 plan against onnxruntime-genai's float16 CUDA model, 16 threads, one run
+#   graph-check  tokens and rate of the plan without trim-logits, with and without CUDA graphs (cuda_graph=True)
+#   graph   bench generate: that plan plain and with --cuda-graph, --also the trim-logits plan
 set -euo pipefail
 P=${PARTS:?set PARTS to the folder with the carried pieces}
 REPO=$PWD
@@ -54,16 +57,21 @@ setup)
   python3 -m dyncompile.tools.studies.restore_decoder_data --restore "$M" --map "$W/b/onnx-data-map.json" \
       --gguf "$W"/b/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --save-hf "$W/hf-q05"
   cp "$M"/hf/*.json "$M"/hf/*.jinja "$W/hf-q05/"
-  log "plans: float16 causal (shared device buffer), float32 fused, unfused"
+  log "plans: float16 causal (shared device buffer), the same without trim-logits (CUDA graphs)"
   $DC "$M/model.onnx" -o "$W/e3-half" -q --provider cuda -O0 \
       --passes "eagle-drafter{head=$H},$FUSED,causal-attention,float16,speculative"
-  $DC "$M/model.onnx" -o "$W/e3-fused" -q --provider cuda -O0 --passes "eagle-drafter{head=$H},$FUSED,speculative"
-  $DC "$M/model.onnx" -o "$W/e3-plain" -q --provider cuda -O0 --passes "eagle-drafter{head=$H},explicit-attention,speculative"
-  log "onnxruntime-genai builder, fp16, CUDA"
-  python3 -m onnxruntime_genai.models.builder -i "$W/hf-q05" -o "$W/og-q05-fp16" -p fp16 -e cuda -c "$W/cache-og" \
-      > "$O/builder-q05-fp16.log" 2>&1 || { tail -20 "$O/builder-q05-fp16.log"; exit 1; }
-  rm -rf "$W/cache-og"
-  du -sh "$W"/e3-* "$W/og-q05-fp16"
+  $DC "$M/model.onnx" -o "$W/e3-half-nt" -q --provider cuda -O0 \
+      --passes "eagle-drafter{head=$H},explicit-attention,fuse-decoder,pack-matmuls,causal-attention,float16,speculative"
+  if [ -z "${GRAPH_ONLY:-}" ]; then
+    log "plans: float32 fused, unfused"
+    $DC "$M/model.onnx" -o "$W/e3-fused" -q --provider cuda -O0 --passes "eagle-drafter{head=$H},$FUSED,speculative"
+    $DC "$M/model.onnx" -o "$W/e3-plain" -q --provider cuda -O0 --passes "eagle-drafter{head=$H},explicit-attention,speculative"
+    log "onnxruntime-genai builder, fp16, CUDA"
+    python3 -m onnxruntime_genai.models.builder -i "$W/hf-q05" -o "$W/og-q05-fp16" -p fp16 -e cuda -c "$W/cache-og" \
+        > "$O/builder-q05-fp16.log" 2>&1 || { tail -20 "$O/builder-q05-fp16.log"; exit 1; }
+    rm -rf "$W/cache-og"
+  fi
+  du -sh "$W"/e3-* "$W"/og-* 2>/dev/null || true
   log setup done
   ;;
 check)
@@ -94,6 +102,31 @@ for name, m, opts in (("fp16 shared", m16, {}), ("fp16 concat", m16, {"kv_buffer
 print("identical to fp16 shared:", {k: v == runs["fp16 shared"] for k, v in runs.items()})
 PY
   ;;
+graph-check)
+  python3 - "$W/e3-half-nt" <<'PY'
+import logging, sys, time
+import dyncompile
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+plan = sys.argv[1]
+prompt = "def quicksort(items):\n    "
+plain, graphed = dyncompile.load(plan, provider="cuda"), dyncompile.load(plan, provider="cuda", cuda_graph=True)
+runs = {}
+for name, m, spec in (("plain", plain, False), ("graph", graphed, False), ("graph eagle3", graphed, True)):
+    m.generate(prompt, max_new_tokens=8, speculative=spec)
+    t = time.perf_counter()
+    r = m.generate(prompt, max_new_tokens=128, speculative=spec)
+    runs[name] = r.token_ids
+    print(f"{name}: {128 / (time.perf_counter() - t):.1f} tok/s, graph steps {m.handlers[-1].target.graph_steps}",
+          r.token_ids[:10])
+print("identical to plain:", {k: v == runs["plain"] for k, v in runs.items()})
+PY
+  ;;
+graph)
+  log "bench generate: the float16 plan without trim-logits, plain and with CUDA graphs, --also the trim-logits plan"
+  $DC bench generate "$W/e3-half-nt" --cuda-graph --also "$W/e3-half" --prompts "$PROMPTS" --max-new-tokens 128 \
+      --provider cuda -q --report-dir "$O" --name qwen05-fp16-cuda-graph
+  log graph done
+  ;;
 target)
   log "bench generate: float16 plan --also the float32 fused plan, EAGLE-3 chains, code prompts"
   $DC bench generate "$W/e3-half" --also "$W/e3-fused" --prompts "$PROMPTS" --max-new-tokens 128 \
@@ -114,7 +147,7 @@ peers)
   log peers done
   ;;
 *)
-  echo "usage: $0 setup|check|target|peers" >&2
+  echo "usage: $0 setup|check|target|peers|graph-check|graph" >&2
   exit 2
   ;;
 esac

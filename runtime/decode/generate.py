@@ -277,8 +277,11 @@ class GenerateStep(StepHandler):
         self.timer = SessionTimer()
         # the KV caches, drafter state and timer belong to this step: one generation at a time (other threads wait)
         self.lock = threading.RLock()
-        self.target = KVDecoder(ctx.session(self.target_spec.model), self.target_spec, timer=self.timer,
-                                io_binding=self.params.io_binding, rollback=self.params.rollback)
+        graph = (ctx.graph_session(self.target_spec.model)
+                 if getattr(getattr(ctx, "options", None), "cuda_graph", False) else None)
+        self.target = KVDecoder(graph or ctx.session(self.target_spec.model), self.target_spec, timer=self.timer,
+                                io_binding=self.params.io_binding, rollback=self.params.rollback,
+                                cuda_graph=graph is not None)
         # the plan's tokenizer for prompts and generated text, read at load from the hash-checked bytes
         self.codec: TextCodec | None = TextCodec.from_plan(ctx.plan)
 

@@ -92,6 +92,12 @@ class KVDecoder:
     how many slots are valid, so the cache is kept gap-free: rollback by ``"copy"`` (a shared buffer moves its end
     back, no copy) and chains only (no trees).
 
+    CUDA graphs (``cuda_graph=True``, a session made with ``enable_cuda_graph``, a float16 ``causal-attention`` plan
+    with its shared device buffer and no ``trim-logits``): one-token steps run with every input and output bound to
+    fixed device buffers (ids, positions, a capacity-wide ``attention_mask``, the logits), updated in place, so ONNX
+    Runtime captures the step once and replays it as one CUDA graph; calls of several tokens run normally (run option
+    ``gpu_graph_id=-1``). Growing the buffer binds new addresses under a new graph id.
+
     Minimum rows (``spec.min_rows`` > 1): a call of fewer new tokens is padded to ``min_rows`` rows with copies of
     its last token at the next positions (visible to no real row); only the real rows' outputs (logits and extra
     outputs) come back, and the padded rows' slots are cut from the cache at once (a shared buffer moves its end
@@ -101,7 +107,8 @@ class KVDecoder:
     """
 
     def __init__(self, session, spec: DecoderSpec, *, role: str = "target", timer: SessionTimer | None = None,
-                 io_binding: bool = False, rollback: str = "mask", kv_buffer: str | None = None) -> None:
+                 io_binding: bool = False, rollback: str = "mask", kv_buffer: str | None = None,
+                 cuda_graph: bool = False) -> None:
         """Drive ``session`` as described by ``spec`` (``role`` names it in the timer)."""
         self.session = session
         self.spec = spec
@@ -165,7 +172,15 @@ class KVDecoder:
         self._bufs: list[np.ndarray] = []  # kv_buffer="shared": the preallocated buffers (capacity self._cap)
         self._cap = 0
         self.shared = False
+        #: one-token steps replayed as a CUDA graph (see the class docstring); steps so replayed
+        self.cuda_graph = False
+        self.graph_steps = 0
+        self._graph: dict[str, Any] | None = None
+        self._graph_id = 0
+        self._run_options = None  # a graph-enabled session's other calls run with gpu_graph_id=-1 (no capture)
         self.set_kv_buffer(kv_buffer)
+        if cuda_graph:
+            self.set_cuda_graph(True)
 
     def set_rollback(self, rollback: str) -> None:
         """Roll back by ``"mask"`` or ``"copy"`` (see the class docstring).
@@ -211,6 +226,94 @@ class KVDecoder:
             return ("a shared buffer needs a plan that says kv_buffer=shared (explicit-attention,fuse-decoder) and the "
                     "CPU or CUDA EP")
         return None
+
+    def _why_no_graph(self) -> str | None:
+        """Why one-token steps cannot be replayed as a CUDA graph (``None``: they can)."""
+        opts = self.session.get_provider_options() if hasattr(self.session, "get_provider_options") else {}
+        if self.kv_device != "cuda" or (opts.get("CUDAExecutionProvider") or {}).get("enable_cuda_graph") != "1":
+            return "the session is not a CUDA EP session with enable_cuda_graph (dyncompile.load(..., cuda_graph=True))"
+        if not (self.shared and self.causal):
+            return ("a CUDA graph needs fixed buffer addresses: a float16 causal-attention plan whose KV cache is one "
+                    "shared device buffer (compile with causal-attention,float16)")
+        if self.keep_name:
+            return ("trim-logits sends the logits slice's start to the host (a copy node), which CUDA graphs do not "
+                    "allow: compile without trim-logits")
+        for o in self.session.get_outputs():
+            if o.name in (e.present for e in self.spec.kv):
+                continue
+            if len(o.shape or ()) < 2 or any(not isinstance(d, int) for d in o.shape[2:]):
+                return f"the output {o.name!r} has no fixed per-token shape ({o.shape})"
+        return None
+
+    def set_cuda_graph(self, on: bool) -> None:
+        """Replay one-token steps as a CUDA graph (``on``), or not; says why at INFO when it cannot."""
+        why = self._why_no_graph() if on else None
+        if why:
+            logger.info("the %s decoder runs without CUDA graphs: %s", self.role, why)
+        self.cuda_graph = bool(on) and why is None
+        self._graph = None
+        if self.cuda_graph and self._run_options is None:
+            import onnxruntime as ort
+
+            self._run_options = ort.RunOptions()
+            self._run_options.add_run_config_entry("gpu_graph_id", "-1")
+
+    def _bind_graph(self) -> dict[str, Any]:
+        """Fixed-address inputs and outputs of a one-token step over the current buffers (a new graph id).
+
+        ``attention_mask`` spans the whole buffer (ones over the valid slots and the new token, zeros after): GQA
+        reads the valid length from it (``seqlens_k``) and the buffer's capacity as the total length, so every step
+        has the same shapes and addresses, as onnxruntime-genai's graph-captured models do.
+        """
+        import onnxruntime as ort
+
+        dev = self.kv_device
+        self._graph_id += 1
+        vals = {
+            self.spec.input_ids: np.zeros((1, 1), np.int64),
+            **({self.pos_name: np.zeros((1, 1), np.int64)} if self.pos_name else {}),
+            self.mask_name: np.zeros((1, self._cap), np.int64),
+        }
+        ins = {k: ort.OrtValue.ortvalue_from_numpy(v, dev, 0) for k, v in vals.items()}
+        outs = {}
+        for o in self.session.get_outputs():
+            if o.name in (e.present for e in self.spec.kv):
+                continue
+            dtype = np.float16 if "float16" in o.type else np.float32
+            outs[o.name] = ort.OrtValue.ortvalue_from_shape_and_type([1, 1, *o.shape[2:]], dtype, dev, 0)
+        io = self.session.io_binding()
+        for k, v in ins.items():
+            io.bind_ortvalue_input(k, v)
+        for e, v in zip(self.spec.kv, self.past):
+            io.bind_ortvalue_input(e.past, v)
+            io.bind_ortvalue_output(e.present, v)
+        for k, v in outs.items():
+            io.bind_ortvalue_output(k, v)
+        ro = ort.RunOptions()
+        ro.add_run_config_entry("gpu_graph_id", str(self._graph_id))
+        return {"gen": self._buf_gen, "ins": ins, "outs": outs, "io": io, "run_options": ro,
+                "mask": np.zeros((1, self._cap), np.int64)}
+
+    def _run_graph(self, ids_arr: np.ndarray) -> None:
+        """One token through the captured graph: update the bound inputs in place, replay, read the outputs."""
+        self._reserve(self.slots + 1)
+        g = self._graph
+        if g is None or g["gen"] != self._buf_gen:  # new buffers (growth, a reset): new addresses, a new graph
+            g = self._graph = self._bind_graph()
+        g["ins"][self.spec.input_ids].update_inplace(np.ascontiguousarray(ids_arr, np.int64))
+        if self.pos_name:
+            g["ins"][self.pos_name].update_inplace(np.array([[self.length]], np.int64))
+        mask = g["mask"]
+        mask[0, : self.slots + 1] = 1
+        mask[0, self.slots + 1 :] = 0
+        g["ins"][self.mask_name].update_inplace(mask)
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(g["io"], g["run_options"])
+        self.timer.add(self.role, time.perf_counter() - t0)
+        self.last_outputs = {k: v.numpy()[0] for k, v in g["outs"].items()}
+        self.length += 1
+        self.slots += 1
+        self.graph_steps += 1
 
     # --- cache -----------------------------------------------------------------------------------
     def _empty(self, e: KVEntry, slots: int = 0) -> np.ndarray:
@@ -271,6 +374,7 @@ class KVDecoder:
                 b[self._seq(e, slice(0, self.slots))] = old[i][self._seq(e, slice(0, self.slots))]
             bufs.append(b)
         self._cap = cap
+        self._buf_gen = getattr(self, "_buf_gen", 0) + 1  # new addresses: a bound CUDA graph must be rebound
         # CPU OrtValues over the numpy buffers (no copy): ORT reads and writes them in place; on a device, one upload
         self.past = [self._ortvalue(b) for b in bufs]
         self._bufs = bufs if self._on_host else []
@@ -537,6 +641,9 @@ class KVDecoder:
         Fills :attr:`last_outputs` (batch dim dropped) and grows the cache by ``n``.
         """
         n = ids_arr.shape[1]
+        if self.cuda_graph and n == 1 and not extra and self.shared:
+            self._run_graph(ids_arr)
+            return
         feeds = {self.spec.input_ids: ids_arr, **aux, **(extra or {})}
         if self.keep_name and self.keep_name not in feeds:
             feeds[self.keep_name] = np.zeros(1, np.int64)  # every row
@@ -559,7 +666,7 @@ class KVDecoder:
                 io.bind_output(name, "cpu")
             t0 = time.perf_counter()
             try:
-                self.session.run_with_iobinding(io)
+                self.session.run_with_iobinding(io, self._run_options if self.cuda_graph else None)
             except Exception as e:  # noqa: BLE001 - ORT raises its own types; only a shared buffer is explained here
                 if not self.shared:
                     raise

@@ -445,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--provider", default="cpu")
     p.add_argument("--threads", type=int, help="ORT intra-op threads (and torch threads)")
     p.add_argument("--io-binding", action="store_true", help="also run the target alone and the speculative step with ORT IOBinding")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also run the target alone and the speculative step with one-token steps replayed as CUDA graphs "
+                   "(the plan loaded again with cuda_graph=True; CUDA EP, a float16 causal-attention plan)")
     p.add_argument("--copy-rollback", action="store_true",
                    help="also run the speculative step rolling the KV cache back by copies instead of masks")
     p.add_argument("--also", metavar="PLAN", action="append", default=[],
@@ -494,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback, tree=args.tree,
                            tree_sizes=sizes, max_drafts=max_drafts)
+    if args.cuda_graph:
+        graphed = dyncompile.load(args.plan, provider=args.provider, threads=args.threads, cuda_graph=True)
+        runners += [dataclasses.replace(r, name=r.name.replace("(ORT)", "(ORT, CUDA graph)")) for r in plan_runners(graphed)]
     for other in args.also:
         extra = dyncompile.load(other, provider=args.provider, threads=args.threads)
         runners += plan_runners(extra, label=Path(other).resolve().name)
