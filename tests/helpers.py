@@ -51,6 +51,38 @@ def ort_session(path_or_model, *, disable_all: bool = True):
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
+def plan_decoder_spec(path: Path):
+    """The runtime's DecoderSpec of a decoder graph file, as the speculative pass would record it."""
+    import onnx_ir as ir
+
+    from dyncompile.passes.speculative.decoder_spec import decoder_spec
+    from dyncompile.plan import DecoderSpec
+
+    spec = decoder_spec(ir.load(str(path)), path.name)
+    spec.pop("vocab_size")
+    return DecoderSpec.from_params(spec)
+
+
+def plan_kv_decoder(path: Path, **kw):
+    """A KVDecoder over a decoder graph file (ORT_DISABLE_ALL session on the CPU EP)."""
+    from dyncompile.runtime.decode.kv_cache import KVDecoder
+
+    return KVDecoder(ort_session(path, disable_all=True), plan_decoder_spec(path), **kw)
+
+
+class OnCuda:
+    """A CPU session that reports the CUDA EP first (what KVDecoder reads to place its cache)."""
+
+    def __init__(self, session):
+        self._s = session
+
+    def get_providers(self):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
 def random_token_feeds(
     batch: int = 3, seq: int = 9, vocab: int = 512, seed: int = 0
 ) -> dict[str, np.ndarray]:

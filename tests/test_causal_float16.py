@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import ort_session  # tests/ is on pythonpath
+from helpers import OnCuda, ort_session, plan_decoder_spec, plan_kv_decoder  # tests/ is on pythonpath
 
 import dyncompile
 from dyncompile.errors import DyncompileError
@@ -23,8 +23,6 @@ from dyncompile.passes._infra import NotFired, check_model
 from dyncompile.passes.cast_float16 import CastFloat16Pass
 from dyncompile.passes.causal_attention import CausalAttentionPass
 from dyncompile.passes.compiler import compile_model
-from dyncompile.passes.speculative.decoder_spec import decoder_spec
-from dyncompile.plan import DecoderSpec
 from dyncompile.runtime.decode.kv_cache import KVDecoder
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -47,14 +45,7 @@ def plans(smollm2, module_tmp):
     return out
 
 
-def _spec(path: Path) -> DecoderSpec:
-    spec = decoder_spec(ir.load(str(path)), path.name)
-    spec.pop("vocab_size")
-    return DecoderSpec.from_params(spec)
-
-
-def _decoder(path: Path, **kw) -> KVDecoder:
-    return KVDecoder(ort_session(path, disable_all=True), _spec(path), **kw)
+_spec, _decoder = plan_decoder_spec, plan_kv_decoder
 
 
 def _gqa(model: ir.Model) -> list[ir.Node]:
@@ -188,19 +179,6 @@ def test_greedy_and_speculative_are_token_identical(plans, name):
         assert ref.generate(PROMPT, max_new_tokens=NEW_TOKENS, speculative=False).token_ids == alone.token_ids
 
 
-class _OnCuda:
-    """A CPU session that reports the CUDA EP first (what KVDecoder reads to place its cache)."""
-
-    def __init__(self, session):
-        self._s = session
-
-    def get_providers(self):
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
-
-
 def test_the_cuda_ep_shares_a_device_buffer_only_for_the_float16_causal_graph(plans, monkeypatch):
     """ORT's CUDA GQA takes float16 without attention_bias: only that graph keeps a shared buffer on the CUDA EP."""
     import onnxruntime as ort
@@ -209,7 +187,7 @@ def test_the_cuda_ep_shares_a_device_buffer_only_for_the_float16_causal_graph(pl
     monkeypatch.setattr(KVDecoder, "_ortvalue", lambda self, a: ort.OrtValue.ortvalue_from_numpy(a, "cpu", 0))
     for name, shared in (("bias", False), ("causal", False), ("half", True)):
         path = plans[name] / "model.onnx"
-        dec = KVDecoder(_OnCuda(ort_session(path, disable_all=True)), _spec(path))
+        dec = KVDecoder(OnCuda(ort_session(path, disable_all=True)), _spec(path))
         assert dec.kv_device == "cuda" and dec.shared is shared, name
         assert dec._on_host is False
 
@@ -256,7 +234,7 @@ def test_graph_steps_say_why_they_cannot_run(plans, caplog):
         dec = _decoder(plans["notrim"] / "model.onnx", cuda_graph=True)
     assert not dec.cuda_graph and "enable_cuda_graph" in caplog.text
 
-    class _GraphCuda(_OnCuda):
+    class _GraphCuda(OnCuda):
         def get_provider_options(self):
             return {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import ort_session  # tests/ is on pythonpath
+from helpers import OnCuda, ort_session, plan_decoder_spec, plan_kv_decoder  # tests/ is on pythonpath
 
 import dyncompile
 from dyncompile.errors import PlanError
@@ -36,14 +36,7 @@ def shared_plan(smollm2_fast_plan):
     return smollm2_fast_plan
 
 
-def _spec(path: Path) -> DecoderSpec:
-    spec = decoder_spec(ir.load(str(path)), path.name)
-    spec.pop("vocab_size")
-    return DecoderSpec.from_params(spec)
-
-
-def _decoder(path: Path, **kw) -> KVDecoder:
-    return KVDecoder(ort_session(path, disable_all=True), _spec(path), **kw)
+_spec, _decoder = plan_decoder_spec, plan_kv_decoder
 
 
 @pytest.fixture(scope="module")
@@ -173,19 +166,6 @@ def test_device_resident_buffers_match_host_buffers_and_copy_only_to_edit_rows(s
     assert np.abs(fresh.forward(nxt) - ref.forward(nxt)).max() > 1e-2
 
 
-class _OnCuda:
-    """A CPU session that reports the CUDA EP first (what KVDecoder reads to place its cache)."""
-
-    def __init__(self, session):
-        self._s = session
-
-    def get_providers(self):
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
-
-
 def test_the_cuda_ep_concatenates_and_says_why(shared_plan, caplog):
     """ORT's CUDA GQA takes no attention_bias (nor float32): the plan's GQA runs on the CPU EP there, where a shared
     buffer would cross PCIe whole twice per call, so a CUDA session concatenates, with the same logits."""
@@ -196,7 +176,7 @@ def test_the_cuda_ep_concatenates_and_says_why(shared_plan, caplog):
     on_cpu = KVDecoder(session, spec)
     assert on_cpu.shared  # control: the same plan on the CPU EP shares its buffer
     with caplog.at_level("INFO", logger="dyncompile.runtime.decode.kv_cache"):
-        on_cuda = KVDecoder(_OnCuda(session), spec)
+        on_cuda = KVDecoder(OnCuda(session), spec)
     assert on_cuda.kv_device == "cuda" and not on_cuda.shared
     assert "takes no attention_bias" in caplog.text
     np.testing.assert_array_equal(on_cuda.forward([1, 2, 3]), on_cpu.forward([1, 2, 3]))
