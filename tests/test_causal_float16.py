@@ -266,3 +266,22 @@ def test_cuda_graph_on_the_cpu_ep_loads_and_runs_without_graphs(plans, caplog):
     assert (m.generate(PROMPT, max_new_tokens=8, speculative=False).token_ids
             == ref.generate(PROMPT, max_new_tokens=8, speculative=False).token_ids)
     assert target.graph_steps == 0
+
+
+def test_speculative_decoding_over_graph_steps_is_token_identical_and_says_what_is_not_graphed(plans, monkeypatch,
+                                                                                               caplog):
+    """The whole speculative loop with the target's one-token steps on the graph bindings (CPU EP): the same tokens
+    as the target alone, and one INFO line that verification and drafting run without graphs."""
+    cfg = {"session.intra_op.allow_spinning": "0"}
+    ref = dyncompile.load(plans["notrim"], session_config=cfg).generate(PROMPT, max_new_tokens=NEW_TOKENS,
+                                                                         speculative=False)
+    m = dyncompile.load(plans["notrim"], session_config=cfg)
+    target = m.handlers[-1].target
+    monkeypatch.setattr(target, "_why_no_graph", lambda: None)
+    target.set_cuda_graph(True)
+    with caplog.at_level("INFO", logger="dyncompile.runtime.decode.speculative"):
+        spec = m.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    alone = m.generate(PROMPT, max_new_tokens=NEW_TOKENS, speculative=False)
+    assert spec.token_ids == alone.token_ids == ref.token_ids
+    assert target.graph_steps >= NEW_TOKENS - 1  # the target alone's decode steps, at least
+    assert "speculative=False) may be faster" in caplog.text
