@@ -7,7 +7,7 @@
 # provides the CUDA 13 libraries and the HF export of the restored weights). Narrative: README.md beside this file.
 #
 #   PARTS=DIR BUNDLE_SHA=... [DYNCOMPILE_HOME=DIR] [SITE=DIR] [WORK=DIR] [OUT=DIR] \
-#     bash bench-results/speculative-cuda/cuda_fp16_bench.sh setup|check|target|peers|graph-check|graph
+#     bash bench-results/speculative-cuda/cuda_fp16_bench.sh setup|check|target|peers|graph-check|graph|graph-peers
 #
 # run from the repository root. Carried into $PARTS as p00..p17 (50,000,000-byte pieces of one tar, sha256 in
 # $BUNDLE_SHA):
@@ -18,12 +18,13 @@
 #   heads/  qwen05-eagle3 (`dyncompile train-drafter`, bench-results/eagle3/README.md)
 #
 #   setup   reassemble, install, restore the model, compile the plans, build onnxruntime-genai's fp16 CUDA model
-#           (GRAPH_ONLY=1: only the two float16 plans)
+#           (GRAPH_ONLY=1: only the two float16 plans; with WITH_PEER=1 also onnxruntime-genai's model)
 #   check   where ORT places the float16 graph's nodes; greedy tokens on the CUDA EP (shared buffer, concat) vs fp32
 #   target  bench generate: float16 plan --also the float32 fused plan (UNFUSED=1: then --also the unfused plan)
 #   peers   bench peers: the float16 plan against onnxruntime-genai's float16 CUDA model, 16 threads, one run
 #   graph-check  tokens and rate of the plan without trim-logits, with and without CUDA graphs (cuda_graph=True)
 #   graph   bench generate: that plan plain and with --cuda-graph, --also the trim-logits plan
+#   graph-peers  bench peers: that plan with --cuda-graph against onnxruntime-genai's fp16 CUDA model, 16 threads
 set -euo pipefail
 P=${PARTS:?set PARTS to the folder with the carried pieces}
 REPO=$PWD
@@ -66,6 +67,8 @@ setup)
     log "plans: float32 fused, unfused"
     $DC "$M/model.onnx" -o "$W/e3-fused" -q --provider cuda -O0 --passes "eagle-drafter{head=$H},$FUSED,speculative"
     $DC "$M/model.onnx" -o "$W/e3-plain" -q --provider cuda -O0 --passes "eagle-drafter{head=$H},explicit-attention,speculative"
+  fi
+  if [ -z "${GRAPH_ONLY:-}" ] || [ -n "${WITH_PEER:-}" ]; then
     log "onnxruntime-genai builder, fp16, CUDA"
     python3 -m onnxruntime_genai.models.builder -i "$W/hf-q05" -o "$W/og-q05-fp16" -p fp16 -e cuda -c "$W/cache-og" \
         > "$O/builder-q05-fp16.log" 2>&1 || { tail -20 "$O/builder-q05-fp16.log"; exit 1; }
@@ -121,6 +124,13 @@ for name, m, spec in (("plain", plain, False), ("graph", graphed, False), ("grap
 print("identical to plain:", {k: v == runs["plain"] for k, v in runs.items()})
 PY
   ;;
+graph-peers)
+  log "bench peers: the float16 plan without trim-logits with CUDA graphs against onnxruntime-genai's fp16 CUDA model"
+  $DC bench peers "$W/e3-half-nt" --prompts "$PROMPTS" --max-new-tokens 128 --peers ortgenai --cuda-graph \
+      --peer-python "ortgenai=$(command -v python3)" --peer-model "ortgenai=$W/og-q05-fp16" \
+      --provider cuda --threads 16 -q --report-dir "$O" --name "qwen05-fp16-cuda-graph-og-fp16-t16-peers"
+  log graph-peers done
+  ;;
 graph)
   log "bench generate: the float16 plan without trim-logits, plain and with CUDA graphs, --also the trim-logits plan"
   $DC bench generate "$W/e3-half-nt" --cuda-graph --also "$W/e3-half" --prompts "$PROMPTS" --max-new-tokens 128 \
@@ -147,7 +157,7 @@ peers)
   log peers done
   ;;
 *)
-  echo "usage: $0 setup|check|target|peers|graph-check|graph" >&2
+  echo "usage: $0 setup|check|target|peers|graph-check|graph|graph-peers" >&2
   exit 2
   ;;
 esac

@@ -162,14 +162,16 @@ class Dyncompile:
 
         cfg = dict(kv.split("=", 1) for kv in args.session_config)
         self.model = dyncompile.load(args.model, provider=args.provider, threads=args.threads,
-                                     session_config=cfg or None)
+                                     session_config=cfg or None, cuda_graph=bool(args.cuda_graph))
         self.io_binding = bool(args.io_binding)
         self.version = dyncompile.__version__ if hasattr(dyncompile, "__version__") else "checkout"
         from dyncompile.runtime.providers import DEFAULT_SESSION_CONFIG
 
         self.settings = {"threads": args.threads, "session_config": {**DEFAULT_SESSION_CONFIG, **cfg},
                          "given": cfg or "dyncompile.load defaults", "provider": self.model.provider,
-                         "io_binding": self.io_binding}
+                         "io_binding": self.io_binding,
+                         "cuda_graph": bool(getattr(self.model.handlers[-1], "target", None)
+                                            and self.model.handlers[-1].target.cuda_graph)}
 
     def encode(self, text, chat):
         from dyncompile.runtime.decode.generate import prompt_ids_of
@@ -204,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--provider", default="cpu", help="dyncompile: execution provider (cpu, cuda, openvino)")
     p.add_argument("--io-binding", action="store_true",
                    help="dyncompile: keep the KV cache in ORT values bound by IOBinding (on CUDA: in GPU memory)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="dyncompile: replay the target's one-token steps as CUDA graphs (dyncompile.load(cuda_graph=True))")
     p.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
                    help="dyncompile: ORT session config entry (repeatable)")
     args = p.parse_args(argv)

@@ -279,7 +279,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     timed = all("tpot_ms" in r for r in report["results"])  # reports written before TTFT/TPOT re-render as they were
     lines = [f"## {report['plan_name']} vs peers: {report['prompts']} prompts ({report['prompts_file']}), greedy, "
              f"{report['max_new_tokens']} new tokens, {report['threads']} threads, dyncompile on "
-             f"{report.get('provider', 'cpu')}{' with IOBinding' if report.get('io_binding') else ''}", "",
+             f"{report.get('provider', 'cpu')}{' with IOBinding' if report.get('io_binding') else ''}"
+             f"{' and CUDA graphs' if report.get('cuda_graph') else ''}", "",
              f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '')}; load (1/5/15 min) at start "
              f"{report.get('load_start')}, at end {report.get('load_end')}; {report.get('passes', '')}", "",
              *([f"{report['repeat']} passes over the prompts (rotating order throughout); prefill is the sum of "
@@ -381,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "on its CPU device")
     p.add_argument("--io-binding", action="store_true",
                    help="dyncompile: bind the KV cache with IOBinding (on CUDA it stays in GPU memory between calls)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="dyncompile: load the plan with cuda_graph=True (one-token target steps replayed as CUDA graphs; "
+                   "a float16 causal-attention plan without trim-logits on the CUDA EP)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for every runner (default 2)")
     p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
     p.add_argument("--name", help="report file stem (default: PLANNAME-PROMPTSTEM-peers)")
@@ -424,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     def dyncompile_worker(plan_dir) -> list[str]:
         return [sys.executable, "-m", "dyncompile.tools.bench.peer_worker", "--backend", "dyncompile", "--model",
                 str(plan_dir), "--threads", str(args.threads), "--provider", args.provider,
-                *(["--io-binding"] if args.io_binding else [])]
+                *(["--io-binding"] if args.io_binding else []), *(["--cuda-graph"] if args.cuda_graph else [])]
 
     dyn_cmd = dyncompile_worker(args.plan)
     specs: dict[str, list[str]] = {"dyncompile": dyn_cmd}
@@ -516,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"plan": str(Path(args.plan).resolve()), "plan_name": Path(args.plan).resolve().name,
                    "prompts_file": str(args.prompts), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                    "threads": args.threads, "provider": args.provider, "io_binding": args.io_binding,
-                   "machine": machine_info(), "load_start": load_start, "load_end": load_avg(),
+                   "cuda_graph": args.cuda_graph, "machine": machine_info(), "load_start": load_start, "load_end": load_avg(),
                    "workers": {k: {**w.info, "command": specs[k][1:]} for k, w in workers.items()},
                    "peer_models": models_, "peer_drafts": drafts})
     report["markdown"] = markdown_report(report)
