@@ -14,7 +14,13 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import OnCuda, ort_session, plan_decoder_spec, plan_kv_decoder  # tests/ is on pythonpath
+from helpers import (  # tests/ is on pythonpath
+    OnCuda,
+    ort_session,
+    plan_decoder_spec,
+    plan_kv_decoder,
+    run_cli,
+)
 
 import dyncompile
 from dyncompile.errors import DyncompileError
@@ -285,3 +291,15 @@ def test_speculative_decoding_over_graph_steps_is_token_identical_and_says_what_
     assert spec.token_ids == alone.token_ids == ref.token_ids
     assert target.graph_steps >= NEW_TOKENS - 1  # the target alone's decode steps, at least
     assert "speculative=False) may be faster" in caplog.text
+
+
+def test_run_cuda_graph_flag_on_the_cpu_ep_runs_as_before(plans, capsys):
+    """`dyncompile run PLAN --prompt ... --cuda-graph` is the CLI's way to ask; on the CPU EP the tokens are the same."""
+    argv = ["run", plans["notrim"], "--prompt", "def add(a, b):", "--max-new-tokens", 6, "--target-only", "--json",
+            "--no-spinning"]
+    rc, out, _ = run_cli(capsys, *argv, "--cuda-graph")
+    rc0, out0, _ = run_cli(capsys, *argv)
+    import json
+
+    assert rc == rc0 == 0
+    assert json.loads(out)["token_ids"] == json.loads(out0)["token_ids"] and len(json.loads(out)["token_ids"]) == 6

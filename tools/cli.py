@@ -158,6 +158,9 @@ def _run_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="sampling seed")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--target-only", action="store_true", help="run the plan's target alone (no drafter)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA EP: replay one-token decode steps as a CUDA graph (a float16 causal-attention plan "
+                   "without trim-logits; otherwise it runs without and says why with -v)")
     d = p.add_argument_group("text to image (diffusion plans: --prompt TEXT --seed N -o OUT.png)")
     d.add_argument("-o", "--output", help="PNG to write (several prompts: OUT-0.png, OUT-1.png, ...)")
     d.add_argument("--force", action="store_true", help="replace existing PNG files (-o); without it they are refused")

@@ -44,7 +44,8 @@ def run_command(args: argparse.Namespace) -> int:
             raise DataError(f"{flag} must be >= 1, got {value}")
     import dyncompile
 
-    model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, spinning=not args.no_spinning)
+    model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, spinning=not args.no_spinning,
+                            cuda_graph=bool(getattr(args, "cuda_graph", False)))
     if model.plan.task == "text-to-image":
         from dyncompile.tools.diffusion_cli import run_text_to_image
 
