@@ -167,8 +167,8 @@ class RuntimeContext:
             except Exception as e:  # ORT raises its own Fail types
                 if not is_ort_error(e):
                     raise
-                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-                logger.warning("CUDA graphs are not available for %s (%s); running without them", file_key, first)
+                logger.warning("CUDA graphs are not available for %s (%s); running without them", file_key,
+                               first_line(e))
                 return None
             self._sessions[key] = s
         return s
@@ -184,9 +184,8 @@ class RuntimeContext:
                 if not is_ort_error(e):
                     raise
                 if self.provider == "CPUExecutionProvider":
-                    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
                     raise PlanError(
-                        f"ONNX Runtime cannot load {path.name} of plan {self.plan.directory}: {first}. The file is "
+                        f"ONNX Runtime cannot load {path.name} of plan {self.plan.directory}: {first_line(e)}. The file is "
                         "not a model this ONNX Runtime can run (an op or domain it lacks, or a damaged graph); "
                         "recompile the plan with this dyncompile"
                     ) from None
@@ -197,9 +196,8 @@ class RuntimeContext:
                     if lowering == "if"
                     else " Try --fallback cpu, or recompile the plan for this provider."
                 )
-                first = str(e).strip().splitlines()[0][:300]
                 raise ProviderError(
-                    f"{self.provider} could not load {path.name} of plan {self.plan.directory}: {first}.{hint}"
+                    f"{self.provider} could not load {path.name} of plan {self.plan.directory}: {first_line(e)}.{hint}"
                 ) from None
             if self.provider not in s.get_providers():
                 raise ProviderError(
