@@ -62,33 +62,34 @@ class CastFloat16Pass(ir.passes.InPlacePass):
         return f"{type(self).__name__}()"
 
     @staticmethod
-    def _why_not(model: ir.Model) -> tuple[str | None, bool]:
-        """(why the pass leaves ``model`` alone or None, whether that is because it is done already)."""
+    def _why_not(model: ir.Model) -> tuple[str | None, bool, dict | None]:
+        """(why the pass leaves ``model`` alone or None, whether it is done already, the decoder spec if any)."""
         from dyncompile.passes.speculative.decoder_spec import decoder_spec
 
         try:
             spec = decoder_spec(model, "model")
         except Exception as e:  # noqa: BLE001 - not a KV decoder
-            return f"not a KV-cache decoder ({str(e)[:80]})", False
+            return f"not a KV-cache decoder ({str(e)[:80]})", False, None
         if spec["kv_dtype"] == "float16":
-            return "the KV cache is float16 already", True
+            return "the KV cache is float16 already", True, spec
         blocked = sorted({n.op_type for n in model.graph if n.op_type in _BLOCKED and any(_is_f32(v) for v in n.inputs)})
         if blocked:
-            return f"{', '.join(blocked)} on float tensors (ONNX Runtime keeps those ops in float32)", False
+            return f"{', '.join(blocked)} on float tensors (ONNX Runtime keeps those ops in float32)", False, spec
         if any(a.type == ir.AttributeType.GRAPH for n in model.graph for a in n.attributes.values()):
-            return "the graph has subgraphs (If/Loop): only flat decoder graphs are converted", False
-        return None, False
+            return "the graph has subgraphs (If/Loop): only flat decoder graphs are converted", False, spec
+        return None, False, spec
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the conversion on ``model`` (scope and invariants: the module docstring)."""
-        why, done = self._why_not(model)
+        why, done, spec = self._why_not(model)
         if done:
             logger.info("float16: nothing to do: %s", why)
             return ir.passes.PassResult(model, modified=False)
         if why is not None:
             return not_fired(model, "float16", why, "leave float16 out for this model")
         graph = model.graph
-        keep = [v for v in graph.outputs if _is_f32(v) and not v.name.startswith("present")]
+        presents = {e["present"] for e in spec["kv"]}
+        keep = [v for v in graph.outputs if _is_f32(v) and v.name not in presents]
         for name, v in list(graph.initializers.items()):
             if v.const_value is not None and v.const_value.dtype == _F32:
                 v.const_value = _half_tensor(v.const_value, name)

@@ -35,7 +35,7 @@ from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CausalAttentionPass", "causal_gqa_nodes"]
+__all__ = ["CausalAttentionPass", "causal_gqa_nodes", "is_causal_attention_graph"]
 
 _MS = "com.microsoft"
 _BIAS = "attention_bias"
@@ -52,6 +52,15 @@ def _gqa(graph: ir.Graph) -> list[ir.Node]:
 def causal_gqa_nodes(graph: ir.Graph) -> list[ir.Node]:
     """The GroupQueryAttention nodes of ``graph`` that mask causally (no ``attention_bias`` input)."""
     return [n for n in _gqa(graph) if len(n.inputs) <= _BIAS_SLOT or n.inputs[_BIAS_SLOT] is None]
+
+
+def is_causal_attention_graph(graph: ir.Graph) -> bool:
+    """Whether every GroupQueryAttention of ``graph`` masks causally, sized by an ``attention_mask`` input.
+
+    What this pass leaves (a second run does nothing) and what the plan records as ``attention: causal``.
+    """
+    gqa = _gqa(graph)
+    return bool(gqa) and len(causal_gqa_nodes(graph)) == len(gqa) and any(v.name == _MASK for v in graph.inputs)
 
 
 def _trim(node: ir.Node, drop: set[int]) -> None:
@@ -98,7 +107,7 @@ class CausalAttentionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the module docstring)."""
         graph = model.graph
-        if _gqa(graph) and len(causal_gqa_nodes(graph)) == len(_gqa(graph)) and any(v.name == _MASK for v in graph.inputs):
+        if is_causal_attention_graph(graph):
             return ir.passes.PassResult(model, modified=False)  # done already
         why = self._why_not(graph)
         if why is not None:

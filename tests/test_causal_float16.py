@@ -185,12 +185,16 @@ def test_greedy_and_speculative_are_token_identical(plans, name):
         assert ref.generate(PROMPT, max_new_tokens=NEW_TOKENS, speculative=False).token_ids == alone.token_ids
 
 
-def test_the_cuda_ep_shares_a_device_buffer_only_for_the_float16_causal_graph(plans, monkeypatch):
-    """ORT's CUDA GQA takes float16 without attention_bias: only that graph keeps a shared buffer on the CUDA EP."""
+@pytest.fixture
+def host_device_buffers(monkeypatch):
+    """No GPU here: a decoder's "device" buffers are CPU ORT values (the decisions made on them are under test)."""
     import onnxruntime as ort
 
-    # no GPU here: the "device" buffers are CPU ORT values (the placement decision is what is under test)
     monkeypatch.setattr(KVDecoder, "_ortvalue", lambda self, a: ort.OrtValue.ortvalue_from_numpy(a, "cpu", 0))
+
+
+def test_the_cuda_ep_shares_a_device_buffer_only_for_the_float16_causal_graph(plans, host_device_buffers):
+    """ORT's CUDA GQA takes float16 without attention_bias: only that graph keeps a shared buffer on the CUDA EP."""
     for name, shared in (("bias", False), ("causal", False), ("half", True)):
         path = plans[name] / "model.onnx"
         dec = KVDecoder(OnCuda(ort_session(path, disable_all=True)), _spec(path))
@@ -234,7 +238,7 @@ def test_graph_steps_match_plain_steps_through_growth_and_rollback(plans, monkey
     assert graphed.graph_steps == 260 and graphed._graph_id == 2 and graphed.length == plain.length
 
 
-def test_graph_steps_say_why_they_cannot_run(plans, caplog):
+def test_graph_steps_say_why_they_cannot_run(plans, caplog, host_device_buffers):
     """Without a graph-enabled CUDA session, or with trim-logits' host-side slice start, steps run as before."""
     with caplog.at_level("INFO", logger="dyncompile.runtime.decode.kv_cache"):
         dec = _decoder(plans["notrim"] / "model.onnx", cuda_graph=True)
@@ -244,20 +248,11 @@ def test_graph_steps_say_why_they_cannot_run(plans, caplog):
         def get_provider_options(self):
             return {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}
 
-    import onnxruntime as ort
-
-    def cpu_values(self, a):
-        return ort.OrtValue.ortvalue_from_numpy(a, "cpu", 0)
-
     for name, why in (("half", "trim-logits"), ("bias", "causal-attention")):
         path = plans[name] / "model.onnx"
         with caplog.at_level("INFO", logger="dyncompile.runtime.decode.kv_cache"):
             caplog.clear()
-            KVDecoder._ortvalue, saved = cpu_values, KVDecoder._ortvalue
-            try:
-                dec = KVDecoder(_GraphCuda(ort_session(path, disable_all=True)), _spec(path), cuda_graph=True)
-            finally:
-                KVDecoder._ortvalue = saved
+            dec = KVDecoder(_GraphCuda(ort_session(path, disable_all=True)), _spec(path), cuda_graph=True)
         assert not dec.cuda_graph and why in caplog.text, name
 
 

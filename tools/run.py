@@ -45,7 +45,7 @@ def run_command(args: argparse.Namespace) -> int:
     import dyncompile
 
     model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, spinning=not args.no_spinning,
-                            cuda_graph=bool(getattr(args, "cuda_graph", False)))
+                            cuda_graph=args.cuda_graph)
     if model.plan.task == "text-to-image":
         from dyncompile.tools.diffusion_cli import run_text_to_image
 

@@ -19,6 +19,7 @@ from typing import Any
 import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
+from dyncompile.passes.causal_attention import is_causal_attention_graph
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,8 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         kv.append({"past": name, "present": present, "axis": axis, "shape": _head_dims(v, axis, f"{what}{where}")})
         dtype = v.dtype
     vocab = _static(logits.shape[-1]) if logits.shape is not None else None
-    shared = _kv_shared(g, [inputs[e["past"]] for e in kv])
-    causal = _causal_gqa(g)
+    causal = is_causal_attention_graph(g)  # causal-attention: the mask sizes the cache, so it stays gap-free
+    shared = _kv_shared(g, [inputs[e["past"]] for e in kv], causal)
     return {
         "model": file_key,
         "input_ids": "input_ids",
@@ -142,31 +143,18 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
     }
 
 
-def _causal_gqa(graph: ir.Graph) -> bool:
-    """Whether the graph's attention is causal GroupQueryAttention sized by its ``attention_mask`` input.
-
-    (``causal-attention``): the mask says how many cache slots are valid, not which, so the runtime keeps the
-    cache gap-free and verifies chains only.
-    """
-    from dyncompile.passes.causal_attention import causal_gqa_nodes
-
-    gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
-    return bool(gqa) and len(causal_gqa_nodes(graph)) == len(gqa) and any(v.name == "attention_mask" for v in graph.inputs)
-
-
-def _kv_shared(graph: ir.Graph, pasts: list[ir.Value]) -> bool:
+def _kv_shared(graph: ir.Graph, pasts: list[ir.Value], causal: bool) -> bool:
     """Whether the runtime may bind one preallocated buffer as both past and present of every KV tensor.
 
     True when each past input is read only by ``GroupQueryAttention`` (as its past key / value, which GQA
     writes in place when past and present share memory; nothing else, e.g. a ``Shape`` that sizes the mask,
     sees the buffer's capacity) and every such GQA takes its logical ``past + new`` length from a mask input the
     runtime feeds — the graph's ``attention_bias`` (masked slots stay masked) or, for causal GQA
-    (``causal-attention``), the ``attention_mask`` that sizes ``seqlens_k`` — and returns its present key / value
-    as graph outputs.
+    (``causal-attention``, ``causal``), the ``attention_mask`` that sizes ``seqlens_k`` — and returns its present
+    key / value as graph outputs.
     """
     outputs = set(graph.outputs)
     bias = next((v for v in graph.inputs if v.name == "attention_bias"), None)
-    causal = _causal_gqa(graph)
     if (bias is None and not causal) or not pasts:
         return False
     for v in pasts:

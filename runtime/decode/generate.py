@@ -277,8 +277,7 @@ class GenerateStep(StepHandler):
         self.timer = SessionTimer()
         # the KV caches, drafter state and timer belong to this step: one generation at a time (other threads wait)
         self.lock = threading.RLock()
-        graph = (ctx.graph_session(self.target_spec.model)
-                 if getattr(getattr(ctx, "options", None), "cuda_graph", False) else None)
+        graph = ctx.graph_session(self.target_spec.model) if ctx.options.cuda_graph else None
         self.target = KVDecoder(graph or ctx.session(self.target_spec.model), self.target_spec, timer=self.timer,
                                 io_binding=self.params.io_binding, rollback=self.params.rollback,
                                 cuda_graph=graph is not None)

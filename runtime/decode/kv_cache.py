@@ -171,6 +171,7 @@ class KVDecoder:
         self.compactions = 0
         self._bufs: list[np.ndarray] = []  # kv_buffer="shared": the preallocated buffers (capacity self._cap)
         self._cap = 0
+        self._buf_gen = 0  # bumped whenever new buffers (new addresses) replace the old ones
         self.shared = False
         #: one-token steps replayed as a CUDA graph (see the class docstring); steps so replayed
         self.cuda_graph = False
@@ -221,10 +222,8 @@ class KVDecoder:
             return ("on the CUDA EP the plan's GroupQueryAttention runs on the CPU (ONNX Runtime's CUDA kernel takes no "
                     "attention_bias and no float32; compile with causal-attention,float16 for one it runs), where a "
                     "shared buffer would be copied whole across PCIe twice per call")
-        if self.spec.kv_buffer != "shared" or self.kv_device not in ("cpu", "cuda") or not self.pos_name \
-                or not (self.bias_name or (self.causal and self.mask_name)):
-            return ("a shared buffer needs a plan that says kv_buffer=shared (explicit-attention,fuse-decoder) and the "
-                    "CPU or CUDA EP")
+        if self.spec.kv_buffer != "shared" or not self.pos_name or not (self.bias_name or (self.causal and self.mask_name)):
+            return "a shared buffer needs a plan that says kv_buffer=shared (explicit-attention,fuse-decoder)"
         return None
 
     def _why_no_graph(self) -> str | None:
@@ -238,12 +237,15 @@ class KVDecoder:
         if self.keep_name:
             return ("trim-logits sends the logits slice's start to the host (a copy node), which CUDA graphs do not "
                     "allow: compile without trim-logits")
-        for o in self.session.get_outputs():
-            if o.name in (e.present for e in self.spec.kv):
-                continue
+        for o in self._step_outputs():
             if len(o.shape or ()) < 2 or any(not isinstance(d, int) for d in o.shape[2:]):
                 return f"the output {o.name!r} has no fixed per-token shape ({o.shape})"
         return None
+
+    def _step_outputs(self) -> list:
+        """The session's output descriptions of every output but the KV cache (logits, then the extras)."""
+        by_name = {o.name: o for o in self.session.get_outputs()}
+        return [by_name[n] for n in [self.output_names[0], *self.extra_names]]
 
     def set_cuda_graph(self, on: bool) -> None:
         """Replay one-token steps as a CUDA graph (``on``), or not; says why at INFO when it cannot."""
@@ -275,12 +277,8 @@ class KVDecoder:
             self.mask_name: np.zeros((1, self._cap), np.int64),
         }
         ins = {k: ort.OrtValue.ortvalue_from_numpy(v, dev, 0) for k, v in vals.items()}
-        outs = {}
-        for o in self.session.get_outputs():
-            if o.name in (e.present for e in self.spec.kv):
-                continue
-            dtype = np.float16 if "float16" in o.type else np.float32
-            outs[o.name] = ort.OrtValue.ortvalue_from_shape_and_type([1, 1, *o.shape[2:]], dtype, dev, 0)
+        outs = {o.name: ort.OrtValue.ortvalue_from_shape_and_type(
+            [1, 1, *o.shape[2:]], np.float16 if "float16" in o.type else np.float32, dev, 0) for o in self._step_outputs()}
         io = self.session.io_binding()
         for k, v in ins.items():
             io.bind_ortvalue_input(k, v)
@@ -374,7 +372,7 @@ class KVDecoder:
                 b[self._seq(e, slice(0, self.slots))] = old[i][self._seq(e, slice(0, self.slots))]
             bufs.append(b)
         self._cap = cap
-        self._buf_gen = getattr(self, "_buf_gen", 0) + 1  # new addresses: a bound CUDA graph must be rebound
+        self._buf_gen += 1  # new addresses: a bound CUDA graph must be rebound
         # CPU OrtValues over the numpy buffers (no copy): ORT reads and writes them in place; on a device, one upload
         self.past = [self._ortvalue(b) for b in bufs]
         self._bufs = bufs if self._on_host else []

@@ -330,6 +330,7 @@ class SpeculativeGenerateStep(GenerateStep):
         super().__init__(step, ctx)  # self.params: SpeculativeParams, validated at load
         d = self.params.drafter
         self.draft_policy = self.params.draft
+        self._said_graph = False  # the one INFO line on a CUDA-graph target (generate_ids)
         self.drafter: Drafter
         if d.kind == "prompt-lookup":
             self.drafter = PromptLookupDrafter(d.max_ngram, d.min_ngram)
@@ -454,7 +455,7 @@ class SpeculativeGenerateStep(GenerateStep):
                                                                           "tree")}
             return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
                                         kv_buffer=kv_buffer, **options)
-        if self.target.cuda_graph and not getattr(self, "_said_graph", False):
+        if self.target.cuda_graph and not self._said_graph:
             self._said_graph = True
             logger.info("the target replays one-token steps as a CUDA graph, but verification calls and the drafter run "
                         "without one: generate(..., speculative=False) may be faster (Qwen2.5-Coder-0.5B on an H200: "
