@@ -34,6 +34,7 @@ __all__ = [
     "SPLIT_DRAFTER",
     "SPLIT_DRAFTER_MODEL",
     "SPLIT_DRAFTER_VOCAB",
+    "DRAFTER_VOCAB",
     "STEP_SAVER",
     "TASK",
     "UNET_CACHE",
@@ -63,6 +64,7 @@ POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NA
 DRAFTER_MODEL = "dyncompile.drafter_model"  # ir.Model of the drafter (SpeculativePass -> emitter)
 SPLIT_DRAFTER_MODEL = "dyncompile.split_drafter.model"  # ir.Model built by SplitDrafterPass
 SPLIT_DRAFTER_VOCAB = "dyncompile.split_drafter.vocab"  # the drafter's vocabulary subset (token ids)
+DRAFTER_VOCAB = "dyncompile.drafter_vocab"  # an external drafter's trimmed LM head's token ids (SpeculativePass -> emitter)
 MEDUSA_MODEL = "dyncompile.medusa.model"  # ir.Model heads graph built by MedusaHeadsPass
 EAGLE_MODEL = "dyncompile.eagle.model"  # (ir.Model drafter, vocab ids) built by EagleDrafterPass
 SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timings + graph fingerprint (reused on a re-run)
@@ -72,5 +74,6 @@ METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
      ROLE, SMOOTHED, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA, SPARSITY}
 )
-META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB, SPECULATIVE_MEASURED,
+META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, DRAFTER_VOCAB, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB,
+                       SPECULATIVE_MEASURED,
                        SPECULATIVE_ROWS})

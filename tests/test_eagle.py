@@ -547,10 +547,15 @@ def test_eagle3_greedy_token_identical(fused_plan):
     code = (STDLIB / "bisect.py").read_text()
     prompt = code[: code.index("def bisect_right")] + "def bisect_right(a, x, lo=0, hi=None, *, key=None):\n"
     ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, speculative=False)
-    for opts in (dict(tree=False, draft_length=3, adaptive=False), dict(tree=True)):
+    drafted = {}
+    for opts in (dict(tree=False, draft_length=4, adaptive=False), dict(tree=True),
+                 dict(tree=False, draft_length=4, adaptive=False, stop_below=0.5)):
         res = m.generate(prompt, max_new_tokens=NEW_TOKENS, **opts)
         assert res.token_ids == ref.token_ids, (opts, res.text, ref.text)
         assert res.stats.drafter == "eagle"
+        drafted[opts.get("stop_below", 0.0), opts["tree"]] = res.stats.draft_lengths
+    # the confidence stop cut some of the head's chains short (rounds of fewer than 4 drafts before the budget's end)
+    assert sum(v for k, v in drafted[0.5, False].items() if k < 4) > sum(v for k, v in drafted[0.0, False].items() if k < 4)
     rec = json.loads(ir.load(str(fused_plan / "model.onnx")).metadata_props["dyncompile.eagle"])
     assert rec["feature_layers"] == [2, 15, 27]
 

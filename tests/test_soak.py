@@ -16,6 +16,9 @@ Bounds (no timing anywhere):
   KV cache). Allocator noise after warm-up measured ~0.1-0.5 MiB on these legs (glibc arenas, CPython's 1 MiB
   object arenas). The bound is ``1 MiB + 48 bytes per call`` (1.5 MiB for 10,000 calls): above the noise, and
   below the growth of any per-call leak of a Python object, which costs at least ~56 bytes.
+* Negative controls: a 4 KiB object kept per decoder call fails the RSS bound; a 64-byte one fails the decoder
+  leg's Python-heap bound (``64 KiB + 16 bytes per call``; a smaller RSS leak can hide in memory earlier test
+  modules freed but left resident, so small leaks are the heap check's job).
 * Python heap (``tracemalloc``, exact, no allocator noise; staged leg only, measured after its RSS soak, since
   tracing slows calls and its bookkeeping shows in RSS): the staged plan's exit log is meant to grow, by one exit layer per row; it may take 16 bytes per row (a compact array), not a
   Python object per call (a 1-row array: ~120 bytes). Bound ``64 KiB + 16 bytes per row``.
@@ -133,19 +136,48 @@ def test_decoder_2000_generations(plans):
     # warm-up long enough for CPython's tuple free lists to fill: each generation's statistics (dataclasses.asdict)
     # leave one ~160-byte tuple there, up to 2,000; after 200 warm-up calls that filling alone showed as ~0.5 MiB of
     # heap over the soak (tracemalloc), after 2,500 as 13 KiB
-    _check("decoder", soak(lambda p: m.generate(p, max_new_tokens=6), prompts, warmup=2_500, calls=2_000))
+    gen = lambda p: m.generate(p, max_new_tokens=6)  # noqa: E731
+    _check("decoder", soak(gen, prompts, warmup=2_500, calls=2_000))
+    heap = heap_growth(gen, prompts, 2_000)
+    assert heap <= heap_bound(2_000), f"Python heap grew {heap} bytes over 2000 generations"
+
+
+def heap_growth(call, inputs: list, calls: int) -> int:
+    """Exact Python-heap growth (``tracemalloc``) over ``calls`` calls, every input already seen; cyclic garbage the
+    collector has not reached yet is collected before each reading (it is not kept, only not yet freed)."""
+    tracemalloc.start()
+    try:
+        gc.collect()
+        heap0 = tracemalloc.get_traced_memory()[0]
+        for i in range(calls):
+            call(inputs[i % len(inputs)])
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - heap0
+    finally:
+        tracemalloc.stop()
+
+
+def heap_bound(calls: int) -> int:
+    """Largest Python-heap growth accepted over ``calls`` calls that keep nothing: free lists and caches settling
+    (13 KiB measured on the decoder leg), below one kept object per call (>= 56 bytes each)."""
+    return 64 * 2**10 + 16 * calls
 
 
 def test_soak_catches_a_per_call_leak(plans):
-    """Negative control: the decoder leg with a 1 KiB live object kept per call fails the RSS bound."""
+    """Negative controls on the decoder leg: a 4 KiB object kept per call fails the RSS bound (smaller ones can land
+    in memory that earlier test modules freed but left resident, which no RSS bound can tell from reuse); a 64-byte
+    object kept per call fails the exact Python-heap bound."""
     m = dyncompile.load(plans["decoder"])
     kept: list[bytes] = []
 
-    def leaky(p):
-        kept.append(os.urandom(1024))
-        return m.generate(p, max_new_tokens=6)
+    def leaky(size):
+        def call(p):
+            kept.append(os.urandom(size))
+            return m.generate(p, max_new_tokens=6)
+        return call
 
-    r = soak(leaky, [[1, 2, 3, 1, 2, 3]], warmup=200, calls=2_000)
+    r = soak(leaky(4096), [[1, 2, 3, 1, 2, 3]], warmup=200, calls=2_000)
     assert len(kept) == 2_200
     with pytest.raises(AssertionError, match="something is kept per call"):
         _check("leaky decoder", r)
+    assert heap_growth(leaky(64), [[1, 2, 3, 1, 2, 3]], 2_000) > heap_bound(2_000)

@@ -647,3 +647,186 @@ def test_bench_max_drafts_runs_the_step_with_each_longest_draft(plans, tmp_path)
     assert rows["speculative, max draft 1 (ORT)"]["mean_tree_nodes"] <= 1.0 < rows["speculative (ORT)"]["mean_tree_nodes"]
     with pytest.raises(DyncompileError, match="max-drafts"):
         bench_generate.main([str(plans["prompt-lookup"]), "--prompts", str(prompts), "--max-drafts", "0"])
+
+
+# ------------------------------------------------------------------------------------------- confidence stop
+
+
+def _drafter_confidences(drafter, seq, chain):
+    """The drafter's top probability at each drafted token of ``chain`` (greedy), from one fresh forward."""
+    drafter.reset(seq)
+    logits = drafter.decoder.forward([*seq, *chain[:-1]], last=len(chain))
+    p = probs_from_logits(logits, 1.0)
+    return p.max(axis=-1)
+
+
+def test_confidence_stop_ends_the_chain_after_the_first_unsure_token(loaded):
+    """``stop_below``: the chain is the full-length chain cut right after its first token the drafter gives less than
+    that probability (computed here from the drafter's own logits), and greedy output stays the target's."""
+    m = loaded["external"]
+    drafter = m.handlers[0].drafter
+    kw = dict(sample=False, temperature=1.0, rng=np.random.default_rng(0), vocab_size=VOCAB)
+    fired = 0
+    for prompt in PROMPTS:
+        drafter.reset(prompt)
+        drafter.stop_below = 0.0
+        full, _ = drafter.propose(list(prompt), 6, **kw)
+        conf = _drafter_confidences(drafter, list(prompt), full)
+        assert len(full) == 6
+        for stop in sorted({*np.round(conf, 6), 0.999999}):
+            drafter.reset(prompt)
+            drafter.stop_below = float(stop)
+            cut, _ = drafter.propose(list(prompt), 6, **kw)
+            below = [i for i, c in enumerate(conf) if c < stop]
+            assert cut == full[: below[0] + 1 if below else 6], (prompt, stop, conf)
+            fired += bool(below) and below[0] < 5
+    drafter.stop_below = 0.0
+    assert fired >= 3  # the stop really cut chains short (not only at the end)
+    ref = loaded["plain"]
+    for prompt in PROMPTS:
+        want = ref.generate(prompt, max_new_tokens=40).token_ids
+        full = m.generate(prompt, max_new_tokens=40, draft_length=6, adaptive=False)
+        cut = m.generate(prompt, max_new_tokens=40, draft_length=6, adaptive=False, stop_below=0.9)
+        assert full.token_ids == cut.token_ids == want
+        assert cut.stats.drafted < full.stats.drafted and max(full.stats.draft_lengths) == 6
+
+
+def test_confidence_stop_from_the_plan_and_bad_values(tiny, loaded, tmp_path, capsys):
+    """``speculative{stop_below=P}`` records P in the plan's draft policy and the runtime drafts with it by default
+    (a call's option overrides it); values outside [0, 1) are one clean error at compile time and at run time."""
+    plan = compile_model(tiny["target"], "speculative{stop_below=0.999,draft_length=6,adaptive=false}",
+                         tmp_path / "cs", drafter=str(tiny["draft"])).plan_dir
+    assert json.loads((plan / "plan.json").read_text())["steps"][0]["draft"]["stop_below"] == 0.999
+    m = dyncompile.load(plan)
+    r = m.generate(PROMPTS[0], max_new_tokens=30)
+    assert set(r.stats.draft_lengths) <= {0, 1} and r.stats.draft_lengths[1] >= r.stats.rounds - 1  # never 99.9 % sure
+    # (the last round has no room left to draft)
+    off = m.generate(PROMPTS[0], max_new_tokens=30, stop_below=0.0)
+    assert max(off.stats.draft_lengths) == 6 and off.token_ids == r.token_ids
+    for bad in (1.0, -0.1, "0.5", True):
+        with pytest.raises(PromptError, match="stop_below"):
+            loaded["external"].generate(PROMPTS[0], max_new_tokens=4, stop_below=bad)
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative{stop_below=1.5}", "--drafter",
+                         str(tiny["draft"]), "-o", tmp_path / "bad")
+    assert_clean_error(rc, err, "stop_below")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_speculative_sampling_with_a_confidence_stop_is_exact(sampling_plans):
+    """The stop reads only the drafter's distribution, so sampling stays exact (chi-square as above), while it
+    really shortened rounds."""
+    m = sampling_plans[0]
+    expected = _exact_joint(m, [1, 2, 3, 4], 1.0)
+    counts = np.zeros((8, 8))
+    lengths: dict[int, int] = {}
+    for seed in range(3000):
+        r = m.generate([1, 2, 3, 4], max_new_tokens=4, sample=True, temperature=1.0, seed=seed, stop_below=0.5)
+        counts[r.token_ids[1], r.token_ids[2]] += 1
+        for k, v in r.stats.draft_lengths.items():
+            lengths[k] = lengths.get(k, 0) + v
+    assert lengths.get(1, 0) > 300 and lengths.get(2, 0) > 300  # both cut and full-length rounds
+    assert chi_square_p(counts, expected) > 1e-3
+
+
+def test_bench_stop_below_runs_the_step_with_each_threshold(tiny, tmp_path):
+    """``dyncompile bench --stop-below 0.999``: one extra runner, token-identical, drafting one token per round
+    where the plan's own policy drafts six."""
+    from dyncompile.tools.bench import generate as bench_generate
+
+    plan = compile_model(tiny["target"], "speculative{draft_length=6,adaptive=false}", tmp_path / "six",
+                         drafter=str(tiny["draft"])).plan_dir
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{i % 7}" for i in range(k, k + 12))}) + "\n"
+                               for k in range(3)))
+    rc = bench_generate.main([str(plan), "--prompts", str(prompts), "--max-new-tokens", "24",
+                              "--stop-below", "0.999", "--report-dir", str(tmp_path), "--name", "sb", "-q"])
+    assert rc == 0
+    (report,) = tmp_path.glob("sb*.json")
+    rows = {r["name"]: r for r in json.loads(report.read_text())["results"]}
+    assert all(r["identical"] == r["of"] == 3 for r in rows.values())
+    assert rows["speculative, stop below 0.999 (ORT)"]["mean_tree_nodes"] <= 1.0
+    assert rows["speculative (ORT)"]["mean_tree_nodes"] >= 4.0  # six a round but the last rounds, cut by the budget
+    with pytest.raises(DyncompileError, match="stop-below"):
+        bench_generate.main([str(plan), "--prompts", str(prompts), "--stop-below", "1"])
+
+
+# ------------------------------------------------------------------------------------------- drafter vocabulary
+
+
+@pytest.fixture(scope="module")
+def vocab_plans(tiny, module_tmp):
+    """An int4 drafter (MatMulNBits head) and plans with its LM head trimmed to the calibration text's 8 commonest
+    tokens: one from the int4 drafter, one from the float drafter."""
+    root = module_tmp("draft-vocab")
+    q = compile_model(tiny["draft"], "quantize-int4{block_size=16,lm_head_bits=4}", root / "d-int4", opt_level=0)
+    shutil.copy(tiny["draft"].parent / "tokenizer.json", q.plan_dir / "tokenizer.json")
+    shutil.copy(tiny["draft"].parent / "dyncompile-model.json", q.plan_dir / "dyncompile-model.json")
+    out = {"int4-drafter": q.plan_dir / "model.onnx"}
+    for name, drafter in (("int4", out["int4-drafter"]), ("float", tiny["draft"])):
+        out[name] = compile_model(tiny["target"], "speculative{draft_vocab=8,draft_length=4,adaptive=false}",
+                                  root / name, drafter=str(drafter), calib=str(tiny["calib"]), verify=True).plan_dir
+    return out
+
+
+def _calib_top8(tiny):
+    from tokenizers import Tokenizer
+
+    from dyncompile.passes.speculative.split_drafter import frequent_subset
+
+    ids = np.asarray(Tokenizer.from_file(str(tiny["target"].parent / "tokenizer.json"))
+                     .encode(tiny["calib"].read_text()).ids)
+    return frequent_subset(np.bincount(ids, minlength=VOCAB).astype(float), 8)
+
+
+@pytest.mark.parametrize("which", ["int4", "float"])
+def test_draft_vocab_trims_the_drafters_head_to_the_calibration_texts_commonest_tokens(tiny, vocab_plans, loaded,
+                                                                                         which):
+    """``speculative{draft_vocab=8}``: the plan's drafter computes 8 logits, those of the calibration text's 8
+    commonest tokens (``drafter_vocab`` maps them back), equal to the untrimmed drafter's logits there (MatMulNBits
+    and MatMul heads, ORT_DISABLE_ALL); the head's full weights are gone from the drafter; it drafts only those
+    tokens; greedy output is the target's."""
+    from helpers import plan_kv_decoder
+
+    plan = vocab_plans[which]
+    step = json.loads((plan / "plan.json").read_text())["steps"][0]
+    assert step["drafter"]["vocab"] == "drafter_vocab"
+    subset = np.load(plan / "drafter_vocab.npy")
+    want = _calib_top8(tiny)
+    np.testing.assert_array_equal(subset, want)
+    assert len(set(want)) == 8 and want.max() < VOCAB  # and not simply the 8 lowest ids:
+    assert want.tolist() != list(range(8))
+    full_src = vocab_plans["int4-drafter"] if which == "int4" else tiny["draft"]
+    ids = [3, 9, 1, 14, 7, 2]
+    trimmed = plan_kv_decoder(plan / "drafter.onnx").forward(ids)
+    full = plan_kv_decoder(Path(full_src)).forward(ids)
+    assert trimmed.shape == (len(ids), 8)
+    np.testing.assert_array_equal(trimmed, full[:, subset])
+    d = ir.load(str(plan / "drafter.onnx"))
+    head = next(v for v in d.graph.outputs if v.name == step["drafter"]["decoder"]["logits"]).producer()
+    assert head.op_type == ("MatMulNBits" if which == "int4" else "MatMul")
+    if which == "int4":
+        assert head.attributes.get_int("N") == 8
+    assert not [n for n, v in d.graph.initializers.items() if not v.uses()]  # the full head's weights are gone
+    m = dyncompile.load(plan)
+    drafter = m.handlers[0].drafter
+    drafted = set()
+    for prompt in PROMPTS:
+        res = m.generate(prompt, max_new_tokens=30)
+        assert res.token_ids == loaded["plain"].generate(prompt, max_new_tokens=30).token_ids
+        drafter.reset(prompt)
+        toks, _ = drafter.propose(list(prompt), 6, sample=False, temperature=1.0, rng=np.random.default_rng(0),
+                                  vocab_size=VOCAB)
+        drafted.update(toks)
+    assert drafted and drafted <= set(subset.tolist())
+
+
+def test_draft_vocab_needs_calibration_text_and_a_drafter_model(tiny, tmp_path, capsys):
+    """Without --calib, or with prompt lookup, ``draft_vocab`` is one clean error and nothing is written."""
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative{draft_vocab=8}", "--drafter",
+                         str(tiny["draft"]), "-o", tmp_path / "a")
+    assert_clean_error(rc, err, "--calib")
+    rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative{draft_vocab=8}", "--drafter",
+                         "prompt-lookup", "--calib", str(tiny["calib"]), "-o", tmp_path / "b")
+    assert_clean_error(rc, err, "--drafter DRAFT.onnx")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

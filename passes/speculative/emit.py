@@ -160,7 +160,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
         else:
             add_model_files(files, "drafter", save_model(drafter, out, "drafter.onnx", "drafter"))
         vocab_key = None
-        subset = model.meta.get(_keys.SPLIT_DRAFTER_VOCAB) if split else None
+        subset = model.meta.get(_keys.SPLIT_DRAFTER_VOCAB if split else _keys.DRAFTER_VOCAB)
         if subset is not None:
             np.save(out / "drafter_vocab.npy", np.asarray(subset, np.int64))
             files["drafter_vocab"] = file_ref(out, "drafter_vocab.npy", "vocab_map")

@@ -46,6 +46,7 @@ __all__ = [
     "SplitDrafterPass",
     "build_split_drafter",
     "drop_unused_pasts",
+    "frequent_subset",
     "read_calibration_text",
     "trim_lm_head",
 ]
@@ -60,7 +61,8 @@ MIN_CALIB_TOKENS = 64
 def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     """Restrict the LM head producing ``logits_name`` to the tokens ``subset`` (in place).
 
-    Handles ``MatMul(x, W)``, ``MatMul(x, Transpose(E))`` (tied embeddings) and an optional bias ``Add``.
+    Handles ``MatMul(x, W)``, ``MatMul(x, Transpose(E))`` (tied embeddings) and an optional bias ``Add``, and a
+    weight-only quantized head ``MatMulNBits`` (its packed rows, scales and zero points; ``quantize-int4``).
     The weights are sliced into new initializers (the originals stay shared). Returns False, changing
     nothing, for any other head shape.
     """
@@ -69,6 +71,13 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     if out is None or out.producer() is None:
         return False
     node = out.producer()
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+        return _trim_matmul_nbits(g, node, out, np.asarray(subset, np.int64))
+    return _trim_matmul(g, node, out, np.asarray(subset, np.int64))
+
+
+def _trim_matmul(g: ir.Graph, node: ir.Node, out: ir.Value, idx: np.ndarray) -> bool:
+    """:func:`trim_lm_head` for a float head: ``MatMul`` (of a weight or a transposed embedding), optional bias."""
     bias_node = None
     if node.op_type == "Add":
         bias_node = node
@@ -80,7 +89,6 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     if node.op_type != "MatMul":
         return False
     w = node.inputs[1]
-    idx = np.asarray(subset, np.int64)
     if bias_node is not None:
         b = next((v for v in bias_node.inputs if v is not None and v.const_value is not None), None)
         barr = const_array(b)
@@ -120,6 +128,54 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     if out.shape is not None:
         out.shape = ir.Shape([*list(out.shape)[:-1], len(idx)])
     return True
+
+
+def _trim_matmul_nbits(g: ir.Graph, node: ir.Node, out: ir.Value, idx: np.ndarray) -> bool:
+    """:func:`trim_lm_head` for ``MatMulNBits``: keep output rows ``idx`` of every row-major input, and set ``N``.
+
+    Those are B ``[N, blocks, blob]``, the scales ``[N * blocks]`` / ``[N, blocks]``, the packed zero points and the
+    bias.
+    """
+    n = node.attributes.get_int("N", 0)
+    ins = list(node.inputs)
+    if n <= 0 or idx.size == 0 or idx.max() >= n or len(ins) > 4 and any(v is not None for v in ins[4:5]):
+        return False  # no N, or a g_idx input (act-order): not a plain row-major layout
+    arrays = {}
+    for i in (1, 2, 3, 5):
+        v = ins[i] if i < len(ins) else None
+        if v is None:
+            continue
+        arr = const_array(v)
+        if arr is None or arr.size % n:
+            return False
+        arrays[i] = arr
+    if 1 not in arrays or 2 not in arrays:
+        return False
+    for i, arr in arrays.items():
+        rows = arr.reshape(n, -1)[idx]
+        shape = (len(idx), *arr.shape[1:]) if arr.shape[0] == n else (rows.size,)
+        v = ins[i]
+        new = ir.val(f"{v.name}.subset", const_value=ir.tensor(np.ascontiguousarray(rows.reshape(shape)),
+                                                              name=f"{v.name}.subset"))
+        g.register_initializer(new)
+        node.replace_input_with(i, new)
+    node.attributes["N"] = ir.AttrInt64("N", len(idx))
+    if out.shape is not None:
+        out.shape = ir.Shape([*list(out.shape)[:-1], len(idx)])
+    return True
+
+
+def frequent_subset(score: np.ndarray, n: int, special_ids: Sequence[int] = ()) -> np.ndarray:
+    """The ``n`` token ids of highest ``score`` (counts on calibration text) plus ``special_ids``, sorted.
+
+    Ties (tokens the text never shows) go to lower ids first: a BPE vocabulary lists earlier, more frequent merges
+    first.
+    """
+    vocab_size = len(score)
+    score = np.asarray(score, np.float64) - np.arange(vocab_size) * 1e-9
+    chosen = set(np.argsort(-score, kind="stable")[:n].tolist())
+    chosen.update(int(i) for i in special_ids if 0 <= int(i) < vocab_size)
+    return np.array(sorted(chosen), dtype=np.int64)
 
 
 def drop_unused_pasts(g: ir.Graph, keep_nodes: set[ir.Node]) -> None:
@@ -491,10 +547,7 @@ class SplitDrafterPass(ir.passes.InPlacePass):
             return None
         score = np.bincount(top, minlength=vocab_size).astype(np.float64) * 2.0
         score += np.bincount(inputs[inputs < vocab_size], minlength=vocab_size)[:vocab_size]
-        score -= np.arange(vocab_size) * 1e-9  # ties: lower ids (earlier BPE merges, more frequent) first
-        chosen = set(np.argsort(-score, kind="stable")[:n].tolist())
-        chosen.update(i for i in self.special_ids if 0 <= i < vocab_size)
-        return np.array(sorted(chosen), dtype=np.int64)
+        return frequent_subset(score, n, self.special_ids)
 
     @staticmethod
     def _head_model(model: ir.Model, cut_last: str, logits: str, subset, hidden: int) -> ir.Model:

@@ -88,6 +88,9 @@ class Drafter:
     """
 
     name = "drafter"
+    #: a model drafter ends a chain after a token it gives less than this probability (0: drafts the whole length);
+    #: set per call by the speculative step from the plan's ``draft.stop_below`` or the ``stop_below`` option
+    stop_below = 0.0
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start a new prompt (``prompt_ids``); drop any state of the previous one."""
@@ -230,6 +233,22 @@ def pick_draft_token(logits: np.ndarray, vocab: np.ndarray | None, sample: bool,
     return j, q
 
 
+def unsure(logits: np.ndarray, q: np.ndarray | None, tok: int, stop_below: float) -> bool:
+    """Whether a drafter's chain should end after ``tok``: its probability under the drafter is below ``stop_below``.
+
+    Greedy (``q is None``): the drafted token is the argmax, so its probability is ``1 / sum(exp(l - max l))`` of the
+    drafter's logits; sampling: ``q[tok]``, the distribution it was drawn from. ``stop_below`` 0 never stops. The
+    stop reads only the drafter's own distribution, never the target's, so greedy output stays the target's and
+    sampling stays exact (the draft length may depend on anything but the target's answer).
+    """
+    if stop_below <= 0.0:
+        return False
+    if q is not None:
+        return float(q[tok]) < stop_below
+    lg = np.asarray(logits, np.float32)
+    return 1.0 / float(np.exp(lg - lg.max()).sum()) < stop_below
+
+
 def top_alternatives(logits: np.ndarray, vocab: np.ndarray | None, k: int, exclude: int, vocab_size: int) -> list[int]:
     """The drafter's ``k`` next-best tokens (target ids) after ``exclude`` (deterministic: top-k of its logits)."""
     if k <= 0:
@@ -307,6 +326,8 @@ class ModelDrafter(Drafter):
                 qs.append(q)
             if alt:
                 alts.append(top_alternatives(np.asarray(logits, np.float64), self.vocab, alt, tok, vocab_size))
+            if unsure(logits, q, tok, self.stop_below):
+                break
             feed = [tok]
         return tokens, (qs if sample else None), alts
 

@@ -50,6 +50,7 @@ from dyncompile.runtime.decode.drafters import (
     grow_tree,
     pick_draft_token,
     top_alternatives,
+    unsure,
 )
 from dyncompile.runtime.decode.kv_cache import KVDecoder, SessionTimer
 
@@ -215,7 +216,7 @@ class EagleDrafter(Drafter):
                 qs.append(q)
             if alt:
                 alts.append(top_alternatives(np.asarray(logits[-1], np.float64), self.vocab, alt, tok, vocab_size))
-            if i == n - 1:
+            if i == n - 1 or unsure(logits[-1], q, tok, self.stop_below):
                 break
             logits, hid = dec.step([tok], h[None])
             tok, q = pick_draft_token(logits[-1], self.vocab, sample, temperature, rng, vocab_size)

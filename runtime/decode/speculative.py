@@ -37,7 +37,8 @@ Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.decode.
 "vocab": file key|null}``, ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``, ``{"kind": "eagle", ...}`` or
 ``{"kind": "lookahead", "window": 5, "ngram": 4, "guesses": 5}`` or ``{"kind": "medusa", "heads_model": file key, ...}``; ``"prompt_lookup": true`` on a model, eagle or
 lookahead drafter makes it a hybrid with prompt lookup: :class:`~dyncompile.runtime.decode.drafters.HybridDrafter`), ``draft``
-(``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``), ``generation``.
+(``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``, ``stop_below``),
+``generation``.
 """
 
 from __future__ import annotations
@@ -452,7 +453,7 @@ class SpeculativeGenerateStep(GenerateStep):
             if options:
                 options = {k: v for k, v in options.items() if k not in ("draft_length", "max_draft", "min_draft",
                                                                           "adaptive", "adapt_to_timing", "rollback",
-                                                                          "tree")}
+                                                                          "tree", "stop_below")}
             return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
                                         kv_buffer=kv_buffer, **options)
         if self.target.cuda_graph and not self._said_graph:
@@ -461,12 +462,17 @@ class SpeculativeGenerateStep(GenerateStep):
                         "without one: generate(..., speculative=False) may be faster (Qwen2.5-Coder-0.5B on an H200: "
                         "about 2x EAGLE-3's rate; bench-results/speculative-cuda/)")
         stop_when = options.pop("stop_when", None)
+        stop_below = options.pop("stop_below", None)
+        stop_below = self.draft_policy.stop_below if stop_below is None else stop_below
+        if isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0.0 <= stop_below < 1.0:
+            raise PromptError(f"stop_below must be a probability in [0, 1), got {stop_below!r}")
+        inner.stop_below = float(stop_below)
         ctl = self._controller(options)
         tree_ctl = self._tree_controller(ctl, options)
         if options:
             raise PromptError(
                 f"unknown generation options {sorted(options)}; known: draft_length, min_draft, max_draft, adaptive, "
-                "adapt_to_timing, io_binding, kv_buffer, rollback, tree"
+                "adapt_to_timing, io_binding, kv_buffer, rollback, tree, stop_below"
             )
         stats = GenerationStats(prompt_tokens=len(prompt_ids), mode="sample" if sample else "greedy",
                                 drafter=self.drafter.name)

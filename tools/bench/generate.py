@@ -60,7 +60,7 @@ class Runner:
 
 def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False,
                  label: str | None = None, tree: bool = False, tree_sizes: tuple[int, ...] = (),
-                 max_drafts: tuple[int, ...] = ()) -> list[Runner]:
+                 max_drafts: tuple[int, ...] = (), stop_below: tuple[float, ...] = ()) -> list[Runner]:
     """Runners of one plan: its target alone, its speculative step (+ IOBinding / copy-rollback variants).
 
     ``label`` names the runners after another plan (``--also``: the prompt ids come from the benchmarked plan's
@@ -68,7 +68,9 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
     the speculative step with chains and with adaptive draft trees; ``tree_sizes``: also fixed trees of that
     many drafted nodes each. ``max_drafts``: also the (chain) speculative step with each of these longest drafts
     (the ``max_draft`` generation option; the adaptive policy still picks each round's length): for tuning the
-    plan's ``speculative{max_draft=…}`` on a calibration prompt set.
+    plan's ``speculative{max_draft=…}`` on a calibration prompt set. ``stop_below``: also the speculative step with
+    each of these drafter-confidence stops (the ``stop_below`` generation option; tune ``speculative{stop_below=…}``
+    the same way).
     """
     def target(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, speculative=False, **opts)
@@ -94,6 +96,9 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
         for m in max_drafts:  # the runtime cuts the plan's first draft length down to the cap
             runners.append(Runner(f"speculative, max draft {m} (ORT)",
                                   lambda ids, n, m=m, **o: spec(ids, n, max_draft=m, **o)))
+        for b in stop_below:
+            runners.append(Runner(f"speculative, stop below {b:g} (ORT)",
+                                  lambda ids, n, b=b, **o: spec(ids, n, stop_below=b, **o)))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
         return runners
@@ -425,6 +430,19 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
     return vals
 
 
+def _probabilities(text: str, flag: str) -> tuple[float, ...]:
+    """``"0.2,0.4"`` -> ``(0.2, 0.4)``, each in [0, 1); a clean error naming ``flag`` otherwise."""
+    from dyncompile.errors import DataError
+
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise DataError(f"{flag} must be comma-separated probabilities, got {text!r}") from None
+    if any(not 0.0 <= x < 1.0 for x in vals):
+        raise DataError(f"{flag} must be probabilities in [0, 1), got {text!r}")
+    return vals
+
+
 def _peers_requested(argv: list[str] | None) -> bool:
     """Whether this harness's own ``--peers`` option is given (it hands the run to the peers harness)."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -461,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-drafts", default="", metavar="N,N,...",
                    help="also the speculative step with each of these longest drafts (e.g. 8,16,24,32; tune on "
                    "`prompt_sets --split calib` prompts, then compile with speculative{max_draft=N})")
+    p.add_argument("--stop-below", default="", metavar="P,P,...",
+                   help="also the speculative step with a model or EAGLE drafter ending each chain after a token it gives "
+                   "less than P probability (e.g. 0.2,0.4,0.6; 0 drafts every round's full length); tune on "
+                   "calibration prompts, then compile with speculative{stop_below=P}")
     p.add_argument("--torch", metavar="HF_DIR", help="also run transformers generate on this PyTorch model")
     p.add_argument("--torch-assistant", metavar="HF_DIR", help="with --torch: assistant_model for transformers")
     p.add_argument("--report-dir", default=".", help="where JSON + markdown go (default: the current directory)")
@@ -490,13 +512,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     sizes = _positive_ints(args.tree_sizes, "--tree-sizes")
     max_drafts = _positive_ints(args.max_drafts, "--max-drafts")
+    stops = _probabilities(args.stop_below, "--stop-below")
     draft = (model.plan.steps[0].params.get("draft") or {})
     if (args.tree or sizes) and not draft.get("tree"):
         raise DataError(f"{args.plan} was not compiled for draft trees: compile with "
                         "--passes explicit-attention,speculative{tree=true} to use --tree")
     load_before = os.getloadavg()
     runners = plan_runners(model, io_binding=args.io_binding, copy_rollback=args.copy_rollback, tree=args.tree,
-                           tree_sizes=sizes, max_drafts=max_drafts)
+                           tree_sizes=sizes, max_drafts=max_drafts, stop_below=stops)
     if args.cuda_graph:
         graphed = dyncompile.load(args.plan, provider=args.provider, threads=args.threads, cuda_graph=True)
         runners += [dataclasses.replace(r, name=r.name.replace("(ORT)", "(ORT, CUDA graph)")) for r in plan_runners(graphed)]
