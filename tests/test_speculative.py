@@ -693,7 +693,7 @@ def test_confidence_stop_ends_the_chain_after_the_first_unsure_token(loaded):
 
 def test_confidence_stop_from_the_plan_and_bad_values(tiny, loaded, tmp_path, capsys):
     """``speculative{stop_below=P}`` records P in the plan's draft policy and the runtime drafts with it by default
-    (a call's option overrides it); values outside [0, 1) are one clean error at compile time and at run time."""
+    (a call's option overrides it); values outside [0, 1] are one clean error at compile time and at run time."""
     plan = compile_model(tiny["target"], "speculative{stop_below=0.999,draft_length=6,adaptive=false}",
                          tmp_path / "cs", drafter=str(tiny["draft"])).plan_dir
     assert json.loads((plan / "plan.json").read_text())["steps"][0]["draft"]["stop_below"] == 0.999
@@ -703,7 +703,7 @@ def test_confidence_stop_from_the_plan_and_bad_values(tiny, loaded, tmp_path, ca
     # (the last round has no room left to draft)
     off = m.generate(PROMPTS[0], max_new_tokens=30, stop_below=0.0)
     assert max(off.stats.draft_lengths) == 6 and off.token_ids == r.token_ids
-    for bad in (1.0, -0.1, "0.5", True):
+    for bad in (1.5, -0.1, "0.5", True):
         with pytest.raises(PromptError, match="stop_below"):
             loaded["external"].generate(PROMPTS[0], max_new_tokens=4, stop_below=bad)
     rc, _, err = run_cli(capsys, tiny["target"], "--passes", "speculative{stop_below=1.5}", "--drafter",
@@ -748,7 +748,7 @@ def test_bench_stop_below_runs_the_step_with_each_threshold(tiny, tmp_path):
     assert rows["speculative, stop below 0.999 (ORT)"]["mean_tree_nodes"] <= 1.0
     assert rows["speculative (ORT)"]["mean_tree_nodes"] >= 4.0  # six a round but the last rounds, cut by the budget
     with pytest.raises(DyncompileError, match="stop-below"):
-        bench_generate.main([str(plan), "--prompts", str(prompts), "--stop-below", "1"])
+        bench_generate.main([str(plan), "--prompts", str(prompts), "--stop-below", "1.5"])
 
 
 # ------------------------------------------------------------------------------------------- drafter vocabulary

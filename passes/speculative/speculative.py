@@ -247,8 +247,8 @@ class SpeculativePass(ir.passes.InPlacePass):
             "max": max(int(max_draft), int(draft_length)),
             "adaptive": bool(adaptive),
         }
-        if not 0.0 <= float(stop_below) < 1.0:
-            raise DrafterError(f"stop_below is a drafter probability in [0, 1), got {stop_below}")
+        if not 0.0 <= float(stop_below) <= 1.0:
+            raise DrafterError(f"stop_below is a drafter probability in [0, 1], got {stop_below}")
         if float(stop_below) > 0.0:  # a model or EAGLE drafter's chains end at its first unsure token
             self.draft["stop_below"] = float(stop_below)
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
@@ -659,6 +659,9 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         if draft_vocab < vocab_size:
             subset = calibration_vocab(context, int(draft_vocab), int(vocab_size))
             trim_drafter_vocab(drafter, subset)
+        else:
+            logger.warning("speculative: draft_vocab=%d is not below the drafter's vocabulary (%d tokens); its LM head "
+                           "stays whole", draft_vocab, vocab_size)
     # a tree is no deeper than a model drafter's longest chain (prompt lookup's 16-token chains would make it a chain)
     chain_max = DEFAULT_MAX_DRAFT["model"] if max_draft is None else max_draft
     tree_policy = {"max_nodes": tree_nodes, "max_depth": tree_depth or max(chain_max, draft_length), "branching": branching,

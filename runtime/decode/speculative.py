@@ -464,8 +464,8 @@ class SpeculativeGenerateStep(GenerateStep):
         stop_when = options.pop("stop_when", None)
         stop_below = options.pop("stop_below", None)
         stop_below = self.draft_policy.stop_below if stop_below is None else stop_below
-        if isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0.0 <= stop_below < 1.0:
-            raise PromptError(f"stop_below must be a probability in [0, 1), got {stop_below!r}")
+        if isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0.0 <= stop_below <= 1.0:
+            raise PromptError(f"stop_below must be a probability in [0, 1] (1: one draft per round), got {stop_below!r}")
         inner.stop_below = float(stop_below)
         ctl = self._controller(options)
         tree_ctl = self._tree_controller(ctl, options)

@@ -431,15 +431,15 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _probabilities(text: str, flag: str) -> tuple[float, ...]:
-    """``"0.2,0.4"`` -> ``(0.2, 0.4)``, each in [0, 1); a clean error naming ``flag`` otherwise."""
+    """``"0.2,0.4"`` -> ``(0.2, 0.4)``, each in [0, 1]; a clean error naming ``flag`` otherwise."""
     from dyncompile.errors import DataError
 
     try:
         vals = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise DataError(f"{flag} must be comma-separated probabilities, got {text!r}") from None
-    if any(not 0.0 <= x < 1.0 for x in vals):
-        raise DataError(f"{flag} must be probabilities in [0, 1), got {text!r}")
+    if any(not 0.0 <= x <= 1.0 for x in vals):
+        raise DataError(f"{flag} must be probabilities in [0, 1], got {text!r}")
     return vals
 
 
