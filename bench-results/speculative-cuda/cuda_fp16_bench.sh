@@ -7,7 +7,7 @@
 # provides the CUDA 13 libraries and the HF export of the restored weights). Narrative: README.md beside this file.
 #
 #   PARTS=DIR BUNDLE_SHA=... [DYNCOMPILE_HOME=DIR] [SITE=DIR] [WORK=DIR] [OUT=DIR] \
-#     bash bench-results/speculative-cuda/cuda_fp16_bench.sh setup|check|target|peers|graph-check|graph|graph-peers
+#     bash bench-results/speculative-cuda/cuda_fp16_bench.sh setup|check|target|peers|graph-check|graph|graph-peers|graph-peers-oggraph
 #
 # run from the repository root. Carried into $PARTS as p00..p17 (50,000,000-byte pieces of one tar, sha256 in
 # $BUNDLE_SHA):
@@ -25,6 +25,7 @@
 #   graph-check  tokens and rate of the plan without trim-logits, with and without CUDA graphs (cuda_graph=True)
 #   graph   bench generate: that plan plain and with --cuda-graph, --also the trim-logits plan
 #   graph-peers  bench peers: that plan with --cuda-graph against onnxruntime-genai's fp16 CUDA model, 16 threads
+#   graph-peers-oggraph  the same against that model with onnxruntime-genai's own CUDA graphs (enable_cuda_graph)
 set -euo pipefail
 P=${PARTS:?set PARTS to the folder with the carried pieces}
 REPO=$PWD
@@ -124,6 +125,26 @@ for name, m, spec in (("plain", plain, False), ("graph", graphed, False), ("grap
 print("identical to plain:", {k: v == runs["plain"] for k, v in runs.items()})
 PY
   ;;
+graph-peers-oggraph)
+  log "onnxruntime-genai's fp16 CUDA model with its own CUDA graphs: genai_config.json's cuda provider option"
+  rm -rf "$W/og-q05-fp16-graph" && cp -r "$W/og-q05-fp16" "$W/og-q05-fp16-graph"
+  python3 - "$W/og-q05-fp16-graph/genai_config.json" <<'PY'
+import json, sys
+path = sys.argv[1]
+cfg = json.load(open(path))
+opts = cfg["model"]["decoder"]["session_options"]["provider_options"]
+for entry in opts:
+    if "cuda" in entry:
+        entry["cuda"]["enable_cuda_graph"] = "1"
+print("provider_options:", opts, "search:", cfg["search"])
+json.dump(cfg, open(path, "w"), indent=4)
+PY
+  log "bench peers: the float16 plan without trim-logits with CUDA graphs against it"
+  $DC bench peers "$W/e3-half-nt" --prompts "$PROMPTS" --max-new-tokens 128 --peers ortgenai --cuda-graph \
+      --peer-python "ortgenai=$(command -v python3)" --peer-model "ortgenai=$W/og-q05-fp16-graph" \
+      --provider cuda --threads 16 -q --report-dir "$O" --name "qwen05-fp16-cuda-graph-og-fp16-graph-t16-peers"
+  log graph-peers-oggraph done
+  ;;
 graph-peers)
   log "bench peers: the float16 plan without trim-logits with CUDA graphs against onnxruntime-genai's fp16 CUDA model"
   $DC bench peers "$W/e3-half-nt" --prompts "$PROMPTS" --max-new-tokens 128 --peers ortgenai --cuda-graph \
@@ -157,7 +178,7 @@ peers)
   log peers done
   ;;
 *)
-  echo "usage: $0 setup|check|target|peers|graph-check|graph|graph-peers" >&2
+  echo "usage: $0 setup|check|target|peers|graph-check|graph|graph-peers|graph-peers-oggraph" >&2
   exit 2
   ;;
 esac
