@@ -830,3 +830,24 @@ def test_draft_vocab_needs_calibration_text_and_a_drafter_model(tiny, tmp_path, 
                          "prompt-lookup", "--calib", str(tiny["calib"]), "-o", tmp_path / "b")
     assert_clean_error(rc, err, "--drafter DRAFT.onnx")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_python_api_trimmed_drafter_and_its_ids_must_agree(tiny):
+    """``trim_drafter_vocab`` + ``SpeculativePass(drafter, drafter_vocab=ids)``: ids that do not match the trimmed
+    head are refused before anything is recorded; matching ids are recorded and the pass is idempotent."""
+    from dyncompile.passes.speculative import trim_drafter_vocab
+
+    target = ir.load(str(tiny["target"]))
+    drafter = ir.load(str(tiny["draft"]))
+    ids = [1, 3, 4, 9, 15]
+    trim_drafter_vocab(drafter, ids)
+    with pytest.raises(DrafterError, match="drafter_vocab names 4 token ids"):
+        SpeculativePass(drafter, drafter_vocab=ids[:4], measure=False)(target)
+    assert "dyncompile.speculative" not in target.metadata_props
+    p = SpeculativePass(drafter, drafter_vocab=ids, measure=False)
+    assert p(target).modified
+    rec = json.loads(target.metadata_props["dyncompile.speculative"])
+    assert rec["drafter"]["draft_vocab"] == 5
+    assert not p(target).modified
+    with pytest.raises(DrafterError, match="drafter_vocab"):
+        SpeculativePass("prompt-lookup", drafter_vocab=ids)

@@ -28,7 +28,7 @@ from dyncompile.passes.speculative.eagle_drafter import EagleDrafterPass
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.expose_features import ExposeFeaturesPass
 from dyncompile.passes.speculative.medusa_heads import MedusaHeadsPass
-from dyncompile.passes.speculative.speculative import SpeculativePass
+from dyncompile.passes.speculative.speculative import SpeculativePass, trim_drafter_vocab
 from dyncompile.passes.speculative.split_drafter import SplitDrafterPass
 
 __all__ = [
@@ -43,4 +43,5 @@ __all__ = [
     "decoder_spec",
     "generation_config",
     "is_kv_decoder",
+    "trim_drafter_vocab",
 ]
