@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
 from dyncompile.errors import DyncompileError, PassConfigError
 from dyncompile.io import load_input_model
@@ -58,7 +59,7 @@ from dyncompile.passes.speculative.probe import (
     target_verify_costs,
     weight_reads,
 )
-from dyncompile.passes.speculative.split_drafter import frequent_subset, read_calibration_text, trim_lm_head
+from dyncompile.passes.speculative.split_drafter import frequent_subset, tokenized_calibration, trim_lm_head
 from dyncompile.plan.decode import lookahead_tree_nodes
 
 logger = logging.getLogger(__name__)
@@ -91,34 +92,20 @@ def trim_drafter_vocab(drafter: ir.Model, token_ids: Sequence[int]) -> None:
     if not trim_lm_head(drafter, spec["logits"], np.asarray(token_ids, np.int64)):
         raise DrafterError("draft_vocab: cannot restrict this drafter's LM head to a vocabulary subset (it is not a "
                            "MatMul, a tied-embedding MatMul or a MatMulNBits producing the logits); leave draft_vocab out")
-    g = drafter.graph
-    for name, v in list(g.initializers.items()):  # the full head's weights, unless something else reads them
-        if not v.uses() and v not in g.outputs:
-            del g.initializers[name]
+    common_passes.RemoveUnusedNodesPass()(drafter)  # the full head's weights, unless something else reads them
 
 
 def calibration_vocab(context: CompileContext, n: int, vocab_size: int) -> np.ndarray:
     """The ``n`` most frequent tokens of ``--calib`` (the target's tokenizer) plus its special tokens."""
-    from tokenizers import Tokenizer
-
     calib = context.options.get("calib")
     if not calib:
         raise DrafterError(f"speculative{{draft_vocab={n}}} keeps the {n} most frequent tokens of the calibration "
                            "text in the drafter's LM head: pass --calib TEXT (a text file, JSONL with 'text' or a "
                            "directory of .txt/.py/.md files, like the prompts you will serve)")
-    tok_path = context.tokenizer_file()
-    if tok_path is None or not Path(tok_path).is_file():
-        raise DrafterError(f"draft_vocab tokenizes the calibration text with the target's tokenizer, but {tok_path} is "
-                           "missing; pass --tokenizer tokenizer.json")
-    tok = Tokenizer.from_file(str(tok_path))
-    tok.no_truncation()
-    tok.no_padding()
-    ids = np.concatenate([np.asarray(e.ids, np.int64) for e in tok.encode_batch(read_calibration_text(calib))])
-    cfg = context.model_config or {}
-    eos = cfg.get("eos_token_id")
-    special = [*(eos if isinstance(eos, list) else [eos]), cfg.get("bos_token_id"), cfg.get("pad_token_id")]
+    texts, special = tokenized_calibration(context, calib, "draft_vocab")
+    ids = np.concatenate([np.asarray(t, np.int64) for t in texts])
     score = np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size).astype(np.float64)
-    return frequent_subset(score, n, [i for i in special if isinstance(i, int)])
+    return frequent_subset(score, n, special)
 
 
 def default_max_draft(drafter) -> int:

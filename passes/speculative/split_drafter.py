@@ -48,6 +48,7 @@ __all__ = [
     "drop_unused_pasts",
     "frequent_subset",
     "read_calibration_text",
+    "tokenized_calibration",
     "trim_lm_head",
 ]
 
@@ -279,6 +280,31 @@ def read_calibration_text(path: str | Path) -> list[str]:
     if not text.strip():
         raise DrafterError(f"calibration file {p} is empty")
     return [text]
+
+
+def tokenized_calibration(context: CompileContext, calib: str | Path, what: str) -> tuple[list[list[int]], list[int]]:
+    """The calibration text ``calib`` as token ids of the target's tokenizer, one list per text, and special ids.
+
+    The special ids are the model's eos, bos and pad tokens; ``what`` names the pass option that needs them in the
+    error for a missing tokenizer.
+    """
+    from tokenizers import Tokenizer
+
+    texts = read_calibration_text(calib)
+    tok_path = context.tokenizer_file()
+    if tok_path is None or not Path(tok_path).is_file():
+        raise DrafterError(
+            f"{what} tokenizes the calibration text with the target's tokenizer, but {tok_path} is missing; "
+            "pass --tokenizer tokenizer.json"
+        )
+    tok = Tokenizer.from_file(str(tok_path))
+    tok.no_truncation()
+    tok.no_padding()
+    ids = [e.ids for e in tok.encode_batch(texts)]
+    cfg = context.model_config or {}
+    eos = cfg.get("eos_token_id")
+    special = [*(eos if isinstance(eos, list) else [eos]), cfg.get("bos_token_id"), cfg.get("pad_token_id")]
+    return ids, [i for i in special if isinstance(i, int)]
 
 
 def _chunk(ids_list: Sequence[Sequence[int]], chunk_len: int, max_tokens: int) -> list[list[int]]:
@@ -603,22 +629,7 @@ def _make_split_drafter(
     chunk_len: int = 256,
     max_draft: int = 8,
 ):
-    from tokenizers import Tokenizer
-
-    texts = read_calibration_text(context.options["calib"])
-    tok_path = context.tokenizer_file()
-    if tok_path is None or not Path(tok_path).is_file():
-        raise DrafterError(
-            f"split-drafter tokenizes the calibration text with the target's tokenizer, but {tok_path} is missing; "
-            "pass --tokenizer tokenizer.json"
-        )
-    tok = Tokenizer.from_file(str(tok_path))
-    tok.no_truncation()
-    tok.no_padding()
-    ids = [e.ids for e in tok.encode_batch(texts)]
-    cfg = context.model_config
-    special = [*(cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), list) else [cfg.get("eos_token_id")]),
-               cfg.get("bos_token_id"), cfg.get("pad_token_id")]
+    ids, special = tokenized_calibration(context, context.options["calib"], "split-drafter")
     return SplitDrafterPass(
         ids,
         layers=layers,
@@ -628,6 +639,6 @@ def _make_split_drafter(
         max_tokens=max_tokens,
         chunk_len=chunk_len,
         max_draft=max_draft,
-        special_ids=[i for i in special if isinstance(i, int)],
+        special_ids=special,
         progress=context.progress,
     )
