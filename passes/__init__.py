@@ -11,7 +11,8 @@ Importing this package registers every built-in pass and plan emitter. Layout:
 * ``early_exit/`` — exit heads, their fitting and calibration, the exit rule, the lowering passes;
 * ``speculative/`` — decoder specs, measurement, the split drafter and the speculative pass;
 * ``analysis/`` — layers, cut tensors and the family of an exported transformer;
-* one module per remaining pass (``cleanup_graph``, ``verify_model``, ``causal_attention``, ``cast_float16``, ``quantize_weights``, ``fuse_decoder``, ``pack_matmuls``,
+* one module per remaining pass (``cleanup_graph``, ``verify_model``, ``causal_attention``, ``cast_float16``, ``quantize_weights``, ``fuse_decoder``,
+  ``fuse_encoder_attention``, ``pack_matmuls``,
   ``matmul_to_conv``).
 """
 
@@ -34,6 +35,7 @@ from dyncompile.passes.early_exit import (
     WireGivenExitHeadsPass,
 )
 from dyncompile.passes.fuse_decoder import FuseDecoderPass
+from dyncompile.passes.fuse_encoder_attention import FuseEncoderAttentionPass
 from dyncompile.passes.matmul_to_conv import MatMulToConvPass
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
@@ -53,6 +55,7 @@ __all__ = [
     "CompileContext",
     "FitExitHeadsPass",
     "FuseDecoderPass",
+    "FuseEncoderAttentionPass",
     "MatMulToConvPass",
     "PackMatMulsPass",
     "InsertEarlyExitPass",

@@ -263,7 +263,10 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         exclude = list(dict.fromkeys([*exclude, *self.exclude_nodes]))
         new = _ort_quantized(model, lambda src, dst: quantize_dynamic(
             src, dst, op_types_to_quantize=list(self.op_types), per_channel=self.per_channel,
-            reduce_range=self.reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=exclude))
+            reduce_range=self.reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=exclude,
+            # a contrib op's output (fuse-encoder-attention's MultiHeadAttention) has no type from ONNX shape
+            # inference; the MatMuls quantized here are float32
+            extra_options={"DefaultTensorType": 1}))
         modified = _has_ops(new, INT8_OPS)
         if not modified:
             return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
@@ -397,7 +400,7 @@ def _quantize_static(src: Path, dst: Path, reader, names: list[str], per_channel
         per_channel=per_channel, activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
         weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax,
         extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True,
-                       "OpTypesToExcludeOutputQuantization": ["MatMul"]},
+                       "OpTypesToExcludeOutputQuantization": ["MatMul"], "DefaultTensorType": 1},
     )
 
 
