@@ -284,4 +284,9 @@ class FuseEncoderAttentionPass(ir.passes.InPlacePass):
     before=("early-exit", "quantize-int8", "quantize-int4", "pack-matmuls"),
 )
 def _make_fuse_encoder_attention(context) -> FuseEncoderAttentionPass:
+    provider = context.options.get("provider") or "cpu"
+    if provider not in ("cpu", "cuda"):
+        logger.warning("fuse-encoder-attention: MultiHeadAttention is an onnxruntime contrib operator; the %s EP was "
+                       "not measured with it (its nodes may run on the CPU EP between partitions): leave the pass out "
+                       "for --provider %s", provider, provider)
     return FuseEncoderAttentionPass()

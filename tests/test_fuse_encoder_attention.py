@@ -83,11 +83,19 @@ def fused_hidden(model: onnx.ModelProto, mha: onnx.NodeProto) -> int:
 
 
 def test_a_graph_without_attention_is_left_alone_with_a_reason(tiny_encoder_path, caplog):
+    """Named by the user on a graph it cannot fire on: unchanged, and a WARNING with the reason and the fix."""
+    import logging
+
+    from dyncompile.passes import build_passes, run_pipeline
+
     model = ir.load(tiny_encoder_path)
     nodes = len(list(model.graph))
-    result = FuseEncoderAttentionPass()(model)
-    assert not result.modified and len(list(result.model.graph)) == nodes
-    assert "no Softmax of scaled, masked q.k^T scores" in result.message()
+    with caplog.at_level(logging.WARNING):
+        run_pipeline(build_passes("fuse-encoder-attention"), model, check="none")
+    assert len(list(model.graph)) == nodes
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("fuse-encoder-attention" in m and "no Softmax of scaled, masked q.k^T scores" in m
+               and "leave fuse-encoder-attention out" in m for m in msgs), msgs
 
 
 def test_the_fused_graph_quantizes_and_keeps_its_predictions(minilm, movie_test_rows, tmp_path):
