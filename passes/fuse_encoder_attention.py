@@ -229,6 +229,9 @@ def _match(softmax: ir.Node) -> _Match | None:
 class FuseEncoderAttentionPass(ir.passes.InPlacePass):
     """Decomposed encoder self-attention -> ``com.microsoft.MultiHeadAttention`` (see the module docstring)."""
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the module docstring)."""
         graph = model.graph

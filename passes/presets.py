@@ -19,8 +19,10 @@ fused graph decodes at 1.95x the unfused export's rate end to end and EAGLE-3 ru
 ``attention_bias`` and no float32), and it still wins by cutting ~1,500 kernel launches per step to a few hundred;
 on SmolLM2 prompt lookup 1.29x (``bench-results/speculative-cuda/``). It costs prefill (TTFT 2.6x at ORT's default
 threads, 7-8x at 2 threads, where the unfused graph then wins end to end): compile with ``-O0`` for that case.
-On OpenVINO and DirectML no lowering was measured: those rows are empty. Classifiers (early exit) get no lowering; their
-If-vs-staged choice follows the declared batch sizes in the ``early-exit`` pass instead.
+On OpenVINO and DirectML no lowering was measured: those rows are empty. Classifiers on the CPU EP get
+``fuse-encoder-attention`` (one MultiHeadAttention per layer of a dynamo-exported encoder: MiniLM-L6 fp32 1.05x,
+its int8 early-exit plans 1.07-1.08x, ``bench-results/quantized-certified/`` round 6); their If-vs-staged choice
+follows the declared batch sizes in the ``early-exit`` pass.
 
 Placement follows the registry's ``after`` / ``before`` constraints: each inserted pass goes after every pass it
 must follow (and after the presets listed before it), as late as possible but before the first pass that consumes
@@ -78,6 +80,7 @@ PRESETS: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {
             ("trim-logits", 1),
             ("matmul-to-conv", 2),
         ),
+        "text-classification": (("fuse-encoder-attention", 2),),
     },
     "cuda": {
         "text-generation": (
@@ -99,9 +102,16 @@ _DECODER_PASSES = frozenset({"speculative", "split-drafter", "eagle-drafter"})
 
 
 def technique_of(names: Sequence[str], context: CompileContext) -> str | None:
-    """The preset technique of a compile: ``"text-generation"`` for a decoder compile, else ``None``."""
-    if _DECODER_PASSES & set(names) or (context.model_config or {}).get("task") == "text-generation":
+    """The preset technique of a compile.
+
+    ``"text-generation"`` for a decoder compile, ``"text-classification"`` for a classifier's (its config says so,
+    or the pipeline has ``early-exit``), else ``None``.
+    """
+    task = (context.model_config or {}).get("task")
+    if _DECODER_PASSES & set(names) or task == "text-generation":
         return "text-generation"
+    if task == "text-classification" or "early-exit" in names:
+        return "text-classification"
     return None
 
 
@@ -172,7 +182,7 @@ class EffectivePipeline:
             return list(self.spec)
         out: list[ir.passes.PassBase] = []
         for i, (name, made) in enumerate(build_pipeline(self.spec, context)):
-            out.extend(PresetPass(p, name, self.opt_level) if i in self.inserted else p for p in made)
+            out.extend(PresetPass(p, name, self.opt_level, self.technique) if i in self.inserted else p for p in made)
         return out
 
     def provenance(self) -> dict:
@@ -220,23 +230,26 @@ def describe_presets() -> list[str]:
     for provider, techniques in PRESETS.items():
         for technique, passes in techniques.items():
             text = ", ".join(f"{p} (-O{lowest})" for p, lowest in passes) or "none measured to pay"
-            lines.append(f"  {provider:<9} {technique:<16} {text}")
+            lines.append(f"  {provider:<9} {technique:<19} {text}")
     return lines
 
 
 class PresetPass(ir.passes.PassBase):
     """Run an inserted preset pass only where it applies; otherwise skip it with an INFO line.
 
-    A preset applies to a KV-cache decoder (:func:`~dyncompile.passes.speculative.decoder_spec.is_kv_decoder`)
-    whose state meets the pass's preconditions; the pass itself still decides whether it fires. Skipping
-    reports ``modified=False``. No state between runs.
+    A decoder preset applies to a KV-cache decoder (:func:`~dyncompile.passes.speculative.decoder_spec.is_kv_decoder`),
+    a classifier preset to any model; either only when its state meets the pass's preconditions, and the pass itself
+    still decides whether it fires (one that cannot says why at INFO). Skipping reports ``modified=False``. No state
+    between runs.
     """
 
-    def __init__(self, wrapped: ir.passes.PassBase, name: str, opt_level: int) -> None:
+    def __init__(self, wrapped: ir.passes.PassBase, name: str, opt_level: int,
+                 technique: str | None = "text-generation") -> None:
         super().__init__()
         self.wrapped = wrapped
         self.name = name
         self.opt_level = opt_level
+        self.technique = technique
 
     @property
     def in_place(self) -> bool:
@@ -255,7 +268,7 @@ class PresetPass(ir.passes.PassBase):
         """Why the preset cannot apply to ``model``, or ``None`` when it can."""
         from dyncompile.passes.speculative.decoder_spec import is_kv_decoder
 
-        if not is_kv_decoder(model):
+        if self.technique == "text-generation" and not is_kv_decoder(model):
             return "the model is not a KV-cache decoder"
         try:
             self.wrapped.requires(model)
