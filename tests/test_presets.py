@@ -177,3 +177,28 @@ def test_early_exit_batch_sizes_must_be_positive(tmp_path):
     with pytest.raises(PassConfigError, match="batch-sizes"):
         _early_exit_lowering(tmp_path, batch_sizes="1,0")
     assert _early_exit_lowering(tmp_path, provider="openvino", batch_sizes="1")[0] == "staged"  # EP-aware still
+
+
+@pytest.mark.parametrize("level, provider, inserted", [(2, "cpu", ["fuse-encoder-attention"]), (0, "cpu", []),
+                                                        (2, "openvino", [])])
+def test_a_classifier_compile_gets_the_fused_encoder_attention_on_the_cpu_ep(minilm, level, provider, inserted,
+                                                                            tmp_path):
+    """-O2 for the CPU EP inserts fuse-encoder-attention before the classifier's passes (the real MiniLM: its six
+    attentions become MultiHeadAttention, its answers stay the original's); -O0 and the OpenVINO EP do not."""
+    import numpy as np
+    import onnx
+
+    res = compile_model(minilm.onnx_path, "verify,cleanup", tmp_path / "p", opt_level=level, provider=provider,
+                        progress=False)
+    pipe = res.plan.provenance["pipeline"]
+    assert pipe["inserted"] == inserted
+    assert pipe["technique"] == "text-classification"
+    g = onnx.load(res.plan_dir / "model.onnx").graph
+    assert sum(n.op_type == "MultiHeadAttention" for n in g.node) == (6 if inserted else 0)
+    if inserted:  # the answers of the original model (the pass's own test compares logits <= 1e-5)
+        rows = ["A gorgeous, witty movie.", "Dull, overlong and badly acted."]
+        from dyncompile.tools.evaluate import ReferenceModel
+
+        m = dyncompile.load(res.plan_dir)
+        ref = ReferenceModel(minilm.onnx_path, m).predict_proba(rows)
+        assert np.abs(m.predict_proba(rows) - ref).max() <= 1e-5
