@@ -29,12 +29,13 @@ the same contrib operator for the patterns it knows; this pass matches the dynam
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes._graph import const_array
+from dyncompile.passes._graph import const_array, replace_node_output
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -135,9 +136,15 @@ def _scaled(v: ir.Value | None) -> tuple[ir.Value, float] | None:
     return None
 
 
+@dataclasses.dataclass
 class _Match:
-    def __init__(self, q, k, v, bias, heads, scale, out_node):
-        self.q, self.k, self.v, self.bias, self.heads, self.scale, self.out_node = q, k, v, bias, heads, scale, out_node
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    bias: list[ir.Value]
+    heads: int
+    scale: float
+    out_node: ir.Node  # the Reshape whose output the MultiHeadAttention takes over
 
 
 def _scores(v: ir.Value | None) -> tuple[ir.Node, float] | None:
@@ -261,17 +268,14 @@ class FuseEncoderAttentionPass(ir.passes.InPlacePass):
                           attributes={"num_heads": ir.AttrInt64("num_heads", m.heads),
                                       "scale": ir.AttrFloat32("scale", float(np.float32(m.scale)))})
             graph.insert_before(m.out_node, mha)
-            y = m.out_node.outputs[0]
-            name = y.name
-            y.name = None
             out = mha.outputs[0]
-            # contrib-op outputs get no type from ONNX shape inference: give it the query's (ORT's quantizer
-            # reads the types of the MatMul inputs it quantizes)
-            out.name, out.type = name, y.type or m.q.type
-            shape = y.shape if y.shape is not None else m.q.shape
-            if shape is not None:
-                out.shape = shape
-            ir.convenience.replace_all_uses_with(y, out)
+            replace_node_output(graph, m.out_node, m.out_node.outputs[0], out)
+            # contrib-op outputs get no type from ONNX shape inference: where the export recorded none, give it the
+            # query's (ORT's quantizer reads the types of the MatMul inputs it quantizes)
+            if out.type is None:
+                out.type = m.q.type
+            if out.shape is None and m.q.shape is not None:
+                out.shape = m.q.shape
         model.opset_imports.setdefault(_MS, 1)
         import onnx_ir.passes.common as common_passes
 

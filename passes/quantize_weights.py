@@ -266,7 +266,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
             reduce_range=self.reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=exclude,
             # a contrib op's output (fuse-encoder-attention's MultiHeadAttention) has no type from ONNX shape
             # inference; the MatMuls quantized here are float32
-            extra_options={"DefaultTensorType": 1}))
+            extra_options={"DefaultTensorType": int(ir.DataType.FLOAT)}))
         modified = _has_ops(new, INT8_OPS)
         if not modified:
             return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
@@ -400,7 +400,7 @@ def _quantize_static(src: Path, dst: Path, reader, names: list[str], per_channel
         per_channel=per_channel, activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
         weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax,
         extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True,
-                       "OpTypesToExcludeOutputQuantization": ["MatMul"], "DefaultTensorType": 1},
+                       "OpTypesToExcludeOutputQuantization": ["MatMul"], "DefaultTensorType": int(ir.DataType.FLOAT)},
     )
 
 

@@ -9,19 +9,12 @@ import json
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
+from helpers import ort_session  # tests/ is on pythonpath; ORT_DISABLE_ALL
 
 from dyncompile.passes import FuseEncoderAttentionPass
 
 _MS = "com.microsoft"
-
-
-def _session(model: onnx.ModelProto | str):
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    src = model if isinstance(model, str) else model.SerializeToString()
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
 def _texts(rows, n):
@@ -60,13 +53,13 @@ def test_real_encoder_attention_is_fused_exactly(name, layers, heads, request, m
     # outputs: the original's within round-off, on real padded rows, optimizations off
     names = [i.name for i in fused.graph.input]
     feeds = _padded_feeds(art, _texts(movie_test_rows, 8), names)
-    ref = _session(art.onnx_path.as_posix()).run(None, feeds)[0]
-    got = _session(fused).run(None, feeds)[0]
+    ref = ort_session(art.onnx_path).run(None, feeds)[0]
+    got = ort_session(fused.SerializeToString()).run(None, feeds)[0]
     assert np.abs(got - ref).max() <= 1e-5
     # and the masks still matter: the padded rows' logits equal the same rows run alone, unpadded
     for i in (0, 5):
         one = {k: v[i : i + 1, : int(feeds["attention_mask"][i].sum())] for k, v in feeds.items()}
-        assert np.abs(_session(fused).run(None, one)[0][0] - got[i]).max() <= 1e-5
+        assert np.abs(ort_session(fused.SerializeToString()).run(None, one)[0][0] - got[i]).max() <= 1e-5
     # a second run finds nothing left to fuse
     again = FuseEncoderAttentionPass()(result.model)
     assert not again.modified
@@ -160,7 +153,7 @@ def test_fused_graph_early_exits_on_both_branches(budget, minilm, movie_test_row
     else:
         full = exits == 6
         assert full.any()
-        ref = _session(minilm.onnx_path.as_posix())
+        ref = ort_session(minilm.onnx_path)
         for i in np.flatnonzero(full):
             feeds = m.encode([texts[i]])
             x = ref.run(None, {k: feeds[k] for k in ("input_ids", "attention_mask", "token_type_ids")})[0][0]
