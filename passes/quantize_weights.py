@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "QuantizeDynamicInt8Pass",
+    "QuantizeDynamicInt8PerTokenPass",
     "QuantizeStaticInt8Pass",
     "QuantizeWeightsInt4Pass",
     "QuantizeWeightsInt8Pass",
@@ -221,6 +222,18 @@ def _no_int8_target(model: ir.Model) -> str:
     return reason
 
 
+def _fp32_repr(keep_fp32: tuple[str, ...], exclude_nodes: tuple[str, ...]) -> str:
+    """The ``keep_fp32`` / ``exclude_nodes`` part of an int8 pass's repr (empty when neither is set)."""
+    keep = f", keep_fp32={'+'.join(keep_fp32)!r}" if keep_fp32 else ""
+    return keep + (f", exclude_nodes=<{len(exclude_nodes)} names>" if exclude_nodes else "")
+
+
+def _fp32_names(model: ir.Model, keep_fp32: tuple[str, ...], exclude_nodes: tuple[str, ...]) -> list[str]:
+    """The MatMuls an int8 pass leaves in fp32: the ``keep_fp32`` groups', then the named ones, without repeats."""
+    groups = gelu_fed_matmuls(model) if "ffn-out" in keep_fp32 else []
+    return list(dict.fromkeys([*groups, *exclude_nodes]))
+
+
 class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
     """Dynamic int8 quantization of MatMul weights (``onnxruntime.quantization.quantize_dynamic``).
 
@@ -249,8 +262,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         self.exclude_nodes = tuple(exclude_nodes)
 
     def __repr__(self) -> str:
-        keep = f", keep_fp32={'+'.join(self.keep_fp32)!r}" if self.keep_fp32 else ""
-        keep += f", exclude_nodes=<{len(self.exclude_nodes)} names>" if self.exclude_nodes else ""
+        keep = _fp32_repr(self.keep_fp32, self.exclude_nodes)
         return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}, op_types={list(self.op_types)}{keep})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -259,8 +271,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        exclude = gelu_fed_matmuls(model) if "ffn-out" in self.keep_fp32 else []
-        exclude = list(dict.fromkeys([*exclude, *self.exclude_nodes]))
+        exclude = _fp32_names(model, self.keep_fp32, self.exclude_nodes)
         new = _ort_quantized(model, lambda src, dst: quantize_dynamic(
             src, dst, op_types_to_quantize=list(self.op_types), per_channel=self.per_channel,
             reduce_range=self.reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=exclude,
@@ -281,6 +292,121 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
             sum(n.op_type == "MatMulInteger" for n in model.graph.all_nodes()), len(exclude), "+".join(self.keep_fp32) or "-",
         )
         return ir.passes.PassResult(model, modified=modified)
+
+
+class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
+    """Dynamic int8 with one activation scale per token (row) and one weight scale per output channel.
+
+    ORT's ``quantize_dynamic`` (:class:`QuantizeDynamicInt8Pass`) scales a MatMul's whole activation tensor with
+    one range (``DynamicQuantizeLinear``), so one token with a large value coarsens every other token's grid;
+    on MPNet-base that flips ~3 % of answers. Here each row of the activation gets its own symmetric scale
+    (``max |x_row| / 127``), the LLM.int8 / SmoothQuant "per-token" granularity, and the product is still one
+    ``MatMulInteger`` on the CPU's int8 GEMM.
+
+    Scope: MatMuls of the main graph whose second input is a 2-D float initializer (as the other int8 passes;
+    ``exclude_nodes`` and ``keep_fp32="ffn-out"`` stay fp32). MatMuls that read the same activation share its
+    quantization.
+    Invariants: graph inputs/outputs unchanged; weights stored as int8 (symmetric, per output channel);
+    ``y = (MatMulInteger(u8(round(x / s) + 128), Wq, zero point 128) * w_scale) * s`` with
+    ``s = max(|x| over the last axis, keepdims) / 127`` (the weight scale is multiplied first: ORT's
+    ``MatMulIntegerToFloat`` fusion of MatMulInteger -> Cast -> Mul -> Add(bias) reads a Mul by a product of
+    two scales as one scale and gets the per-row one wrong — tested at ORT_ENABLE_ALL against the emulation). Records ``dyncompile.quantized``.
+    Idempotent: a graph that already holds int8 MatMuls is left alone (``modified=False``).
+    """
+
+    def __init__(self, keep_fp32: str | tuple[str, ...] | None = None, exclude_nodes: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.keep_fp32 = _parse_keep_fp32(keep_fp32)
+        self.exclude_nodes = tuple(exclude_nodes)
+
+    def __repr__(self) -> str:
+        return f"QuantizeDynamicInt8PerTokenPass({_fp32_repr(self.keep_fp32, self.exclude_nodes).lstrip(', ')})"
+
+    def _targets(self, model: ir.Model) -> tuple[list[tuple[ir.Node, ir.Value]], list[str]]:
+        g = model.graph
+        exclude = _fp32_names(model, self.keep_fp32, self.exclude_nodes)
+        skip = set(exclude)
+        targets = []
+        for node in g:
+            w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
+            if w is None or w.const_value is None or node.name in skip or w.name not in g.initializers:
+                continue
+            if len(w.const_value.shape) == 2 and w.const_value.dtype == ir.DataType.FLOAT:
+                targets.append((node, w))
+        return targets, exclude
+
+    def requires(self, model: ir.Model) -> None:
+        """Refuse a model the pass cannot work on, with what to do about it."""
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+        if opset < 13 and not _has_ops(model, INT8_OPS) and self._targets(model)[0]:
+            raise ir.passes.PreconditionError(
+                f"per-token int8 (Round, ReduceMax) needs opset >= 13, the model imports opset {opset}; re-export "
+                "with opset >= 13 or use quantize-int8{format=dynamic}"
+            )
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
+        if _has_ops(model, INT8_OPS):
+            return ir.passes.PassResult(model, modified=False)
+        g = model.graph
+        targets, exclude = self._targets(model)
+        if not targets:
+            return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+
+        def const(name: str, arr: np.ndarray) -> ir.Value:
+            v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
+            g.register_initializer(v)
+            return v
+
+        inv127 = const("dyncompile_pt_inv127", np.array(1.0 / 127.0, np.float32))
+        eps = const("dyncompile_pt_eps", np.array(1e-12, np.float32))
+        off = const("dyncompile_pt_offset", np.array(128.0, np.float32))
+        zp = const("dyncompile_pt_zero_point", np.array(128, np.uint8))
+        axes = const("dyncompile_pt_axes", np.array([-1], np.int64)) if opset >= 18 else None
+        quantized: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(activation) -> (uint8 x, row scale)
+        weights: dict[str, tuple[ir.Value, ir.Value]] = {}
+        for i, (node, w) in enumerate(targets):
+            x, y = node.inputs[0], node.outputs[0]
+            stem = node.name or f"dyncompile_matmul_{i}"
+            new: list[ir.Node] = []
+            if id(x) not in quantized:
+                a = ir.node("Abs", [x], name=f"{stem}/pt_abs")
+                rm = (ir.node("ReduceMax", [a.outputs[0], axes], attributes={"keepdims": 1}, name=f"{stem}/pt_max")
+                      if axes is not None else
+                      ir.node("ReduceMax", [a.outputs[0]], attributes={"axes": [-1], "keepdims": 1}, name=f"{stem}/pt_max"))
+                sc = ir.node("Mul", [rm.outputs[0], inv127], name=f"{stem}/pt_scale0")
+                s = ir.node("Max", [sc.outputs[0], eps], name=f"{stem}/pt_scale")
+                d = ir.node("Div", [x, s.outputs[0]], name=f"{stem}/pt_div")
+                r = ir.node("Round", [d.outputs[0]], name=f"{stem}/pt_round")
+                o = ir.node("Add", [r.outputs[0], off], name=f"{stem}/pt_offset")
+                q = ir.node("Cast", [o.outputs[0]], attributes={"to": int(ir.DataType.UINT8)}, name=f"{stem}/pt_quant")
+                new += [a, rm, sc, s, d, r, o, q]
+                quantized[id(x)] = (q.outputs[0], s.outputs[0])
+            xq, s_row = quantized[id(x)]
+            if w.name not in weights:
+                arr = w.const_value.numpy().astype(np.float32)
+                sw = np.abs(arr).max(axis=0) / 127.0
+                sw[sw == 0] = 1.0
+                wq = np.clip(np.round(arr / sw), -127, 127).astype(np.int8)
+                weights[w.name] = (const(f"{w.name}_int8pt", wq), const(f"{w.name}_int8pt_scale", sw.astype(np.float32)))
+            wq_v, sw_v = weights[w.name]
+            mm = ir.node("MatMulInteger", [xq, wq_v, zp], name=f"{stem}/pt_matmul")
+            cf = ir.node("Cast", [mm.outputs[0]], attributes={"to": int(ir.DataType.FLOAT)}, name=f"{stem}/pt_float")
+            mw = ir.node("Mul", [cf.outputs[0], sw_v], name=f"{stem}/pt_wscale")
+            mx = ir.node("Mul", [mw.outputs[0], s_row], name=f"{stem}/pt_xscale")
+            new += [mm, cf, mw, mx]
+            g.insert_before(node, new)
+            replace_node_output(g, node, y, mx.outputs[0])
+        for name in [n for n in weights if n in g.initializers and not list(g.initializers[n].uses())]:
+            del g.initializers[name]
+        model.metadata_props[_keys.QUANTIZED] = json.dumps(
+            {"scheme": "int8-dynamic-per-token", "per_channel": True, "keep_fp32": list(self.keep_fp32),
+             "fp32_matmuls_kept": len(exclude)}
+        )
+        logger.info("int8 per-token: %d MatMulInteger nodes (%d activations quantized), %d MatMuls kept in fp32",
+                    len(targets), len(quantized), len(exclude))
+        return ir.passes.PassResult(model, modified=True)
 
 
 class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
@@ -681,20 +807,28 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     "--budget B): accuracy-aware search keeping the most sensitive MatMuls in fp32 until int8 alone is expected within "
     "S*B points of fp32, certified on held-out calibration rows; fp32_nodes=A+B (dynamic, static): these MatMul nodes stay fp32 "
     "(e.g. a search's choice, from `dyncompile inspect`); forecast=clipped: the search's path-row forecast does not let "
-    "helpful flips cancel harmful ones",
-    choices={"format": ("auto", "dynamic", "qdq-weights", "static"), "forecast": ("labels", "clipped")},
+    "helpful flips cancel harmful ones; activations=per-token (format=dynamic): one int8 scale per token instead of one "
+    "per tensor (fewer flipped answers, same int8 GEMM)",
+    choices={"format": ("auto", "dynamic", "qdq-weights", "static"), "forecast": ("labels", "clipped"),
+             "activations": ("per-tensor", "per-token")},
 )
 def _make_int8(
     context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
     keep_fp32: str | None = None, budget_share: float | None = None, sensitivity_rows: int = 256,
     fp32_nodes: str | None = None, calib_rows: int = 256, symmetric_activations: bool = False,
-    forecast: str = "labels",
+    forecast: str = "labels", activations: str = "per-tensor",
 ):
     from dyncompile.errors import PassConfigError
 
     warn_if_cuda(context, "quantize-int8")
     if format == "auto":
         format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
+    if activations == "per-token":
+        if format != "dynamic" or budget_share is not None or reduce_range or per_channel is False:
+            raise PassConfigError("quantize-int8 activations=per-token is a dynamic format with per-channel weights: use "
+                                  "format=dynamic without budget_share, reduce_range or per_channel=false")
+        return QuantizeDynamicInt8PerTokenPass(keep_fp32=keep_fp32,
+                                               exclude_nodes=tuple(n for n in (fp32_nodes or "").split("+") if n))
     if budget_share is not None:
         if fp32_nodes:
             raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "

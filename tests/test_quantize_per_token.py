@@ -1,0 +1,181 @@
+"""quantize-int8{activations=per-token}: one int8 scale per token (row) of each MatMul's activation.
+
+Golden structure and idempotence on a generated encoder; the arithmetic against a numpy emulation, with ORT's
+fusions off and on (ORT_ENABLE_ALL folds the weight scale into MatMulIntegerToFloat; the per-row scale must
+survive it); the option's validation; and on the real MiniLM-L6 the property that makes per-token different
+from ORT's per-tensor dynamic int8: a row's answer does not depend on the other rows of its batch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from helpers import ort_session, random_token_feeds
+
+from dyncompile.models.synthetic import tiny_encoder_classifier
+from dyncompile.passes import QuantizeDynamicInt8Pass, _keys, run_pipeline
+from dyncompile.passes.quantize_weights import QuantizeDynamicInt8PerTokenPass
+
+
+def _weight_matmuls(m: ir.Model) -> list[ir.Node]:
+    return [n for n in m.graph if n.op_type == "MatMul" and n.inputs[1] is not None and n.inputs[1].const_value is not None]
+
+
+def _one_matmul(w: np.ndarray, b: np.ndarray) -> ir.Model:
+    """``x @ w + b``, as a Linear layer exports."""
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["batch", "seq", w.shape[0]]))
+    wv = ir.val("w", const_value=ir.tensor(w, name="w"))
+    bv = ir.val("b", const_value=ir.tensor(b, name="b"))
+    tape = ir.tape.Tape()
+    y = tape.op("Add", [tape.op("MatMul", [x, wv], name="proj"), bv], name="bias")
+    y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape(["batch", "seq", w.shape[1]])
+    g = ir.Graph([x], [y], nodes=tape.nodes, initializers=[wv, bv], opset_imports={"": 18}, name="one_matmul")
+    return ir.Model(g, ir_version=10)
+
+
+def _emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The pass's arithmetic in numpy (float64): symmetric int8 per token, symmetric int8 per output column."""
+    s = np.maximum(np.abs(x).max(-1, keepdims=True) / 127.0, 1e-12)
+    sw = np.abs(w).max(0) / 127.0
+    xq = np.round(x / s)  # within [-127, 127] by construction
+    wq = np.clip(np.round(w / sw), -127, 127)
+    return (xq @ wq) * sw * s
+
+
+def test_structure_idempotence_and_metadata():
+    m = tiny_encoder_classifier()
+    weights = {n.inputs[1].name for n in _weight_matmuls(m)}
+    count = len(_weight_matmuls(m))
+    res = run_pipeline([QuantizeDynamicInt8PerTokenPass()], m, check="each")  # onnx.checker full_check each pass
+    assert res.modified
+    ops = [n.op_type for n in m.graph]
+    assert ops.count("MatMulInteger") == count and not _weight_matmuls(m)
+    assert "DynamicQuantizeLinear" not in ops  # no per-tensor activation range anywhere
+    assert not weights & set(m.graph.initializers)  # the float weights went with their MatMuls
+    assert [v.name for v in m.graph.outputs] == ["logits"]
+    assert {m.graph.initializers[n.inputs[1].name].const_value.dtype for n in m.graph if n.op_type == "MatMulInteger"} \
+        == {ir.DataType.INT8}
+    meta = json.loads(m.metadata_props[_keys.QUANTIZED])
+    assert meta["scheme"] == "int8-dynamic-per-token" and meta["per_channel"] is True
+    again = QuantizeDynamicInt8PerTokenPass()(m)
+    assert again.modified is False
+    # nor does it stack on ORT's per-tensor int8
+    q = tiny_encoder_classifier()
+    QuantizeDynamicInt8Pass()(q)
+    assert QuantizeDynamicInt8PerTokenPass()(q).modified is False
+
+
+def test_shared_activation_is_quantized_once():
+    """Three projections of one activation (unpacked q/k/v) read one quantized copy of it."""
+    rng = np.random.default_rng(0)
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, 5, 16]))
+    tape, inits, outs = ir.tape.Tape(), [], []
+    for i in range(3):
+        w = ir.val(f"w{i}", const_value=ir.tensor(rng.standard_normal((16, 8)).astype(np.float32), name=f"w{i}"))
+        inits.append(w)
+        y = tape.op("MatMul", [x, w], name=f"p{i}")
+        y.name, y.dtype, y.shape = f"y{i}", ir.DataType.FLOAT, ir.Shape([1, 5, 8])
+        outs.append(y)
+    m = ir.Model(ir.Graph([x], outs, nodes=tape.nodes, initializers=inits, opset_imports={"": 18}), ir_version=10)
+    QuantizeDynamicInt8PerTokenPass()(m)
+    ops = [n.op_type for n in m.graph]
+    assert ops.count("MatMulInteger") == 3 and ops.count("ReduceMax") == 1 and ops.count("Round") == 1
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized):
+    """Rows of very different size (one token 300x the others): each keeps its own scale. At ORT_ENABLE_ALL the
+    result must not change: ORT fuses MatMulInteger -> Cast -> Mul(scale) -> Add(bias) into MatMulIntegerToFloat;
+    the per-row scale is multiplied after the weight scale (multiplied into the weight scale first, the fusion
+    reads the product as one scale and the rows come out wrong: this test then fails by 15 on outputs of 574;
+    on MPNet-base, 85 % agreement with fp32)."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((64, 48)) / 8).astype(np.float32)
+    b = rng.standard_normal(48).astype(np.float32)
+    x = rng.standard_normal((3, 7, 64)).astype(np.float32)
+    x[1, 2] *= 300.0
+    x[2, 4, :] = 0.0  # an all-zero token: scale floor, output exactly zero
+    m = _one_matmul(w, b)
+    QuantizeDynamicInt8PerTokenPass()(m)
+    onnx.checker.check_model(ir.to_proto(m), full_check=True)
+    got = ort_session(m, disable_all=not optimized).run(None, {"x": x})[0]
+    want = _emulate(x.astype(np.float64), w.astype(np.float64)) + b
+    scale = np.abs(want).max(-1, keepdims=True) + 1e-30  # relative to each token's own size
+    assert (np.abs(got - want) / scale).max() <= 1e-5
+    assert np.abs(got[2, 4] - b).max() <= 1e-6
+    # and the small tokens beside the outlier keep a fine grid: their error is the quantization step's, not the
+    # outlier's (per-tensor scaling would round them with a 300x coarser step)
+    exact = x @ w + b
+    small = np.ones(x.shape[:2], bool)
+    small[1, 2] = small[2, 4] = False
+    rel = np.abs(got - exact)[small].max() / np.abs(exact)[small].max()
+    per_tensor_step = np.abs(x).max() / 127.0
+    assert rel < 0.02 and np.abs(got - exact)[small].max() < 0.1 * per_tensor_step * np.abs(w).sum(0).max()
+
+
+def test_numerics_on_the_generated_encoder_are_within_the_quantization_step():
+    from test_quantize import ROWS, _check_quantized, _weight_step_error
+
+    feeds = random_token_feeds(batch=ROWS)
+    ref = ort_session(tiny_encoder_classifier()).run(None, feeds)[0]
+    m = tiny_encoder_classifier()
+    QuantizeDynamicInt8PerTokenPass()(m)
+    got = ort_session(m).run(None, feeds)[0]
+    rel_step, matmuls = _weight_step_error(tiny_encoder_classifier(), 127, per_channel=True)
+    _check_quantized(got, ref, rel_step, matmuls, activations=True)
+
+
+def test_the_option_is_a_dynamic_format_and_keeps_named_matmuls_fp32():
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes import CompileContext, build_passes
+
+    def made(spec):
+        (p,) = build_passes(spec, CompileContext(options={"provider": "cpu"}))
+        return p
+
+    p = made("quantize-int8{format=dynamic,activations=per-token,fp32_nodes=fc2}")
+    assert isinstance(p, QuantizeDynamicInt8PerTokenPass) and p.exclude_nodes == ("fc2",)
+    assert isinstance(made("quantize-int8{format=dynamic}"), QuantizeDynamicInt8Pass)  # per-tensor stays the default
+    for bad in ("quantize-int8{format=qdq-weights,activations=per-token}",
+                "quantize-int8{format=dynamic,activations=per-token,per_channel=false}"):
+        with pytest.raises(PassConfigError, match="per-token is a dynamic format"):
+            made(bad)
+    from test_quantize import _gelu_mlp
+
+    g = _gelu_mlp()
+    QuantizeDynamicInt8PerTokenPass(keep_fp32="ffn-out")(g)
+    assert [n.inputs[1].name for n in g.graph if n.op_type == "MatMul"] == ["w2"]
+    assert json.loads(g.metadata_props[_keys.QUANTIZED])["fp32_matmuls_kept"] == 1
+
+
+def test_real_encoder_rows_do_not_depend_on_their_batch(minilm, movie_test_rows):
+    """MiniLM-L6 on real, padded rows: per-token int8 gives each row the logits it gets alone (the padding and the
+    other rows never enter its scales); ORT's per-tensor int8 does not (negative control), and per-token is the
+    closer of the two to fp32."""
+    from dyncompile.runtime.text import TextEncoder
+
+    texts = [r["text"] for r in movie_test_rows[:8]]
+    feeds = TextEncoder(minilm.tokenizer_path, max_length=128)(texts)
+    assert (feeds["attention_mask"] == 0).any()
+    names = [v.name for v in ir.load(minilm.onnx_path).graph.inputs]
+    feeds = {k: v for k, v in feeds.items() if k in names}
+    ref = ort_session(minilm.onnx_path).run(None, feeds)[0]
+
+    def batch_and_alone(p):
+        m = ir.load(minilm.onnx_path)
+        assert p(m).modified
+        s = ort_session(m)
+        got = s.run(None, feeds)[0]
+        alone = np.stack([s.run(None, {k: v[i:i + 1, :int(feeds["attention_mask"][i].sum())] for k, v in feeds.items()})[0][0]
+                          for i in range(len(texts))])
+        return got, alone
+
+    pt, pt_alone = batch_and_alone(QuantizeDynamicInt8PerTokenPass())
+    assert np.abs(pt - pt_alone).max() <= 1e-5
+    dyn, dyn_alone = batch_and_alone(QuantizeDynamicInt8Pass(per_channel=True))
+    assert np.abs(dyn - dyn_alone).max() > 1e-3  # the batch's range moved every row's grid
+    assert np.abs(pt_alone - ref).mean() < np.abs(dyn_alone - ref).mean()
