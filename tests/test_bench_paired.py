@@ -114,3 +114,22 @@ def test_ttft_and_tpot_in_both_decoder_benches():
             {"name": "spec", **s, "paired": p}]
     md = gen.markdown_report({"results": rows, "prompts": 2, "max_new_tokens": 11})
     assert "TTFT ms | TPOT ms" in md and "| spec | 1.000x" not in md and "TPOT time ratio" in md
+
+
+def test_total_time_ratio_weighs_rows_by_their_cost_unlike_the_geometric_mean():
+    """A cascade-like plan: 40 % of rows 20x faster (answered by a small model), the rest 2x faster. Throughput
+    follows the total time (1 / (0.4/20 + 0.6/2) = 3.125x); the geometric mean of per-row ratios (20^0.4 * 2^0.6 =
+    5.02x) does not. Same effect as a negative control: a uniform 2x is 2x by both."""
+    from dyncompile.tools.bench.common import total_time_ratio
+
+    base = np.full(1000, 0.036)
+    plan = np.where(np.arange(1000) % 5 < 2, base / 20, base / 2)
+    t = total_time_ratio(plan, base)
+    g = paired_ratio(1 / plan, 1 / base)
+    assert t["ratio"] == pytest.approx(1 / (0.4 / 20 + 0.6 / 2), rel=1e-4)
+    assert g["ratio"] == pytest.approx(20**0.4 * 2**0.6, rel=1e-4)
+    assert t["lo"] < t["ratio"] < t["hi"] and t["n"] == 1000  # the resampled share of fast rows moves it
+    uniform = total_time_ratio(base / 2, base)
+    assert uniform["ratio"] == uniform["lo"] == uniform["hi"] == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        total_time_ratio([1.0, 0.0], [1.0, 1.0])

@@ -4,7 +4,9 @@ Takes plan directories compiled by the pipelines a user runs (``dyncompile MODEL
 the study lists them) and measures them with the fp32 original interleaved in one process, batch 1, on the rows
 of ``--data`` (movie-test: never used to choose anything): per plan the accuracy, its change and the agreement
 with the fp32 original from the very same runs as the latency (median/p90), the paired speedup over fp32 with a
-95 % bootstrap interval over rows (:func:`~dyncompile.tools.bench.common.paired_ratio`), and what the plan
+95 % bootstrap interval over rows (:func:`~dyncompile.tools.bench.common.paired_ratio`, the geometric mean of
+per-row ratios) and the total-time ratio (:func:`~dyncompile.tools.bench.common.total_time_ratio`, what throughput
+follows when per-row costs are bimodal, as in a cascade or an early exit), and what the plan
 promises (the certified bound and the budget split of ``policy``). Writes JSON + markdown.
 
     python -m dyncompile.tools.studies.quantized_certified --name minilm --plans fp32-int8=DIR ... --out DIR
@@ -53,6 +55,7 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
         paired_ratio,
         plan_runner,
         reference_runner,
+        total_time_ratio,
     )
 
     compiled = [(name, dyncompile.load(d, provider=provider)) for name, d in plans]
@@ -77,6 +80,7 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
             "p50_ms": round(1e3 * float(np.median(lat[r.name])), 2),
             "p90_ms": round(1e3 * float(np.percentile(lat[r.name], 90)), 2),
             "speedup": paired_ratio(1.0 / np.asarray(lat[r.name]), 1.0 / base_lat),
+            "time_ratio": total_time_ratio(lat[r.name], base_lat),
             "plan": None if c is None else Path(c.plan.directory).name,  # no machine paths in stored reports
             "promise": {} if c is None else promise(c.plan.policy),
         }
@@ -86,16 +90,21 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
 
 
 def markdown(report: dict[str, Any]) -> str:
+    total = all("time_ratio" in r for r in report["results"])  # reports written before it have no such column
     lines = ["| plan | acc (%) | Δ vs fp32 | agree fp32 (%) | mean exit | p50 (ms) | p90 (ms) | speedup b1 [95 % CI] | "
-             "certified bound (budget) | int8 bound (target), fp32 MatMuls |", "|---|---|---|---|---|---|---|---|---|---|"]
+             + ("total time ratio [95 % CI] | " if total else "")
+             + "certified bound (budget) | int8 bound (target), fp32 MatMuls |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if total else "")]
     for r in report["results"]:
         s, p = r["speedup"], r["promise"]
+        t = r.get("time_ratio")
+        tcol = f"{t['ratio']:.2f}x [{t['lo']:.2f}, {t['hi']:.2f}] | " if total else ""
         bound = f"{p['bound']:.2f} ({p['budget']:g})" if p.get("bound") is not None else "–"
         q = (f"{p['int8_bound']:.2f} ({p['int8_target']:g}), {p['int8_fp32_matmuls']}/{p['int8_matmuls']}"
              if p.get("int8_bound") is not None else "–")
         lines.append(f"| {r['name']} | {r['accuracy']} | {r['delta_vs_fp32']:+.2f} | {r['agreement_fp32']} | "
                      f"{r['mean_exit_layer'] if r['mean_exit_layer'] is not None else '–'} | {r['p50_ms']} | {r['p90_ms']} | "
-                     f"{s['ratio']:.2f}x [{s['lo']:.2f}, {s['hi']:.2f}] | {bound} | {q} |")
+                     f"{s['ratio']:.2f}x [{s['lo']:.2f}, {s['hi']:.2f}] | {tcol}{bound} | {q} |")
     return "\n".join(lines)
 
 
