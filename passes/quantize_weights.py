@@ -310,7 +310,8 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
     ``y = (MatMulInteger(u8(round(x / s) + 128), Wq, zero point 128) * w_scale) * s`` with
     ``s = max(|x| over the last axis, keepdims) / 127`` (the weight scale is multiplied first: ORT's
     ``MatMulIntegerToFloat`` fusion of MatMulInteger -> Cast -> Mul -> Add(bias) reads a Mul by a product of
-    two scales as one scale and gets the per-row one wrong — tested at ORT_ENABLE_ALL against the emulation). Records ``dyncompile.quantized``.
+    two scales as one scale and gets the per-row one wrong — tested at ORT_ENABLE_ALL against the emulation).
+    Records ``dyncompile.quantized``.
     Idempotent: a graph that already holds int8 MatMuls is left alone (``modified=False``).
     """
 

@@ -179,3 +179,22 @@ def test_real_encoder_rows_do_not_depend_on_their_batch(minilm, movie_test_rows)
     dyn, dyn_alone = batch_and_alone(QuantizeDynamicInt8Pass(per_channel=True))
     assert np.abs(dyn - dyn_alone).max() > 1e-3  # the batch's range moved every row's grid
     assert np.abs(pt_alone - ref).mean() < np.abs(dyn_alone - ref).mean()
+
+
+def test_a_graph_without_weight_matmuls_is_left_alone_with_a_reason(caplog):
+    """Named on a graph it cannot fire on (the weight is a graph input, not an initializer): unchanged, and a
+    WARNING at the default verbosity that says why and what to do."""
+    import logging
+
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, 4, 8]))
+    w = ir.val("w", ir.DataType.FLOAT, ir.Shape([8, 3]))
+    tape = ir.tape.Tape()
+    y = tape.op("MatMul", [x, w], name="proj")
+    y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape([1, 4, 3])
+    m = ir.Model(ir.Graph([x, w], [y], nodes=tape.nodes, opset_imports={"": 18}), ir_version=10)
+    with caplog.at_level(logging.WARNING):
+        res = run_pipeline([QuantizeDynamicInt8PerTokenPass()], m, check="none")
+    assert not res.modified and [n.op_type for n in m.graph] == ["MatMul"] and _keys.QUANTIZED not in m.metadata_props
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("quantize-int8" in t and "0 of the 1 MatMul nodes read a float weight initializer" in t
+               and "leave quantize-int8 out" in t for t in msgs), msgs
