@@ -6,6 +6,7 @@
 * :func:`const_array`: a constant's value as numpy, from an initializer / ``const_value`` or a ``Constant`` node,
   optionally only when it is small (shape arithmetic reads ``Slice`` starts and ``Gather`` indices, never weights).
 * :func:`replace_node_output`: swap a node for the nodes that now compute its output, keeping the output's name.
+* :func:`default_opset`: the model's default-domain opset.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["backward_slice", "captured_values", "const_array", "constant_node_tensor", "replace_node_output"]
+__all__ = ["backward_slice", "captured_values", "const_array", "constant_node_tensor", "default_opset",
+           "replace_node_output"]
+
+
+def default_opset(model: ir.Model) -> int:
+    """The model's default-domain opset (18 when it declares none)."""
+    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
 
 
 def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:

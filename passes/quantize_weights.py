@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from dyncompile.io import external_data_dirs, working_directory
 from dyncompile.passes import _keys
-from dyncompile.passes._graph import replace_node_output
+from dyncompile.passes._graph import default_opset, replace_node_output
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -222,6 +222,30 @@ def _no_int8_target(model: ir.Model) -> str:
     return reason
 
 
+def _weight_matmuls_to_quantize(model: ir.Model, skip: set[str], dtypes: tuple[ir.DataType, ...]
+                                ) -> list[tuple[ir.Node, ir.Value]]:
+    """The ``(MatMul, weight)`` pairs an int8 pass that rewrites the graph itself quantizes.
+
+    Main graph only; the weight is a 2-D initializer of one of ``dtypes``; nodes named in ``skip`` are left out.
+    """
+    g = model.graph
+    targets = []
+    for node in g:
+        w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
+        if w is None or w.const_value is None or node.name in skip or w.name not in g.initializers:
+            continue
+        if len(w.const_value.shape) == 2 and w.const_value.dtype in dtypes:
+            targets.append((node, w))
+    return targets
+
+
+def _int8_weight(a: np.ndarray, per_channel: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 ``(q, scale)`` of the float weight ``a`` ``[in, out]``: one scale per output column (or one)."""
+    amax = np.abs(a).max(axis=0) if per_channel else np.abs(a).max(keepdims=True)
+    scale = (np.maximum(amax, 1e-12) / 127.0).astype(np.float32)
+    return np.clip(np.rint(a / scale), -127, 127).astype(np.int8), scale
+
+
 def _fp32_repr(keep_fp32: tuple[str, ...], exclude_nodes: tuple[str, ...]) -> str:
     """The ``keep_fp32`` / ``exclude_nodes`` part of an int8 pass's repr (empty when neither is set)."""
     keep = f", keep_fp32={'+'.join(keep_fp32)!r}" if keep_fp32 else ""
@@ -324,21 +348,12 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
         return f"QuantizeDynamicInt8PerTokenPass({_fp32_repr(self.keep_fp32, self.exclude_nodes).lstrip(', ')})"
 
     def _targets(self, model: ir.Model) -> tuple[list[tuple[ir.Node, ir.Value]], list[str]]:
-        g = model.graph
         exclude = _fp32_names(model, self.keep_fp32, self.exclude_nodes)
-        skip = set(exclude)
-        targets = []
-        for node in g:
-            w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
-            if w is None or w.const_value is None or node.name in skip or w.name not in g.initializers:
-                continue
-            if len(w.const_value.shape) == 2 and w.const_value.dtype == ir.DataType.FLOAT:
-                targets.append((node, w))
-        return targets, exclude
+        return _weight_matmuls_to_quantize(model, set(exclude), (ir.DataType.FLOAT,)), exclude
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a model the pass cannot work on, with what to do about it."""
-        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+        opset = default_opset(model)
         if opset < 13 and not _has_ops(model, INT8_OPS) and self._targets(model)[0]:
             raise ir.passes.PreconditionError(
                 f"per-token int8 (Round, ReduceMax) needs opset >= 13, the model imports opset {opset}; re-export "
@@ -353,7 +368,7 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
         targets, exclude = self._targets(model)
         if not targets:
             return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
-        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+        opset = default_opset(model)
 
         def const(name: str, arr: np.ndarray) -> ir.Value:
             v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
@@ -365,13 +380,13 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
         off = const("dyncompile_pt_offset", np.array(128.0, np.float32))
         zp = const("dyncompile_pt_zero_point", np.array(128, np.uint8))
         axes = const("dyncompile_pt_axes", np.array([-1], np.int64)) if opset >= 18 else None
-        quantized: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(activation) -> (uint8 x, row scale)
+        quantized: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}  # activation -> (uint8 x, row scale)
         weights: dict[str, tuple[ir.Value, ir.Value]] = {}
         for i, (node, w) in enumerate(targets):
             x, y = node.inputs[0], node.outputs[0]
             stem = node.name or f"dyncompile_matmul_{i}"
             new: list[ir.Node] = []
-            if id(x) not in quantized:
+            if x not in quantized:
                 a = ir.node("Abs", [x], name=f"{stem}/pt_abs")
                 rm = (ir.node("ReduceMax", [a.outputs[0], axes], attributes={"keepdims": 1}, name=f"{stem}/pt_max")
                       if axes is not None else
@@ -383,14 +398,11 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
                 o = ir.node("Add", [r.outputs[0], off], name=f"{stem}/pt_offset")
                 q = ir.node("Cast", [o.outputs[0]], attributes={"to": int(ir.DataType.UINT8)}, name=f"{stem}/pt_quant")
                 new += [a, rm, sc, s, d, r, o, q]
-                quantized[id(x)] = (q.outputs[0], s.outputs[0])
-            xq, s_row = quantized[id(x)]
+                quantized[x] = (q.outputs[0], s.outputs[0])
+            xq, s_row = quantized[x]
             if w.name not in weights:
-                arr = w.const_value.numpy().astype(np.float32)
-                sw = np.abs(arr).max(axis=0) / 127.0
-                sw[sw == 0] = 1.0
-                wq = np.clip(np.round(arr / sw), -127, 127).astype(np.int8)
-                weights[w.name] = (const(f"{w.name}_int8pt", wq), const(f"{w.name}_int8pt_scale", sw.astype(np.float32)))
+                wq, sw = _int8_weight(w.const_value.numpy().astype(np.float32))
+                weights[w.name] = (const(f"{w.name}_int8pt", wq), const(f"{w.name}_int8pt_scale", sw))
             wq_v, sw_v = weights[w.name]
             mm = ir.node("MatMulInteger", [xq, wq_v, zp], name=f"{stem}/pt_matmul")
             cf = ir.node("Cast", [mm.outputs[0]], attributes={"to": int(ir.DataType.FLOAT)}, name=f"{stem}/pt_float")
@@ -437,22 +449,14 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
 
     def _targets(self, model: ir.Model) -> tuple[list[tuple[ir.Node, ir.Value]], set[str]]:
         """The MatMuls to quantize with their weights (2-D float initializers), and the names kept in fp32."""
-        g = model.graph
         exclude = set(gelu_fed_matmuls(model)) if "ffn-out" in self.keep_fp32 else set()
-        targets = []
-        for node in g:
-            w = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
-            if w is None or w.const_value is None or node.name in exclude or w.name not in g.initializers:
-                continue
-            if len(w.const_value.shape) == 2 and w.const_value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-                targets.append((node, w))
-        return targets, exclude
+        return _weight_matmuls_to_quantize(model, exclude, (ir.DataType.FLOAT, ir.DataType.FLOAT16)), exclude
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a model the pass cannot work on, with what to do about it."""
         if _keys.QUANTIZED in model.metadata_props:
             return
-        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+        opset = default_opset(model)
         if opset < 13 and self._targets(model)[0]:
             raise ir.passes.PreconditionError(
                 f"weight-only int8 (per-channel DequantizeLinear) needs opset >= 13, the model imports opset {opset};"
@@ -470,10 +474,7 @@ class QuantizeWeightsInt8Pass(ir.passes.InPlacePass):
         for node, w in targets:
             arr = w.const_value.numpy()
             if w.name not in done:
-                a = arr.astype(np.float32)
-                amax = np.abs(a).max(axis=0) if self.per_channel else np.abs(a).max(keepdims=True)
-                scale = (np.maximum(amax, 1e-12) / 127.0).astype(np.float32)
-                q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8)
+                q, scale = _int8_weight(arr.astype(np.float32), self.per_channel)
                 shape = scale.shape if self.per_channel else ()
                 vals = (
                     ir.val(f"{w.name}.int8", const_value=ir.tensor(q, name=f"{w.name}.int8")),
@@ -589,7 +590,7 @@ class QuantizeStaticInt8Pass(ir.passes.InPlacePass):
             return
         if not self.feeds:
             raise ir.passes.PreconditionError("static int8 needs calibration feeds: pass --calib FILE.jsonl")
-        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+        opset = default_opset(model)
         if opset < 13:
             raise ir.passes.PreconditionError(
                 f"static int8 (per-channel QDQ) needs opset >= 13, the model imports opset {opset}; re-export with "

@@ -13,17 +13,13 @@ from typing import Any
 import onnx_ir as ir
 
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import default_opset
 from dyncompile.passes.early_exit.graph import GraphBuilder
 from dyncompile.passes.early_exit.heads import ExitHead
 
 __all__ = ["EARLY_EXIT_FORMAT", "AttachExitHeadsPass", "attach_exit_heads", "default_opset"]
 
 EARLY_EXIT_FORMAT = "dyncompile.early_exit/v1"
-
-
-def default_opset(model: ir.Model) -> int:
-    """The model's default-domain opset (18 when it declares none)."""
-    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
 
 
 def attach_exit_heads(
