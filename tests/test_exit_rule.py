@@ -81,3 +81,36 @@ def test_per_exit_rule_reproduces_first_exits(criterion):
         preds = [p[~f] for p in preds]
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(want)) >= 3  # rows stop at several exits
+
+
+def _all_fire_model(criterion: str, threshold: float, window: int) -> ir.Model:
+    """A graph ``(logits_0 .. logits_{window-1}) -> all rows fire`` (scalar), the If lowering's condition."""
+    b = GraphBuilder(18, "t.")
+    inputs = [ir.val(f"logits_{j}", ir.DataType.FLOAT, ir.Shape(["B", CLASSES])) for j in range(window)]
+    cond = b.all_fire(inputs[-1], criterion, threshold, inputs if criterion == "patience" else ())
+    cond.name = "cond"
+    cond.dtype, cond.shape = ir.DataType.BOOL, ir.Shape([])
+    g = ir.Graph(inputs, [cond], nodes=b.tape.nodes, initializers=b.initializers, opset_imports={"": 18})
+    return ir.Model(g, ir_version=10)
+
+
+@pytest.mark.parametrize("criterion", ["entropy", "maxprob", "patience"])
+def test_if_condition_is_every_row_of_the_numpy_rule(criterion):
+    """``all_fire`` (the worst row against the threshold for entropy / maxprob) is ``all(exit_fires)`` of the batch."""
+    window = PATIENCE if criterion == "patience" else 1
+    logits = _logits(3, window)
+    probs = softmax(logits.astype(np.float64))
+    score = -exit_scores(probs[-1:], "entropy")[0] if criterion == "entropy" else probs[-1].max(-1)
+    thr = _midpoint_threshold(score, 0.3)
+    numpy_fires = exit_fires(probs[-1], thr, criterion, PATIENCE, list(probs.argmax(-1)))
+    sess = ort_session(_all_fire_model(criterion, thr, window))
+    rng = np.random.default_rng(0)
+    firing = np.flatnonzero(numpy_fires)
+    batches = [rng.choice(ROWS, size=k, replace=False) for k in (1, 2, 4, 8) for _ in range(25)]
+    batches += [rng.choice(firing, size=k, replace=False) for k in (1, 3, 8) for _ in range(10)]  # every row fires
+    outcomes = set()
+    for rows in batches:
+        (cond,) = sess.run(None, {f"logits_{j}": logits[j][rows] for j in range(window)})
+        assert bool(cond) == bool(numpy_fires[rows].all()), rows
+        outcomes.add(bool(cond))
+    assert outcomes == {True, False}

@@ -99,8 +99,22 @@ def test_onnx_attn_heads_equal_numpy_and_leave_the_original_alone(reference):
         head = _attn_head(k)
         want = head.logits(head.features(hs[k], FEEDS["attention_mask"]))
         np.testing.assert_allclose(out[f"exit_logits_{k}"], want, rtol=0, atol=1e-4)
-    # the attention pooling is in the graph: MatMul with the query, a Softmax over the tokens
-    assert any(n.attributes["axis"].as_int() == 1 for n in m.graph if n.op_type == "Softmax")
+    # the attention pooling is in the graph: MatMul with the query, a Softmax over the tokens of a [B, 1, S]
+    # row; mean and attention pooling are one MatMul of the two weight rows with the states per head; the
+    # mask rows are built once for all heads (one Cast of the mask, not one per head)
+    nodes, cuts = list(m.graph), set(_cuts(m).values())
+    assert sum(n.op_type == "Softmax" and n.attributes["axis"].as_int() == -1 for n in nodes) == len(EXITS)
+    def mask_casts(g):
+        return sum(n.op_type == "Cast" and n.inputs[0].name == "attention_mask" for n in g)
+
+    assert mask_casts(nodes) == mask_casts(tiny_encoder_classifier(num_layers=LAYERS).graph) + 1
+    pools = [n for n in nodes if n.op_type == "MatMul" and n.inputs[1].name in cuts]  # [B, 2, S] x [B, S, H]
+    assert len(pools) == len(EXITS) and all(p.inputs[0].producer().op_type == "Concat" for p in pools)
+    def count(g, op):
+        return sum(n.op_type == op for n in g)
+
+    # no ReduceSum over the token axis per head: the one the heads add counts the mask's tokens
+    assert count(nodes, "ReduceSum") == count(tiny_encoder_classifier(num_layers=LAYERS).graph, "ReduceSum") + 1
     assert {"exit1.attn_query", "exit2.attn_query", "exit3.attn_query"} <= set(m.graph.initializers)
 
 

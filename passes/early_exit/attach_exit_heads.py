@@ -51,9 +51,18 @@ def attach_exit_heads(
     for k in sorted(heads):
         if cuts[k] not in values:
             raise ir.passes.PreconditionError(f"cut tensor {cuts[k]!r} for the exit after layer {k} is not in the graph")
+    # the mask-derived rows every head reads, once, at the top of the graph (the If lowering computes them
+    # before the first exit; a staged segment recomputes them from its attention_mask input)
+    shared = GraphBuilder(opset, "exit.")
+    parts = shared.mask_parts(mask, [h.pooling for h in heads.values()]) if heads else None
+    if shared.tape.nodes:
+        for init in shared.initializers:
+            g.register_initializer(init)
+        g.insert_before(g.node(0), shared.tape.nodes)
+    for k in sorted(heads):
         b = GraphBuilder(opset, f"exit{k}.")
         hidden = values[cuts[k]]
-        logits = b.head(heads[k], hidden, b.float_mask(mask))
+        logits = b.head(heads[k], hidden, parts)
         logits.name = f"exit_logits_{k}"
         logits.dtype = ir.DataType.FLOAT
         logits.shape = ir.Shape([final.shape[0], final.shape[1]])

@@ -9,6 +9,7 @@ decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -17,10 +18,18 @@ import onnx_ir as ir
 
 from dyncompile.passes.early_exit.heads import ATTN_MASK_BIAS, ExitHead
 
-__all__ = ["GraphBuilder", "NEVER_THRESHOLD"]
+__all__ = ["NEVER_THRESHOLD", "GraphBuilder", "MaskParts"]
 
 #: Thresholds that can never fire, per criterion (entropy >= 0; probabilities <= 1).
 NEVER_THRESHOLD = {"entropy": -1.0, "maxprob": 2.0, "patience": 2.0, "learned": float("inf")}
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskParts:
+    """Mask-derived ``[B, 1, S]`` rows every exit head of a graph reads (:meth:`GraphBuilder.mask_parts`)."""
+
+    mean_weights: ir.Value | None  # mask / max(number of tokens, 1)
+    attn_bias: ir.Value | None  # 0 for kept tokens, ATTN_MASK_BIAS for padding
 
 
 class GraphBuilder:
@@ -52,44 +61,69 @@ class GraphBuilder:
 
     # --- exit head ---------------------------------------------------------------------------
 
-    def float_mask(self, attention_mask: ir.Value | None) -> ir.Value | None:
-        """``[B, S, 1]`` float mask from an int ``attention_mask`` input."""
+    def mask_parts(self, attention_mask: ir.Value | None, poolings: Sequence[str]) -> MaskParts | None:
+        """The mask-derived values the heads of one graph share, built once (``None`` without a mask).
+
+        ``[B, 1, S]`` rows: ``mean_weights`` = mask / max(tokens, 1) (for ``mean`` pooling) and ``attn_bias``
+        = 0 for a kept token, :data:`ATTN_MASK_BIAS` for padding (for ``attn`` pooling); only those some head
+        in ``poolings`` reads. Computed per head they cost 7 small kernels each, a quarter of a head's time.
+        """
         if attention_mask is None:
             return None
         m = self.op("Cast", [attention_mask], {"to": ir.DataType.FLOAT})
-        return self.op("Unsqueeze", [m, self.const(np.array([-1], np.int64), "mask_axes")])
+        m = self.op("Unsqueeze", [m, self.const(np.array([1], np.int64), "row_axes")])  # [B, 1, S]
+        mean_w = bias = None
+        if any("mean" in p for p in poolings):
+            n = self.reduce("ReduceSum", m, [-1], 1, "tokens")
+            n = self.op("Max", [n, self.const(np.array(1.0, np.float32), "one")])
+            mean_w = self.op("Div", [m, n])
+        if any("attn" in p for p in poolings):
+            bias = self.op("Mul", [self.op("Sub", [m, self.const(np.float32(1.0), "attn_one")]),
+                                   self.const(np.float32(-ATTN_MASK_BIAS), "attn_big")])
+        return MaskParts(mean_w, bias)
 
-    def pool(self, hidden: ir.Value, mask3: ir.Value | None, pooling: str, query: np.ndarray | None = None) -> ir.Value:
+    def pool(self, hidden: ir.Value, mask: MaskParts | None, pooling: str, query: np.ndarray | None = None) -> ir.Value:
         """Pool ``hidden`` ``[B, S, H]`` to ``[B, F]`` the way the exit head was fitted.
 
         ``cls``, ``mean``, ``cls+mean``, or ``cls+mean+attn`` with the attention ``query`` ``[H]`` (as
-        :func:`~dyncompile.passes.early_exit.heads.attention_pool`).
+        :func:`~dyncompile.passes.early_exit.heads.pool_features`). The token-weighted poolings are one
+        ``MatMul`` of their ``[B, k, S]`` weight rows with the states (the masked mean's row from ``mask``;
+        the attention row a ``Softmax`` over the tokens), not ``Mul`` + ``ReduceSum`` over the token axis.
         """
-        parts = []
+        feats: list[tuple[str, ir.Value]] = []  # ("vec", [B, H]) or ("row", [B, 1, S]) in feature order
         if pooling in ("cls", "cls+mean", "cls+mean+attn"):
-            parts.append(self.op("Gather", [hidden, self.const(np.array(0, np.int64), "cls_index")], {"axis": 1}))
+            feats.append(("vec", self.op("Gather", [hidden, self.const(np.array(0, np.int64), "cls_index")], {"axis": 1})))
         if pooling in ("mean", "cls+mean", "cls+mean+attn"):
-            if mask3 is None:
-                parts.append(self.reduce("ReduceMean", hidden, [1], 0, "mean"))
+            if mask is None or mask.mean_weights is None:
+                feats.append(("vec", self.reduce("ReduceMean", hidden, [1], 0, "mean")))
             else:
-                s = self.reduce("ReduceSum", self.op("Mul", [hidden, mask3]), [1], 0, "sum_h")
-                n = self.reduce("ReduceSum", mask3, [1], 0, "sum_m")
-                n = self.op("Max", [n, self.const(np.array(1.0, np.float32), "one")])
-                parts.append(self.op("Div", [s, n]))
+                feats.append(("row", mask.mean_weights))
         if pooling == "cls+mean+attn":
             q = np.asarray(query, np.float32).reshape(-1, 1)
             scores = self.op("MatMul", [hidden, self.const(q, "attn_query")])  # [B, S, 1]
-            if mask3 is not None:
-                bias = self.op("Mul", [self.op("Sub", [mask3, self.const(np.float32(1.0), "attn_one")]),
-                                       self.const(np.float32(-ATTN_MASK_BIAS), "attn_big")])
-                scores = self.op("Add", [scores, bias])
-            weights = self.op("Softmax", [scores], {"axis": 1})
-            parts.append(self.reduce("ReduceSum", self.op("Mul", [hidden, weights]), [1], 0, "attn_pool"))
+            scores = self.op("Reshape", [scores, self.const(np.array([0, 1, -1], np.int64), "attn_row")])  # [B, 1, S]
+            if mask is not None and mask.attn_bias is not None:
+                scores = self.op("Add", [scores, mask.attn_bias])
+            feats.append(("row", self.op("Softmax", [scores], {"axis": -1})))
+        parts: list[ir.Value] = []
+        i = 0
+        while i < len(feats):
+            if feats[i][0] == "vec":
+                parts.append(feats[i][1])
+                i += 1
+                continue
+            rows = []
+            while i < len(feats) and feats[i][0] == "row":
+                rows.append(feats[i][1])
+                i += 1
+            w = rows[0] if len(rows) == 1 else self.op("Concat", rows, {"axis": 1})  # [B, k, S]
+            pooled = self.op("MatMul", [w, hidden])  # [B, k, H]
+            parts.append(self.op("Reshape", [pooled, self.const(np.array([0, -1], np.int64), f"flat{len(parts)}")]))
         return parts[0] if len(parts) == 1 else self.op("Concat", parts, {"axis": -1})
 
-    def head(self, head: ExitHead, hidden: ir.Value, mask3: ir.Value | None) -> ir.Value:
-        """Logits ``[B, C]`` of ``head`` on layer states ``hidden`` ``[B, S, H]``."""
-        x = self.pool(hidden, mask3, head.pooling, head.attn_query)
+    def head(self, head: ExitHead, hidden: ir.Value, mask: MaskParts | None) -> ir.Value:
+        """Logits ``[B, C]`` of ``head`` on layer states ``hidden`` ``[B, S, H]`` (``mask``: :meth:`mask_parts`)."""
+        x = self.pool(hidden, mask, head.pooling, head.attn_query)
         for i, (w, b, act) in enumerate(head.layers):
             x = self.op("Add", [self.op("MatMul", [x, self.const(w, f"W{i}")]), self.const(b, f"b{i}")])
             if act == "tanh":
@@ -115,17 +149,43 @@ class GraphBuilder:
         """Per-row bool ``[B]``: does this exit's test fire (:func:`dyncompile.runtime.rules.exit_rule.exit_fires`)."""
         thr = self.const(np.array(threshold, np.float32), "threshold")
         if criterion == "entropy":
-            logp = self.op("LogSoftmax", [logits], {"axis": -1})
-            plogp = self.op("Mul", [self.op("Exp", [logp]), logp])
-            ent = self.op("Neg", [self.reduce("ReduceSum", plogp, [-1], 0, "ent")])
-            return self.op("Less", [ent, thr])
-        maxp = self.reduce("ReduceMax", self.op("Softmax", [logits], {"axis": -1}), [-1], 0, "maxp")
-        fires = self.op("Greater", [maxp, thr])
+            return self.op("Less", [self.op("Neg", [self._neg_entropy(logits)]), thr])
+        fires = self.op("Greater", [self._maxprob(logits), thr])
         if criterion == "patience":
             preds = [self.op("ArgMax", [w], {"axis": -1, "keepdims": 0}) for w in window]
             for p in preds[:-1]:
                 fires = self.op("And", [fires, self.op("Equal", [p, preds[-1]])])
         return fires
+
+    def all_fire(
+        self,
+        logits: ir.Value,
+        criterion: str,
+        threshold: float,
+        window: Sequence[ir.Value] = (),
+    ) -> ir.Value:
+        """Scalar bool: :meth:`fires` holds for every row (the If lowering's condition).
+
+        ``entropy`` and ``maxprob`` compare the batch's worst row once: ``min(-entropy) > -threshold`` (the
+        same float comparison as ``entropy < threshold``, negation is exact) and ``min(maxprob) >
+        threshold``, four kernels fewer than a per-row test cast and reduced; other criteria use
+        :meth:`all_rows` of :meth:`fires`.
+        """
+        if criterion in ("entropy", "maxprob"):
+            score, limit = (self._neg_entropy(logits), -threshold) if criterion == "entropy" else (
+                self._maxprob(logits), threshold)
+            worst = self.reduce("ReduceMin", score, [0], 0, "all")
+            return self.op("Greater", [worst, self.const(np.array(limit, np.float32), "threshold")])
+        return self.all_rows(self.fires(logits, criterion, threshold, window))
+
+    def _neg_entropy(self, logits: ir.Value) -> ir.Value:
+        """Per-row ``sum p log p`` ``[B]`` (minus the entropy) of ``logits``."""
+        logp = self.op("LogSoftmax", [logits], {"axis": -1})
+        return self.reduce("ReduceSum", self.op("Mul", [self.op("Exp", [logp]), logp]), [-1], 0, "ent")
+
+    def _maxprob(self, logits: ir.Value) -> ir.Value:
+        """Per-row top softmax probability ``[B]`` of ``logits``."""
+        return self.reduce("ReduceMax", self.op("Softmax", [logits], {"axis": -1}), [-1], 0, "maxp")
 
     def all_rows(self, fires: ir.Value) -> ir.Value:
         """Scalar bool: every row fires (the If lowering exits only when the whole batch may)."""

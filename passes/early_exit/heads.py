@@ -98,9 +98,9 @@ def pool_features(
                 "([N, S]); pass the mask the model was run with"
             )
         mask = (mask != 0).astype(np.float32)
-    count = mask.sum(axis=1, keepdims=True)
-    mean = np.einsum("nsh,ns->nh", hidden, mask) / np.maximum(count, 1.0)
-    mean = mean.astype(np.float32)
+    # the token weights mask / max(count, 1), then their weighted sum: the ONNX lowering's order (one MatMul)
+    weights = mask / np.maximum(mask.sum(axis=1, keepdims=True), np.float32(1.0))
+    mean = np.einsum("nsh,ns->nh", hidden, weights).astype(np.float32)
     if pooling == "mean":
         return mean
     return np.concatenate([cls, mean], axis=1)

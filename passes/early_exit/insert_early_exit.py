@@ -110,8 +110,11 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
             return
         main_slice = backward_slice([final])
         head_nodes = []
+        claimed: set[ir.Node] = set()  # nodes several heads read (the shared mask rows) go with the first
         for v in head_outs:
-            head_nodes.append([n for n in order if n in backward_slice([v], stop=main_slice)])
+            mine = backward_slice([v], stop=main_slice) - claimed
+            head_nodes.append([n for n in order if n in mine])
+            claimed.update(head_nodes[-1])
         in_heads = {n for hn in head_nodes for n in hn}
         body = [n for n in order if n not in in_heads]
         values = ir.convenience.create_value_mapping(g)
@@ -152,7 +155,7 @@ class InsertEarlyExitPass(ir.passes.InPlacePass):
             if criterion == "learned":
                 cond = self._learned_cond(cb, exits[j], head_outs[j], outputs)
             else:
-                cond = cb.all_rows(cb.fires(head_outs[j], criterion, float(thr), window))
+                cond = cb.all_fire(head_outs[j], criterion, float(thr), window)
             then_logits = ir.node("Identity", [head_outs[j]])
             then_logits.outputs[0].name = f"exit{k}_logits_out"
             layer_const = cb.const(np.array(k, np.int64), "layer")
@@ -273,7 +276,8 @@ def choose_lowering(provider: str = "cpu", batch_sizes: Sequence[int] = ()) -> t
             "CUDA EP runs If with the condition on the host (one scalar copy per exit); the single graph keeps hidden "
             "states on the device, while staged exits would copy them to the host at every exit"
         )
-    return "if", "CPU EP: If costs ~1.3 µs and skipped branches cost nothing; one self-contained graph deploys anywhere"
+    return "if", ("CPU EP: skipped branches cost nothing, an If around a layer's branch ~30 µs (MiniLM-L6, 2 threads) "
+                  "with no Python between stages; one self-contained graph deploys anywhere")
 
 
 def parse_batch_sizes(spec: str | int | None) -> tuple[int, ...]:
