@@ -39,6 +39,7 @@ __all__ = [
     "PipelineResult",
     "NotFired",
     "not_fired",
+    "warn_unmeasured_contrib_op",
     "PASS_REGISTRY",
     "register_pass",
     "parse_pass_spec",
@@ -486,6 +487,18 @@ class NotFired(ir.passes.PassResult):
         """One line: the pass, that it did nothing, why, and what to do."""
         text = f"pass {self.pass_name} did nothing: {self.reason}"
         return text + (f"; {self.fix}" if self.fix else "")
+
+
+def warn_unmeasured_contrib_op(context: CompileContext, log: logging.Logger, pass_name: str, op: str) -> None:
+    """Warn (on the pass's ``log``) that contrib operator ``op`` was not measured on the compile's provider.
+
+    Passes that write onnxruntime contrib operators were measured on the CPU and CUDA EPs only.
+    """
+    provider = context.options.get("provider") or "cpu"
+    if provider not in ("cpu", "cuda"):
+        log.warning("%s: %s is an onnxruntime contrib operator; the %s EP was not measured with it (its nodes may run "
+                    "on the CPU EP between partitions): leave the pass out for --provider %s", pass_name, op, provider,
+                    provider)
 
 
 def not_fired(model: ir.Model, pass_name: str, reason: str, fix: str = "") -> NotFired:

@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.passes._graph import const_array, replace_node_output
-from dyncompile.passes._infra import not_fired, register_pass
+from dyncompile.passes._infra import not_fired, register_pass, warn_unmeasured_contrib_op
 
 logger = logging.getLogger(__name__)
 
@@ -291,9 +291,5 @@ class FuseEncoderAttentionPass(ir.passes.InPlacePass):
     before=("early-exit", "quantize-int8", "quantize-int4", "pack-matmuls"),
 )
 def _make_fuse_encoder_attention(context) -> FuseEncoderAttentionPass:
-    provider = context.options.get("provider") or "cpu"
-    if provider not in ("cpu", "cuda"):
-        logger.warning("fuse-encoder-attention: MultiHeadAttention is an onnxruntime contrib operator; the %s EP was "
-                       "not measured with it (its nodes may run on the CPU EP between partitions): leave the pass out "
-                       "for --provider %s", provider, provider)
+    warn_unmeasured_contrib_op(context, logger, "fuse-encoder-attention", "MultiHeadAttention")
     return FuseEncoderAttentionPass()

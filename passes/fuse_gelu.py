@@ -25,7 +25,7 @@ import logging
 
 import onnx_ir as ir
 
-from dyncompile.passes._infra import not_fired, register_pass
+from dyncompile.passes._infra import not_fired, register_pass, warn_unmeasured_contrib_op
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,5 @@ class FuseGeluPass(ir.passes.InPlacePass):
     before=("early-exit", "quantize-int8", "quantize-int4"),
 )
 def _make_fuse_gelu(context) -> FuseGeluPass:
-    provider = context.options.get("provider") or "cpu"
-    if provider not in ("cpu", "cuda"):
-        logger.warning("fuse-gelu: Gelu is an onnxruntime contrib operator; the %s EP was not measured with it (its "
-                       "nodes may run on the CPU EP between partitions): leave the pass out for --provider %s",
-                       provider, provider)
+    warn_unmeasured_contrib_op(context, logger, "fuse-gelu", "Gelu")
     return FuseGeluPass()

@@ -96,3 +96,18 @@ def test_a_graph_without_gelu_is_left_alone(tiny_encoder_path):
     nodes = [n.op_type for n in model.graph]
     result = FuseGeluPass()(model)
     assert not result.modified and [n.op_type for n in model.graph] == nodes
+
+
+@pytest.mark.parametrize("name, op", [("fuse-gelu", "Gelu"), ("fuse-encoder-attention", "MultiHeadAttention")])
+def test_the_contrib_op_passes_warn_off_the_providers_they_were_measured_on(name, op, caplog):
+    """Both passes write onnxruntime contrib operators: named for the OpenVINO EP they warn (pass, op, EP), for
+    the CPU and CUDA EPs they do not."""
+    from dyncompile.passes import CompileContext
+
+    for provider, warns in (("openvino", True), ("cpu", False), ("cuda", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            build_passes(name, CompileContext(options={"provider": provider}))
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(m.startswith(f"{name}: {op} is an onnxruntime contrib operator; the {provider} EP")
+                   and f"--provider {provider}" in m for m in msgs) == warns, (provider, msgs)

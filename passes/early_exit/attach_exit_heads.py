@@ -17,7 +17,7 @@ from dyncompile.passes._graph import default_opset
 from dyncompile.passes.early_exit.graph import GraphBuilder
 from dyncompile.passes.early_exit.heads import ExitHead
 
-__all__ = ["EARLY_EXIT_FORMAT", "AttachExitHeadsPass", "attach_exit_heads", "default_opset"]
+__all__ = ["EARLY_EXIT_FORMAT", "AttachExitHeadsPass", "attach_exit_heads"]
 
 EARLY_EXIT_FORMAT = "dyncompile.early_exit/v1"
 

@@ -15,6 +15,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import default_opset
 from dyncompile.passes.emit import (
     EmitRequest,
     add_budget_split,
@@ -50,7 +51,6 @@ def _add_learned_scores(model: ir.Model, meta: dict) -> dict[str, str]:
     Returns ``{head output: score output}``. A segment then reads the previous exit's head logits as an
     input and returns the score; the runtime only compares it with the threshold.
     """
-    from dyncompile.passes.early_exit.fit_exit_heads import default_opset
     from dyncompile.passes.early_exit.graph import GraphBuilder
 
     g = model.graph

@@ -21,7 +21,6 @@ from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.early_exit.attach_exit_heads import (
     EARLY_EXIT_FORMAT,
     attach_exit_heads,
-    default_opset,
 )
 from dyncompile.passes.early_exit.calibrate import (
     CalibrationError,
@@ -47,7 +46,6 @@ __all__ = [
     "calibrate_exits",
     "classifier_output",
     "collect_exit_features",
-    "default_opset",
     "exit_distribution",
     "exits_to_keep",
     "find_exit_cuts",

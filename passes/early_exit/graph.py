@@ -90,35 +90,28 @@ class GraphBuilder:
         ``MatMul`` of their ``[B, k, S]`` weight rows with the states (the masked mean's row from ``mask``;
         the attention row a ``Softmax`` over the tokens), not ``Mul`` + ``ReduceSum`` over the token axis.
         """
-        feats: list[tuple[str, ir.Value]] = []  # ("vec", [B, H]) or ("row", [B, 1, S]) in feature order
+        # features in the order cls, mean, attn; the token-weighted ones (weight rows) always come after the
+        # [B, H] ones (cls; the unmasked mean), so they pool together as the last part
+        parts: list[ir.Value] = []  # [B, H] each
+        rows: list[ir.Value] = []  # [B, 1, S] each
         if pooling in ("cls", "cls+mean", "cls+mean+attn"):
-            feats.append(("vec", self.op("Gather", [hidden, self.const(np.array(0, np.int64), "cls_index")], {"axis": 1})))
+            parts.append(self.op("Gather", [hidden, self.const(np.array(0, np.int64), "cls_index")], {"axis": 1}))
         if pooling in ("mean", "cls+mean", "cls+mean+attn"):
             if mask is None or mask.mean_weights is None:
-                feats.append(("vec", self.reduce("ReduceMean", hidden, [1], 0, "mean")))
+                parts.append(self.reduce("ReduceMean", hidden, [1], 0, "mean"))
             else:
-                feats.append(("row", mask.mean_weights))
+                rows.append(mask.mean_weights)
         if pooling == "cls+mean+attn":
             q = np.asarray(query, np.float32).reshape(-1, 1)
             scores = self.op("MatMul", [hidden, self.const(q, "attn_query")])  # [B, S, 1]
             scores = self.op("Reshape", [scores, self.const(np.array([0, 1, -1], np.int64), "attn_row")])  # [B, 1, S]
             if mask is not None and mask.attn_bias is not None:
                 scores = self.op("Add", [scores, mask.attn_bias])
-            feats.append(("row", self.op("Softmax", [scores], {"axis": -1})))
-        parts: list[ir.Value] = []
-        i = 0
-        while i < len(feats):
-            if feats[i][0] == "vec":
-                parts.append(feats[i][1])
-                i += 1
-                continue
-            rows = []
-            while i < len(feats) and feats[i][0] == "row":
-                rows.append(feats[i][1])
-                i += 1
+            rows.append(self.op("Softmax", [scores], {"axis": -1}))
+        if rows:
             w = rows[0] if len(rows) == 1 else self.op("Concat", rows, {"axis": 1})  # [B, k, S]
             pooled = self.op("MatMul", [w, hidden])  # [B, k, H]
-            parts.append(self.op("Reshape", [pooled, self.const(np.array([0, -1], np.int64), f"flat{len(parts)}")]))
+            parts.append(self.op("Reshape", [pooled, self.const(np.array([0, -1], np.int64), "flat")]))  # [B, k*H]
         return parts[0] if len(parts) == 1 else self.op("Concat", parts, {"axis": -1})
 
     def head(self, head: ExitHead, hidden: ir.Value, mask: MaskParts | None) -> ir.Value:

@@ -11,8 +11,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
-from dyncompile.passes._graph import backward_slice
-from dyncompile.passes.early_exit.fit_exit_heads import default_opset
+from dyncompile.passes._graph import backward_slice, default_opset
 from dyncompile.passes.early_exit.graph import NEVER_THRESHOLD, GraphBuilder
 
 logger = logging.getLogger(__name__)
