@@ -199,7 +199,7 @@ def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
 
 COMPILE_OPTIONS = frozenset(
     {"calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider", "heads",
-     "batch_sizes", "metric"}
+     "batch_sizes", "metric", "train_text"}
 )
 """Keyword options of :func:`compile_model` (the CLI's pass flags); anything else is an error."""
 

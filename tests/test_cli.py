@@ -147,3 +147,16 @@ def test_models_without_action_lists_recipes_and_build_state(capsys, tmp_path, m
     rc, out, err = run_cli(capsys, "models")
     assert rc == 0 and "qwen2.5-coder-1.5b" in out and "smollm2-135m" in out
     assert "built" not in out.split("cache:")[0]  # nothing is built in an empty cache
+
+
+def test_train_text_mistakes(capsys, tmp_path, tiny_encoder_path):
+    """--train-text: a missing file, or heads that do not train, is one clear error and no output."""
+    from helpers import DATA
+
+    calib = DATA / "movie-calib.jsonl"
+    common = (tiny_encoder_path, "--passes", "early-exit", "--calib", calib, "-o", tmp_path / "out")
+    rc, _, err = run_cli(capsys, *common, "--heads", "trained", "--train-text", tmp_path / "nope.jsonl")
+    assert_clean_error(rc, err, "data file not found", "nope.jsonl")
+    rc, _, err = run_cli(capsys, *common, "--train-text", calib)
+    assert_clean_error(rc, err, "--train-text", "--heads trained")
+    assert not (tmp_path / "out").exists()

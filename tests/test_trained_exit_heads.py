@@ -200,6 +200,66 @@ def test_training_learns_attention_and_ships_an_exact_folded_head():
     assert fit.config["heads"] == "trained"
 
 
+def _subset(cache, n):
+    """The cache's rows ``< n`` (same batches, same order)."""
+    from dyncompile.passes.early_exit.train_heads import HiddenCache
+
+    sub = HiddenCache()
+    for rows, m, hs in cache.batches:
+        keep = rows < n
+        if keep.any():
+            sub.batches.append((rows[keep], m[keep], [h[keep] for h in hs]))
+    return sub
+
+
+def test_extra_training_rows_train_every_member_and_keep_oof_out_of_fold():
+    """n_calibration: rows after the calibration rows are extra distillation text. 60 calibration rows (20 per
+    fold head) are too few to find the marker token; 540 extra rows teach every member, so the calibration rows'
+    out-of-fold agreement rises. The OOF probabilities cover the calibration rows only, and a calibration row's
+    OOF probability does not depend on its own target (its fold's member never trains on it) — the extra rows'
+    targets, which every member sees, do move it."""
+    pytest.importorskip("torch")
+    from dyncompile.passes.early_exit.train_heads import train_exit_heads
+
+    cache, teacher, y = _synthetic_cache(n=600)
+    n = 60
+    kw = dict(width=16, epochs=30, lr=1e-2, folds=3, seed=0)
+    alone = train_exit_heads(_subset(cache, n), teacher[:n], y[:n], **kw)
+    extra = train_exit_heads(cache, teacher, y[:n], n_calibration=n, **kw)
+    assert alone.oof_probs.shape == extra.oof_probs.shape == (1, n, 2)
+    assert "extra_training_rows" not in alone.config and extra.config["extra_training_rows"] == 600 - n
+    assert alone.oof_agreement[0] < 80.0 < 95.0 < extra.oof_agreement[0], (alone.oof_agreement, extra.oof_agreement)
+    # flip one calibration row's target: its own OOF probability is unchanged, the shipped head is not
+    flipped = teacher.copy()
+    flipped[7] = flipped[7][::-1]
+    moved = train_exit_heads(cache, flipped, y[:n], n_calibration=n, **kw)
+    np.testing.assert_array_equal(moved.oof_probs[0, 7], extra.oof_probs[0, 7])
+    assert not np.array_equal(moved.heads[0].layers[0][0], extra.heads[0].layers[0][0])
+    # flip the extra rows' targets: every member learns them, so the calibration rows' OOF probabilities move
+    wrong = teacher.copy()
+    wrong[n:] = wrong[n:, ::-1]
+    misled = train_exit_heads(cache, wrong, y[:n], n_calibration=n, **kw)
+    assert misled.oof_agreement[0] < 50.0
+    with pytest.raises(CalibrationError, match="n_calibration"):
+        train_exit_heads(cache, teacher, y[:n], n_calibration=601, **kw)
+    with pytest.raises(CalibrationError, match="labels for"):
+        train_exit_heads(cache, teacher, y, n_calibration=n, **kw)
+
+
+def test_train_text_needs_trained_heads(tmp_path):
+    from dyncompile.errors import PassConfigError
+
+    m = tiny_encoder_classifier(num_layers=LAYERS)
+    with pytest.raises(ir.passes.PreconditionError, match="heads=trained"):
+        FitExitHeadsPass(["x"] * 200, None, tokenizer_file=__file__, train_texts=["y"] * 10).requires(m)
+    src = tmp_path / "m.onnx"
+    ir.save(m, src)
+    with pytest.raises(PassConfigError, match="--heads trained"):
+        dyncompile.compile(src, "early-exit", tmp_path / "out", calib=__file__, progress=False,
+                           train_text=__file__)
+    assert not (tmp_path / "out").exists()
+
+
 def test_trained_heads_refuse_a_pooling_and_the_linear_fit_refuses_attn():
     m = tiny_encoder_classifier(num_layers=LAYERS)
     fit = FitExitHeadsPass(["x"] * 200, [0, 1] * 100, tokenizer_file=__file__, heads="trained", pooling="cls")
@@ -214,20 +274,26 @@ def test_trained_heads_refuse_a_pooling_and_the_linear_fit_refuses_attn():
 
 
 def test_real_minilm_trained_heads_full_path_is_the_original(minilm, module_tmp):
-    """heads=trained, metric=agreement on the real model (300 calib rows, exits 2 and 4): heads attached as
-    attention + MLP, metadata says so, and with every exit disabled the If plan reproduces the original logits."""
+    """heads=trained, metric=agreement on the real model (300 calib rows + 100 rows of extra training text,
+    exits 2 and 4): heads attached as attention + MLP, metadata says so, and with every exit disabled the If
+    plan reproduces the original logits."""
     pytest.importorskip("torch")
     from helpers import DATA
 
     lines = (DATA / "movie-calib.jsonl").read_text().splitlines()[:300]
     calib = module_tmp("trained") / "calib.jsonl"
     calib.write_text("\n".join(lines) + "\n")
+    extra = module_tmp("trained") / "train.jsonl"  # extra distillation text (labels dropped: never read)
+    extra.write_text("".join(json.dumps({"text": json.loads(x)["text"]}) + "\n"
+                             for x in (DATA / "movie-train.jsonl").read_text().splitlines()[:100]))
     out = module_tmp("trained") / "plan"
     dyncompile.compile(minilm.onnx_path, "early-exit", out, calib=str(calib), progress=False, heads="trained",
-                       exits="2,4", never_exit=True, lowering="if", confidence="none", metric="agreement")
+                       exits="2,4", never_exit=True, lowering="if", confidence="none", metric="agreement",
+                       train_text=str(extra))
     model = ir.load(out / "model.onnx")
     meta = json.loads(model.metadata_props[_keys.EARLY_EXIT])
     assert meta["fit"]["heads"] == "trained" and meta["fit"]["pooling"] == "cls+mean+attn"
+    assert meta["fit"]["extra_training_rows"] == 100 and "running the extra training text" in meta["fit"]["phases"]
     assert meta["certificate"]["mode"] == "agreement"  # metric=agreement: the labels only trained the heads
     assert any(n.endswith("attn_query") for n in _all_initializers(model))
     rows = [json.loads(x) for x in (DATA / "movie-test.jsonl").read_text().splitlines()[:16]]

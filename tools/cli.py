@@ -89,6 +89,10 @@ def _compile_parser() -> argparse.ArgumentParser:
     ee.add_argument("--heads", choices=["fitted", "trained", "given"],
                     help="fitted (default): fit linear exit heads; trained: attention-pooling + MLP heads distilled "
                     "from the full model (needs PyTorch); given: use per-layer logits the graph already outputs")
+    ee.add_argument("--train-text", metavar="FILE",
+                    help="with --heads trained: more text (JSONL 'text'; labels ignored) for the heads to distil "
+                    "on; calibration and the certificate still use --calib alone. Thousands of rows make better "
+                    "heads (MPNet: exits that agree more, certified exits that fire earlier)")
     ee.add_argument("--metric", choices=["accuracy", "agreement"],
                     help="what --budget bounds: accuracy drop (default; uses the labels) or disagreement with the "
                     "full model (no labels needed; also bounds the accuracy drop)")

@@ -9,7 +9,7 @@ __all__ = ["compile_command", "passes_command"]
 
 #: compile options that are forwarded to the passes when given (the parser's pass-option arguments)
 PASS_OPTIONS = ("calib", "budget", "confidence", "exits", "criterion", "lowering", "never_exit", "drafter", "provider",
-                "heads", "batch_sizes", "metric")
+                "heads", "batch_sizes", "metric", "train_text")
 
 
 def compile_command(args: argparse.Namespace) -> int:

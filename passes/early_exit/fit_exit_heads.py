@@ -80,6 +80,10 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
     gives the compile input) is set: then the reference is run on the calibration rows too and the budget
     is the *total* drop against it, quantization included (:func:`reference_budget`).
 
+    Extra training text (``train_texts``, trained heads only): run through the model after the calibration
+    rows; the heads distil on it too (every fold head and the shipped one), while the thresholds and the
+    certificate use the calibration rows alone, whose probabilities stay out-of-fold.
+
     Invariants: the original output (``logits``) and every original node are unchanged; only head
     nodes, their initializers and extra graph outputs are added. Idempotent: a model that already
     carries the metadata is left alone (``modified=False``).
@@ -114,8 +118,10 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         heads: str = "fitted",
         metric: str = "accuracy",
         train_options: dict | None = None,
+        train_texts: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        self.train_texts = list(train_texts or [])
         self.heads = heads
         self.metric = metric
         self.train_options = dict(train_options or {})
@@ -146,7 +152,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             f"FitExitHeadsPass(rows={len(self.texts)}, budget={self.budget}, confidence={self.confidence}, "
             f"criterion={self.criterion!r}, exits={self.exits or 'all'}, heads={self.heads!r}, solver={self.solver!r}, "
             f"metric={self.metric!r}, "
-            f"never_exit={self.never_exit})"
+            + (f"train_texts={len(self.train_texts)}, " if self.train_texts else "")
+            + f"never_exit={self.never_exit})"
         )
 
     # --- preconditions ------------------------------------------------------------------------
@@ -184,6 +191,11 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError(f"unknown heads {self.heads!r}; use one of {', '.join(HEAD_KINDS)}")
         if self.metric not in ("accuracy", "agreement"):
             raise ir.passes.PreconditionError(f"unknown metric {self.metric!r}; use accuracy or agreement")
+        if self.train_texts and self.heads != "trained":
+            raise ir.passes.PreconditionError(
+                f"extra training text ({len(self.train_texts)} rows) is for trained heads: add heads=trained "
+                "(--heads trained), or drop the training text"
+            )
         if self.heads == "trained" and (self.hidden or self.pooling not in (None, "cls+mean+attn")):
             raise ir.passes.PreconditionError(
                 "heads='trained' has its own architecture (cls+mean+attn pooling, one hidden layer): "
@@ -203,6 +215,35 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         for e in meta["exits"]:
             if e["head_output"] not in outputs:
                 raise ir.passes.PostconditionError(f"exit head output {e['head_output']!r} missing from the graph")
+
+    def _collect(self, model: ir.Model, cut_names: list[str], pooling: str, trained: bool, clock: _PhaseClock):
+        """Run the calibration rows (and, for trained heads, the extra training text) through the model.
+
+        Returns ``(features, teacher, teacher_all, cache)``: pooled features and the full model's probabilities
+        of the calibration rows, the probabilities of every cached row (calibration rows, then the extra text),
+        and the hidden-state cache of trained heads (``None`` for fitted heads).
+        """
+        cache = None
+        if trained:
+            from dyncompile.passes.early_exit.train_heads import HiddenCache
+
+            cache = HiddenCache()
+        kw = dict(tokenizer_file=self.tokenizer_file, max_length=self.max_length, batch_size=self.batch_size,
+                  progress=self.progress)
+        # trained heads read the cached states, not these features
+        features, teacher = collect_exit_features(model, cut_names, self.texts, pooling="cls" if trained else pooling,
+                                                  on_batch=cache.add if cache is not None else None, **kw)
+        clock.lap("running the calibration set")
+        teacher_all = teacher
+        if cache is not None and self.train_texts:
+            # the extra text's states join the cache after the calibration rows (row ids from n on): the heads
+            # distil on them, the thresholds and the certificate never see them
+            n = len(self.texts)
+            _, extra = collect_exit_features(model, cut_names, self.train_texts, pooling="cls",
+                                             on_batch=lambda rows, mask, hs: cache.add(rows + n, mask, hs), **kw)
+            teacher_all = np.concatenate([teacher, extra])
+            clock.lap("running the extra training text")
+        return features, teacher, teacher_all, cache
 
     # --- the pass -------------------------------------------------------------------------------
 
@@ -224,23 +265,7 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
         pooling = "cls+mean+attn" if trained else (self.pooling or "cls+mean")
         cut_names = [cuts[k] for k in exits]
         clock = _PhaseClock()
-        cache = None
-        if trained:
-            from dyncompile.passes.early_exit.train_heads import HiddenCache
-
-            cache = HiddenCache()
-        features, teacher = collect_exit_features(
-            model,
-            cut_names,
-            self.texts,
-            tokenizer_file=self.tokenizer_file,
-            max_length=self.max_length,
-            pooling="cls" if trained else pooling,  # trained heads read the cached states, not these features
-            batch_size=self.batch_size,
-            progress=self.progress,
-            on_batch=cache.add if cache is not None else None,
-        )
-        clock.lap("running the calibration set")
+        features, teacher, teacher_all, cache = self._collect(model, cut_names, pooling, trained, clock)
         bar = _progress(len(exits), "early-exit: " + ("training" if trained else "fitting") + " exit heads",
                         self.progress)
         if trained:
@@ -248,7 +273,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
 
             del features
             try:
-                fit = train_exit_heads(cache, teacher, self.labels, folds=self.folds, seed=self.seed,
+                fit = train_exit_heads(cache, teacher_all, self.labels, folds=self.folds, seed=self.seed,
+                                       n_calibration=len(self.texts),
                                        progress=lambda done, total, msg: bar.update(1), **self.train_options)
             except CalibrationError as e:
                 raise ir.passes.PreconditionError(str(e)) from None

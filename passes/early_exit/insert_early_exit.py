@@ -323,6 +323,23 @@ def _refuse_embeddings(context) -> None:
         )
 
 
+def _read_train_text(path: str | None, heads: str) -> list[str] | None:
+    """The ``--train-text`` rows (texts only), refused for heads that do not train."""
+    from dyncompile.errors import PassConfigError
+    from dyncompile.io import read_jsonl
+
+    if not path:
+        return None
+    if heads != "trained":
+        raise PassConfigError(
+            f"--train-text is extra text for trained exit heads to distil on; add --heads trained (heads is {heads!r})"
+        )
+    texts = [r["text"] for r in read_jsonl(path)]
+    if not texts:
+        raise PassConfigError(f"--train-text {path} has no rows")
+    return texts
+
+
 def _make_early_exit(
     context,
     budget: float | None = None,
@@ -338,6 +355,7 @@ def _make_early_exit(
     confidence: str | float | None = None,
     batch_sizes: str | int | None = None,
     metric: str | None = None,
+    train_text: str | None = None,
 ):
     """Factory of the ``early-exit`` pass: FitExitHeadsPass + InsertEarlyExitPass.
 
@@ -347,7 +365,8 @@ def _make_early_exit(
     sizes declared, metric accuracy). ``heads=trained``: attention-pooling + MLP heads distilled from the full
     model (PyTorch). ``metric=agreement``: the budget bounds the disagreement rate with the full model, certified
     without labels (it also bounds the accuracy drop: a row that agrees with the full model cannot change
-    correctness).
+    correctness). ``train_text`` (``--train-text``): a JSONL file of extra text the trained heads distil on
+    (every fold head and the shipped one; the thresholds and the certificate use the calibration rows only).
     ``lowering=auto`` picks staged when a declared batch size is above 1, else by provider.
     """
     from dyncompile.errors import PassConfigError
@@ -394,6 +413,7 @@ def _make_early_exit(
             raise PassConfigError(str(e)) from None
     else:
         reason = "chosen by the user (--lowering)"
+    train_texts = _read_train_text(train_text if train_text is not None else o.get("train_text"), heads)
     rows = read_jsonl(o["calib"])
     labels_names = context.model_config.get("labels")
     texts, labels = texts_and_labels(rows, labels_names)
@@ -433,6 +453,7 @@ def _make_early_exit(
         confidence=confidence,
         heads=heads,
         metric=metric,
+        train_texts=train_texts,
     )
     return [fit, InsertEarlyExitPass(lowering=lowering, provider=target, reason=reason)]
 

@@ -144,11 +144,18 @@ def train_exit_heads(
     seed: int = 0,
     threads: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    n_calibration: int | None = None,
 ) -> FitResult:
     """Train one attention-pooling + MLP head per exit on the cached hidden states; see the module docstring.
 
     Returns a :class:`~dyncompile.passes.early_exit.fit.FitResult` (heads with ``cls+mean+attn`` pooling,
     out-of-fold probabilities ``[E, N, C]``, per-exit OOF accuracy/agreement) like the linear fits.
+
+    ``n_calibration``: the cache's first ``n_calibration`` rows are the calibration rows (``labels``, when
+    given, are theirs); the rows after them are extra training text — every member, the K cross-fitted ones
+    and the shipped one, distils on them (teacher targets only), so the out-of-fold probabilities of the
+    calibration rows stay out-of-fold, and ``oof_probs`` covers the calibration rows alone. ``None``: every
+    cached row is a calibration row.
     """
     try:
         import torch
@@ -160,22 +167,29 @@ def train_exit_heads(
     if not cache.batches:
         raise CalibrationError("no hidden states were collected: the calibration set is empty")
     teacher = np.asarray(teacher_probs, np.float64)
-    n, c = teacher.shape
-    if cache.n_rows != n:
-        raise CalibrationError(f"the hidden-state cache has {cache.n_rows} rows, the teacher {n}")
+    n_all, c = teacher.shape
+    if cache.n_rows != n_all:
+        raise CalibrationError(f"the hidden-state cache has {cache.n_rows} rows, the teacher {n_all}")
+    n = n_all if n_calibration is None else int(n_calibration)
+    if not 0 < n <= n_all:
+        raise CalibrationError(f"n_calibration must lie in 1..{n_all} (the cached rows), got {n_calibration}")
     if folds < 2:
         raise CalibrationError(f"folds must be >= 2 (out-of-fold probabilities), got {folds}")
     y = None if labels is None else np.asarray(labels, np.int64)
-    targets = _soft_targets(teacher, y, alpha if y is not None else 1.0, 1.0)
+    if y is not None and len(y) != n:
+        raise CalibrationError(f"{len(y)} labels for {n} calibration rows")
+    targets = np.concatenate([_soft_targets(teacher[:n], y, alpha if y is not None else 1.0, 1.0),
+                              _soft_targets(teacher[n:], None, 1.0, 1.0)])
     rng = np.random.default_rng(seed)
-    fold = _fold_ids(y if y is not None else teacher.argmax(1), folds, rng)
+    # extra training rows get fold -1: no member's held-out fold, so every member trains on them
+    fold = np.r_[_fold_ids(y if y is not None else teacher[:n].argmax(1), folds, rng), np.full(n_all - n, -1)]
     members = folds + 1  # the K cross-fitted heads, then the head on every row (shipped)
     old_threads = torch.get_num_threads()
     # one thread by default: the per-step tensors are small, and on a shared machine a preempted OpenMP
     # thread stalls every barrier (2 threads measured ~10x slower than 1 under load)
     torch.set_num_threads(int(threads) if threads else 1)
     torch.manual_seed(seed)
-    heads, oof = [], np.zeros((cache.n_exits, n, c), np.float32)
+    heads, oof = [], np.zeros((cache.n_exits, n_all, c), np.float32)
     try:
         for e in range(cache.n_exits):
             head, oof[e] = _train_one(
@@ -187,7 +201,8 @@ def train_exit_heads(
                 progress(e + 1, cache.n_exits, f"exit {e}")
     finally:
         torch.set_num_threads(old_threads)
-    final_pred = teacher.argmax(1)
+    oof = np.ascontiguousarray(oof[:, :n])
+    final_pred = teacher[:n].argmax(1)
     oof_pred = oof.argmax(2)
     agreement = [round(100.0 * float((oof_pred[e] == final_pred).mean()), 2) for e in range(cache.n_exits)]
     accuracy = [None if y is None else round(100.0 * float((oof_pred[e] == y).mean()), 2) for e in range(cache.n_exits)]
@@ -199,6 +214,8 @@ def train_exit_heads(
         "epochs": int(epochs), "lr": lr, "weight_decay": weight_decay, "alpha": alpha if y is not None else 1.0,
         "dropout": dropout, "batch_size": int(batch_size), "folds": int(folds), "seed": int(seed), "solver": "adamw (torch)",
     }
+    if n_all > n:
+        config["extra_training_rows"] = int(n_all - n)
     logger.info("trained %d exit heads in %.1f s; OOF agreement %s", len(heads), seconds, agreement)
     return FitResult(heads=heads, oof_probs=oof, oof_accuracy=accuracy, oof_agreement=agreement,
                      fit_seconds=seconds, config=config)
