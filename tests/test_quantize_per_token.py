@@ -129,14 +129,17 @@ def test_numerics_on_the_generated_encoder_are_within_the_quantization_step():
     _check_quantized(got, ref, rel_step, matmuls, activations=True)
 
 
-def test_the_option_is_a_dynamic_format_and_keeps_named_matmuls_fp32():
-    from dyncompile.errors import PassConfigError
+def _made(spec):
     from dyncompile.passes import CompileContext, build_passes
 
-    def made(spec):
-        (p,) = build_passes(spec, CompileContext(options={"provider": "cpu"}))
-        return p
+    (p,) = build_passes(spec, CompileContext(options={"provider": "cpu"}))
+    return p
 
+
+def test_the_option_is_a_dynamic_format_and_keeps_named_matmuls_fp32():
+    from dyncompile.errors import PassConfigError
+
+    made = _made
     p = made("quantize-int8{format=dynamic,activations=per-token,fp32_nodes=fc2}")
     assert isinstance(p, QuantizeDynamicInt8PerTokenPass) and p.exclude_nodes == ("fc2",)
     assert isinstance(made("quantize-int8{format=dynamic}"), QuantizeDynamicInt8Pass)  # per-tensor stays the default
@@ -198,3 +201,79 @@ def test_a_graph_without_weight_matmuls_is_left_alone_with_a_reason(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("quantize-int8" in t and "0 of the 1 MatMul nodes read a float weight initializer" in t
                and "leave quantize-int8 out" in t for t in msgs), msgs
+
+
+# --- activations=mixed: per-token for the GELU-fed MatMuls, ORT's per-tensor elsewhere -------------------------
+
+
+def test_mixed_structure_numerics_and_idempotence():
+    """On a GELU MLP: fc1 gets ORT's per-tensor DynamicQuantizeLinear, fc2 (GELU-fed) the per-token rewrite. The
+    logits equal ORT's per-tensor fc1 followed by the numpy per-token emulation of fc2, with ORT's fusions off
+    and on; a second run changes nothing."""
+    from test_quantize import _gelu_mlp
+
+    from dyncompile.passes.quantize_weights import QuantizeDynamicInt8MixedPass
+
+    m = _gelu_mlp()
+    res = run_pipeline([QuantizeDynamicInt8MixedPass()], m, check="each")  # onnx.checker full_check each pass
+    assert res.modified
+    ops = [n.op_type for n in m.graph]
+    assert ops.count("MatMulInteger") == 2 and "MatMul" not in ops
+    assert ops.count("DynamicQuantizeLinear") == 1 and ops.count("ReduceMax") == 1
+    pt_matmul = [n for n in m.graph if n.op_type == "MatMulInteger" and n.name.endswith("/pt_matmul")]
+    assert [n.name for n in pt_matmul] == ["fc2/pt_matmul"]
+    meta = json.loads(m.metadata_props[_keys.QUANTIZED])
+    assert meta["scheme"] == "int8-dynamic-mixed" and meta["per_token_matmuls"] == 1
+    assert QuantizeDynamicInt8MixedPass()(m).modified is False
+    # reference: ORT's per-tensor fc1 (fc2 left fp32), GELU output exposed, fc2 emulated per token
+    ref = _gelu_mlp()
+    QuantizeDynamicInt8Pass(per_channel=True, keep_fp32="ffn-out")(ref)
+    fc2 = next(n for n in ref.graph if n.name == "fc2")
+    ref.graph.outputs.append(fc2.inputs[0])
+    x = np.random.default_rng(1).standard_normal((6, 64)).astype(np.float32) * 3
+    _, gelu = ort_session(ref).run(None, {"x": x})
+    w2 = _gelu_mlp().graph.initializers["w2"].const_value.numpy()
+    want = _emulate(gelu.astype(np.float64), w2.astype(np.float64))
+    for disable_all in (True, False):
+        got = ort_session(m, disable_all=disable_all).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_mixed_without_a_gelu_is_per_tensor_and_the_option_is_checked():
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes.quantize_weights import QuantizeDynamicInt8MixedPass
+
+    m, ref = tiny_encoder_classifier(), tiny_encoder_classifier()  # ReLU: nothing is GELU-fed
+    QuantizeDynamicInt8MixedPass()(m)
+    QuantizeDynamicInt8Pass(per_channel=True)(ref)
+    assert sorted(n.op_type for n in m.graph) == sorted(n.op_type for n in ref.graph)
+    assert json.loads(m.metadata_props[_keys.QUANTIZED])["per_token_matmuls"] == 0
+    assert isinstance(_made("quantize-int8{format=dynamic,activations=mixed}"), QuantizeDynamicInt8MixedPass)
+    for bad, why in (("quantize-int8{format=qdq-weights,activations=mixed}", "mixed is a dynamic format"),
+                     ("quantize-int8{format=dynamic,activations=mixed,keep_fp32=ffn-out}", "drop keep_fp32")):
+        with pytest.raises(PassConfigError, match=why):
+            _made(bad)
+
+
+def test_real_encoder_mixed_is_closer_to_fp32_than_per_tensor(minilm, movie_test_rows):
+    """MiniLM-L6 on real rows: the 6 GELU-fed MatMuls go per-token, and the logits are closer to fp32's than ORT's
+    per-tensor int8 (the same weights and kernels everywhere else)."""
+    from dyncompile.passes.quantize_weights import QuantizeDynamicInt8MixedPass
+    from dyncompile.runtime.text import TextEncoder
+
+    names = [v.name for v in ir.load(minilm.onnx_path).graph.inputs]
+    enc = TextEncoder(minilm.tokenizer_path, max_length=128)
+    rows = [{k: v for k, v in enc([r["text"]]).items() if k in names} for r in movie_test_rows[:24]]
+    ref = ort_session(minilm.onnx_path)
+    want = np.concatenate([ref.run(None, f)[0] for f in rows])
+
+    def err(p):
+        m = ir.load(minilm.onnx_path)
+        assert p(m).modified
+        s = ort_session(m)
+        return np.abs(np.concatenate([s.run(None, f)[0] for f in rows]) - want).mean(), m
+
+    mixed, m = err(QuantizeDynamicInt8MixedPass())
+    assert json.loads(m.metadata_props[_keys.QUANTIZED])["per_token_matmuls"] == 6
+    dyn, _ = err(QuantizeDynamicInt8Pass(per_channel=True))
+    assert mixed < dyn, (mixed, dyn)
