@@ -465,11 +465,15 @@ class QuantizeDynamicInt8MixedPass(ir.passes.InPlacePass):
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
         if _has_ops(model, INT8_OPS):
             return ir.passes.PassResult(model, modified=False)
+        candidates, _ = self._targets(model)
+        if not candidates:
+            return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
         gelu_fed = [n for n in gelu_fed_matmuls(model) if n not in self.exclude_nodes]
-        QuantizeDynamicInt8Pass(per_channel=True, exclude_nodes=(*gelu_fed, *self.exclude_nodes))(model)
-        by_name = {n.name: n for n in model.graph}
+        if any(node.name not in gelu_fed for node, _ in candidates):
+            QuantizeDynamicInt8Pass(per_channel=True, exclude_nodes=(*gelu_fed, *self.exclude_nodes))(model)
+        by_name = {n.name: n for n in model.graph}  # ORT's rewrite replaced the graph: look the MatMuls up again
         targets = [(by_name[n], by_name[n].inputs[1]) for n in gelu_fed if n in by_name]
-        n_act = quantize_per_token(model, targets)
+        n_act = quantize_per_token(model, targets) if targets else 0
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
             {"scheme": "int8-dynamic-mixed", "per_channel": True, "per_token_matmuls": len(targets),
              "keep_fp32": [], "fp32_matmuls_kept": len(self.exclude_nodes)}

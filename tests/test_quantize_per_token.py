@@ -248,6 +248,15 @@ def test_mixed_without_a_gelu_is_per_tensor_and_the_option_is_checked():
     QuantizeDynamicInt8Pass(per_channel=True)(ref)
     assert sorted(n.op_type for n in m.graph) == sorted(n.op_type for n in ref.graph)
     assert json.loads(m.metadata_props[_keys.QUANTIZED])["per_token_matmuls"] == 0
+    assert not [n for n in m.graph.initializers if n.startswith("dyncompile_pt_")]  # no per-token constants left over
+    # a graph with no weight MatMul: not fired, nothing written
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, 4, 8]))
+    w = ir.val("w", ir.DataType.FLOAT, ir.Shape([8, 3]))
+    tape = ir.tape.Tape()
+    y = tape.op("MatMul", [x, w], name="proj")
+    y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape([1, 4, 3])
+    bare = ir.Model(ir.Graph([x, w], [y], nodes=tape.nodes, opset_imports={"": 18}), ir_version=10)
+    assert not QuantizeDynamicInt8MixedPass()(bare).modified and _keys.QUANTIZED not in bare.metadata_props
     assert isinstance(_made("quantize-int8{format=dynamic,activations=mixed}"), QuantizeDynamicInt8MixedPass)
     for bad, why in (("quantize-int8{format=qdq-weights,activations=mixed}", "mixed is a dynamic format"),
                      ("quantize-int8{format=dynamic,activations=mixed,keep_fp32=ffn-out}", "drop keep_fp32")):
