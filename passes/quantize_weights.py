@@ -323,8 +323,10 @@ def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Valu
     """Rewrite ``targets`` (``(MatMul, 2-D float weight)`` pairs) as per-token int8; returns the activations quantized.
 
     The rewrite of :class:`QuantizeDynamicInt8PerTokenPass` (its docstring has the arithmetic); MatMuls that
-    read one activation share its quantization.
+    read one activation share its quantization. No targets: the graph is left as it is.
     """
+    if not targets:
+        return 0
     g = model.graph
     opset = default_opset(model)
 
@@ -423,6 +425,11 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
         targets, exclude = self._targets(model)
         if not targets:
             return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
+        return self._quantize(model, targets, exclude)
+
+    def _quantize(self, model: ir.Model, targets: list[tuple[ir.Node, ir.Value]], exclude: list[str]
+                  ) -> ir.passes.PassResult:
+        """Quantize ``targets`` (the float-weight MatMuls not in ``exclude``) and record the scheme."""
         n_act = quantize_per_token(model, targets)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
             {"scheme": "int8-dynamic-per-token", "per_channel": True, "keep_fp32": list(self.keep_fp32),
@@ -433,7 +440,7 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
-class QuantizeDynamicInt8MixedPass(ir.passes.InPlacePass):
+class QuantizeDynamicInt8MixedPass(QuantizeDynamicInt8PerTokenPass):
     """Dynamic int8: per-token activation scales where a GELU feeds the MatMul, ORT's per-tensor ones elsewhere.
 
     The answers per-tensor int8 flips come from the FFN output projections: their input is a GELU output with a
@@ -451,35 +458,26 @@ class QuantizeDynamicInt8MixedPass(ir.passes.InPlacePass):
     """
 
     def __init__(self, exclude_nodes: Sequence[str] = ()) -> None:
-        super().__init__()
-        self.keep_fp32: tuple[str, ...] = ()
-        self.exclude_nodes = tuple(exclude_nodes)
+        super().__init__(exclude_nodes=exclude_nodes)
 
     def __repr__(self) -> str:
         return f"QuantizeDynamicInt8MixedPass({_fp32_repr((), self.exclude_nodes).lstrip(', ')})"
 
-    requires = QuantizeDynamicInt8PerTokenPass.requires
-    _targets = QuantizeDynamicInt8PerTokenPass._targets
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
-        if _has_ops(model, INT8_OPS):
-            return ir.passes.PassResult(model, modified=False)
-        candidates, _ = self._targets(model)
-        if not candidates:
-            return not_fired(model, "quantize-int8", _no_int8_target(model), "leave quantize-int8 out for this model")
+    def _quantize(self, model: ir.Model, targets: list[tuple[ir.Node, ir.Value]], exclude: list[str]
+                  ) -> ir.passes.PassResult:
+        """ORT's per-tensor int8 for ``targets`` a GELU does not feed, then the per-token rewrite for the rest."""
         gelu_fed = [n for n in gelu_fed_matmuls(model) if n not in self.exclude_nodes]
-        if any(node.name not in gelu_fed for node, _ in candidates):
+        if any(node.name not in gelu_fed for node, _ in targets):
             QuantizeDynamicInt8Pass(per_channel=True, exclude_nodes=(*gelu_fed, *self.exclude_nodes))(model)
         by_name = {n.name: n for n in model.graph}  # ORT's rewrite replaced the graph: look the MatMuls up again
-        targets = [(by_name[n], by_name[n].inputs[1]) for n in gelu_fed if n in by_name]
-        n_act = quantize_per_token(model, targets) if targets else 0
+        per_token = [(by_name[n], by_name[n].inputs[1]) for n in gelu_fed if n in by_name]
+        n_act = quantize_per_token(model, per_token)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
-            {"scheme": "int8-dynamic-mixed", "per_channel": True, "per_token_matmuls": len(targets),
-             "keep_fp32": [], "fp32_matmuls_kept": len(self.exclude_nodes)}
+            {"scheme": "int8-dynamic-mixed", "per_channel": True, "per_token_matmuls": len(per_token),
+             "keep_fp32": [], "fp32_matmuls_kept": len(exclude)}
         )
         logger.info("int8 mixed: %d GELU-fed MatMuls per-token (%d activations), the rest per-tensor, %d kept in fp32",
-                    len(targets), n_act, len(self.exclude_nodes))
+                    len(per_token), n_act, len(exclude))
         return ir.passes.PassResult(model, modified=_has_ops(model, INT8_OPS))
 
 
@@ -887,6 +885,7 @@ def _make_int8(
     warn_if_cuda(context, "quantize-int8")
     if format == "auto":
         format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
+    names = tuple(n for n in (fp32_nodes or "").split("+") if n)
     if activations in ("per-token", "mixed"):
         if format != "dynamic" or budget_share is not None or reduce_range or per_channel is False:
             raise PassConfigError(f"quantize-int8 activations={activations} is a dynamic format with per-channel weights: "
@@ -895,16 +894,14 @@ def _make_int8(
             if keep_fp32:
                 raise PassConfigError("quantize-int8 activations=mixed quantizes the GELU-fed MatMuls per token; drop "
                                       "keep_fp32 (or name fp32 MatMuls with fp32_nodes=A+B)")
-            return QuantizeDynamicInt8MixedPass(exclude_nodes=tuple(n for n in (fp32_nodes or "").split("+") if n))
-        return QuantizeDynamicInt8PerTokenPass(keep_fp32=keep_fp32,
-                                               exclude_nodes=tuple(n for n in (fp32_nodes or "").split("+") if n))
+            return QuantizeDynamicInt8MixedPass(exclude_nodes=names)
+        return QuantizeDynamicInt8PerTokenPass(keep_fp32=keep_fp32, exclude_nodes=names)
     if budget_share is not None:
         if fp32_nodes:
             raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "
                                   "them), not both")
         return _make_int8_search(context, format, per_channel, reduce_range, keep_fp32, budget_share, sensitivity_rows,
                                  calib_rows, symmetric_activations, forecast)
-    names = tuple(n for n in (fp32_nodes or "").split("+") if n)
     if names and format not in ("dynamic", "static"):
         raise PassConfigError(f"quantize-int8 fp32_nodes applies to format=dynamic or static, not {format!r}")
     if format == "static":

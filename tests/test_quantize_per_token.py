@@ -184,17 +184,22 @@ def test_real_encoder_rows_do_not_depend_on_their_batch(minilm, movie_test_rows)
     assert np.abs(pt_alone - ref).mean() < np.abs(dyn_alone - ref).mean()
 
 
-def test_a_graph_without_weight_matmuls_is_left_alone_with_a_reason(caplog):
-    """Named on a graph it cannot fire on (the weight is a graph input, not an initializer): unchanged, and a
-    WARNING at the default verbosity that says why and what to do."""
-    import logging
-
+def _weight_is_an_input() -> ir.Model:
+    """One MatMul whose weight is a graph input, not an initializer: nothing an int8 pass can quantize."""
     x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, 4, 8]))
     w = ir.val("w", ir.DataType.FLOAT, ir.Shape([8, 3]))
     tape = ir.tape.Tape()
     y = tape.op("MatMul", [x, w], name="proj")
     y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape([1, 4, 3])
-    m = ir.Model(ir.Graph([x, w], [y], nodes=tape.nodes, opset_imports={"": 18}), ir_version=10)
+    return ir.Model(ir.Graph([x, w], [y], nodes=tape.nodes, opset_imports={"": 18}), ir_version=10)
+
+
+def test_a_graph_without_weight_matmuls_is_left_alone_with_a_reason(caplog):
+    """Named on a graph it cannot fire on (the weight is a graph input, not an initializer): unchanged, and a
+    WARNING at the default verbosity that says why and what to do."""
+    import logging
+
+    m = _weight_is_an_input()
     with caplog.at_level(logging.WARNING):
         res = run_pipeline([QuantizeDynamicInt8PerTokenPass()], m, check="none")
     assert not res.modified and [n.op_type for n in m.graph] == ["MatMul"] and _keys.QUANTIZED not in m.metadata_props
@@ -249,13 +254,7 @@ def test_mixed_without_a_gelu_is_per_tensor_and_the_option_is_checked():
     assert sorted(n.op_type for n in m.graph) == sorted(n.op_type for n in ref.graph)
     assert json.loads(m.metadata_props[_keys.QUANTIZED])["per_token_matmuls"] == 0
     assert not [n for n in m.graph.initializers if n.startswith("dyncompile_pt_")]  # no per-token constants left over
-    # a graph with no weight MatMul: not fired, nothing written
-    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, 4, 8]))
-    w = ir.val("w", ir.DataType.FLOAT, ir.Shape([8, 3]))
-    tape = ir.tape.Tape()
-    y = tape.op("MatMul", [x, w], name="proj")
-    y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape([1, 4, 3])
-    bare = ir.Model(ir.Graph([x, w], [y], nodes=tape.nodes, opset_imports={"": 18}), ir_version=10)
+    bare = _weight_is_an_input()  # no weight MatMul: not fired, nothing written
     assert not QuantizeDynamicInt8MixedPass()(bare).modified and _keys.QUANTIZED not in bare.metadata_props
     assert isinstance(_made("quantize-int8{format=dynamic,activations=mixed}"), QuantizeDynamicInt8MixedPass)
     for bad, why in (("quantize-int8{format=qdq-weights,activations=mixed}", "mixed is a dynamic format"),
