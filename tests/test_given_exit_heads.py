@@ -90,3 +90,12 @@ def test_given_heads_refused_on_a_plain_classifier(minilm, tmp_path, capsys):
     calib, _ = _calib(tmp_path)
     rc, _, err = run_cli(capsys, minilm.onnx_path, "--passes", "early-exit{heads=given}", "--calib", calib, "-o", tmp_path / "o")
     assert_clean_error(rc, err, "per-layer logits")
+
+
+def test_given_heads_refuse_the_learned_criterion(minilm, tmp_path, capsys):
+    path = _deebert_model(minilm, tmp_path)
+    calib, _ = _calib(tmp_path)
+    rc, _, err = run_cli(capsys, path, "--passes", "early-exit{heads=given}", "--criterion", "learned", "--calib",
+                         calib, "--confidence", "none", "-o", tmp_path / "o")
+    assert_clean_error(rc, err, "--criterion learned needs fitted heads")
+    assert not (tmp_path / "o").exists()

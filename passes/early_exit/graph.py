@@ -195,34 +195,34 @@ class GraphBuilder:
 
         Features ``[maxprob, margin, entropy, agree_prev, moved, prev_maxprob]`` from this head's logits and
         the previous exit's (``None`` for the first exit: the head itself), then ``features @ w + b``.
+
+        Lowered as one feature row per input row and one ``MatMul``, the weights folded so that no feature
+        needs its own kernel: ``[top1, top2, sum p log p, sum |p - q|, agree, max q] @ [w_max + w_margin,
+        -w_margin, -w_entropy, w_moved, w_agree, w_prev] + b`` (margin = top1 - top2, entropy = -sum p log p).
+        The first exit has ``q = p``: moved is 0, agree 1 (folded into the bias) and max q = top1, leaving
+        ``[top1, top2, sum p log p]`` (8 kernels; 17 with a previous exit).
         """
+        w_max, w_margin, w_ent, w_agree, w_moved, w_prev = (float(v) for v in weights)
         p = self.op("Softmax", [logits], {"axis": -1})
-        vals, _ = self.tape.op_multi_out(
+        top, _ = self.tape.op_multi_out(
             "TopK", [p, self.const(np.array([2], np.int64), "k2")], {"axis": -1, "largest": 1, "sorted": 1}, num_outputs=2
         )
-        top1 = self.op("Gather", [vals, self.const(np.array(0, np.int64), "i0")], {"axis": -1})
-        top2 = self.op("Gather", [vals, self.const(np.array(1, np.int64), "i1")], {"axis": -1})
-        margin = self.op("Sub", [top1, top2])
-        logp = self.op("LogSoftmax", [logits], {"axis": -1})
-        ent = self.op("Neg", [self.reduce("ReduceSum", self.op("Mul", [p, logp]), [-1], 0, "pol_ent")])
+        plogp = self.reduce("ReduceSum", self.op("Mul", [p, self.op("LogSoftmax", [logits], {"axis": -1})]), [-1], 1,
+                            "pol_ent")
         if prev_logits is None:
-            agree = self.op("Identity", [self.const(np.float32(1.0), "agree_first")])
-            q, prev_max = p, top1
+            feats, w, b = [top, plogp], [w_max + w_margin + w_prev, -w_margin, -w_ent], bias + w_agree
         else:
             q = self.op("Softmax", [prev_logits], {"axis": -1})
-            same = self.op(
-                "Equal",
-                [self.op("ArgMax", [p], {"axis": -1, "keepdims": 0}), self.op("ArgMax", [q], {"axis": -1, "keepdims": 0})],
-            )
+            moved = self.reduce("ReduceSum", self.op("Abs", [self.op("Sub", [p, q])]), [-1], 1, "pol_moved")
+            same = self.op("Equal", [self.op("ArgMax", [p], {"axis": -1, "keepdims": 1}),
+                                     self.op("ArgMax", [q], {"axis": -1, "keepdims": 1})])
             agree = self.op("Cast", [same], {"to": ir.DataType.FLOAT})
-            prev_max = self.reduce("ReduceMax", q, [-1], 0, "pol_prevmax")
-        moved = self.reduce("ReduceSum", self.op("Abs", [self.op("Sub", [p, q])]), [-1], 0, "pol_moved")
-        w = [float(v) for v in weights]
-        terms = [top1, margin, ent, agree, moved, prev_max]
-        score = self.const(np.float32(bias), "pol_b")
-        for i, (t, wi) in enumerate(zip(terms, w, strict=True)):
-            score = self.op("Add", [score, self.op("Mul", [t, self.const(np.float32(wi), f"pol_w{i}")])])
-        return score
+            prev_max = self.reduce("ReduceMax", q, [-1], 1, "pol_prevmax")
+            feats, w, b = [top, plogp, moved, agree, prev_max], [w_max + w_margin, -w_margin, -w_ent, w_moved, w_agree,
+                                                                  w_prev], bias
+        x = self.op("Concat", feats, {"axis": -1})
+        score = self.op("MatMul", [x, self.const(np.asarray(w, np.float32), "pol_w")])
+        return self.op("Add", [score, self.const(np.float32(b), "pol_b")])
 
     def learned_fires(
         self, logits: ir.Value, prev_logits: ir.Value | None, weights: Sequence[float], bias: float, threshold: float
