@@ -153,3 +153,37 @@ def test_classifier_bench_table_shows_the_total_time_speedup_beside_the_median()
     cols = [c.strip() for c in head.strip("|").split("|")]
     vals = dict(zip(cols, [c.strip() for c in plan.strip("|").split("|")], strict=True))
     assert vals["speedup b1 (median)"] == "3.0x" and vals["speedup b1 (total time)"] == "2.0x"
+
+
+def test_accuracy_change_interval_is_paired_and_shown_beside_the_change():
+    """The quantized-certified table's Δ vs fp32 carries a paired bootstrap interval over rows (the same rows'
+    correctness, plan minus fp32); a report written before the interval existed renders as it did."""
+    from dyncompile.tools.bench.common import bootstrap_diff
+    from dyncompile.tools.studies.quantized_certified import markdown
+
+    rng = np.random.default_rng(3)
+    ref_ok = rng.random(1500) < 0.85
+    flip = rng.random(1500) < 0.05  # 5 % of rows change correctness, each way half the time
+    plan_ok = np.where(flip, ~ref_ok, ref_ok)
+    mean, lo, hi = bootstrap_diff(plan_ok, ref_ok)
+    assert mean == pytest.approx(plan_ok.mean() - ref_ok.mean()) and lo < mean < hi
+    # paired: the interval's half-width follows the flips (~sqrt(0.05 / 1500)), not the accuracy's spread
+    assert 0.6 * 1.96 * np.sqrt(flip.mean() / 1500) < (hi - lo) / 2 < 1.4 * 1.96 * np.sqrt(flip.mean() / 1500)
+    unpaired = bootstrap_diff(rng.permutation(plan_ok), ref_ok)
+    assert (unpaired[2] - unpaired[1]) > 2 * (hi - lo)
+
+    def report(ci):
+        rows = []
+        for name, plan in (("fp32 original", None), ("plan", "p")):
+            row = {"name": name, "plan": plan, "accuracy": 84.0, "delta_vs_fp32": -1.2 if plan else 0.0,
+                   "agreement_fp32": 94.4, "mean_exit_layer": None, "p50_ms": 1.0, "p90_ms": 2.0,
+                   "speedup": {"ratio": 4.0, "lo": 3.9, "hi": 4.1}, "promise": {}}
+            if ci:
+                row["delta_vs_fp32_ci"] = [-1.87, -0.53] if plan else [0.0, 0.0]
+            rows.append(row)
+        return {"results": rows}
+
+    new, old = markdown(report(True)), markdown(report(False))
+    assert "| Δ vs fp32 [95 % CI] |" in new and "| plan | 84.0 | -1.20 [-1.87, -0.53] |" in new
+    assert "| fp32 original | 84.0 | +0.00 |" in new  # the reference itself: no interval
+    assert "| Δ vs fp32 |" in old and "| plan | 84.0 | -1.20 |" in old

@@ -2,7 +2,8 @@
 
 Takes plan directories compiled by the pipelines a user runs (``dyncompile MODEL --passes ...``; the README of
 the study lists them) and measures them with the fp32 original interleaved in one process, batch 1, on the rows
-of ``--data`` (movie-test: never used to choose anything): per plan the accuracy, its change and the agreement
+of ``--data`` (movie-test: never used to choose anything): per plan the accuracy, its change (with a paired 95 % bootstrap
+interval over rows: is a drop on these rows consistent with the certified bound?) and the agreement
 with the fp32 original from the very same runs as the latency (median/p90), the paired speedup over fp32 with a
 95 % bootstrap interval over rows (:func:`~dyncompile.tools.bench.common.paired_ratio`, the geometric mean of
 per-row ratios) and the total-time ratio (:func:`~dyncompile.tools.bench.common.total_time_ratio`, what throughput
@@ -50,6 +51,7 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench.common import (
+        bootstrap_diff,
         interleaved_batch1,
         machine_info,
         paired_ratio,
@@ -75,6 +77,7 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
             "name": r.name,
             "accuracy": round(100 * float((pred == y).mean()), 2),
             "delta_vs_fp32": round(100 * float((pred == y).mean() - (ref == y).mean()), 2),
+            "delta_vs_fp32_ci": [round(100 * v, 2) for v in bootstrap_diff(pred == y, ref == y)[1:]],
             "agreement_fp32": round(100 * float((pred == ref).mean()), 2),
             "mean_exit_layer": None if ex[0] is None else round(float(np.mean([int(np.asarray(e).reshape(-1)[0]) for e in ex])), 2),
             "p50_ms": round(1e3 * float(np.median(lat[r.name])), 2),
@@ -91,7 +94,8 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
 
 def markdown(report: dict[str, Any]) -> str:
     total = all("time_ratio" in r for r in report["results"])  # reports written before it have no such column
-    lines = ["| plan | acc (%) | Δ vs fp32 | agree fp32 (%) | mean exit | p50 (ms) | p90 (ms) | speedup b1 [95 % CI] | "
+    with_ci = any(r.get("delta_vs_fp32_ci") for r in report["results"])  # reports written before it have none
+    lines = ["| plan | acc (%) | " + ("Δ vs fp32 [95 % CI]" if with_ci else "Δ vs fp32") + " | agree fp32 (%) | mean exit | p50 (ms) | p90 (ms) | speedup b1 [95 % CI] | "
              + ("total time ratio [95 % CI] | " if total else "")
              + "certified bound (budget) | int8 bound (target), fp32 MatMuls |",
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if total else "")]
@@ -102,7 +106,9 @@ def markdown(report: dict[str, Any]) -> str:
         bound = f"{p['bound']:.2f} ({p['budget']:g})" if p.get("bound") is not None else "–"
         q = (f"{p['int8_bound']:.2f} ({p['int8_target']:g}), {p['int8_fp32_matmuls']}/{p['int8_matmuls']}"
              if p.get("int8_bound") is not None else "–")
-        lines.append(f"| {r['name']} | {r['accuracy']} | {r['delta_vs_fp32']:+.2f} | {r['agreement_fp32']} | "
+        ci = r.get("delta_vs_fp32_ci")
+        delta = f"{r['delta_vs_fp32']:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and r["plan"] else "")
+        lines.append(f"| {r['name']} | {r['accuracy']} | {delta} | {r['agreement_fp32']} | "
                      f"{r['mean_exit_layer'] if r['mean_exit_layer'] is not None else '–'} | {r['p50_ms']} | {r['p90_ms']} | "
                      f"{s['ratio']:.2f}x [{s['lo']:.2f}, {s['hi']:.2f}] | {tcol}{bound} | {q} |")
     return "\n".join(lines)
