@@ -72,6 +72,12 @@ COVERAGE: dict[str, tuple[str, str]] = {
     'dyncompile $M --passes "quantize-int8{per_channel=true,keep_fp32=ffn-out},early-exit" '
     "--calib $D/movie-calib.jsonl -o q8ee/": (RUN, ""),
     "dyncompile $T --passes quantize-int4 -o int4/": (RUN, ""),
+    "MP=~/.cache/dyncompile/models/mpnet-base-sentiment/model.onnx": (SET, "MP"),
+    # trained heads distilled on --train-text (real MiniLM) and activations=mixed are tested apart; together they
+    # are the quantized-certified study's round-9/10 MPNet plan
+    'dyncompile $MP --passes "pack-matmuls,quantize-int8{format=dynamic,activations=mixed},early-exit{heads=trained}" '
+    "--calib $D/movie-calib.jsonl --train-text $D/movie-train.jsonl --budget 1.0 -o mp-q8ee/":
+        ("test", "tests/test_trained_exit_heads.py"),
     # the command line
     "dyncompile passes": (RUN, ""),
     "dyncompile inspect --verify ee/": (RUN, ""),
