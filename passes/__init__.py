@@ -37,6 +37,7 @@ from dyncompile.passes.early_exit import (
 from dyncompile.passes.fuse_decoder import FuseDecoderPass
 from dyncompile.passes.fuse_encoder_attention import FuseEncoderAttentionPass
 from dyncompile.passes.fuse_gelu import FuseGeluPass
+from dyncompile.passes.key_padding_mask import KeyPaddingMaskPass
 from dyncompile.passes.matmul_to_conv import MatMulToConvPass
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
@@ -58,6 +59,7 @@ __all__ = [
     "FuseDecoderPass",
     "FuseEncoderAttentionPass",
     "FuseGeluPass",
+    "KeyPaddingMaskPass",
     "MatMulToConvPass",
     "PackMatMulsPass",
     "InsertEarlyExitPass",

@@ -21,7 +21,8 @@ on SmolLM2 prompt lookup 1.29x (``bench-results/speculative-cuda/``). It costs p
 threads, 7-8x at 2 threads, where the unfused graph then wins end to end): compile with ``-O0`` for that case.
 On OpenVINO and DirectML no lowering was measured: those rows are empty. Classifiers on the CPU EP get
 ``fuse-encoder-attention`` (one MultiHeadAttention per layer of a dynamo-exported encoder: MiniLM-L6 fp32 1.05x,
-its int8 early-exit plans 1.07-1.08x, ``bench-results/quantized-certified/`` round 6) and ``fuse-gelu`` (one Gelu
+its int8 early-exit plans 1.07-1.08x, ``bench-results/quantized-certified/`` round 6), ``key-padding-mask`` (the
+exported padding-mask chain -> the operator's own key padding mask: ~20 kernels a row; round 10) and ``fuse-gelu`` (one Gelu
 kernel per feed-forward layer: MiniLM-L6 fp32 1.07x, int8 1.10x, MPNet-base fp32 1.05x, round 8); their If-vs-staged choice
 follows the declared batch sizes in the ``early-exit`` pass.
 
@@ -81,7 +82,7 @@ PRESETS: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {
             ("trim-logits", 1),
             ("matmul-to-conv", 2),
         ),
-        "text-classification": (("fuse-encoder-attention", 2), ("fuse-gelu", 2)),
+        "text-classification": (("fuse-encoder-attention", 2), ("key-padding-mask", 2), ("fuse-gelu", 2)),
     },
     "cuda": {
         "text-generation": (

@@ -170,3 +170,19 @@ def tiny_classifier_dir(tmp_path: Path, minilm) -> tuple[Path, Path]:
     calib = tmp_path / "calib.jsonl"
     calib.write_text("\n".join((DATA / "movie-calib.jsonl").read_text().splitlines()[:300]) + "\n")
     return d, calib
+
+
+def assert_left_alone_with_reason(model, spec: str, caplog, *needles: str) -> None:
+    """Run the pass ``spec`` on ``model`` as a pipeline does: the graph keeps its nodes, and one WARNING names the
+    pass, says why (every needle) and how to proceed ("leave <pass> out")."""
+    import logging
+
+    from dyncompile.passes import build_passes, run_pipeline
+
+    nodes = [n.op_type for n in model.graph]
+    with caplog.at_level(logging.WARNING):
+        run_pipeline(build_passes(spec), model, check="none")
+    assert [n.op_type for n in model.graph] == nodes
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(spec in m and f"leave {spec} out" in m and all(x in m for x in needles) for m in msgs), msgs
+

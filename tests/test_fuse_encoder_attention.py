@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import ort_session  # tests/ is on pythonpath; ORT_DISABLE_ALL
+from helpers import assert_left_alone_with_reason, ort_session  # tests/ is on pythonpath; ORT_DISABLE_ALL
 
 from dyncompile.passes import FuseEncoderAttentionPass
 
@@ -77,18 +77,8 @@ def fused_hidden(model: onnx.ModelProto, mha: onnx.NodeProto) -> int:
 
 def test_a_graph_without_attention_is_left_alone_with_a_reason(tiny_encoder_path, caplog):
     """Named by the user on a graph it cannot fire on: unchanged, and a WARNING with the reason and the fix."""
-    import logging
-
-    from dyncompile.passes import build_passes, run_pipeline
-
-    model = ir.load(tiny_encoder_path)
-    nodes = len(list(model.graph))
-    with caplog.at_level(logging.WARNING):
-        run_pipeline(build_passes("fuse-encoder-attention"), model, check="none")
-    assert len(list(model.graph)) == nodes
-    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("fuse-encoder-attention" in m and "no Softmax of scaled, masked q.k^T scores" in m
-               and "leave fuse-encoder-attention out" in m for m in msgs), msgs
+    assert_left_alone_with_reason(ir.load(tiny_encoder_path), "fuse-encoder-attention", caplog,
+                                  "no Softmax of scaled, masked q.k^T scores")
 
 
 def test_the_fused_graph_quantizes_and_keeps_its_predictions(minilm, movie_test_rows, tmp_path):

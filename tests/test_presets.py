@@ -179,7 +179,8 @@ def test_early_exit_batch_sizes_must_be_positive(tmp_path):
     assert _early_exit_lowering(tmp_path, provider="openvino", batch_sizes="1")[0] == "staged"  # EP-aware still
 
 
-@pytest.mark.parametrize("level, provider, inserted", [(2, "cpu", ["fuse-encoder-attention", "fuse-gelu"]), (0, "cpu", []),
+@pytest.mark.parametrize("level, provider, inserted", [(2, "cpu", ["fuse-encoder-attention", "key-padding-mask", "fuse-gelu"]),
+                                                        (0, "cpu", []),
                                                         (2, "openvino", [])])
 def test_a_classifier_compile_gets_the_fused_encoder_attention_on_the_cpu_ep(minilm, level, provider, inserted,
                                                                             tmp_path):
@@ -197,6 +198,7 @@ def test_a_classifier_compile_gets_the_fused_encoder_attention_on_the_cpu_ep(min
     assert sum(n.op_type == "MultiHeadAttention" for n in g.node) == (6 if inserted else 0)
     assert sum(n.op_type == "Gelu" for n in g.node) == (6 if inserted else 0)
     assert sum(n.op_type == "Erf" for n in g.node) == (0 if inserted else 6)
+    assert sum(n.op_type == "GatherND" for n in g.node) == (0 if inserted else 1)  # the exported mask chain's
     if inserted:  # the answers of the original model (the pass's own test compares logits <= 1e-5)
         rows = ["A gorgeous, witty movie.", "Dull, overlong and badly acted."]
         from dyncompile.tools.evaluate import ReferenceModel

@@ -130,8 +130,9 @@ def test_int8_then_early_exit_on_minilm(minilm, tmp_path):
         minilm.onnx_path, "quantize-int8,early-exit", tmp_path / "q8ee", calib=str(calib), budget=2.0,
         lowering="staged", confidence="none", progress=False,
     )
-    assert [r.name for r in res.pipeline.records] == [  # the -O2 presets (fused attention, fused GELU) first
-        "FuseEncoderAttentionPass", "FuseGeluPass", "QuantizeDynamicInt8Pass", "FitExitHeadsPass", "InsertEarlyExitPass"]
+    assert [r.name for r in res.pipeline.records] == [  # the -O2 presets (fused attention, key mask, GELU) first
+        "FuseEncoderAttentionPass", "KeyPaddingMaskPass", "FuseGeluPass", "QuantizeDynamicInt8Pass", "FitExitHeadsPass",
+        "InsertEarlyExitPass"]
     seg0 = ir.load(res.plan.directory / res.plan.files["segment0"].path)
     assert "MatMulInteger" in _ops(seg0)  # the heads were fitted on the quantized model's features
     m = dyncompile.load(res.plan_dir)
