@@ -12,7 +12,9 @@ keys itself. At batch 1 on a CPU the chain costs more than a layer's attention k
   ``P``; ``X`` stays the bias). ``P`` is recognised by what it computes, not by the exporter's node pattern:
   (1) the graph inputs it depends on are ``attention_mask`` and, only through ``Shape``, other inputs; (2) on
   probe masks (two batch shapes, rows with and without padding, evaluated in ONNX Runtime) it is 0 wherever
-  ``attention_mask`` is 1 and at most -1e4 wherever it is 0, the same for every query position and head.
+  ``attention_mask`` is 1 and at most -1e4 wherever it is 0, the same for every query position and head (a
+  bias the probe cannot evaluate, e.g. one that reads the shape of an input that is not ``[batch, sequence]``,
+  is left alone).
 * Rewrite: ``key_padding_mask = Cast(attention_mask, int32)`` (one, shared) and ``attention_bias`` = ``X`` or
   none; nodes nothing reads any more go.
 * Invariants: graph inputs/outputs unchanged; outputs equal the input graph's (within 1e-6 on real MiniLM-L6
@@ -43,11 +45,10 @@ MASKED_AT_MOST = -1e4
 PROBES = ((7, (7, 4, 1)), (3, (3,)))
 
 
-def _inputs_reached(v: ir.Value, graph_inputs: set[ir.Value]) -> tuple[set[str], set[str]]:
-    """Names of the graph inputs ``v`` depends on: ``(through values, only through Shape)``."""
-    by_value: set[str] = set()
-    by_shape: set[str] = set()
-    seen: set[int] = set()
+def _inputs_reached(v: ir.Value, graph_inputs: set[ir.Value]) -> set[str]:
+    """Names of the graph inputs ``v`` depends on through their values (not only through a ``Shape``)."""
+    reached: set[str] = set()
+    seen: set[tuple[int, bool]] = set()
     stack = [(v, False)]
     while stack:
         x, shape_only = stack.pop()
@@ -55,14 +56,13 @@ def _inputs_reached(v: ir.Value, graph_inputs: set[ir.Value]) -> tuple[set[str],
             continue
         seen.add((id(x), shape_only))
         if x in graph_inputs:
-            (by_shape if shape_only else by_value).add(x.name)
+            if not shape_only:
+                reached.add(x.name)
             continue
         p = x.producer()
-        if p is None:
-            continue
-        through_shape = shape_only or p.op_type == "Shape"
-        stack.extend((i, through_shape) for i in p.inputs)
-    return by_value, by_shape
+        if p is not None:
+            stack.extend((i, shape_only or p.op_type == "Shape") for i in p.inputs)
+    return reached
 
 
 def _cone(model: ir.Model, names: list[str]):
@@ -84,31 +84,43 @@ def _probe(model: ir.Model, candidates: list[ir.Value]) -> set[str]:
     import onnxruntime as ort
 
     names = [v.name for v in candidates]
-    proto = _cone(model, names)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    ok = set(names)
-    for seq, lengths in PROBES:
-        mask = np.array([[1] * n + [0] * (seq - n) for n in lengths], np.int64)
-        feeds = {}
-        for i in sess.get_inputs():
-            if i.name == MASK_INPUT:
-                feeds[i.name] = mask.astype(np.int32 if i.type == "tensor(int32)" else np.int64)
-            else:  # reached only through Shape: its values do not matter, its [batch, sequence] shape does
-                dtype = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}.get(i.type, np.float32)
-                feeds[i.name] = np.zeros(mask.shape, dtype)
-        for name, out in zip(names, sess.run(names, feeds), strict=True):
-            out = np.asarray(out)
-            try:
-                b = np.broadcast_to(out, (len(lengths), 1, seq, seq)) if out.ndim == 4 else None
-            except ValueError:
-                b = None
-            keep = mask[:, None, None, :].astype(bool)
-            if b is None or out.shape[1] != 1 or not (np.all(b[np.broadcast_to(keep, b.shape)] == 0)
-                                                      and np.all(b[~np.broadcast_to(keep, b.shape)] <= MASKED_AT_MOST)):
-                ok.discard(name)
+    try:
+        ok = set(names)
+        sess = ort.InferenceSession(_cone(model, names).SerializeToString(), so, providers=["CPUExecutionProvider"])
+        for seq, lengths in PROBES:
+            ok &= _padding_biases(sess, names, seq, lengths)
+    except Exception as e:  # e.g. an input reached through Shape whose rank is not [batch, sequence]
+        logger.info("key-padding-mask: the bias could not be evaluated on probe masks (%s)", e)
+        return set()
+    return ok
+
+
+def _padding_biases(sess, names: list[str], seq: int, lengths: tuple[int, ...]) -> set[str]:
+    """Which of ``names`` are a padding bias on one probe mask (rows of ``lengths`` tokens out of ``seq``)."""
+    mask = np.array([[1] * n + [0] * (seq - n) for n in lengths], np.int64)
+    feeds = {}
+    for i in sess.get_inputs():
+        if i.name == MASK_INPUT:
+            feeds[i.name] = mask.astype(np.int32 if i.type == "tensor(int32)" else np.int64)
+        else:  # reached only through Shape: its values do not matter, its [batch, sequence] shape does
+            dtype = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}.get(i.type, np.float32)
+            feeds[i.name] = np.zeros(mask.shape, dtype)
+    keep = mask[:, None, None, :].astype(bool)  # [B, 1, 1, T]: the key is a token
+    ok = set()
+    for name, out in zip(names, sess.run(names, feeds), strict=True):
+        out = np.asarray(out)
+        if out.ndim != 4 or out.shape[1] != 1:
+            continue
+        try:
+            b = np.broadcast_to(out, (len(lengths), 1, seq, seq))  # the same for every head
+        except ValueError:
+            continue
+        k = np.broadcast_to(keep, b.shape)
+        if np.all(b[k] == 0) and np.all(b[~k] <= MASKED_AT_MOST):
+            ok.add(name)
     return ok
 
 
@@ -147,7 +159,7 @@ class KeyPaddingMaskPass(ir.passes.InPlacePass):
             p = b.producer()
             if p is not None and p.op_type == "Add" and p.domain in ("", "ai.onnx"):
                 opts += [(p.inputs[1 - i], p.inputs[i]) for i in (0, 1)]  # (P, X) with X kept
-            options[n] = [(cand, keep) for cand, keep in opts if _inputs_reached(cand, inputs)[0] == {MASK_INPUT}]
+            options[n] = [(cand, keep) for cand, keep in opts if _inputs_reached(cand, inputs) == {MASK_INPUT}]
         candidates = list({id(c): c for opts in options.values() for c, _ in opts}.values())
         padding = _probe(model, candidates) if candidates else set()
         chosen = {n: next(((c, k) for c, k in opts if c.name in padding), None) for n, opts in options.items()}

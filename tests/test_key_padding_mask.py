@@ -62,7 +62,7 @@ def test_real_padding_bias_becomes_the_key_padding_mask(name, layers, kept_bias,
     assert not KeyPaddingMaskPass()(result.model).modified
 
 
-def _mha_graph(bias_from: str) -> ir.Model:
+def _mha_graph(bias_from: str, shape_of_x: bool = False) -> ir.Model:
     """One MultiHeadAttention over q = k = v = x ``[B, S, 8]`` (2 heads) whose attention_bias is ``bias_from``:
     ``input`` (a graph input), ``padding`` (0 for a token, -1e9 for padding) or ``inverted`` (-1e9 for a token)."""
     x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["B", "S", 8]))
@@ -82,7 +82,13 @@ def _mha_graph(bias_from: str) -> ir.Model:
     else:  # [B, 1, S, S]: the key's mask for every query (MultiHeadAttention wants the query axis)
         keys = ir.node("Unsqueeze", [mask, c["axes"]])
         queries = ir.node("Unsqueeze", [mask, c["query_axes"]])
-        zeros = ir.node("Mul", [queries.outputs[0], c["zero_i"]])
+        zero = c["zero_i"]
+        if shape_of_x:  # the same 0, through the Shape of a rank-3 input
+            dims = ir.node("ReduceMin", [ir.node("Shape", [x]).outputs[0]], attributes={"keepdims": ir.AttrInt64("keepdims", 0)})
+            times_zero = ir.node("Mul", [dims.outputs[0], zero])
+            nodes += [dims.inputs[0].producer(), dims, times_zero]
+            zero = times_zero.outputs[0]
+        zeros = ir.node("Mul", [queries.outputs[0], zero])
         m4 = ir.node("Add", [zeros.outputs[0], keys.outputs[0]])
         is_token = ir.node("Equal", [m4.outputs[0], c["one"]])
         is_pad = ir.node("Not", [is_token.outputs[0]])
@@ -123,6 +129,15 @@ def test_a_padding_bias_is_rewritten_and_answers_the_same():
 ])
 def test_a_bias_that_is_not_a_padding_mask_is_left_alone_with_a_reason(bias_from, why, caplog):
     assert_left_alone_with_reason(_mha_graph(bias_from), "key-padding-mask", caplog, why)
+
+
+def test_a_bias_the_probe_cannot_evaluate_is_left_alone(caplog):
+    """A padding bias whose cone also reads the Shape of a rank-3 input: the probe feeds [batch, sequence] arrays,
+    ONNX Runtime refuses the rank, and the pass leaves the graph alone instead of failing the compile."""
+    model = _mha_graph("padding", shape_of_x=True)
+    want = ort_session(ir.to_proto(model).SerializeToString()).run(None, _feeds())[0]
+    assert_left_alone_with_reason(model, "key-padding-mask", caplog, "no MultiHeadAttention bias is a padding mask")
+    np.testing.assert_array_equal(ort_session(ir.to_proto(model).SerializeToString()).run(None, _feeds())[0], want)
 
 
 def test_a_weak_mask_filter_value_is_left_alone_with_a_reason(caplog):
