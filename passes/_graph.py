@@ -7,6 +7,8 @@
   optionally only when it is small (shape arithmetic reads ``Slice`` starts and ``Gather`` indices, never weights).
 * :func:`replace_node_output`: swap a node for the nodes that now compute its output, keeping the output's name.
 * :func:`default_opset`: the model's default-domain opset.
+* :func:`extract_model`: a new model of the part of a graph between some of its values (a staged plan's segment,
+  a pass's probe of one value), nodes and initializers cloned, the source model untouched.
 """
 
 from __future__ import annotations
@@ -17,12 +19,31 @@ import numpy as np
 import onnx_ir as ir
 
 __all__ = ["backward_slice", "captured_values", "const_array", "constant_node_tensor", "default_opset",
-           "replace_node_output"]
+           "extract_model", "replace_node_output"]
 
 
 def default_opset(model: ir.Model) -> int:
     """The model's default-domain opset (18 when it declares none)."""
     return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
+
+
+def extract_model(model: ir.Model, inputs: list[str], outputs: list[str], name: str) -> ir.Model:
+    """The part of ``model``'s main graph that computes ``outputs`` from ``inputs``, as a new model.
+
+    Nodes and initializers are cloned (``ir.convenience.extract``; ``model`` is untouched); the inputs it does not
+    read are dropped, nodes nothing reads removed, and names fixed.
+    """
+    import onnx_ir.passes.common as common_passes
+
+    sub = ir.convenience.extract(model.graph, inputs=inputs, outputs=outputs)
+    sub.name = name
+    for v in list(sub.inputs):  # graph inputs this part does not read
+        if not v.uses():
+            sub.inputs.remove(v)
+    part = ir.Model(sub, ir_version=model.ir_version, producer_name="dyncompile")
+    common_passes.RemoveUnusedNodesPass()(part)
+    common_passes.NameFixPass()(part)
+    return part
 
 
 def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:

@@ -31,6 +31,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.passes._graph import extract_model
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -65,20 +66,6 @@ def _inputs_reached(v: ir.Value, graph_inputs: set[ir.Value]) -> set[str]:
     return reached
 
 
-def _cone(model: ir.Model, names: list[str]):
-    """A copy of ``model`` computing only ``names`` (its outputs): the nodes, initializers and inputs they need."""
-    import onnx_ir.passes.common as common_passes
-
-    sub = ir.from_proto(ir.to_proto(model))  # a copy: the probe never touches the graph it checks
-    values = {v.name: v for n in sub.graph for v in n.outputs}
-    sub.graph.outputs.clear()
-    sub.graph.outputs.extend(values[n] for n in names)
-    common_passes.RemoveUnusedNodesPass()(sub)
-    for v in [v for v in sub.graph.inputs if not v.uses()]:
-        sub.graph.inputs.remove(v)
-    return ir.to_proto(sub)
-
-
 def _probe(model: ir.Model, candidates: list[ir.Value]) -> set[str]:
     """Names of the ``candidates`` that compute a padding bias on every probe mask (module docstring, (2))."""
     import onnxruntime as ort
@@ -89,7 +76,8 @@ def _probe(model: ir.Model, candidates: list[ir.Value]) -> set[str]:
     so.log_severity_level = 3
     try:
         ok = set(names)
-        sess = ort.InferenceSession(_cone(model, names).SerializeToString(), so, providers=["CPUExecutionProvider"])
+        part = extract_model(model, [v.name for v in model.graph.inputs], names, "padding_bias_probe")
+        sess = ort.InferenceSession(ir.to_proto(part).SerializeToString(), so, providers=["CPUExecutionProvider"])
         for seq, lengths in PROBES:
             ok &= _padding_biases(sess, names, seq, lengths)
     except Exception as e:  # e.g. an input reached through Shape whose rank is not [batch, sequence]

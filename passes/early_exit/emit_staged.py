@@ -15,7 +15,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
-from dyncompile.passes._graph import default_opset
+from dyncompile.passes._graph import default_opset, extract_model
 from dyncompile.passes.emit import (
     EmitRequest,
     add_budget_split,
@@ -30,19 +30,6 @@ from dyncompile.passes.emit import (
 from dyncompile.plan import FileRef, Plan, Step
 
 logger = logging.getLogger(__name__)
-
-
-def _segment_model(model: ir.Model, inputs: list[str], outputs: list[str], name: str) -> ir.Model:
-    g = model.graph
-    sub = ir.convenience.extract(g, inputs=inputs, outputs=outputs)
-    sub.name = name
-    for v in list(sub.inputs):  # graph inputs this segment does not read
-        if not v.uses():
-            sub.inputs.remove(v)
-    seg = ir.Model(sub, ir_version=model.ir_version, producer_name="dyncompile")
-    common_passes.RemoveUnusedNodesPass()(seg)
-    common_passes.NameFixPass()(seg)
-    return seg
 
 
 def _add_learned_scores(model: ir.Model, meta: dict) -> dict[str, str]:
@@ -97,7 +84,7 @@ def emit_staged(model: ir.Model, req: EmitRequest) -> Plan:
             prev_head = (ex.get("policy") or {}).get("prev_head")
             if prev_head:
                 ins.append(prev_head)
-        seg = _segment_model(model, ins, outs, f"segment{i}")
+        seg = extract_model(model, ins, outs, f"segment{i}")
         add_model_files(files, f"segment{i}", save_model(seg, req.out_dir, f"segment{i}.onnx", "segment"))
         segments.append(
             {
