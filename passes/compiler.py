@@ -160,12 +160,32 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
     req.out_dir = tmp
     plan = emit_plan(result.model, req)
     _record_custom_ops(result.model, plan)
+    _record_ort_session(plan, options)
     save_plan(plan, tmp)
     try:  # never publish a plan the runtime would refuse (e.g. a bad field copied from the model config)
         load_plan(tmp, verify_hashes=False)
     except PlanError as e:
         raise PlanError(f"the compiled plan does not validate, nothing written: {e} (check {MODEL_CONFIG_NAME})") from None
     return plan
+
+
+#: tasks whose CPU plans record ``policy.ort_session`` (encoders: the fusions it switches off are theirs)
+ORT_SESSION_TASKS = ("text-classification", "sentence-embedding", "feature-extraction")
+
+
+def _record_ort_session(plan: Plan, options: dict[str, Any]) -> None:
+    """An encoder plan for the CPU EP names the ORT fusions that are slow with this ONNX Runtime (``policy.ort_session``).
+
+    The answer is :func:`~dyncompile.runtime.providers.slow_cpu_fusions`'s, the same one the compile's
+    calibration sessions used, so the plan's certificate was made on the numerics its sessions run with.
+    """
+    from dyncompile.runtime.providers import slow_cpu_fusions
+
+    if plan.task not in ORT_SESSION_TASKS or str(options.get("provider") or "cpu") != "cpu":
+        return
+    rec = slow_cpu_fusions()
+    if rec["disabled_optimizers"]:
+        plan.policy["ort_session"] = {k: rec[k] for k in ("disabled_optimizers", "measured_us", "onnxruntime")}
 
 
 def _record_custom_ops(model: ir.Model, plan: Plan) -> None:

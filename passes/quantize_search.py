@@ -327,7 +327,10 @@ class _Runner:
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        from dyncompile.runtime.providers import calibration_disabled_optimizers
+
+        self.sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"],
+                                         disabled_optimizers=calibration_disabled_optimizers() or None)
         self.enc = TextEncoder(tokenizer_file, max_length=max_length)
         self.texts = list(texts)
         self.order = length_order(self.enc, self.texts)
@@ -644,7 +647,10 @@ def certify_quantized(res: QuantSearchResult, quantized: ir.Model, runner: _Runn
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(ir.to_proto(quantized).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    from dyncompile.runtime.providers import calibration_disabled_optimizers
+
+    sess = ort.InferenceSession(ir.to_proto(quantized).SerializeToString(), so, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=calibration_disabled_optimizers() or None)
     swap = runner.sess
     runner.sess = sess
     try:

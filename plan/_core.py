@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dyncompile.errors import PlanError
 from dyncompile.io import sha256_file, write_json_atomic
@@ -26,6 +26,7 @@ __all__ = [
     "POLICY_SCHEMAS",
     "STEP_SCHEMAS",
     "FileRef",
+    "OrtSessionPolicy",
     "Plan",
     "Step",
     "file_ref",
@@ -38,7 +39,24 @@ PLAN_FILENAME = "plan.json"
 STEP_SCHEMAS: dict[str, Any] = {**classify.STEPS, **decode.STEPS, **diffusion.STEPS, **routing.STEPS}
 """Step kind -> ``build(params_json, where)`` returning the typed params (declared schema per kind)."""
 
-POLICY_SCHEMAS: dict[str, type] = {**classify.POLICIES, **decode.POLICIES, **routing.POLICIES, **embed.POLICIES}
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtSessionPolicy:
+    """``policy.ort_session``: ONNX Runtime graph fusions the runtime switches off in the plan's CPU EP sessions.
+
+    Only fusions dyncompile measures (``dyncompile.runtime.providers.OPTIONAL_CPU_FUSIONS``) may be named: a plan
+    cannot pass arbitrary session options. ``measured_us`` and ``onnxruntime`` record the compile's measurement
+    (fused vs unfused microseconds, and the ORT version it was made with); informational.
+    """
+
+    disabled_optimizers: list[Literal["SkipLayerNormFusion"]]
+    measured_us: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    onnxruntime: str = ""
+
+
+POLICY_SCHEMAS: dict[str, type] = {**classify.POLICIES, **decode.POLICIES, **routing.POLICIES, **embed.POLICIES,
+                                   "ort_session": OrtSessionPolicy}
 """Policy name -> schema; other policy entries must be free-form JSON (finite numbers)."""
 
 

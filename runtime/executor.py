@@ -96,6 +96,14 @@ class RuntimeContext:
         self.optimization = levels[o.optimization]
         self._sessions: dict[str, Any] = {}
 
+    @property
+    def disabled_optimizers(self) -> list[str]:
+        """ORT fusions the plan's ``policy.ort_session`` switches off; CPU EP sessions only (others keep ORT's)."""
+        rec = self.plan.policy.get("ort_session")
+        if not rec or self.provider != "CPUExecutionProvider":
+            return []
+        return list(rec["disabled_optimizers"])
+
     def load_candidate(self, candidate) -> CompiledModel:
         """A routed plan's candidate as a loaded model.
 
@@ -140,7 +148,8 @@ class RuntimeContext:
             names = list(mb.external)
             bufs = [mb.external[n] for n in names]
             so.add_external_initializers_from_files_in_memory(names, bufs, [len(b) for b in bufs])
-        s = self.ort.InferenceSession(mb.model, so, providers=providers or self.providers)
+        s = self.ort.InferenceSession(mb.model, so, providers=providers or self.providers,
+                                      disabled_optimizers=self.disabled_optimizers or None)
         if getattr(s, "_model_bytes", None) is not None:
             # ORT's Python wrapper keeps the model bytes for the session's life, only to re-create the session when
             # its own EP fallback kicks in; dyncompile picks fallbacks itself (--fallback), so let them go (a model

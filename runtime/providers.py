@@ -4,13 +4,20 @@
 ORT flavours (``onnxruntime``, ``onnxruntime-openvino``, ``onnxruntime-gpu``, ``onnxruntime-directml``)
 ship the same ``onnxruntime`` module and silently break each other when two are installed; we detect
 that and say how to fix it.
+
+:func:`slow_cpu_fusions` measures, once per process, whether one of ONNX Runtime's own CPU graph fusions makes
+this ONNX Runtime slower (``SkipLayerNormalization``: ~3-7x slower than the ``Add`` + ``LayerNormalization`` it
+replaces in onnxruntime 1.32, faster in 1.24); a compiled classifier plan records the answer in
+``policy.ort_session`` and the runtime's CPU sessions switch those fusions off.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata as md
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +34,10 @@ __all__ = [
     "check_ort_flavours",
     "resolve_provider",
     "session_config_entries",
+    "slow_cpu_fusions",
+    "calibration_disabled_optimizers",
+    "fusion_is_slow",
+    "OPTIONAL_CPU_FUSIONS",
 ]
 
 #: ORT session config entries every session of ``dyncompile.load`` gets unless the caller overrides them:
@@ -171,3 +182,92 @@ def resolve_provider(
     if info.ort_name != "CPUExecutionProvider":
         providers.append(("CPUExecutionProvider", {}))
     return providers
+
+
+#: ORT graph fusions a plan may switch off in its CPU EP sessions (``policy.ort_session.disabled_optimizers``), each
+#: with the pattern it fuses: ``(fused op, its inputs)`` vs the unfused nodes ``(op, inputs)`` it replaces.
+OPTIONAL_CPU_FUSIONS: dict[str, str] = {
+    "SkipLayerNormFusion": "Add + LayerNormalization -> com.microsoft.SkipLayerNormalization",
+}
+
+#: a fusion is switched off when its fused kernel takes at least this many times the unfused nodes' time
+SLOW_FUSION_RATIO = 1.5
+
+
+def fusion_is_slow(fused_us: float, unfused_us: float, ratio: float = SLOW_FUSION_RATIO) -> bool:
+    """Whether a fused kernel timed at ``fused_us`` is slow enough against ``unfused_us`` to switch off."""
+    return fused_us >= ratio * unfused_us
+
+
+def _skip_layer_norm_models(hidden: int) -> tuple[bytes, bytes]:
+    """Two models over ``x, skip: [1, tokens, hidden]``: fused SkipLayerNormalization, and the Add + LN it replaces."""
+    import numpy as np
+    import onnx_ir as ir
+
+    out = []
+    for fused in (True, False):
+        rng = np.random.default_rng(0)
+        x, skip = (ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, "tokens", hidden]))
+                   for n in ("x", "skip"))
+        gamma, beta = (ir.Value(name=n, const_value=ir.tensor(rng.standard_normal(hidden).astype(np.float32)))
+                       for n in ("gamma", "beta"))
+        if fused:
+            node = ir.node("SkipLayerNormalization", [x, skip, gamma, beta], domain="com.microsoft",
+                           attributes={"epsilon": 1e-5})
+            nodes = [node]
+        else:
+            add = ir.node("Add", [x, skip])
+            node = ir.node("LayerNormalization", [add.outputs[0], gamma, beta], attributes={"axis": -1, "epsilon": 1e-5})
+            nodes = [add, node]
+        node.outputs[0].name = "y"
+        graph = ir.Graph([x, skip], [node.outputs[0]], nodes=nodes, initializers=[gamma, beta],
+                         opset_imports={"": 17, "com.microsoft": 1}, name="probe")
+        out.append(ir.to_proto(ir.Model(graph, ir_version=8)).SerializeToString())
+    return out[0], out[1]
+
+
+@functools.lru_cache(maxsize=1)
+def slow_cpu_fusions(hidden: int = 768, tokens: int = 64, rounds: int = 7, runs: int = 20) -> dict[str, Any]:
+    """Which of :data:`OPTIONAL_CPU_FUSIONS` make this ONNX Runtime's CPU EP slower; measured once per process.
+
+    Times each fused kernel against the nodes it replaces on one thread (ORT's optimizations off, so each model
+    runs as built), ``rounds`` interleaved rounds of ``runs`` calls, the best round's mean per call. A fusion whose
+    kernel takes >= :data:`SLOW_FUSION_RATIO` times the unfused nodes is listed (the margin keeps a close call, which
+    load could flip, on ORT's default). The compile's calibration sessions and the plan's recorded
+    ``policy.ort_session`` both come from this answer, so the certificate is made on the numerics the plan runs with.
+
+    Returns:
+        ``{"disabled_optimizers": [...], "measured_us": {fusion: [fused, unfused]}, "onnxruntime": version}``.
+    """
+    import numpy as np
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((1, tokens, hidden)).astype(np.float32) for n in ("x", "skip")}
+    measured: dict[str, list[float]] = {}
+    for fusion, models in (("SkipLayerNormFusion", _skip_layer_norm_models(hidden)),):
+        sessions = [ort.InferenceSession(m, so, providers=["CPUExecutionProvider"]) for m in models]
+        best = [float("inf")] * len(sessions)
+        for s in sessions:
+            s.run(None, feeds)
+        for _ in range(rounds):
+            for i, s in enumerate(sessions):
+                t0 = time.perf_counter()
+                for _ in range(runs):
+                    s.run(None, feeds)
+                best[i] = min(best[i], (time.perf_counter() - t0) / runs * 1e6)
+        measured[fusion] = [round(b, 1) for b in best]
+    slow = [f for f, (fused, unfused) in measured.items() if fusion_is_slow(fused, unfused)]
+    for f, (fused, unfused) in measured.items():
+        logger.info("ORT %s CPU fusion %s: fused %.1f us vs unfused %.1f us (%s)", ort.__version__, f, fused,
+                    unfused, "switched off in dyncompile's sessions" if f in slow else "kept")
+    return {"disabled_optimizers": slow, "measured_us": measured, "onnxruntime": ort.__version__}
+
+
+def calibration_disabled_optimizers() -> list[str]:
+    """The ORT optimizers the compile's CPU calibration sessions switch off (those :func:`slow_cpu_fusions` lists)."""
+    return list(slow_cpu_fusions()["disabled_optimizers"])

@@ -94,7 +94,8 @@ def op_profile(onnx_paths: dict[str, Path], compiled, texts, rows: int) -> dict[
         so.enable_profiling = True
         with tempfile.TemporaryDirectory() as tmp:
             so.profile_file_prefix = os.path.join(tmp, "prof")
-            sess = ctx.ort.InferenceSession(str(path), so, providers=ctx.providers)
+            sess = ctx.ort.InferenceSession(str(path), so, providers=ctx.providers,
+                                            disabled_optimizers=ctx.disabled_optimizers or None)
             names = [i.name for i in sess.get_inputs()]
             for t in texts[:rows]:
                 f = compiled.encode([t])
