@@ -337,20 +337,47 @@ def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Valu
 
     inv127 = const("dyncompile_pt_inv127", np.array(1.0 / 127.0, np.float32))
     eps = const("dyncompile_pt_eps", np.array(1e-12, np.float32))
-    off = const("dyncompile_pt_offset", np.array(128.0, np.float32))
     zp = const("dyncompile_pt_zero_point", np.array(128, np.uint8))
     axes = const("dyncompile_pt_axes", np.array([-1], np.int64)) if opset >= 18 else None
-    quantized: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}  # activation -> (uint8 x, row scale)
+    rows = opset >= 15  # QuantizeLinear over the rows of a 2-D view (Shape's start/end: opset 15)
+    if rows:
+        zp_rows = const("dyncompile_pt_zero_point_rows", np.array([128], np.uint8))
+        one = const("dyncompile_pt_axis1", np.array([1], np.int64))
+    else:
+        off = const("dyncompile_pt_offset", np.array(128.0, np.float32))
+    quantized: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value | None]] = {}  # activation -> (u8 x, scale, shape)
     weights: dict[str, tuple[ir.Value, ir.Value]] = {}
+
+    def reduce_max(stem: str, v: ir.Value, keepdims: int) -> ir.Node:
+        if axes is not None:
+            return ir.node("ReduceMax", [v, axes], attributes={"keepdims": keepdims}, name=f"{stem}/pt_max")
+        return ir.node("ReduceMax", [v], attributes={"axes": [-1], "keepdims": keepdims}, name=f"{stem}/pt_max")
+
     for i, (node, w) in enumerate(targets):
         x, y = node.inputs[0], node.outputs[0]
         stem = node.name or f"dyncompile_matmul_{i}"
+        wf = w.const_value.numpy().astype(np.float32)
         new: list[ir.Node] = []
-        if x not in quantized:
+        if x not in quantized and rows:
+            # x as [rows, k]; one scale per row; QuantizeLinear's per-axis form (axis 0) rounds x / s half to
+            # even and adds the zero point in one pass: the same bytes as Div, Round, Add, Cast (tested)
+            flat = const(f"{stem}/pt_rows_shape", np.array([-1, wf.shape[0]], np.int64))
+            x2 = ir.node("Reshape", [x, flat], name=f"{stem}/pt_rows")
+            a = ir.node("Abs", [x2.outputs[0]], name=f"{stem}/pt_abs")
+            rm = reduce_max(stem, a.outputs[0], 0)
+            sc = ir.node("Mul", [rm.outputs[0], inv127], name=f"{stem}/pt_scale0")
+            s = ir.node("Max", [sc.outputs[0], eps], name=f"{stem}/pt_scale")
+            n_rows = ir.node("Shape", [s.outputs[0]], name=f"{stem}/pt_nrows")
+            z = ir.node("Expand", [zp_rows, n_rows.outputs[0]], name=f"{stem}/pt_zero_points")
+            q = ir.node("QuantizeLinear", [x2.outputs[0], s.outputs[0], z.outputs[0]], attributes={"axis": 0},
+                        name=f"{stem}/pt_quant")
+            col = ir.node("Unsqueeze", [s.outputs[0], one], name=f"{stem}/pt_scale_col")
+            lead = ir.node("Shape", [x], attributes={"start": 0, "end": -1}, name=f"{stem}/pt_lead")
+            new += [x2, a, rm, sc, s, n_rows, z, q, col, lead]
+            quantized[x] = (q.outputs[0], col.outputs[0], lead.outputs[0])
+        elif x not in quantized:
             a = ir.node("Abs", [x], name=f"{stem}/pt_abs")
-            rm = (ir.node("ReduceMax", [a.outputs[0], axes], attributes={"keepdims": 1}, name=f"{stem}/pt_max")
-                  if axes is not None else
-                  ir.node("ReduceMax", [a.outputs[0]], attributes={"axes": [-1], "keepdims": 1}, name=f"{stem}/pt_max"))
+            rm = reduce_max(stem, a.outputs[0], 1)
             sc = ir.node("Mul", [rm.outputs[0], inv127], name=f"{stem}/pt_scale0")
             s = ir.node("Max", [sc.outputs[0], eps], name=f"{stem}/pt_scale")
             d = ir.node("Div", [x, s.outputs[0]], name=f"{stem}/pt_div")
@@ -358,10 +385,10 @@ def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Valu
             o = ir.node("Add", [r.outputs[0], off], name=f"{stem}/pt_offset")
             q = ir.node("Cast", [o.outputs[0]], attributes={"to": int(ir.DataType.UINT8)}, name=f"{stem}/pt_quant")
             new += [a, rm, sc, s, d, r, o, q]
-            quantized[x] = (q.outputs[0], s.outputs[0])
-        xq, s_row = quantized[x]
+            quantized[x] = (q.outputs[0], s.outputs[0], None)
+        xq, s_row, lead = quantized[x]
         if w.name not in weights:
-            wq, sw = _int8_weight(w.const_value.numpy().astype(np.float32))
+            wq, sw = _int8_weight(wf)
             weights[w.name] = (const(f"{w.name}_int8pt", wq), const(f"{w.name}_int8pt_scale", sw))
         wq_v, sw_v = weights[w.name]
         mm = ir.node("MatMulInteger", [xq, wq_v, zp], name=f"{stem}/pt_matmul")
@@ -369,8 +396,14 @@ def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Valu
         mw = ir.node("Mul", [cf.outputs[0], sw_v], name=f"{stem}/pt_wscale")
         mx = ir.node("Mul", [mw.outputs[0], s_row], name=f"{stem}/pt_xscale")
         new += [mm, cf, mw, mx]
+        out = mx
+        if lead is not None:  # back to x's leading dims
+            n_out = const(f"{stem}/pt_out_width", np.array([wf.shape[1]], np.int64))
+            shape = ir.node("Concat", [lead, n_out], attributes={"axis": 0}, name=f"{stem}/pt_out_shape")
+            out = ir.node("Reshape", [mx.outputs[0], shape.outputs[0]], name=f"{stem}/pt_unrows")
+            new += [shape, out]
         g.insert_before(node, new)
-        replace_node_output(g, node, y, mx.outputs[0])
+        replace_node_output(g, node, y, out.outputs[0])
     for name in [n for n in weights if n in g.initializers and not list(g.initializers[n].uses())]:
         del g.initializers[name]
     return len(quantized)
@@ -393,6 +426,10 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
     ``s = max(|x| over the last axis, keepdims) / 127`` (the weight scale is multiplied first: ORT's
     ``MatMulIntegerToFloat`` fusion of MatMulInteger -> Cast -> Mul -> Add(bias) reads a Mul by a product of
     two scales as one scale and gets the per-row one wrong — tested at ORT_ENABLE_ALL against the emulation).
+    From opset 15 the quantization is one ``QuantizeLinear`` over the rows of a 2-D view of ``x`` (per-axis
+    scales and zero points, axis 0) instead of ``Div``, ``Round``, ``Add`` and ``Cast``: the same bytes (tested
+    against the opset-14 chain), one pass over the activation instead of four (MPNet-base's FFN output, 43
+    tokens: 1.1-1.2x the whole per-token MatMul).
     Records ``dyncompile.quantized``.
     Idempotent: a graph that already holds int8 MatMuls is left alone (``modified=False``).
     """

@@ -83,7 +83,7 @@ def test_shared_activation_is_quantized_once():
     m = ir.Model(ir.Graph([x], outs, nodes=tape.nodes, initializers=inits, opset_imports={"": 18}), ir_version=10)
     QuantizeDynamicInt8PerTokenPass()(m)
     ops = [n.op_type for n in m.graph]
-    assert ops.count("MatMulInteger") == 3 and ops.count("ReduceMax") == 1 and ops.count("Round") == 1
+    assert ops.count("MatMulInteger") == 3 and ops.count("ReduceMax") == 1 and ops.count("QuantizeLinear") == 1
 
 
 @pytest.mark.parametrize("optimized", [False, True])
@@ -115,6 +115,32 @@ def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized
     rel = np.abs(got - exact)[small].max() / np.abs(exact)[small].max()
     per_tensor_step = np.abs(x).max() / 127.0
     assert rel < 0.02 and np.abs(got - exact)[small].max() < 0.1 * per_tensor_step * np.abs(w).sum(0).max()
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_row_quantizer_gives_the_bytes_of_the_elementwise_chain(optimized):
+    """From opset 15 one QuantizeLinear over a [rows, k] view replaces Div, Round, Add(128), Cast: same outputs, bit
+    for bit (outlier token, all-zero token, ties at .5 after division, batch > 1); the opset-14 graph keeps the chain."""
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((64, 48)) / 8).astype(np.float32)
+    b = rng.standard_normal(48).astype(np.float32)
+    x = rng.standard_normal((3, 7, 64)).astype(np.float32)
+    x[1, 2] *= 300.0
+    x[2, 4, :] = 0.0
+    x[0, 0, :4] = [127.0, 0.5, -0.5, 1.5]  # scale 1: x / s lands on .5 ties, rounded half to even by both
+    out, ops = {}, {}
+    for opset in (14, 18):
+        m = _one_matmul(w, b)
+        m.opset_imports[""] = opset
+        QuantizeDynamicInt8PerTokenPass()(m)
+        onnx.checker.check_model(ir.to_proto(m), full_check=True)
+        ops[opset] = [n.op_type for n in m.graph]
+        out[opset] = ort_session(m, disable_all=not optimized).run(None, {"x": x})[0]
+    assert "QuantizeLinear" in ops[18] and "Round" not in ops[18] and "Div" not in ops[18]
+    assert "QuantizeLinear" not in ops[14] and "Round" in ops[14]
+    assert out[18].shape == (3, 7, 48) and np.array_equal(out[18], out[14])
+    want = _emulate(x.astype(np.float64), w.astype(np.float64)) + b
+    assert np.abs(out[18] - want).max() / np.abs(want).max() <= 1e-5
 
 
 def test_numerics_on_the_generated_encoder_are_within_the_quantization_step():
