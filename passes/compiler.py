@@ -160,7 +160,7 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
     req.out_dir = tmp
     plan = emit_plan(result.model, req)
     _record_custom_ops(result.model, plan)
-    _record_ort_session(plan, options)
+    _record_ort_session(plan, pipeline.provider)
     save_plan(plan, tmp)
     try:  # never publish a plan the runtime would refuse (e.g. a bad field copied from the model config)
         load_plan(tmp, verify_hashes=False)
@@ -173,7 +173,7 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
 ORT_SESSION_TASKS = ("text-classification", "sentence-embedding", "feature-extraction")
 
 
-def _record_ort_session(plan: Plan, options: dict[str, Any]) -> None:
+def _record_ort_session(plan: Plan, provider: str) -> None:
     """An encoder plan for the CPU EP names the ORT fusions that are slow with this ONNX Runtime (``policy.ort_session``).
 
     The answer is :func:`~dyncompile.runtime.providers.slow_cpu_fusions`'s, the same one the compile's
@@ -181,7 +181,7 @@ def _record_ort_session(plan: Plan, options: dict[str, Any]) -> None:
     """
     from dyncompile.runtime.providers import slow_cpu_fusions
 
-    if plan.task not in ORT_SESSION_TASKS or str(options.get("provider") or "cpu") != "cpu":
+    if plan.task not in ORT_SESSION_TASKS or provider != "cpu":
         return
     rec = slow_cpu_fusions()
     if rec["disabled_optimizers"]:

@@ -327,10 +327,9 @@ class _Runner:
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        from dyncompile.runtime.providers import calibration_disabled_optimizers
+        from dyncompile.runtime.providers import calibration_session
 
-        self.sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"],
-                                         disabled_optimizers=calibration_disabled_optimizers() or None)
+        self.sess = calibration_session(model_bytes, so)
         self.enc = TextEncoder(tokenizer_file, max_length=max_length)
         self.texts = list(texts)
         self.order = length_order(self.enc, self.texts)
@@ -647,10 +646,9 @@ def certify_quantized(res: QuantSearchResult, quantized: ir.Model, runner: _Runn
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    from dyncompile.runtime.providers import calibration_disabled_optimizers
+    from dyncompile.runtime.providers import calibration_session
 
-    sess = ort.InferenceSession(ir.to_proto(quantized).SerializeToString(), so, providers=["CPUExecutionProvider"],
-                                disabled_optimizers=calibration_disabled_optimizers() or None)
+    sess = calibration_session(ir.to_proto(quantized).SerializeToString(), so)
     swap = runner.sess
     runner.sess = sess
     try:

@@ -356,12 +356,12 @@ def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Valu
     for i, (node, w) in enumerate(targets):
         x, y = node.inputs[0], node.outputs[0]
         stem = node.name or f"dyncompile_matmul_{i}"
-        wf = w.const_value.numpy().astype(np.float32)
+        k, n = w.const_value.shape
         new: list[ir.Node] = []
         if x not in quantized and rows:
             # x as [rows, k]; one scale per row; QuantizeLinear's per-axis form (axis 0) rounds x / s half to
             # even and adds the zero point in one pass: the same bytes as Div, Round, Add, Cast (tested)
-            flat = const(f"{stem}/pt_rows_shape", np.array([-1, wf.shape[0]], np.int64))
+            flat = const(f"{stem}/pt_rows_shape", np.array([-1, k], np.int64))
             x2 = ir.node("Reshape", [x, flat], name=f"{stem}/pt_rows")
             a = ir.node("Abs", [x2.outputs[0]], name=f"{stem}/pt_abs")
             rm = reduce_max(stem, a.outputs[0], 0)
@@ -388,7 +388,7 @@ def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Valu
             quantized[x] = (q.outputs[0], s.outputs[0], None)
         xq, s_row, lead = quantized[x]
         if w.name not in weights:
-            wq, sw = _int8_weight(wf)
+            wq, sw = _int8_weight(w.const_value.numpy().astype(np.float32))
             weights[w.name] = (const(f"{w.name}_int8pt", wq), const(f"{w.name}_int8pt_scale", sw))
         wq_v, sw_v = weights[w.name]
         mm = ir.node("MatMulInteger", [xq, wq_v, zp], name=f"{stem}/pt_matmul")
@@ -398,7 +398,7 @@ def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Valu
         new += [mm, cf, mw, mx]
         out = mx
         if lead is not None:  # back to x's leading dims
-            n_out = const(f"{stem}/pt_out_width", np.array([wf.shape[1]], np.int64))
+            n_out = const(f"{stem}/pt_out_width", np.array([n], np.int64))
             shape = ir.node("Concat", [lead, n_out], attributes={"axis": 0}, name=f"{stem}/pt_out_shape")
             out = ir.node("Reshape", [mx.outputs[0], shape.outputs[0]], name=f"{stem}/pt_unrows")
             new += [shape, out]

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from dyncompile.passes import _keys
 from dyncompile.passes._infra import not_fired, register_pass
-from dyncompile.runtime.providers import calibration_disabled_optimizers
+from dyncompile.runtime.providers import calibration_session
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,7 @@ def channel_ranges(model: ir.Model, names: Sequence[str],
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"],
-                                disabled_optimizers=calibration_disabled_optimizers() or None)
+    sess = calibration_session(proto.SerializeToString(), so)
     inputs = {i.name for i in sess.get_inputs()}
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for f in feeds:

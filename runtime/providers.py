@@ -36,6 +36,7 @@ __all__ = [
     "session_config_entries",
     "slow_cpu_fusions",
     "calibration_disabled_optimizers",
+    "calibration_session",
     "fusion_is_slow",
     "OPTIONAL_CPU_FUSIONS",
 ]
@@ -271,3 +272,15 @@ def slow_cpu_fusions(hidden: int = 768, tokens: int = 64, rounds: int = 7, runs:
 def calibration_disabled_optimizers() -> list[str]:
     """The ORT optimizers the compile's CPU calibration sessions switch off (those :func:`slow_cpu_fusions` lists)."""
     return list(slow_cpu_fusions()["disabled_optimizers"])
+
+
+def calibration_session(model: bytes | str, session_options: Any) -> Any:
+    """A CPU EP session for the compile's calibration runs, with the measured-slow fusions off.
+
+    ``model`` is ONNX bytes or a path; the fusions are :func:`calibration_disabled_optimizers`', as the plan's CPU
+    sessions will run it.
+    """
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model, session_options, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=calibration_disabled_optimizers() or None)

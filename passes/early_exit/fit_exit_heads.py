@@ -35,7 +35,7 @@ from dyncompile.passes.early_exit.certify import (
 from dyncompile.passes.early_exit.fit import fit_exit_heads
 from dyncompile.passes.early_exit.heads import pool_features
 from dyncompile.passes.early_exit.newton import fit_exit_heads_newton
-from dyncompile.runtime.providers import calibration_disabled_optimizers
+from dyncompile.runtime.providers import calibration_session
 from dyncompile.runtime.rules.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
@@ -494,8 +494,7 @@ def collect_exit_features(
     # Threads that sleep instead of spinning between ops: batch-32 throughput work loses nothing to the
     # wake-up, and on a busy machine spinning burnt ~45 % more CPU for the same rows (MiniLM, 640 rows).
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"],
-                                disabled_optimizers=calibration_disabled_optimizers() or None)
+    sess = calibration_session(proto.SerializeToString(), so)
     del proto
     enc = TextEncoder(tokenizer_file, max_length=max_length)
     in_names = [i.name for i in sess.get_inputs()]

@@ -21,7 +21,7 @@ from dyncompile.passes.early_exit.fit_exit_heads import (
     calibrate_exits,
     exits_to_keep,
 )
-from dyncompile.runtime.providers import calibration_disabled_optimizers
+from dyncompile.runtime.providers import calibration_session
 from dyncompile.runtime.rules.exit_rule import softmax
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
         exits = sorted(given)
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"],
-                                    disabled_optimizers=calibration_disabled_optimizers() or None)
+        sess = calibration_session(ir.to_proto(model).SerializeToString(), so)
         enc = TextEncoder(self.tokenizer_file, max_length=self.max_length)
         names = [final.name] + [given[k].name for k in exits]
         in_names = [i.name for i in sess.get_inputs()]
