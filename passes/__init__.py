@@ -13,7 +13,7 @@ Importing this package registers every built-in pass and plan emitter. Layout:
 * ``analysis/`` — layers, cut tensors and the family of an exported transformer;
 * one module per remaining pass (``cleanup_graph``, ``verify_model``, ``causal_attention``, ``cast_float16``, ``quantize_weights``, ``fuse_decoder``,
   ``fuse_encoder_attention``, ``fuse_gelu``, ``pack_matmuls``,
-  ``matmul_to_conv``).
+  ``matmul_to_conv``, ``raise_opset``, ``tabulate_length_values``).
 """
 
 from dyncompile.passes._infra import (
@@ -41,10 +41,12 @@ from dyncompile.passes.key_padding_mask import KeyPaddingMaskPass
 from dyncompile.passes.matmul_to_conv import MatMulToConvPass
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
+from dyncompile.passes.raise_opset import RaiseOpsetPass
 from dyncompile.passes.smooth_activations import SmoothActivationsPass
 from dyncompile.passes.sparsify_activations import SparsifyActivationsPass
 from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
 from dyncompile.passes.step_saver import pipeline as _step_saver  # noqa: F401  (diffusion plans)
+from dyncompile.passes.tabulate_length_values import TabulateLengthValuesPass
 from dyncompile.passes.trim_logits import TrimLogitsPass
 from dyncompile.passes.unet_cache import CacheUNetFeaturesPass
 from dyncompile.passes.verify_model import VerifyModelPass
@@ -65,8 +67,10 @@ __all__ = [
     "InsertEarlyExitPass",
     "PipelineResult",
     "QuantizeDynamicInt8Pass",
+    "RaiseOpsetPass",
     "SpeculativePass",
     "SplitDrafterPass",
+    "TabulateLengthValuesPass",
     "TrimLogitsPass",
     "CacheUNetFeaturesPass",
     "QuantizeWeightsInt4Pass",

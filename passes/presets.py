@@ -24,7 +24,10 @@ On OpenVINO and DirectML no lowering was measured: those rows are empty. Classif
 its int8 early-exit plans 1.07-1.08x, ``bench-results/quantized-certified/`` round 6), ``key-padding-mask`` (the
 exported padding-mask chain -> the operator's own key padding mask: ~20 kernels a row; round 10) and ``fuse-gelu`` (one Gelu
 kernel per feed-forward layer: MiniLM-L6 fp32 1.07x, int8 1.10x, MPNet-base fp32 1.05x, round 8); their If-vs-staged choice
-follows the declared batch sizes in the ``early-exit`` pass.
+follows the declared batch sizes in the ``early-exit`` pass. Two bit-exact ones (so from ``-O1``):
+``tabulate-length-values`` (what the encoder computes from the sequence length alone -> a slice of a table: MPNet's
+relative-position bias, 24 kernels a row) and ``raise-opset`` (opset 21, whose blocked ``QuantizeLinear`` lets
+per-token int8 quantize each row without a 2-D view); round 12 of the study measures both.
 
 Placement follows the registry's ``after`` / ``before`` constraints: each inserted pass goes after every pass it
 must follow (and after the presets listed before it), as late as possible but before the first pass that consumes
@@ -82,7 +85,8 @@ PRESETS: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {
             ("trim-logits", 1),
             ("matmul-to-conv", 2),
         ),
-        "text-classification": (("fuse-encoder-attention", 2), ("key-padding-mask", 2), ("fuse-gelu", 2)),
+        "text-classification": (("fuse-encoder-attention", 2), ("key-padding-mask", 2), ("fuse-gelu", 2),
+                                ("tabulate-length-values", 1), ("raise-opset", 1)),
     },
     "cuda": {
         "text-generation": (

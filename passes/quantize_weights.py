@@ -38,7 +38,7 @@ __all__ = [
     "gemms_as_matmuls",
 ]
 
-INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
+INT8_OPS = {"MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "QLinearMatMul"}
 #: ``keep_fp32`` groups the int8 pass understands.
 KEEP_FP32_GROUPS = ("ffn-out",)
 _GELU_OPS = {"Erf", "Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
@@ -319,94 +319,133 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Value]]) -> int:
+class _PerTokenRewrite:
+    """The nodes :func:`quantize_per_token` writes; the graph's shared constants are made once, here."""
+
+    def __init__(self, model: ir.Model, integer_to_float: bool) -> None:
+        self.g = model.graph
+        opset = default_opset(model)
+        self.blocked = opset >= 21  # QuantizeLinear with one block per row of x as it is (no 2-D view)
+        self.rows = 15 <= opset < 21  # QuantizeLinear over the rows of a 2-D view (Shape's start/end: opset 15)
+        self.inv127 = self.const("dyncompile_pt_inv127", np.array(1.0 / 127.0, np.float32))
+        self.eps = self.const("dyncompile_pt_eps", np.array(1e-12, np.float32))
+        self.zp = self.const("dyncompile_pt_zero_point", np.array(128, np.uint8))
+        self.unit_scale = None
+        if integer_to_float:
+            self.unit_scale = self.const("dyncompile_pt_unit_scale", np.array(1.0, np.float32))
+            model.opset_imports.setdefault("com.microsoft", 1)
+        self.axes = self.const("dyncompile_pt_axes", np.array([-1], np.int64)) if opset >= 18 else None
+        if self.rows or self.blocked:
+            self.zp_rows = self.const("dyncompile_pt_zero_point_rows", np.array([128], np.uint8))
+        if self.rows:
+            self.one = self.const("dyncompile_pt_axis1", np.array([1], np.int64))
+        if not (self.rows or self.blocked):
+            self.off = self.const("dyncompile_pt_offset", np.array(128.0, np.float32))
+        #: activation -> (u8 x, its row scale, x's leading shape when x was viewed as 2-D)
+        self.quantized: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value | None]] = {}
+        self.weights: dict[str, tuple[ir.Value, ir.Value]] = {}
+
+    def const(self, name: str, arr: np.ndarray) -> ir.Value:
+        v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
+        self.g.register_initializer(v)
+        return v
+
+    def row_scale(self, stem: str, v: ir.Value, keepdims: int) -> list[ir.Node]:
+        """``max(max |v| over the last axis / 127, eps)``: Abs, ReduceMax, Mul, Max (the scale is the last output)."""
+        a = ir.node("Abs", [v], name=f"{stem}/pt_abs")
+        if self.axes is not None:
+            rm = ir.node("ReduceMax", [a.outputs[0], self.axes], attributes={"keepdims": keepdims}, name=f"{stem}/pt_max")
+        else:
+            rm = ir.node("ReduceMax", [a.outputs[0]], attributes={"axes": [-1], "keepdims": keepdims},
+                         name=f"{stem}/pt_max")
+        sc = ir.node("Mul", [rm.outputs[0], self.inv127], name=f"{stem}/pt_scale0")
+        return [a, rm, sc, ir.node("Max", [sc.outputs[0], self.eps], name=f"{stem}/pt_scale")]
+
+    def quantize_activation(self, stem: str, x: ir.Value, k: int) -> list[ir.Node]:
+        """The nodes that quantize ``x`` per row (recorded in :attr:`quantized`)."""
+        if self.blocked:
+            # one scale per row of x, keepdims: opset 21's blocked QuantizeLinear (block = the last axis) takes
+            # it as it is, and MatMulInteger's [.., rows, n] output is scaled by it by broadcasting: the bytes of
+            # the 2-D view below, five kernels fewer (tested)
+            new = self.row_scale(stem, x, 1)
+            s = new[-1].outputs[0]
+            s_shape = ir.node("Shape", [s], name=f"{stem}/pt_scale_shape")
+            z = ir.node("Expand", [self.zp_rows, s_shape.outputs[0]], name=f"{stem}/pt_zero_points")
+            q = ir.node("QuantizeLinear", [x, s, z.outputs[0]], attributes={"axis": -1, "block_size": k},
+                        name=f"{stem}/pt_quant")
+            self.quantized[x] = (q.outputs[0], s, None)
+            return [*new, s_shape, z, q]
+        if self.rows:
+            # x as [rows, k]; one scale per row; QuantizeLinear's per-axis form (axis 0) rounds x / s half to
+            # even and adds the zero point in one pass: the same bytes as Div, Round, Add, Cast (tested)
+            flat = self.const(f"{stem}/pt_rows_shape", np.array([-1, k], np.int64))
+            x2 = ir.node("Reshape", [x, flat], name=f"{stem}/pt_rows")
+            new = [x2, *self.row_scale(stem, x2.outputs[0], 0)]
+            s = new[-1].outputs[0]
+            n_rows = ir.node("Shape", [s], name=f"{stem}/pt_nrows")
+            z = ir.node("Expand", [self.zp_rows, n_rows.outputs[0]], name=f"{stem}/pt_zero_points")
+            q = ir.node("QuantizeLinear", [x2.outputs[0], s, z.outputs[0]], attributes={"axis": 0},
+                        name=f"{stem}/pt_quant")
+            col = ir.node("Unsqueeze", [s, self.one], name=f"{stem}/pt_scale_col")
+            lead = ir.node("Shape", [x], attributes={"start": 0, "end": -1}, name=f"{stem}/pt_lead")
+            self.quantized[x] = (q.outputs[0], col.outputs[0], lead.outputs[0])
+            return [*new, n_rows, z, q, col, lead]
+        new = self.row_scale(stem, x, 1)
+        s = new[-1].outputs[0]
+        d = ir.node("Div", [x, s], name=f"{stem}/pt_div")
+        r = ir.node("Round", [d.outputs[0]], name=f"{stem}/pt_round")
+        o = ir.node("Add", [r.outputs[0], self.off], name=f"{stem}/pt_offset")
+        q = ir.node("Cast", [o.outputs[0]], attributes={"to": int(ir.DataType.UINT8)}, name=f"{stem}/pt_quant")
+        self.quantized[x] = (q.outputs[0], s, None)
+        return [*new, d, r, o, q]
+
+    def product(self, stem: str, x: ir.Value, w: ir.Value) -> list[ir.Node]:
+        """The int8 product of quantized ``x`` and weight ``w``, scaled back (its output is the last node's)."""
+        xq, s_row, lead = self.quantized[x]
+        if w.name not in self.weights:
+            wq, sw = _int8_weight(w.const_value.numpy().astype(np.float32))
+            self.weights[w.name] = (self.const(f"{w.name}_int8pt", wq), self.const(f"{w.name}_int8pt_scale", sw))
+        wq_v, sw_v = self.weights[w.name]
+        if self.unit_scale is not None:
+            mw = ir.node("MatMulIntegerToFloat", [xq, wq_v, self.unit_scale, sw_v, self.zp], domain="com.microsoft",
+                         name=f"{stem}/pt_matmul")
+            new = [mw]
+        else:
+            mm = ir.node("MatMulInteger", [xq, wq_v, self.zp], name=f"{stem}/pt_matmul")
+            cf = ir.node("Cast", [mm.outputs[0]], attributes={"to": int(ir.DataType.FLOAT)}, name=f"{stem}/pt_float")
+            mw = ir.node("Mul", [cf.outputs[0], sw_v], name=f"{stem}/pt_wscale")
+            new = [mm, cf, mw]
+        new.append(ir.node("Mul", [mw.outputs[0], s_row], name=f"{stem}/pt_xscale"))
+        if lead is not None:  # back to x's leading dims
+            n_out = self.const(f"{stem}/pt_out_width", np.array([w.const_value.shape[1]], np.int64))
+            shape = ir.node("Concat", [lead, n_out], attributes={"axis": 0}, name=f"{stem}/pt_out_shape")
+            new += [shape, ir.node("Reshape", [new[-1].outputs[0], shape.outputs[0]], name=f"{stem}/pt_unrows")]
+        return new
+
+
+def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Value]], integer_to_float: bool = False
+                       ) -> int:
     """Rewrite ``targets`` (``(MatMul, 2-D float weight)`` pairs) as per-token int8; returns the activations quantized.
 
     The rewrite of :class:`QuantizeDynamicInt8PerTokenPass` (its docstring has the arithmetic); MatMuls that
-    read one activation share its quantization. No targets: the graph is left as it is.
+    read one activation share its quantization. With ``integer_to_float``, ``MatMulInteger`` -> ``Cast`` ->
+    ``Mul(weight scale)`` is one ``com.microsoft.MatMulIntegerToFloat`` (A's scale 1, B's the weight scale): the
+    same bytes. No targets: the graph is left as it is.
     """
     if not targets:
         return 0
+    rw = _PerTokenRewrite(model, integer_to_float)
     g = model.graph
-    opset = default_opset(model)
-
-    def const(name: str, arr: np.ndarray) -> ir.Value:
-        v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
-        g.register_initializer(v)
-        return v
-
-    inv127 = const("dyncompile_pt_inv127", np.array(1.0 / 127.0, np.float32))
-    eps = const("dyncompile_pt_eps", np.array(1e-12, np.float32))
-    zp = const("dyncompile_pt_zero_point", np.array(128, np.uint8))
-    axes = const("dyncompile_pt_axes", np.array([-1], np.int64)) if opset >= 18 else None
-    rows = opset >= 15  # QuantizeLinear over the rows of a 2-D view (Shape's start/end: opset 15)
-    if rows:
-        zp_rows = const("dyncompile_pt_zero_point_rows", np.array([128], np.uint8))
-        one = const("dyncompile_pt_axis1", np.array([1], np.int64))
-    else:
-        off = const("dyncompile_pt_offset", np.array(128.0, np.float32))
-    quantized: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value | None]] = {}  # activation -> (u8 x, scale, shape)
-    weights: dict[str, tuple[ir.Value, ir.Value]] = {}
-
-    def reduce_max(stem: str, v: ir.Value, keepdims: int) -> ir.Node:
-        if axes is not None:
-            return ir.node("ReduceMax", [v, axes], attributes={"keepdims": keepdims}, name=f"{stem}/pt_max")
-        return ir.node("ReduceMax", [v], attributes={"axes": [-1], "keepdims": keepdims}, name=f"{stem}/pt_max")
-
     for i, (node, w) in enumerate(targets):
         x, y = node.inputs[0], node.outputs[0]
         stem = node.name or f"dyncompile_matmul_{i}"
-        k, n = w.const_value.shape
-        new: list[ir.Node] = []
-        if x not in quantized and rows:
-            # x as [rows, k]; one scale per row; QuantizeLinear's per-axis form (axis 0) rounds x / s half to
-            # even and adds the zero point in one pass: the same bytes as Div, Round, Add, Cast (tested)
-            flat = const(f"{stem}/pt_rows_shape", np.array([-1, k], np.int64))
-            x2 = ir.node("Reshape", [x, flat], name=f"{stem}/pt_rows")
-            a = ir.node("Abs", [x2.outputs[0]], name=f"{stem}/pt_abs")
-            rm = reduce_max(stem, a.outputs[0], 0)
-            sc = ir.node("Mul", [rm.outputs[0], inv127], name=f"{stem}/pt_scale0")
-            s = ir.node("Max", [sc.outputs[0], eps], name=f"{stem}/pt_scale")
-            n_rows = ir.node("Shape", [s.outputs[0]], name=f"{stem}/pt_nrows")
-            z = ir.node("Expand", [zp_rows, n_rows.outputs[0]], name=f"{stem}/pt_zero_points")
-            q = ir.node("QuantizeLinear", [x2.outputs[0], s.outputs[0], z.outputs[0]], attributes={"axis": 0},
-                        name=f"{stem}/pt_quant")
-            col = ir.node("Unsqueeze", [s.outputs[0], one], name=f"{stem}/pt_scale_col")
-            lead = ir.node("Shape", [x], attributes={"start": 0, "end": -1}, name=f"{stem}/pt_lead")
-            new += [x2, a, rm, sc, s, n_rows, z, q, col, lead]
-            quantized[x] = (q.outputs[0], col.outputs[0], lead.outputs[0])
-        elif x not in quantized:
-            a = ir.node("Abs", [x], name=f"{stem}/pt_abs")
-            rm = reduce_max(stem, a.outputs[0], 1)
-            sc = ir.node("Mul", [rm.outputs[0], inv127], name=f"{stem}/pt_scale0")
-            s = ir.node("Max", [sc.outputs[0], eps], name=f"{stem}/pt_scale")
-            d = ir.node("Div", [x, s.outputs[0]], name=f"{stem}/pt_div")
-            r = ir.node("Round", [d.outputs[0]], name=f"{stem}/pt_round")
-            o = ir.node("Add", [r.outputs[0], off], name=f"{stem}/pt_offset")
-            q = ir.node("Cast", [o.outputs[0]], attributes={"to": int(ir.DataType.UINT8)}, name=f"{stem}/pt_quant")
-            new += [a, rm, sc, s, d, r, o, q]
-            quantized[x] = (q.outputs[0], s.outputs[0], None)
-        xq, s_row, lead = quantized[x]
-        if w.name not in weights:
-            wq, sw = _int8_weight(w.const_value.numpy().astype(np.float32))
-            weights[w.name] = (const(f"{w.name}_int8pt", wq), const(f"{w.name}_int8pt_scale", sw))
-        wq_v, sw_v = weights[w.name]
-        mm = ir.node("MatMulInteger", [xq, wq_v, zp], name=f"{stem}/pt_matmul")
-        cf = ir.node("Cast", [mm.outputs[0]], attributes={"to": int(ir.DataType.FLOAT)}, name=f"{stem}/pt_float")
-        mw = ir.node("Mul", [cf.outputs[0], sw_v], name=f"{stem}/pt_wscale")
-        mx = ir.node("Mul", [mw.outputs[0], s_row], name=f"{stem}/pt_xscale")
-        new += [mm, cf, mw, mx]
-        out = mx
-        if lead is not None:  # back to x's leading dims
-            n_out = const(f"{stem}/pt_out_width", np.array([n], np.int64))
-            shape = ir.node("Concat", [lead, n_out], attributes={"axis": 0}, name=f"{stem}/pt_out_shape")
-            out = ir.node("Reshape", [mx.outputs[0], shape.outputs[0]], name=f"{stem}/pt_unrows")
-            new += [shape, out]
+        new = [] if x in rw.quantized else rw.quantize_activation(stem, x, w.const_value.shape[0])
+        new += rw.product(stem, x, w)
         g.insert_before(node, new)
-        replace_node_output(g, node, y, out.outputs[0])
-    for name in [n for n in weights if n in g.initializers and not list(g.initializers[n].uses())]:
+        replace_node_output(g, node, y, new[-1].outputs[0])
+    for name in [n for n in rw.weights if n in g.initializers and not list(g.initializers[n].uses())]:
         del g.initializers[name]
-    return len(quantized)
+    return len(rw.quantized)
 
 
 class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
@@ -429,18 +468,28 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
     From opset 15 the quantization is one ``QuantizeLinear`` over the rows of a 2-D view of ``x`` (per-axis
     scales and zero points, axis 0) instead of ``Div``, ``Round``, ``Add`` and ``Cast``: the same bytes (tested
     against the opset-14 chain), one pass over the activation instead of four (MPNet-base's FFN output, 43
-    tokens: 1.1-1.2x the whole per-token MatMul).
+    tokens: 1.1-1.2x the whole per-token MatMul); from opset 21 a blocked ``QuantizeLinear`` (one block per
+    row of ``x`` as it is) needs no 2-D view and no shape arithmetic around it, five kernels fewer (the same bytes;
+    ``raise-opset`` declares 21 for the CPU EP). With ``integer_to_float`` (the factory sets it for the CPU EP)
+    ``MatMulInteger`` -> ``Cast`` -> ``Mul(w_scale)`` is one ``com.microsoft.MatMulIntegerToFloat`` (A's scale 1,
+    B's ``w_scale``): the same bytes, two kernels fewer.
     Records ``dyncompile.quantized``.
     Idempotent: a graph that already holds int8 MatMuls is left alone (``modified=False``).
     """
 
-    def __init__(self, keep_fp32: str | tuple[str, ...] | None = None, exclude_nodes: Sequence[str] = ()) -> None:
+    def __init__(self, keep_fp32: str | tuple[str, ...] | None = None, exclude_nodes: Sequence[str] = (),
+                 integer_to_float: bool = False) -> None:
         super().__init__()
         self.keep_fp32 = _parse_keep_fp32(keep_fp32)
         self.exclude_nodes = tuple(exclude_nodes)
+        self.integer_to_float = bool(integer_to_float)
+
+    def _repr_tail(self) -> str:
+        return ", integer_to_float=True" if self.integer_to_float else ""
 
     def __repr__(self) -> str:
-        return f"QuantizeDynamicInt8PerTokenPass({_fp32_repr(self.keep_fp32, self.exclude_nodes).lstrip(', ')})"
+        return (f"QuantizeDynamicInt8PerTokenPass({_fp32_repr(self.keep_fp32, self.exclude_nodes).lstrip(', ')}"
+                f"{self._repr_tail()})")
 
     def _targets(self, model: ir.Model) -> tuple[list[tuple[ir.Node, ir.Value]], list[str]]:
         exclude = _fp32_names(model, self.keep_fp32, self.exclude_nodes)
@@ -467,7 +516,7 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
     def _quantize(self, model: ir.Model, targets: list[tuple[ir.Node, ir.Value]], exclude: list[str]
                   ) -> ir.passes.PassResult:
         """Quantize ``targets`` (the float-weight MatMuls not in ``exclude``) and record the scheme."""
-        n_act = quantize_per_token(model, targets)
+        n_act = quantize_per_token(model, targets, self.integer_to_float)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
             {"scheme": "int8-dynamic-per-token", "per_channel": True, "keep_fp32": list(self.keep_fp32),
              "fp32_matmuls_kept": len(exclude)}
@@ -494,11 +543,11 @@ class QuantizeDynamicInt8MixedPass(QuantizeDynamicInt8PerTokenPass):
     (``modified=False``).
     """
 
-    def __init__(self, exclude_nodes: Sequence[str] = ()) -> None:
-        super().__init__(exclude_nodes=exclude_nodes)
+    def __init__(self, exclude_nodes: Sequence[str] = (), integer_to_float: bool = False) -> None:
+        super().__init__(exclude_nodes=exclude_nodes, integer_to_float=integer_to_float)
 
     def __repr__(self) -> str:
-        return f"QuantizeDynamicInt8MixedPass({_fp32_repr((), self.exclude_nodes).lstrip(', ')})"
+        return f"QuantizeDynamicInt8MixedPass({_fp32_repr((), self.exclude_nodes).lstrip(', ')}{self._repr_tail()})"
 
     def _quantize(self, model: ir.Model, targets: list[tuple[ir.Node, ir.Value]], exclude: list[str]
                   ) -> ir.passes.PassResult:
@@ -508,7 +557,7 @@ class QuantizeDynamicInt8MixedPass(QuantizeDynamicInt8PerTokenPass):
             QuantizeDynamicInt8Pass(per_channel=True, exclude_nodes=(*gelu_fed, *self.exclude_nodes))(model)
         by_name = {n.name: n for n in model.graph}  # ORT's rewrite replaced the graph: look the MatMuls up again
         per_token = [(by_name[n], by_name[n].inputs[1]) for n in gelu_fed if n in by_name]
-        n_act = quantize_per_token(model, per_token)
+        n_act = quantize_per_token(model, per_token, self.integer_to_float)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
             {"scheme": "int8-dynamic-mixed", "per_channel": True, "per_token_matmuls": len(per_token),
              "keep_fp32": [], "fp32_matmuls_kept": len(exclude)}
@@ -923,6 +972,7 @@ def _make_int8(
     if format == "auto":
         format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
     names = tuple(n for n in (fp32_nodes or "").split("+") if n)
+    cpu = (context.options.get("provider") or "cpu") == "cpu"
     if activations in ("per-token", "mixed"):
         if format != "dynamic" or budget_share is not None or reduce_range or per_channel is False:
             raise PassConfigError(f"quantize-int8 activations={activations} is a dynamic format with per-channel weights: "
@@ -931,8 +981,9 @@ def _make_int8(
             if keep_fp32:
                 raise PassConfigError("quantize-int8 activations=mixed quantizes the GELU-fed MatMuls per token; drop "
                                       "keep_fp32 (or name fp32 MatMuls with fp32_nodes=A+B)")
-            return QuantizeDynamicInt8MixedPass(exclude_nodes=names)
-        return QuantizeDynamicInt8PerTokenPass(keep_fp32=keep_fp32, exclude_nodes=names)
+            # MatMulIntegerToFloat is a CPU kernel of onnxruntime's contrib ops: written for the CPU EP only
+            return QuantizeDynamicInt8MixedPass(exclude_nodes=names, integer_to_float=cpu)
+        return QuantizeDynamicInt8PerTokenPass(keep_fp32=keep_fp32, exclude_nodes=names, integer_to_float=cpu)
     if budget_share is not None:
         if fp32_nodes:
             raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "

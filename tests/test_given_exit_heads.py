@@ -49,11 +49,11 @@ def test_given_heads_are_wired_calibrated_and_lowered(minilm, tmp_path):
     calib, rows = _calib(tmp_path)
     res = dyncompile.compile(path, "early-exit", tmp_path / "out", calib=str(calib), heads="given", budget=BUDGET,
                              lowering="staged", progress=False)
-    # -O2 on the CPU EP fuses the encoder's attention first (presets; key-padding-mask and fuse-gelu, also
-    # inserted, are skipped where they find nothing); then the passes early-exit builds
+    # -O2 on the CPU EP fuses the encoder's attention first (presets; key-padding-mask, fuse-gelu and
+    # tabulate-length-values, also inserted, are skipped where they find nothing); then the passes early-exit builds
     assert [r.name for r in res.pipeline.records] == [
-        "FuseEncoderAttentionPass", "KeyPaddingMaskPass", "FuseGeluPass", "WireGivenExitHeadsPass",
-        "InsertEarlyExitPass"]
+        "FuseEncoderAttentionPass", "KeyPaddingMaskPass", "FuseGeluPass", "TabulateLengthValuesPass", "RaiseOpsetPass",
+        "WireGivenExitHeadsPass", "InsertEarlyExitPass"]
     m = dyncompile.load(res.plan_dir, optimization="disable")
     # calibrated: run by the runtime on the calibration rows, the plan keeps its promise there (the
     # calibrator's numpy decisions vs the ONNX heads + runtime rule: at most one row may flip at a threshold)

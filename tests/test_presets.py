@@ -179,13 +179,16 @@ def test_early_exit_batch_sizes_must_be_positive(tmp_path):
     assert _early_exit_lowering(tmp_path, provider="openvino", batch_sizes="1")[0] == "staged"  # EP-aware still
 
 
-@pytest.mark.parametrize("level, provider, inserted", [(2, "cpu", ["fuse-encoder-attention", "key-padding-mask", "fuse-gelu"]),
+@pytest.mark.parametrize("level, provider, inserted", [(2, "cpu", ["fuse-encoder-attention", "key-padding-mask", "fuse-gelu",
+                                                                    "tabulate-length-values", "raise-opset"]),
+                                                        (1, "cpu", ["tabulate-length-values", "raise-opset"]),
                                                         (0, "cpu", []),
                                                         (2, "openvino", [])])
 def test_a_classifier_compile_gets_the_fused_encoder_attention_on_the_cpu_ep(minilm, level, provider, inserted,
                                                                             tmp_path):
     """-O2 for the CPU EP inserts fuse-encoder-attention before the classifier's passes (the real MiniLM: its six
-    attentions become MultiHeadAttention, its answers stay the original's); -O0 and the OpenVINO EP do not."""
+    attentions become MultiHeadAttention, its answers stay the original's), tabulate-length-values (which finds
+    nothing to do on MiniLM) and raise-opset (both also at -O1, being bit-exact); -O0 and the OpenVINO EP do not."""
     import numpy as np
     import onnx
 
@@ -194,11 +197,13 @@ def test_a_classifier_compile_gets_the_fused_encoder_attention_on_the_cpu_ep(min
     pipe = res.plan.provenance["pipeline"]
     assert pipe["inserted"] == inserted
     assert pipe["technique"] == "text-classification"
-    g = onnx.load(res.plan_dir / "model.onnx").graph
-    assert sum(n.op_type == "MultiHeadAttention" for n in g.node) == (6 if inserted else 0)
-    assert sum(n.op_type == "Gelu" for n in g.node) == (6 if inserted else 0)
-    assert sum(n.op_type == "Erf" for n in g.node) == (0 if inserted else 6)
-    assert sum(n.op_type == "GatherND" for n in g.node) == (0 if inserted else 1)  # the exported mask chain's
+    proto = onnx.load(res.plan_dir / "model.onnx")
+    g, fused = proto.graph, level == 2 and provider == "cpu"
+    assert {o.domain: o.version for o in proto.opset_import}[""] == (21 if inserted else 18)
+    assert sum(n.op_type == "MultiHeadAttention" for n in g.node) == (6 if fused else 0)
+    assert sum(n.op_type == "Gelu" for n in g.node) == (6 if fused else 0)
+    assert sum(n.op_type == "Erf" for n in g.node) == (0 if fused else 6)
+    assert sum(n.op_type == "GatherND" for n in g.node) == (0 if fused else 1)  # the exported mask chain's
     if inserted:  # the answers of the original model (the pass's own test compares logits <= 1e-5)
         rows = ["A gorgeous, witty movie.", "Dull, overlong and badly acted."]
         from dyncompile.tools.evaluate import ReferenceModel

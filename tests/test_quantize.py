@@ -131,8 +131,8 @@ def test_int8_then_early_exit_on_minilm(minilm, tmp_path):
         lowering="staged", confidence="none", progress=False,
     )
     assert [r.name for r in res.pipeline.records] == [  # the -O2 presets (fused attention, key mask, GELU) first
-        "FuseEncoderAttentionPass", "KeyPaddingMaskPass", "FuseGeluPass", "QuantizeDynamicInt8Pass", "FitExitHeadsPass",
-        "InsertEarlyExitPass"]
+        "FuseEncoderAttentionPass", "KeyPaddingMaskPass", "FuseGeluPass", "TabulateLengthValuesPass", "RaiseOpsetPass",
+        "QuantizeDynamicInt8Pass", "FitExitHeadsPass", "InsertEarlyExitPass"]
     seg0 = ir.load(res.plan.directory / res.plan.files["segment0"].path)
     assert "MatMulInteger" in _ops(seg0)  # the heads were fitted on the quantized model's features
     m = dyncompile.load(res.plan_dir)

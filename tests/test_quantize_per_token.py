@@ -119,8 +119,10 @@ def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized
 
 @pytest.mark.parametrize("optimized", [False, True])
 def test_row_quantizer_gives_the_bytes_of_the_elementwise_chain(optimized):
-    """From opset 15 one QuantizeLinear over a [rows, k] view replaces Div, Round, Add(128), Cast: same outputs, bit
-    for bit (outlier token, all-zero token, ties at .5 after division, batch > 1); the opset-14 graph keeps the chain."""
+    """From opset 15 one QuantizeLinear over a [rows, k] view replaces Div, Round, Add(128), Cast; from opset 21 a
+    blocked QuantizeLinear on x as it is (no view, no shape arithmetic); MatMulIntegerToFloat replaces
+    MatMulInteger, Cast, Mul: same outputs, bit for bit (outlier token, all-zero token, ties at .5 after division,
+    batch > 1); the opset-14 graph keeps the chain."""
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((64, 48)) / 8).astype(np.float32)
     b = rng.standard_normal(48).astype(np.float32)
@@ -129,16 +131,24 @@ def test_row_quantizer_gives_the_bytes_of_the_elementwise_chain(optimized):
     x[2, 4, :] = 0.0
     x[0, 0, :4] = [127.0, 0.5, -0.5, 1.5]  # scale 1: x / s lands on .5 ties, rounded half to even by both
     out, ops = {}, {}
-    for opset in (14, 18):
+    for opset, to_float in ((14, False), (18, False), (21, False), (18, True), (21, True)):
         m = _one_matmul(w, b)
         m.opset_imports[""] = opset
-        QuantizeDynamicInt8PerTokenPass()(m)
+        QuantizeDynamicInt8PerTokenPass(integer_to_float=to_float)(m)
         onnx.checker.check_model(ir.to_proto(m), full_check=True)
-        ops[opset] = [n.op_type for n in m.graph]
-        out[opset] = ort_session(m, disable_all=not optimized).run(None, {"x": x})[0]
+        key = (opset, "to_float") if to_float else opset
+        ops[key] = [n.op_type for n in m.graph]
+        out[key] = ort_session(m, disable_all=not optimized).run(None, {"x": x})[0]
+    for opset in (18, 21):  # MatMulInteger -> Cast -> Mul(weight scale) as one MatMulIntegerToFloat: the same bytes
+        assert ops[(opset, "to_float")].count("MatMulIntegerToFloat") == 1
+        assert len(ops[(opset, "to_float")]) == len(ops[opset]) - 2 and "MatMulInteger" not in ops[(opset, "to_float")]
+        assert np.array_equal(out[(opset, "to_float")], out[14])
     assert "QuantizeLinear" in ops[18] and "Round" not in ops[18] and "Div" not in ops[18]
     assert "QuantizeLinear" not in ops[14] and "Round" in ops[14]
-    assert out[18].shape == (3, 7, 48) and np.array_equal(out[18], out[14])
+    assert "Reshape" in ops[18] and "Concat" in ops[18]
+    assert ops[21].count("QuantizeLinear") == 1 and not {"Reshape", "Concat", "Unsqueeze", "Round"} & set(ops[21])
+    assert len(ops[21]) == len(ops[18]) - 5
+    assert out[18].shape == (3, 7, 48) and np.array_equal(out[18], out[14]) and np.array_equal(out[21], out[14])
     want = _emulate(x.astype(np.float64), w.astype(np.float64)) + b
     assert np.abs(out[18] - want).max() / np.abs(want).max() <= 1e-5
 
