@@ -9,7 +9,8 @@ kernels, so every length keeps working.
 
 * Scope: the main graph of a text encoder whose inputs are all ``[batch, sequence]``. A value is *length-only*
   when it is computed, without subgraphs, from constants and ``Shape`` of the graph inputs. It is tabulated when
-  (checked by running the length-only part in ONNX Runtime at lengths ``max_length``, 3 and 11 and batch 1 and 2)
+  (checked by running the length-only part in ONNX Runtime at lengths ``max_length``, 3 and 11 — 2 and
+  ``max_length - 1`` below 12 — and batch 1 and 2)
   it does not depend on the batch size, its value at a length ``S`` is the table's leading block on the axes that
   have length ``S``, it is not read by another value that qualifies, and at least ``min_nodes`` kernels compute
   it alone.
@@ -36,8 +37,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TabulateLengthValuesPass"]
 
-#: the lengths (besides max_length) and batch sizes the length-only part is run at to check the rule
+#: the lengths (besides max_length) the length-only part is run at to check the rule, at batch 1 and 2
 _PROBE_LENGTHS = (3, 11)
+
+
+def probe_lengths(max_length: int) -> tuple[int, ...]:
+    """Two lengths below ``max_length`` to check the rule at (:data:`_PROBE_LENGTHS` when they fit); ``()`` below 4."""
+    if max_length > max(_PROBE_LENGTHS):
+        return _PROBE_LENGTHS
+    return (2, max_length - 1) if max_length >= 4 else ()
 _NONDETERMINISTIC = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                                "Multinomial", "Bernoulli", "Dropout"})
 
@@ -68,8 +76,8 @@ class TabulateLengthValuesPass(ir.passes.InPlacePass):
 
     def __init__(self, max_length: int = 128, min_nodes: int = 8) -> None:
         super().__init__()
-        if int(max_length) < max(_PROBE_LENGTHS) + 1:
-            raise ValueError(f"tabulate-length-values: max_length must be > {max(_PROBE_LENGTHS)}, not {max_length}")
+        if int(max_length) < 1:
+            raise ValueError(f"tabulate-length-values: max_length must be a positive length, not {max_length}")
         self.max_length = int(max_length)
         self.min_nodes = int(min_nodes)
 
@@ -90,7 +98,8 @@ class TabulateLengthValuesPass(ir.passes.InPlacePass):
         """``{value: (table, sliced axes)}`` for the candidates that follow the rule (module docstring)."""
         names = [v.name for v in candidates]
         table = self._run(model, names, 1, self.max_length)
-        probes = {(b, s): self._run(model, names, b, s) for s in _PROBE_LENGTHS for b in (1, 2)}
+        lengths = probe_lengths(self.max_length)
+        probes = {(b, s): self._run(model, names, b, s) for s in lengths for b in (1, 2)}
         out = {}
         for v in candidates:
             t = table[v.name]
@@ -98,7 +107,7 @@ class TabulateLengthValuesPass(ir.passes.InPlacePass):
             if t.ndim < 2 or not axes or t.dtype == object:
                 continue
             good = True
-            for s in _PROBE_LENGTHS:
+            for s in lengths:
                 one, two = probes[(1, s)][v.name], probes[(2, s)][v.name]
                 block = t[tuple(slice(0, s) if i in axes else slice(None) for i in range(t.ndim))]
                 if not (one.shape == two.shape == block.shape and np.array_equal(one, two)
@@ -112,6 +121,10 @@ class TabulateLengthValuesPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Tabulate the length-only values of ``model`` (scope, rule and invariants: the module docstring)."""
         g = model.graph
+        if not probe_lengths(self.max_length):
+            return not_fired(model, "tabulate-length-values",
+                             f"max_length {self.max_length} leaves no two shorter lengths to check the rule at",
+                             "give max_length >= 4")
         bad = [v.name for v in g.inputs if v.shape is None or len(v.shape) != 2 or v.dtype is None]
         if bad or not g.inputs:
             return not_fired(model, "tabulate-length-values",

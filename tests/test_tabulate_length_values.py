@@ -68,6 +68,22 @@ def test_minilm_has_nothing_to_tabulate(minilm):
     assert "nothing to tabulate" in result.message()
 
 
-def test_max_length_must_leave_room_for_the_probes():
+def test_a_short_max_length_checks_at_shorter_lengths_or_does_not_fire(mpnet, movie_test_rows):
+    """A model whose tokenizer truncates at 8 tokens (a sidecar may say so): the rule is checked at 2 and 7
+    tokens and the table is 8 x 8; below 4 tokens there is nothing to check against and the pass says so."""
+    from dyncompile.runtime.text import TextEncoder
+
     with pytest.raises(ValueError, match="max_length"):
-        TabulateLengthValuesPass(max_length=8)
+        TabulateLengthValuesPass(max_length=0)
+    model = ir.load(mpnet.onnx_path)
+    assert not TabulateLengthValuesPass(max_length=3)(model).modified
+    result = TabulateLengthValuesPass(max_length=8)(model)
+    assert result.modified
+    proto = ir.to_proto(result.model)
+    table = next(i for i in proto.graph.initializer if i.name.endswith(".table"))
+    assert list(table.dims) == [1, 12, 8, 8]
+    ref, got = ort_session(mpnet.onnx_path), ort_session(proto.SerializeToString())
+    enc = TextEncoder(mpnet.tokenizer_path, max_length=64)
+    for text in ("Great.", movie_test_rows[0]["text"]):  # 4 tokens (the table) and beyond it
+        feeds = {k: v for k, v in enc([text]).items() if k in ("input_ids", "attention_mask")}
+        assert np.array_equal(got.run(None, feeds)[0], ref.run(None, feeds)[0])
