@@ -25,7 +25,6 @@ the model's opset, and it inlines functions and removes unused nodes on the way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import onnx
 import onnx_ir as ir
@@ -50,17 +49,6 @@ SAME_MEANING = frozenset({
 })
 
 
-def _nodes(graph: ir.Graph) -> Iterator[ir.Node]:
-    for node in graph:
-        yield node
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from _nodes(attr.as_graph())
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for g in attr.as_graphs():
-                    yield from _nodes(g)
-
-
 def _since(op: str, opset: int) -> int | None:
     try:
         return onnx.defs.get_schema(op, max_inclusive_version=opset, domain="").since_version
@@ -75,7 +63,7 @@ def changed_operators(model: ir.Model, target: int) -> list[str]:
     operators count as changed.
     """
     opset = default_opset(model)
-    ops = {n.op_type for n in _nodes(model.graph) if n.domain in ("", "ai.onnx")}
+    ops = {n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain in ("", "ai.onnx")}
     return sorted(op for op in ops - SAME_MEANING
                   if _since(op, opset) is None or _since(op, target) != _since(op, opset))
 
@@ -109,7 +97,7 @@ class RaiseOpsetPass(ir.passes.InPlacePass):
                              "leave raise-opset out for this model (the per-token int8 lowering then uses 2-D views)")
         model.opset_imports.pop("ai.onnx", None)
         model.opset_imports[""] = self.target
-        for node in _nodes(model.graph):
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
             if node.domain in ("", "ai.onnx") and node.version is not None:
                 node.version = self.target
         logger.info("raise-opset: default opset %d -> %d", opset, self.target)

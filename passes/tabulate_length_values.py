@@ -46,6 +46,8 @@ def probe_lengths(max_length: int) -> tuple[int, ...]:
     if max_length > max(_PROBE_LENGTHS):
         return _PROBE_LENGTHS
     return (2, max_length - 1) if max_length >= 4 else ()
+
+
 _NONDETERMINISTIC = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                                "Multinomial", "Bernoulli", "Dropout"})
 
@@ -84,22 +86,23 @@ class TabulateLengthValuesPass(ir.passes.InPlacePass):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_length={self.max_length}, min_nodes={self.min_nodes})"
 
-    def _run(self, model: ir.Model, names: list[str], batch: int, length: int) -> dict[str, np.ndarray]:
+    def _qualifying(self, model: ir.Model, candidates: list[ir.Value]) -> dict[ir.Value, tuple[np.ndarray, list[int]]]:
+        """``{value: (table, sliced axes)}`` for the candidates that follow the rule (module docstring)."""
         import onnxruntime as ort
 
+        names = [v.name for v in candidates]
         part = extract_model(model, [v.name for v in model.graph.inputs], names, "length_only")
-        feeds = {v.name: np.zeros((batch, length), v.dtype.numpy()) for v in part.graph.inputs}
         so = ort.SessionOptions()
         so.log_severity_level = 3
         sess = ort.InferenceSession(ir.to_proto(part).SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return dict(zip(names, sess.run(names, feeds), strict=True))
 
-    def _qualifying(self, model: ir.Model, candidates: list[ir.Value]) -> dict[ir.Value, tuple[np.ndarray, list[int]]]:
-        """``{value: (table, sliced axes)}`` for the candidates that follow the rule (module docstring)."""
-        names = [v.name for v in candidates]
-        table = self._run(model, names, 1, self.max_length)
+        def run(batch: int, length: int) -> dict[str, np.ndarray]:
+            feeds = {v.name: np.zeros((batch, length), v.dtype.numpy()) for v in part.graph.inputs}
+            return dict(zip(names, sess.run(names, feeds), strict=True))
+
+        table = run(1, self.max_length)
         lengths = probe_lengths(self.max_length)
-        probes = {(b, s): self._run(model, names, b, s) for s in lengths for b in (1, 2)}
+        probes = {(b, s): run(b, s) for s in lengths for b in (1, 2)}
         out = {}
         for v in candidates:
             t = table[v.name]
@@ -208,16 +211,16 @@ class TabulateLengthValuesPass(ir.passes.InPlacePass):
         then_out.name, then_out.type = f"{stem}.table_block", vtype
         for n in chain:
             g.remove(n)
-        producer_out = v  # the original value becomes the else branch's output
         out = ir.Value(name=f"{stem}.value", type=v.type, shape=v.shape)
         head = [length, cond, *([ends] if ends is not None else [])]
         then_g = ir.Graph([], [then_out], nodes=[sl], name=f"{stem}.then")
-        else_g = ir.Graph([], [producer_out], nodes=chain, name=f"{stem}.else")
+        else_g = ir.Graph([], [v], nodes=chain, name=f"{stem}.else")  # the original kernels, v their output
         node = ir.Node("", "If", [cond.outputs[0]], attributes=[ir.AttrGraph("then_branch", then_g),
                                                                ir.AttrGraph("else_branch", else_g)],
                        outputs=[out], name=f"{stem}/if")
         users = [u for u in v.uses() if u.node.graph is g]
-        first_user = min((u.node for u in users), key=lambda n: list(g).index(n))
+        order = {id(n): i for i, n in enumerate(g)}
+        first_user = min((u.node for u in users), key=lambda n: order[id(n)])
         g.insert_before(first_user, [*head, node])
         for u in users:
             u.node.replace_input_with(u.idx, out)
