@@ -319,6 +319,16 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
+#: the size of the Gelu function's most negative value, rounded up (exact erf form -0.169971, tanh form -0.170041)
+GELU_FLOOR = 0.171
+
+
+def _is_gelu_output(x: ir.Value) -> bool:
+    """``x`` is produced by one ``Gelu`` kernel (ONNX's or ``com.microsoft``'s), so ``x >= -GELU_FLOOR``."""
+    p = x.producer()
+    return p is not None and p.op_type == "Gelu" and p.domain in ("", "ai.onnx", "com.microsoft")
+
+
 class _PerTokenRewrite:
     """The nodes :func:`quantize_per_token` writes; the graph's shared constants are made once, here."""
 
@@ -329,14 +339,16 @@ class _PerTokenRewrite:
         self.rows = 15 <= opset < 21  # QuantizeLinear over the rows of a 2-D view (Shape's start/end: opset 15)
         self.inv127 = self.const("dyncompile_pt_inv127", np.array(1.0 / 127.0, np.float32))
         self.eps = self.const("dyncompile_pt_eps", np.array(1e-12, np.float32))
+        self.gelu_floor: ir.Value | None = None  # made when a Gelu output is quantized (row_scale)
         self.zp = self.const("dyncompile_pt_zero_point", np.array(128, np.uint8))
         self.unit_scale = None
         if integer_to_float:
             self.unit_scale = self.const("dyncompile_pt_unit_scale", np.array(1.0, np.float32))
             model.opset_imports.setdefault("com.microsoft", 1)
         self.axes = self.const("dyncompile_pt_axes", np.array([-1], np.int64)) if opset >= 18 else None
-        if self.rows or self.blocked:
+        if self.rows:
             self.zp_rows = self.const("dyncompile_pt_zero_point_rows", np.array([128], np.uint8))
+        self.zp_of_scale: ir.Value | None = None  # made by the blocked quantizer (quantize_activation)
         if self.rows:
             self.one = self.const("dyncompile_pt_axis1", np.array([1], np.int64))
         if not (self.rows or self.blocked):
@@ -350,16 +362,27 @@ class _PerTokenRewrite:
         self.g.register_initializer(v)
         return v
 
-    def row_scale(self, stem: str, v: ir.Value, keepdims: int) -> list[ir.Node]:
-        """``max(max |v| over the last axis / 127, eps)``: Abs, ReduceMax, Mul, Max (the scale is the last output)."""
-        a = ir.node("Abs", [v], name=f"{stem}/pt_abs")
+    def row_scale(self, stem: str, v: ir.Value, keepdims: int, gelu: bool = False) -> list[ir.Node]:
+        """``max(max |v| over the last axis / 127, eps)``: Abs, ReduceMax, Mul, Max (the scale is the last output).
+
+        ``gelu``: ``v`` is a ``Gelu`` output, which is never below ``-GELU_FLOOR`` (-0.16997 exact, -0.17004 tanh
+        form); ``max(max v / 127, GELU_FLOOR / 127)`` is then ``max |v| / 127`` whenever a row's largest value
+        reaches ``GELU_FLOOR`` (its negatives are smaller in size), and a coarser grid that still clips nothing in
+        a row that does not: no ``Abs`` pass over the activation (the same bytes on real rows, tested).
+        """
+        nodes = []
+        if not gelu:
+            nodes.append(ir.node("Abs", [v], name=f"{stem}/pt_abs"))
+            v = nodes[-1].outputs[0]
         if self.axes is not None:
-            rm = ir.node("ReduceMax", [a.outputs[0], self.axes], attributes={"keepdims": keepdims}, name=f"{stem}/pt_max")
+            rm = ir.node("ReduceMax", [v, self.axes], attributes={"keepdims": keepdims}, name=f"{stem}/pt_max")
         else:
-            rm = ir.node("ReduceMax", [a.outputs[0]], attributes={"axes": [-1], "keepdims": keepdims},
-                         name=f"{stem}/pt_max")
+            rm = ir.node("ReduceMax", [v], attributes={"axes": [-1], "keepdims": keepdims}, name=f"{stem}/pt_max")
         sc = ir.node("Mul", [rm.outputs[0], self.inv127], name=f"{stem}/pt_scale0")
-        return [a, rm, sc, ir.node("Max", [sc.outputs[0], self.eps], name=f"{stem}/pt_scale")]
+        if gelu and self.gelu_floor is None:
+            self.gelu_floor = self.const("dyncompile_pt_gelu_floor", np.array(GELU_FLOOR / 127.0, np.float32))
+        floor = self.gelu_floor if gelu else self.eps
+        return [*nodes, rm, sc, ir.node("Max", [sc.outputs[0], floor], name=f"{stem}/pt_scale")]
 
     def quantize_activation(self, stem: str, x: ir.Value, k: int) -> list[ir.Node]:
         """The nodes that quantize ``x`` per row (recorded in :attr:`quantized`)."""
@@ -367,20 +390,23 @@ class _PerTokenRewrite:
             # one scale per row of x, keepdims: opset 21's blocked QuantizeLinear (block = the last axis) takes
             # it as it is, and MatMulInteger's [.., rows, n] output is scaled by it by broadcasting: the bytes of
             # the 2-D view below, five kernels fewer (tested)
-            new = self.row_scale(stem, x, 1)
+            new = self.row_scale(stem, x, 1, gelu=_is_gelu_output(x))
             s = new[-1].outputs[0]
-            s_shape = ir.node("Shape", [s], name=f"{stem}/pt_scale_shape")
-            z = ir.node("Expand", [self.zp_rows, s_shape.outputs[0]], name=f"{stem}/pt_zero_points")
+            # the zero points (128 per row, shaped like s) in one kernel: s quantized with a scale so large that
+            # every row rounds to 0, plus 128 (instead of Shape + Expand of a constant)
+            if self.zp_of_scale is None:
+                self.zp_of_scale = self.const("dyncompile_pt_zero_point_scale", np.array(1e30, np.float32))
+            z = ir.node("QuantizeLinear", [s, self.zp_of_scale, self.zp], name=f"{stem}/pt_zero_points")
             q = ir.node("QuantizeLinear", [x, s, z.outputs[0]], attributes={"axis": -1, "block_size": k},
                         name=f"{stem}/pt_quant")
             self.quantized[x] = (q.outputs[0], s, None)
-            return [*new, s_shape, z, q]
+            return [*new, z, q]
         if self.rows:
             # x as [rows, k]; one scale per row; QuantizeLinear's per-axis form (axis 0) rounds x / s half to
             # even and adds the zero point in one pass: the same bytes as Div, Round, Add, Cast (tested)
             flat = self.const(f"{stem}/pt_rows_shape", np.array([-1, k], np.int64))
             x2 = ir.node("Reshape", [x, flat], name=f"{stem}/pt_rows")
-            new = [x2, *self.row_scale(stem, x2.outputs[0], 0)]
+            new = [x2, *self.row_scale(stem, x2.outputs[0], 0, gelu=_is_gelu_output(x))]
             s = new[-1].outputs[0]
             n_rows = ir.node("Shape", [s], name=f"{stem}/pt_nrows")
             z = ir.node("Expand", [self.zp_rows, n_rows.outputs[0]], name=f"{stem}/pt_zero_points")
@@ -390,7 +416,7 @@ class _PerTokenRewrite:
             lead = ir.node("Shape", [x], attributes={"start": 0, "end": -1}, name=f"{stem}/pt_lead")
             self.quantized[x] = (q.outputs[0], col.outputs[0], lead.outputs[0])
             return [*new, n_rows, z, q, col, lead]
-        new = self.row_scale(stem, x, 1)
+        new = self.row_scale(stem, x, 1, gelu=_is_gelu_output(x))
         s = new[-1].outputs[0]
         d = ir.node("Div", [x, s], name=f"{stem}/pt_div")
         r = ir.node("Round", [d.outputs[0]], name=f"{stem}/pt_round")
@@ -465,11 +491,13 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
     ``s = max(|x| over the last axis, keepdims) / 127`` (the weight scale is multiplied first: ORT's
     ``MatMulIntegerToFloat`` fusion of MatMulInteger -> Cast -> Mul -> Add(bias) reads a Mul by a product of
     two scales as one scale and gets the per-row one wrong — tested at ORT_ENABLE_ALL against the emulation).
+    For a ``Gelu`` output, never below -0.171, ``s = max(max x, 0.171) / 127``: no ``Abs`` pass over the
+    activation, the same bytes for every row whose largest value reaches 0.171 (tested).
     From opset 15 the quantization is one ``QuantizeLinear`` over the rows of a 2-D view of ``x`` (per-axis
     scales and zero points, axis 0) instead of ``Div``, ``Round``, ``Add`` and ``Cast``: the same bytes (tested
     against the opset-14 chain), one pass over the activation instead of four (MPNet-base's FFN output, 43
     tokens: 1.1-1.2x the whole per-token MatMul); from opset 21 a blocked ``QuantizeLinear`` (one block per
-    row of ``x`` as it is) needs no 2-D view and no shape arithmetic around it, five kernels fewer (the same bytes;
+    row of ``x`` as it is) needs no 2-D view and no shape arithmetic around it, six kernels fewer (the same bytes;
     ``raise-opset`` declares 21 for the CPU EP). With ``integer_to_float`` (the factory sets it for the CPU EP)
     ``MatMulInteger`` -> ``Cast`` -> ``Mul(w_scale)`` is one ``com.microsoft.MatMulIntegerToFloat`` (A's scale 1,
     B's ``w_scale``): the same bytes, two kernels fewer.

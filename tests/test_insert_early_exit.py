@@ -185,3 +185,63 @@ def test_attach_pass_adds_numpy_exact_heads_and_is_idempotent():
     assert meta["final_output"] == "logits" and meta["num_layers"] == LAYERS
     assert [(e["layer"], e["cut"]) for e in meta["exits"]] == [(1, cuts[1]), (3, cuts[3])]
     assert attach(m).modified is False
+
+
+@pytest.mark.parametrize("criterion", ["entropy", "maxprob"])
+def test_margin_threshold_gives_the_entropy_and_maxprob_decisions(criterion):
+    """Two-class entropy falls and top probability rises with |l0 - l1|: ``|d| > margin_threshold(t)`` fires on
+    the same rows as the criterion on the probabilities, at every threshold between two rows' scores (entropy
+    above 1e-6, maxprob below 1 - 1e-6), and on
+    every row or none at the edges (entropy above log 2 or at most 0; maxprob below 0.5 or at least 1)."""
+    from dyncompile.passes.early_exit.graph import margin_threshold
+    from dyncompile.runtime.rules.exit_rule import confidence, exit_fires
+
+    rng = np.random.default_rng(3)
+    logits = np.concatenate([rng.standard_normal((400, 2)) * s for s in (0.01, 1.0, 5.0, 20.0)])
+    logits[:3] = [[0.0, 0.0], [3.0, 3.0], [-2.0, 2.0]]  # ties, and one margin whose sign is flipped
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    d = np.abs(logits[:, 0] - logits[:, 1])
+    score = np.sort(np.unique(confidence(p, criterion)))
+    cuts = (score[:-1] + score[1:]) / 2  # between two rows' scores...
+    # ...where float64 probabilities still resolve them (numpy's entropy of p = [1 - e, e] loses e's digits in
+    # 1 - e below ~1e-6; a float32 graph's much earlier)
+    cuts = cuts[(cuts < -1e-6) if criterion == "entropy" else (cuts < 1 - 1e-6)]
+    thresholds = -cuts if criterion == "entropy" else cuts
+    for t in thresholds[:: max(1, len(thresholds) // 300)]:
+        assert np.array_equal(d > margin_threshold(criterion, t), exit_fires(p, float(t), criterion))
+    edges = (np.log(2) + 1e-3, 0.0, -1.0) if criterion == "entropy" else (0.4, 1.0, 2.0)
+    for t, fires in zip(edges, (True, False, False), strict=True):
+        assert np.array_equal(d > margin_threshold(criterion, t), np.full(len(d), fires))
+        assert np.array_equal(exit_fires(p, t, criterion), np.full(len(d), fires))
+
+
+@pytest.mark.parametrize("criterion", ["entropy", "maxprob"])
+def test_two_class_exits_test_the_margin_and_compute_logits_only_when_taken(criterion):
+    """The lowered exit test reads the logit difference (``[H, 1]`` product, Abs, ReduceMin) and the head's own
+    logits product moves into the then-branch: no LogSoftmax or Softmax in any branch that goes on. Each row alone
+    exits where numpy's decisions on the head's logits say, at thresholds between the rows' scores (every branch
+    taken), with the head's logits."""
+    from dyncompile.runtime.rules.exit_rule import confidence
+
+    heads = head_outputs(with_heads({}, criterion=criterion))
+    p = {k: np.exp(v) / np.exp(v).sum(-1, keepdims=True) for k, v in heads.items()}
+    s1 = np.sort(confidence(p["exit_logits_1"], criterion))
+    s2 = np.sort(confidence(p["exit_logits_2"], criterion))
+    cut1, cut2 = (s1[2] + s1[3]) / 2, (s2[1] + s2[2]) / 2  # exit 1 takes the 3 most confident rows...
+    thr = {1: -cut1 if criterion == "entropy" else cut1, 2: -cut2 if criterion == "entropy" else cut2}
+    m = lower_if(with_heads(thr, criterion=criterion))
+    outer = next(n for n in m.graph if n.op_type == "If")
+    then_ops = [n.op_type for n in outer.attributes["then_branch"].as_graph()]
+    assert then_ops[:2] == ["MatMul", "Add"]
+    main_ops = [n.op_type for n in m.graph]
+    assert "Abs" in main_ops and not {"LogSoftmax", "Softmax", "Exp"} & set(main_ops)
+    want_layers = np.where(confidence(p["exit_logits_1"], criterion) > cut1, 1,
+                           np.where(confidence(p["exit_logits_2"], criterion) > cut2, 2, LAYERS))
+    assert set(want_layers.tolist()) == {1, 2, LAYERS}
+    sess = ort_session(m)
+    for r, want in enumerate(want_layers):
+        logits, layer = sess.run(None, {k: v[r : r + 1] for k, v in FEEDS.items()})
+        assert int(layer) == want
+        ref = heads["logits"] if want == LAYERS else heads[f"exit_logits_{want}"]
+        np.testing.assert_allclose(logits[0], ref[r], rtol=0, atol=1e-5)

@@ -18,7 +18,7 @@ from helpers import ort_session, random_token_feeds
 
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import QuantizeDynamicInt8Pass, _keys, run_pipeline
-from dyncompile.passes.quantize_weights import QuantizeDynamicInt8PerTokenPass
+from dyncompile.passes.quantize_weights import GELU_FLOOR, QuantizeDynamicInt8PerTokenPass
 
 
 def _weight_matmuls(m: ir.Model) -> list[ir.Node]:
@@ -146,11 +146,58 @@ def test_row_quantizer_gives_the_bytes_of_the_elementwise_chain(optimized):
     assert "QuantizeLinear" in ops[18] and "Round" not in ops[18] and "Div" not in ops[18]
     assert "QuantizeLinear" not in ops[14] and "Round" in ops[14]
     assert "Reshape" in ops[18] and "Concat" in ops[18]
-    assert ops[21].count("QuantizeLinear") == 1 and not {"Reshape", "Concat", "Unsqueeze", "Round"} & set(ops[21])
-    assert len(ops[21]) == len(ops[18]) - 5
+    # at 21: the activation's QuantizeLinear and one more making the rows' zero points (no Shape, no Expand)
+    assert ops[21].count("QuantizeLinear") == 2 and not {"Reshape", "Concat", "Unsqueeze", "Round", "Shape",
+                                                          "Expand"} & set(ops[21])
+    assert len(ops[21]) == len(ops[18]) - 6
     assert out[18].shape == (3, 7, 48) and np.array_equal(out[18], out[14]) and np.array_equal(out[21], out[14])
     want = _emulate(x.astype(np.float64), w.astype(np.float64)) + b
     assert np.abs(out[18] - want).max() / np.abs(want).max() <= 1e-5
+
+
+def _gelu_then_matmul(w: np.ndarray, gelu_node: bool, opset: int = 21) -> ir.Model:
+    """``Gelu(x) @ w`` (ONNX's Gelu from opset 20, com.microsoft's below); ``gelu_node=False`` puts an
+    ``Identity`` between them (an unknown producer)."""
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["batch", "seq", w.shape[0]]))
+    wv = ir.val("w", const_value=ir.tensor(w, name="w"))
+    tape = ir.tape.Tape()
+    h = tape.op("Gelu", [x], domain="" if opset >= 20 else "com.microsoft")
+    if not gelu_node:
+        h = tape.op("Identity", [h])
+    y = tape.op("MatMul", [h, wv], name="fc2")
+    y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape(["batch", "seq", w.shape[1]])
+    g = ir.Graph([x], [y], nodes=tape.nodes, initializers=[wv], opset_imports={"": opset, "com.microsoft": 1},
+                 name="gelu_matmul")
+    return ir.Model(g, ir_version=10)
+
+
+@pytest.mark.parametrize("opset", [14, 18, 21])
+def test_a_gelu_output_needs_no_abs_and_gives_the_same_bytes(opset):
+    """A Gelu output is never below -0.17: its row scale is max(max x, 0.171) / 127 without an Abs pass. Rows whose
+    largest value reaches 0.171 come out bit for bit as with max |x| (the graph with an Identity after the Gelu);
+    a row whose Gelu values are all near its minimum (x ~ -0.75: values in [-0.17, -0.16]) gets the floor's
+    coarser grid, clips nothing and stays within its quantization step of the fp32 product."""
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((64, 48)) / 8).astype(np.float32)
+    x = rng.standard_normal((3, 7, 64)).astype(np.float32) * 2
+    x[2, 3] = -0.75 + rng.standard_normal(64).astype(np.float32) * 0.05  # a row of Gelu values near -0.17
+    outs, ops = {}, {}
+    for gelu_node in (True, False):
+        m = _gelu_then_matmul(w, gelu_node, opset)
+        QuantizeDynamicInt8PerTokenPass(integer_to_float=opset >= 21)(m)
+        onnx.checker.check_model(ir.to_proto(m), full_check=True)
+        ops[gelu_node] = [n.op_type for n in m.graph]
+        outs[gelu_node] = ort_session(m, disable_all=True).run(None, {"x": x})[0]
+    assert "Abs" not in ops[True] and ops[False].count("Abs") == 1
+    assert len(ops[True]) == len(ops[False]) - 2  # no Abs, no Identity
+    rest = np.ones(x.shape[:2], bool)
+    rest[2, 3] = False
+    assert np.array_equal(outs[True][rest], outs[False][rest])
+    gelu = ort_session(_gelu_then_matmul(np.eye(64, dtype=np.float32), True, opset), disable_all=True).run(None, {"x": x})[0]
+    assert gelu[2, 3].max() < GELU_FLOOR and gelu[2, 3].min() >= -GELU_FLOOR
+    assert not np.array_equal(outs[True][2, 3], outs[False][2, 3])  # the floor's grid, not the row's own
+    step = GELU_FLOOR / 127 / 2 * np.abs(w).sum(0)  # at most half a step per input, times |w| summed
+    assert np.all(np.abs(outs[True][2, 3] - gelu[2, 3] @ w) <= step + 1e-6)
 
 
 def test_numerics_on_the_generated_encoder_are_within_the_quantization_step():

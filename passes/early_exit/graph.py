@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from dyncompile.passes.early_exit.heads import ATTN_MASK_BIAS, ExitHead
 
-__all__ = ["NEVER_THRESHOLD", "GraphBuilder", "MaskParts"]
+__all__ = ["NEVER_THRESHOLD", "GraphBuilder", "MaskParts", "margin_threshold"]
 
 #: Thresholds that can never fire, per criterion (entropy >= 0; probabilities <= 1).
 NEVER_THRESHOLD = {"entropy": -1.0, "maxprob": 2.0, "patience": 2.0, "learned": float("inf")}
@@ -30,6 +30,39 @@ class MaskParts:
 
     mean_weights: ir.Value | None  # mask / max(number of tokens, 1)
     attn_bias: ir.Value | None  # 0 for kept tokens, ATTN_MASK_BIAS for padding
+
+
+def _binary_entropy(d: float) -> float:
+    """Entropy (nats) of ``softmax([d, 0])``, ``d >= 0``: ``p softplus(-d) + (1 - p) softplus(d)``, ``p = sigmoid(d)``."""
+    p = 1.0 / (1.0 + math.exp(-d))
+    return p * math.log1p(math.exp(-d)) + (1.0 - p) * (d + math.log1p(math.exp(-d)))
+
+
+def margin_threshold(criterion: str, threshold: float) -> float:
+    """The logit margin ``m``: two-class ``|l0 - l1| > m`` exactly when ``entropy < threshold`` (``maxprob > threshold``).
+
+    ``-1`` where every row fires, ``inf`` where none does (``NEVER_THRESHOLD``).
+    """
+    t = float(threshold)
+    if criterion == "maxprob":
+        if t < 0.5:
+            return -1.0
+        return math.inf if t >= 1.0 else math.log(t / (1.0 - t))
+    if criterion != "entropy":
+        raise ValueError(f"no margin form for criterion {criterion!r} (entropy, maxprob)")
+    if t > math.log(2.0):
+        return -1.0
+    if t <= 0.0:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    while _binary_entropy(hi) >= t:  # entropy falls with the margin: bracket the crossing
+        hi *= 2.0
+        if hi > 1e4:  # below float64's entropy resolution: no float32 logits get there
+            return math.inf
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _binary_entropy(mid) >= t else (lo, mid)
+    return hi
 
 
 class GraphBuilder:
@@ -170,6 +203,24 @@ class GraphBuilder:
             worst = self.reduce("ReduceMin", score, [0], 0, "all")
             return self.op("Greater", [worst, self.const(np.array(limit, np.float32), "threshold")])
         return self.all_rows(self.fires(logits, criterion, threshold, window))
+
+    def all_margins_exceed(self, x: ir.Value, w: np.ndarray, b: np.ndarray, criterion: str, threshold: float
+                           ) -> ir.Value:
+        """Scalar bool: :meth:`all_fire` of two-class logits ``x @ w + b`` computed from their difference alone.
+
+        With two classes, entropy and top probability are functions of ``|l0 - l1|`` only (decreasing and
+        increasing), so ``entropy < t`` is ``|d| > margin_threshold("entropy", t)`` with ``d = x @ (w0 - w1) + (b0 -
+        b1)``: one ``[H, 1]`` product, ``Abs``, the batch's ``ReduceMin`` and a comparison, instead of the logits'
+        product, ``LogSoftmax``, ``Exp``, ``Mul`` and ``ReduceSum``; the logits themselves are only needed where the
+        exit is taken.
+        """
+        w, b = np.asarray(w, np.float64), np.asarray(b, np.float64).reshape(-1)
+        wd = (w[:, :1] - w[:, 1:2]).astype(np.float32)  # [H, 1]
+        d = self.op("Add", [self.op("MatMul", [x, self.const(wd, "margin_w")]),
+                            self.const(np.array([b[0] - b[1]], np.float32), "margin_b")])
+        worst = self.op("ReduceMin", [self.op("Abs", [d])], {"keepdims": 0})  # over every axis: a scalar
+        limit = margin_threshold(criterion, threshold)
+        return self.op("Greater", [worst, self.const(np.array(limit, np.float32), "margin")])
 
     def _neg_entropy(self, logits: ir.Value) -> ir.Value:
         """Per-row ``sum p log p`` ``[B]`` (minus the entropy) of ``logits``."""
