@@ -187,3 +187,36 @@ def test_accuracy_change_interval_is_paired_and_shown_beside_the_change():
     assert "| Δ vs fp32 [95 % CI] |" in new and "| plan | 84.0 | -1.20 [-1.87, -0.53] |" in new
     assert "| fp32 original | 84.0 | +0.00 |" in new  # the reference itself: no interval
     assert "| Δ vs fp32 |" in old and "| plan | 84.0 | -1.20 |" in old
+
+
+@pytest.mark.parametrize("block", [1, 4, 7])
+def test_block_interleaving_runs_each_row_once_per_runner_in_rotated_blocks(block):
+    """Row by row (block 1) the runners alternate on every row; by blocks each runner runs ``block`` consecutive
+    rows before the next one runs the same rows, the first runner rotating per block. Either way every runner sees
+    every row once and results stay in row order (pairing by row)."""
+    from dyncompile.tools.bench.common import Runner, interleaved_batch1
+
+    calls = []
+
+    def runner(name):
+        def fn(texts):
+            calls.append((name, texts[0]))
+            return np.array([[float(len(texts[0]))]]), len(texts[0]) % 3
+        return Runner(name, fn, {})
+
+    texts = ["x" * (i + 1) for i in range(10)]
+    lat, probs, exits = interleaved_batch1([runner("a"), runner("b")], texts, 10, warmup=0, progress=False,
+                                           block=block)
+    assert sorted(calls) == sorted((n, t) for n in "ab" for t in texts)
+    for name in "ab":
+        assert [float(p[0]) for p in probs[name]] == [len(t) for t in texts]
+        assert exits[name] == [len(t) % 3 for t in texts] and lat[name].shape == (10,) and (lat[name] > 0).all()
+    starts = list(range(0, 10, block))
+    want = []
+    for k, s in enumerate(starts):
+        first, second = ("b", "a") if k % 2 == 0 else ("a", "b")  # the order rotates before each block
+        rows = texts[s : s + block]
+        want += [(first, t) for t in rows] + [(second, t) for t in rows]
+    assert calls == want
+    with pytest.raises(ValueError, match="block"):
+        interleaved_batch1([runner("a")], texts, 10, warmup=0, progress=False, block=0)

@@ -47,7 +47,7 @@ def promise(policy: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: int, progress: bool,
-        provider: str = "cpu") -> dict[str, Any]:
+        provider: str = "cpu", block: int = 1) -> dict[str, Any]:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench.common import (
@@ -65,7 +65,7 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
     texts, labels = texts_and_labels(read_jsonl(data, limit=limit), first.plan.labels)
     runners = [reference_runner("fp32 original", str(first.plan.original_model("bench")), first)]
     runners += [plan_runner(name, c) for name, c in compiled]
-    lat, probs, exits = interleaved_batch1(runners, texts, len(texts), warmup=warmup, progress=progress)
+    lat, probs, exits = interleaved_batch1(runners, texts, len(texts), warmup=warmup, progress=progress, block=block)
     y = np.asarray(labels)
     ref = np.stack(probs[runners[0].name]).argmax(-1)
     base_lat = np.asarray(lat[runners[0].name])
@@ -88,8 +88,8 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
             "promise": {} if c is None else promise(c.plan.policy),
         }
         rows.append(row)
-    return {"data": Path(data).name, "rows": len(texts), "batch": 1, "provider": provider, "results": rows,
-            "machine": machine_info()}
+    return {"data": Path(data).name, "rows": len(texts), "batch": 1, "provider": provider, "interleave_block": block,
+            "results": rows, "machine": machine_info()}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -132,11 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--provider", default="cpu", help="execution provider of every session (cpu, openvino)")
+    p.add_argument("--block", type=int, default=1, metavar="ROWS",
+                   help="interleave the runners by blocks of ROWS rows (default 1: row by row, every runner starts "
+                        "with the caches the previous one left; e.g. 25: each runs warm, as serving alone)")
     p.add_argument("--out", required=True)
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.block < 1:
+        p.error(f"--block must be a positive number of rows, got {a.block}")
     plans = [(x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in a.plans]
-    report = run(plans, Path(a.data), a.limit, a.warmup, not a.quiet, a.provider)
+    report = run(plans, Path(a.data), a.limit, a.warmup, not a.quiet, a.provider, a.block)
     report["markdown"] = markdown(report)
     from dyncompile.tools.bench.common import write_report
 
