@@ -18,8 +18,15 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["backward_slice", "captured_values", "const_array", "constant_node_tensor", "default_opset",
-           "extract_model", "replace_node_output"]
+__all__ = ["add_initializer", "backward_slice", "captured_values", "const_array", "constant_node_tensor",
+           "default_opset", "extract_model", "replace_node_output"]
+
+
+def add_initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
+    """A new initializer ``name`` of ``graph`` holding ``arr`` (registered; its value returned)."""
+    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
+    graph.register_initializer(v)
+    return v
 
 
 def default_opset(model: ir.Model) -> int:

@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.passes._graph import add_initializer
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -281,9 +283,7 @@ def _int4_gate(g: ir.Graph, p: str, j: int, gate: ir.Value, x: ir.Value, x8: ir.
     The last two nodes compute the MatMul's new activation and weight.
     """
     def const(name: str, a: np.ndarray) -> ir.Value:
-        v = ir.Value(name=f"{p}/{name}", const_value=ir.tensor(a, name=f"{p}/{name}"))
-        g.register_initializer(v)
-        return v
+        return add_initializer(g, f"{p}/{name}", a)
 
     gj = ir.node("Gather", [gate, const("idx4", np.array(j, np.int64))], {"axis": 0}, name=f"{p}/gate4")
     nodes = [gj]

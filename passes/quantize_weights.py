@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from dyncompile.io import external_data_dirs, working_directory
 from dyncompile.passes import _keys
-from dyncompile.passes._graph import default_opset, replace_node_output
+from dyncompile.passes._graph import add_initializer, default_opset, replace_node_output
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -346,10 +346,9 @@ class _PerTokenRewrite:
             self.unit_scale = self.const("dyncompile_pt_unit_scale", np.array(1.0, np.float32))
             model.opset_imports.setdefault("com.microsoft", 1)
         self.axes = self.const("dyncompile_pt_axes", np.array([-1], np.int64)) if opset >= 18 else None
-        if self.rows:
-            self.zp_rows = self.const("dyncompile_pt_zero_point_rows", np.array([128], np.uint8))
         self.zp_of_scale: ir.Value | None = None  # made by the blocked quantizer (quantize_activation)
         if self.rows:
+            self.zp_rows = self.const("dyncompile_pt_zero_point_rows", np.array([128], np.uint8))
             self.one = self.const("dyncompile_pt_axis1", np.array([1], np.int64))
         if not (self.rows or self.blocked):
             self.off = self.const("dyncompile_pt_offset", np.array(128.0, np.float32))
@@ -358,9 +357,7 @@ class _PerTokenRewrite:
         self.weights: dict[str, tuple[ir.Value, ir.Value]] = {}
 
     def const(self, name: str, arr: np.ndarray) -> ir.Value:
-        v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
-        self.g.register_initializer(v)
-        return v
+        return add_initializer(self.g, name, arr)
 
     def row_scale(self, stem: str, v: ir.Value, keepdims: int, gelu: bool = False) -> list[ir.Node]:
         """``max(max |v| over the last axis / 127, eps)``: Abs, ReduceMax, Mul, Max (the scale is the last output).
@@ -386,11 +383,12 @@ class _PerTokenRewrite:
 
     def quantize_activation(self, stem: str, x: ir.Value, k: int) -> list[ir.Node]:
         """The nodes that quantize ``x`` per row (recorded in :attr:`quantized`)."""
+        gelu = _is_gelu_output(x)
         if self.blocked:
             # one scale per row of x, keepdims: opset 21's blocked QuantizeLinear (block = the last axis) takes
             # it as it is, and MatMulInteger's [.., rows, n] output is scaled by it by broadcasting: the bytes of
             # the 2-D view below, five kernels fewer (tested)
-            new = self.row_scale(stem, x, 1, gelu=_is_gelu_output(x))
+            new = self.row_scale(stem, x, 1, gelu=gelu)
             s = new[-1].outputs[0]
             # the zero points (128 per row, shaped like s) in one kernel: s quantized with a scale so large that
             # every row rounds to 0, plus 128 (instead of Shape + Expand of a constant)
@@ -406,7 +404,7 @@ class _PerTokenRewrite:
             # even and adds the zero point in one pass: the same bytes as Div, Round, Add, Cast (tested)
             flat = self.const(f"{stem}/pt_rows_shape", np.array([-1, k], np.int64))
             x2 = ir.node("Reshape", [x, flat], name=f"{stem}/pt_rows")
-            new = [x2, *self.row_scale(stem, x2.outputs[0], 0, gelu=_is_gelu_output(x))]
+            new = [x2, *self.row_scale(stem, x2.outputs[0], 0, gelu=gelu)]
             s = new[-1].outputs[0]
             n_rows = ir.node("Shape", [s], name=f"{stem}/pt_nrows")
             z = ir.node("Expand", [self.zp_rows, n_rows.outputs[0]], name=f"{stem}/pt_zero_points")
@@ -416,7 +414,7 @@ class _PerTokenRewrite:
             lead = ir.node("Shape", [x], attributes={"start": 0, "end": -1}, name=f"{stem}/pt_lead")
             self.quantized[x] = (q.outputs[0], col.outputs[0], lead.outputs[0])
             return [*new, n_rows, z, q, col, lead]
-        new = self.row_scale(stem, x, 1, gelu=_is_gelu_output(x))
+        new = self.row_scale(stem, x, 1, gelu=gelu)
         s = new[-1].outputs[0]
         d = ir.node("Div", [x, s], name=f"{stem}/pt_div")
         r = ir.node("Round", [d.outputs[0]], name=f"{stem}/pt_round")

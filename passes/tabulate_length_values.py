@@ -30,7 +30,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes._graph import _subgraphs, extract_model
+from dyncompile.passes._graph import _subgraphs, add_initializer, extract_model
 from dyncompile.passes._infra import not_fired, register_pass
 
 logger = logging.getLogger(__name__)
@@ -191,9 +191,7 @@ class TabulateLengthValuesPass(ir.passes.InPlacePass):
         stem = f"tabulate_length.{v.name}"
 
         def const(name: str, arr: np.ndarray) -> ir.Value:
-            c = ir.Value(name=f"{stem}.{name}", const_value=ir.tensor(arr, name=f"{stem}.{name}"))
-            g.register_initializer(c)
-            return c
+            return add_initializer(g, f"{stem}.{name}", arr)
 
         length = ir.node("Shape", [g.inputs[0]], attributes={"start": 1, "end": 2}, name=f"{stem}/length")
         cond = ir.node("LessOrEqual", [length.outputs[0], const("max_length", np.array([self.max_length], np.int64))],

@@ -243,8 +243,6 @@ def _two_class_output_layer(logits: ir.Value) -> tuple[ir.Value, np.ndarray, np.
     wa, ba = w.const_value.numpy(), b.const_value.numpy()
     if wa.ndim != 2 or wa.shape[1] != 2 or ba.shape not in ((2,), (1, 2)):
         return None
-    if any(u.node is not None and u.node is not add for u in mm_out.uses()) or logits.is_graph_input():
-        return None
     return x, wa, ba, [mm, add]
 
 
