@@ -11,9 +11,10 @@ OV_BIN  := $(OV_VENV)/bin
 # environment, which `dyncompile export --exporter optimum` runs as a subprocess (tests/test_optimum_exports.py).
 OPT_VENV ?= .venv-optimum
 OPT_BIN  := $(OPT_VENV)/bin
-# Tests that run again with provider="openvino" (runtime, early exit, speculative decoding, native OpenVINO).
+# Tests that run again with provider="openvino" (runtime, early exit, speculative decoding, native OpenVINO, the
+# OpenVINO + NNCF encoder peers).
 OV_TESTS ?= tests/test_plan_runtime.py tests/test_insert_early_exit.py tests/test_learned_policy.py tests/test_early_exit_real.py tests/test_openvino_native.py \
-	tests/test_speculative.py tests/test_diffusion_provider.py
+	tests/test_speculative.py tests/test_diffusion_provider.py tests/test_encoder_peers.py
 EXTRAS  ?= cpu,export,dev,sandbox,serve
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -28,7 +29,7 @@ $(BIN)/dyncompile: pyproject.toml
 
 $(OV_BIN)/dyncompile: pyproject.toml
 	$(PY) -m venv $(OV_VENV)
-	$(OV_BIN)/pip install -q -e ".[openvino,openvino-native,dev]"
+	$(OV_BIN)/pip install -q -e ".[openvino,openvino-native,peers,dev]"
 	touch $@
 
 $(OPT_BIN)/optimum-cli: pyproject.toml

@@ -47,7 +47,7 @@ def promise(policy: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: int, progress: bool,
-        provider: str = "cpu", block: int = 1) -> dict[str, Any]:
+        provider: str = "cpu", block: int = 1, peers: list[str] = ()) -> dict[str, Any]:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench.common import (
@@ -65,12 +65,17 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
     texts, labels = texts_and_labels(read_jsonl(data, limit=limit), first.plan.labels)
     runners = [reference_runner("fp32 original", str(first.plan.original_model("bench")), first)]
     runners += [plan_runner(name, c) for name, c in compiled]
+    if peers:
+        from dyncompile.tools.studies.encoder_peers import peer_runner
+
+        runners += [peer_runner(text, first) for text in peers]
     lat, probs, exits = interleaved_batch1(runners, texts, len(texts), warmup=warmup, progress=progress, block=block)
     y = np.asarray(labels)
     ref = np.stack(probs[runners[0].name]).argmax(-1)
     base_lat = np.asarray(lat[runners[0].name])
     rows = []
-    for r, c in zip(runners, [None, *[c for _, c in compiled]], strict=True):
+    plan_of = [None, *[c for _, c in compiled], *[None] * len(peers)]
+    for r, c in zip(runners, plan_of, strict=True):
         pred = np.stack(probs[r.name]).argmax(-1)
         ex = exits[r.name]
         row = {
@@ -87,6 +92,8 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
             "plan": None if c is None else Path(c.plan.directory).name,  # no machine paths in stored reports
             "promise": {} if c is None else promise(c.plan.policy),
         }
+        if r.info.get("peer"):
+            row["peer"] = r.info
         rows.append(row)
     return {"data": Path(data).name, "rows": len(texts), "batch": 1, "provider": provider, "interleave_block": block,
             "results": rows, "machine": machine_info()}
@@ -107,7 +114,7 @@ def markdown(report: dict[str, Any]) -> str:
         q = (f"{p['int8_bound']:.2f} ({p['int8_target']:g}), {p['int8_fp32_matmuls']}/{p['int8_matmuls']}"
              if p.get("int8_bound") is not None else "–")
         ci = r.get("delta_vs_fp32_ci")
-        delta = f"{r['delta_vs_fp32']:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and r["plan"] else "")
+        delta = f"{r['delta_vs_fp32']:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and (r["plan"] or r.get("peer")) else "")
         lines.append(f"| {r['name']} | {r['accuracy']} | {delta} | {r['agreement_fp32']} | "
                      f"{r['mean_exit_layer'] if r['mean_exit_layer'] is not None else '–'} | {r['p50_ms']} | {r['p90_ms']} | "
                      f"{s['ratio']:.2f}x [{s['lo']:.2f}, {s['hi']:.2f}] | {tcol}{bound} | {q} |")
@@ -135,13 +142,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=1, metavar="ROWS",
                    help="interleave the runners by blocks of ROWS rows (default 1: row by row, every runner starts "
                         "with the caches the previous one left; e.g. 25: each runs warm, as serving alone)")
+    p.add_argument("--peer", action="append", default=[], metavar="LABEL=KIND:PATH",
+                   help="a peer's model run beside the plans: openvino:DIR (NNCF int8, prepared by "
+                        "python -m dyncompile.tools.studies.encoder_peers) or onnxruntime:FILE (e.g. Optimum's int8); "
+                        "',precision=f32' after an openvino path sets its inference precision")
     p.add_argument("--out", required=True)
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.block < 1:
         p.error(f"--block must be a positive number of rows, got {a.block}")
     plans = [(x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in a.plans]
-    report = run(plans, Path(a.data), a.limit, a.warmup, not a.quiet, a.provider, a.block)
+    if a.peer:
+        from dyncompile.errors import DataError
+        from dyncompile.tools.studies.encoder_peers import parse_peer
+
+        try:
+            for text in a.peer:
+                parse_peer(text)
+        except DataError as e:
+            p.error(str(e))
+    report = run(plans, Path(a.data), a.limit, a.warmup, not a.quiet, a.provider, a.block, a.peer)
     report["markdown"] = markdown(report)
     from dyncompile.tools.bench.common import write_report
 
