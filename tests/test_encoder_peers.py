@@ -57,6 +57,15 @@ def test_study_cli_refuses_a_bad_peer_before_loading(capsys):
     assert "KIND one of openvino, onnxruntime" in capsys.readouterr().err
 
 
+def test_study_cli_refuses_repeated_labels(capsys):
+    from dyncompile.tools.studies import quantized_certified
+
+    with pytest.raises(SystemExit) as e:
+        quantized_certified.main(["--name", "x", "--plans", "int8=a", "--peer", "int8=onnxruntime:m.onnx", "--out", "o"])
+    assert e.value.code == 2
+    assert "repeated: ['int8']" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def minilm_fp32_plan(minilm, tmp_path_factory):
     import dyncompile

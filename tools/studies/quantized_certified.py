@@ -145,13 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", action="append", default=[], metavar="LABEL=KIND:PATH",
                    help="a peer's model run beside the plans: openvino:DIR (NNCF int8, prepared by "
                         "python -m dyncompile.tools.studies.encoder_peers) or onnxruntime:FILE (e.g. Optimum's int8); "
-                        "',precision=f32' after an openvino path sets its inference precision")
+                        "',precision=f32' after an openvino path sets its inference precision, ',pad=64' a static input "
+                        "shape with every row padded to it")
     p.add_argument("--out", required=True)
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.block < 1:
         p.error(f"--block must be a positive number of rows, got {a.block}")
     plans = [(x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in a.plans]
+    labels = ["fp32 original", *[name for name, _ in plans], *[x.split("=", 1)[0] for x in a.peer]]
+    if len(set(labels)) < len(labels):
+        p.error(f"every runner needs its own label; repeated: {sorted({x for x in labels if labels.count(x) > 1})}")
     if a.peer:
         from dyncompile.errors import DataError
         from dyncompile.tools.studies.encoder_peers import parse_peer
