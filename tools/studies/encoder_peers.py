@@ -149,7 +149,7 @@ def peer_runner(text: str, compiled, *, threads: int = 2) -> Runner:
 
 
 def nncf_int8(plan_dir: Path, calib: Path, out: Path, *, rows: int = 300, max_drop: float | None = None,
-              validation_rows: int = 1000, progress: bool = True) -> dict[str, Any]:
+              validation_rows: int = 1000) -> dict[str, Any]:
     """NNCF int8 of the plan's original model for OpenVINO, calibrated (and validated) on ``calib``; saved in ``out``.
 
     Calibration: the first ``rows`` rows, one row per sample (the plan's tokenizer, no padding). With ``max_drop``
