@@ -10,6 +10,7 @@ import numpy as np
 
 from dyncompile.errors import DataError
 from dyncompile.io import read_jsonl, texts_and_labels
+from dyncompile.runtime.rules.exit_rule import softmax
 
 __all__ = ["ReferenceModel", "check_labels_in_range", "evaluate_plan"]
 
@@ -44,9 +45,7 @@ class ReferenceModel:
     def predict_proba(self, texts, batch_size: int = 32) -> np.ndarray:
         out = []
         for i in range(0, len(texts), batch_size):
-            x = np.asarray(self.logits(self.compiled.encode(texts[i : i + batch_size])), dtype=np.float64)
-            x = np.exp(x - x.max(-1, keepdims=True))
-            out.append(x / x.sum(-1, keepdims=True))
+            out.append(softmax(np.asarray(self.logits(self.compiled.encode(texts[i : i + batch_size])), dtype=np.float64)))
         return np.concatenate(out)
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
+from dyncompile.runtime.rules.exit_rule import softmax
 from dyncompile.tools.bench.common import Runner
 
 __all__ = ["PEER_KINDS", "nncf_int8", "openvino_runner", "parse_peer", "peer_runner"]
@@ -126,9 +127,7 @@ def openvino_runner(name: str, model_path: Path, compiled, *, threads: int = 2, 
         if pad:
             feeds = {k: np.pad(v, ((0, 0), (0, pad - v.shape[1])), constant_values=pad_id if k == "input_ids" else 0)
                      for k, v in feeds.items()}
-        x = np.asarray(request.infer(feeds)[0], dtype=np.float64)
-        x = np.exp(x - x.max(-1, keepdims=True))
-        return x / x.sum(-1, keepdims=True), None
+        return softmax(np.asarray(request.infer(feeds)[0], dtype=np.float64)), None
 
     hint = model.get_property("INFERENCE_PRECISION_HINT")
     info = {"peer": "openvino", "openvino": ov.get_version(),
