@@ -14,7 +14,9 @@ minus the benchmarks' prompt files and held-out quality files (:data:`EXCLUDED_F
 check runs on other files of the same library, disjoint from the calibration ones.
 
 Scope: main graph of a KV-cache decoder; each ``MatMul(h, W_down)`` with ``h = Mul(SiLU(MatMul(x, W_gate)),
-MatMul(x, W_up))`` (SiLU as ``Mul(g, Sigmoid(g))``, either operand order), constant 2-D float32 weights.
+MatMul(x, W_up))`` (SiLU as ``Mul(g, Sigmoid(g))``, either operand order), constant 2-D float32 weights. With
+``sites=all`` (TEAL's choice), every other constant-weight float32 ``MatMul`` too (attention's q/k/v, which share one
+input and one threshold, and o), the LM head excepted; the pass still needs a gated MLP to fire.
 Invariants: graph inputs/outputs, names and every other node unchanged; the weights are the same initializers
 (the op reads them in place); with threshold 0 the outputs equal the dense graph's within float round-off.
 Records ``dyncompile.sparsity`` (op, thresholds, achieved sparsity, held-out quality, the library's sha256);
@@ -42,12 +44,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EXCLUDED_FILES",
+    "SITES",
     "SPARSITY",
     "MlpLayer",
+    "Site",
     "SparsifyActivationsPass",
     "corpus_windows",
+    "linear_sites",
     "mlp_layers",
     "uses_sparse_rows",
+    "window_nll",
 ]
 
 SPARSITY = _keys.SPARSITY  # JSON record of this pass (metadata key)
@@ -61,6 +67,7 @@ EXCLUDED_FILES = (
     "functools.py", "enum.py", "dataclasses.py", "pathlib.py", "tokenize.py", "pprint.py", "gettext.py", "ftplib.py",
     "sched.py", "queue.py", "random.py", "glob.py",
 )
+SITES = ("mlp", "all")  # which linear-layer inputs the pass thresholds (``sites=`` option)
 _GRID = tuple(round(0.05 * k, 2) for k in range(1, 20))  # budget search: 0.05 .. 0.95
 _SAMPLES_PER_WINDOW = 16384
 
@@ -127,6 +134,49 @@ def mlp_layers(model: ir.Model) -> tuple[list[MlpLayer], str]:
                     "float32 MatMuls reading the same input")
     return [], ("the graph has no gated MLP (MatMul reading Mul(SiLU(MatMul(x, W_gate)), MatMul(x, W_up)) with "
                 "constant float32 weights): nothing to sparsify")
+
+
+@dataclasses.dataclass
+class Site:
+    """One linear-layer input the op thresholds: its value, its kind and the constant-weight MatMuls reading it.
+
+    ``kind``: ``gate_up`` (a gated MLP's post-norm input), ``down`` (the gated product), ``attention`` (any other
+    input of a constant-weight MatMul but the LM head: q/k/v's shared post-norm input, o's attention output).
+    """
+
+    value: ir.Value
+    kind: str
+    consumers: list[ir.Node]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights its MatMuls read in full when dense."""
+        return sum(int(n.inputs[1].const_value.nbytes) for n in self.consumers)
+
+
+def linear_sites(model: ir.Model, vocab_size: int | None, which: str = "all") -> list[Site]:
+    """The sites of the main graph, in graph order.
+
+    ``which="mlp"``: the gated MLPs' two inputs per layer (gate/up's ``x``, down's ``h``). ``"all"``: every input of
+    a constant-weight float MatMul (grouped by input value) except the LM head's (its weight's output dimension is
+    ``vocab_size``), as TEAL thresholds every linear layer.
+    """
+    layers, _ = mlp_layers(model)
+    if which == "mlp":
+        return [site for layer in layers for site in (Site(layer.x, "gate_up", [layer.gate, layer.up]),
+                                                        Site(layer.h, "down", [layer.down]))]
+    kind = {id(layer.x): "gate_up" for layer in layers} | {id(layer.h): "down" for layer in layers}
+    sites: dict[int, Site] = {}
+    for node in model.graph:
+        if not _const_weight(node):
+            continue
+        if vocab_size is not None and int(node.inputs[1].const_value.shape[1]) == int(vocab_size):
+            continue  # the LM head
+        v = node.inputs[0]
+        if id(v) not in sites:
+            sites[id(v)] = Site(v, kind.get(id(v), "attention"), [])
+        sites[id(v)].consumers.append(node)
+    return list(sites.values())
 
 
 def uses_sparse_rows(model: ir.Model) -> bool:
@@ -204,7 +254,7 @@ def _run(sess, spec, window: Sequence[int], names: Sequence[str]):
     return sess.run(list(names), {k: v for k, v in feeds.items() if k in inputs})
 
 
-def _nll(logits: np.ndarray, window: Sequence[int]) -> tuple[float, int]:
+def window_nll(logits: np.ndarray, window: Sequence[int]) -> tuple[float, int]:
     """Summed next-token NLL of ``window`` under ``logits`` ``[1, n, V]`` and the number of predictions."""
     z = np.asarray(logits[0, :-1], np.float64)
     z = z - z.max(axis=-1, keepdims=True)
@@ -222,7 +272,7 @@ def _ppl(model: ir.Model, spec, windows, sites: Sequence[str] = (), thresholds: 
     count = np.zeros(len(sites))
     for w in windows:
         outs = _run(sess, spec, w, [logits_name, *sites])
-        s, k = _nll(outs[0], w)
+        s, k = window_nll(outs[0], w)
         tot, n = tot + s, n + k
         for j, (v, t) in enumerate(zip(outs[1:], thresholds, strict=True)):
             a = np.abs(np.asarray(v, np.float32))
@@ -240,19 +290,23 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
     float round-off). ``budget`` (percent, > 0): search the largest sparsity on the 0.05 grid whose held-out
     perplexity increase is within it (``sparsity`` is then ignored). ``calib`` / ``heldout``: token windows
     (:func:`corpus_windows`); ``heldout`` may be empty when no budget is asked (then no quality is recorded).
+    ``sites``: ``"mlp"`` (the gated MLPs' three projections) or ``"all"`` (TEAL: every constant-weight projection
+    but the LM head, attention's q/k/v and o included; :func:`linear_sites`), one threshold per input value.
     """
 
     def __init__(self, calib: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]] = (), *,
-                 sparsity: float = 0.5, budget: float | None = None) -> None:
+                 sparsity: float = 0.5, budget: float | None = None, sites: str = "mlp") -> None:
         super().__init__()
         self.calib = [list(w) for w in calib]
         self.heldout = [list(w) for w in heldout]
         self.sparsity = float(sparsity)
         self.budget = None if budget is None else float(budget)
+        self.sites = sites
 
     def __repr__(self) -> str:
         what = f"budget={self.budget}%" if self.budget is not None else f"sparsity={self.sparsity}"
-        return f"SparsifyActivationsPass({what}, calib={len(self.calib)} windows, heldout={len(self.heldout)})"
+        return (f"SparsifyActivationsPass({what}, sites={self.sites}, calib={len(self.calib)} windows, "
+                f"heldout={len(self.heldout)})")
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a sparsity outside [0, 1), a non-positive budget, or no text, before anything changes."""
@@ -264,6 +318,8 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError("sparsify-activations needs calibration windows of >= 2 tokens")
         if self.budget is not None and not self.heldout:
             raise ir.passes.PreconditionError("sparsify-activations budget= needs held-out windows")
+        if self.sites not in SITES:
+            raise ir.passes.PreconditionError(f"sparsify-activations sites must be one of {SITES}, got {self.sites!r}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Rewrite ``model`` in place (scope and invariants: the module docstring)."""
@@ -278,15 +334,17 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
         lib, lib_sha = kernels.library()  # no compiler / header: one clear error before anything changes
         _, lib_meta = kernels.build_library()
         spec = decoder_spec(model, "model", what="model to sparsify")
-        sites = [name for layer in layers for name in (layer.x.name, layer.h.name)]
-        samples = self._calibrate(model, spec, sites)
+        sites = linear_sites(model, spec.get("vocab_size"), self.sites)
+        names = [site.value.name for site in sites]
+        samples = self._calibrate(model, spec, names)
         dense_ppl = _ppl(model, spec, self.heldout)[0] if self.heldout else None
-        nodes = self._rewrite(model, layers)
+        nodes = self._rewrite(model, sites)
 
         def apply(s: float) -> list[float]:
-            ts = [float(np.quantile(samples[name], s)) if s > 0 else 0.0 for name in sites]
-            for node, t in zip(nodes, _per_node(ts), strict=True):
-                node.attributes["threshold"] = ir.AttrFloat32("threshold", t)
+            ts = [float(np.quantile(samples[name], s)) if s > 0 else 0.0 for name in names]
+            for site_nodes, t in zip(nodes, ts, strict=True):
+                for node in site_nodes:
+                    node.attributes["threshold"] = ir.AttrFloat32("threshold", t)
             return ts
 
         searched = []
@@ -308,21 +366,28 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
         else:
             sparsity = self.sparsity
         ts = apply(sparsity)
+        by_kind = {kind: [j for j, site in enumerate(sites) if site.kind == kind] for kind in ("gate_up", "down",
+                                                                                                  "attention")}
         quality, achieved = None, None
         if self.heldout:
-            p, below = _ppl(model, spec, self.heldout, sites, ts)
+            p, below = _ppl(model, spec, self.heldout, names, ts)
             quality = {"heldout_windows": len(self.heldout), "heldout_tokens": sum(len(w) for w in self.heldout),
                        "perplexity_dense": round(dense_ppl, 4), "perplexity": round(p, 4),
                        "increase_pct": round(100.0 * (p / dense_ppl - 1.0), 3)}
-            achieved = {"gate_up": round(float(np.mean(below[0::2])), 4), "down": round(float(np.mean(below[1::2])), 4)}
+            achieved = {kind: round(float(np.mean([b for b, site in zip(below, sites, strict=True)
+                                                     if site.kind == kind])), 4)
+                        for kind in ("gate_up", "down", "attention") if any(site.kind == kind for site in sites)}
         record = {
             "op": f"{kernels.DOMAIN}.{kernels.OP_TYPE}",
             "sparsity": sparsity,
             "mode": "budget" if self.budget is not None else "sparsity",
             **({"budget_pct": self.budget, "searched": searched} if self.budget is not None else {}),
-            "layers": [{"layer": i, "gate_up": {"threshold": ts[2 * i], "rows": _rows(nodes[3 * i])},
-                        "down": {"threshold": ts[2 * i + 1], "rows": _rows(nodes[3 * i + 2])}}
-                       for i in range(len(layers))],
+            "sites": self.sites,
+            "layers": [{"layer": i, "gate_up": {"threshold": ts[g], "rows": _rows(nodes[g][0])},
+                        "down": {"threshold": ts[d], "rows": _rows(nodes[d][0])}}
+                       for i, (g, d) in enumerate(zip(by_kind["gate_up"], by_kind["down"], strict=True))],
+            **({"attention": [{"threshold": ts[j], "rows": _rows(nodes[j][0]), "matmuls": len(nodes[j])}
+                              for j in by_kind["attention"]]} if by_kind["attention"] else {}),
             "achieved_sparsity_heldout": achieved,
             "quality": quality,
             "calibration": {"windows": len(self.calib), "tokens": sum(len(w) for w in self.calib),
@@ -331,7 +396,8 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
                         "compile_seconds": lib_meta.get("compile_seconds"), "source_sha256": lib_meta.get("source_sha256")},
         }
         model.metadata_props[SPARSITY] = json.dumps(record)  # the compiler copies it to the plan's policy
-        logger.info("sparsify-activations: %d MLPs, sparsity %.2f%s", len(layers), sparsity,
+        logger.info("sparsify-activations: %d MLPs%s, sparsity %.2f%s", len(layers),
+                    f" and {len(by_kind['attention'])} attention inputs" if by_kind["attention"] else "", sparsity,
                     f", held-out perplexity +{quality['increase_pct']:.2f} %" if quality else "")
         return ir.passes.PassResult(model, modified=True)
 
@@ -348,20 +414,22 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
         return {k: np.concatenate(v) for k, v in got.items()}
 
     @staticmethod
-    def _rewrite(model: ir.Model, layers: list[MlpLayer]) -> list[ir.Node]:
-        """Swap each projection for the custom op (threshold 0 for now); the new nodes, gate/up/down per layer."""
+    def _rewrite(model: ir.Model, sites: list[Site]) -> list[list[ir.Node]]:
+        """Swap each site's projections for the custom op (threshold 0 for now); the new nodes, per site."""
         from dyncompile.runtime.kernels import DOMAIN, OP_TYPE
 
         g = model.graph
         model.graph.opset_imports.setdefault(DOMAIN, 1)
         new_nodes = []
-        for layer in layers:
-            for mm in (layer.gate, layer.up, layer.down):
+        for site in sites:
+            per_site = []
+            for mm in site.consumers:
                 node = ir.node(OP_TYPE, list(mm.inputs), {"threshold": 0.0}, domain=DOMAIN,
                                name=f"{mm.name or mm.outputs[0].name}/sparse_rows")
                 g.insert_before(mm, node)
                 replace_node_output(g, mm, mm.outputs[0], node.outputs[0])
-                new_nodes.append(node)
+                per_site.append(node)
+            new_nodes.append(per_site)
         return new_nodes
 
 
@@ -369,25 +437,18 @@ def _rows(node: ir.Node) -> int:
     return int(node.inputs[1].const_value.shape[0])
 
 
-def _per_node(ts: list[float]) -> list[float]:
-    """Site thresholds (x, h per layer) -> node thresholds (gate, up, down per layer)."""
-    out = []
-    for i in range(0, len(ts), 2):
-        out += [ts[i], ts[i], ts[i + 1]]
-    return out
-
-
 @register_pass(
     "sparsify-activations",
     help="contextual sparsity (TEAL): each gated MLP projection skips the weight rows whose input activation is "
     "below a per-layer threshold (dyncompile.SparseRowsMatMul, a custom ORT op compiled at first use); options "
     "sparsity=0.5 (share dropped on calibration text) or budget=P (largest sparsity within P %% held-out perplexity "
-    "increase), calib_tokens=4096, heldout_tokens=4096, window=256",
+    "increase), sites=mlp|all (all: attention's projections too, TEAL), calib_tokens=4096, heldout_tokens=4096, "
+    "window=256",
     before=("explicit-attention", "fuse-decoder", "pack-matmuls", "trim-logits", "matmul-to-conv", "speculative",
             "split-drafter", "eagle-drafter", "quantize-int8", "quantize-int4"),
 )
 def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, calib_tokens: int = 4096,
-                   heldout_tokens: int = 4096, window: int = 256):
+                   heldout_tokens: int = 4096, window: int = 256, sites: str = "mlp"):
     from dyncompile.errors import PassConfigError
 
     if not 0.0 <= sparsity < 1.0:
@@ -397,7 +458,9 @@ def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, 
     if window < 8 or calib_tokens < window or heldout_tokens < window:
         raise PassConfigError(f"sparsify-activations needs window >= 8 and calib_tokens, heldout_tokens >= window "
                               f"(got window={window}, calib_tokens={calib_tokens}, heldout_tokens={heldout_tokens})")
+    if sites not in SITES:
+        raise PassConfigError(f"sparsify-activations sites must be one of {', '.join(SITES)}, got {sites!r}")
     tok = context.require_tokenizer("sparsity calibration on standard-library text")
     calib = corpus_windows(tok, tokens=calib_tokens, window=window, part="calib")
     held = corpus_windows(tok, tokens=heldout_tokens, window=window, part="heldout")
-    return SparsifyActivationsPass(calib, held, sparsity=sparsity, budget=budget)
+    return SparsifyActivationsPass(calib, held, sparsity=sparsity, budget=budget, sites=sites)

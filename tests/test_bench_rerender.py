@@ -45,6 +45,7 @@ OWNERS: list[tuple[str, str]] = [
     ("early-exit-trained/alpha0.5/*-trained-*.json", "dyncompile.tools.bench.classify"),
     ("early-exit-trained/bbc-news/wallclock/*.json", "dyncompile.tools.bench.classify"),
     ("contextual-sparsity/kernels.json", "dyncompile.tools.studies.sparsity_kernels"),
+    ("contextual-sparsity/*-sites.json", "dyncompile.tools.studies.sparsity_sites"),
     ("contextual-sparsity/*-quality.json", "dyncompile.tools.bench.quality"),
     ("contextual-sparsity/*-code.json", "dyncompile.tools.bench.generate"),
     ("contextual-sparsity/*-all.json", "dyncompile.tools.bench.generate"),

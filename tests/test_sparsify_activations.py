@@ -135,6 +135,18 @@ def test_cli_without_a_c_compiler_is_one_clear_error_and_writes_nothing(monkeypa
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_an_unknown_site_set_cleanly(tmp_path, capsys):
+    from helpers import assert_clean_error, run_cli
+
+    d = tmp_path / "tiny"
+    write_decoder_dir(d, tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu"), eos=99)
+    write_word_tokenizer(d, VOCAB)
+    rc, _, err = run_cli(capsys, d / "model.onnx", "--passes", "sparsify-activations{sites=heads}",
+                         "-o", tmp_path / "out")
+    assert_clean_error(rc, err, "sites must be one of mlp, all", "heads")
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------------------------- pass
 
 
@@ -179,6 +191,31 @@ def test_pass_structure_outputs_and_record(lib, sparsity):
     assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity)(m).modified
 
 
+@pytest.mark.parametrize("sparsity", [0.0, 0.4])
+def test_sites_all_also_thresholds_attention_projections_but_not_the_lm_head(lib, sparsity):
+    original = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    dense = {n.inputs[1].name for n in m.graph if n.op_type == "MatMul" and n.inputs[1].const_value is not None}
+    assert SparsifyActivationsPass(_windows(4, 24, 0), _windows(3, 24, 1), sparsity=sparsity, sites="all")(m).modified
+    ops = [n for n in m.graph if n.domain == "dyncompile"]
+    lm_head = {n.inputs[1].name for n in m.graph if n.op_type == "MatMul" and n.inputs[1].const_value is not None}
+    # every constant-weight projection became the op, reading the same initializer, except the LM head
+    assert len(lm_head) == 1 and {n.inputs[1].name for n in ops} == dense - lm_head and len(ops) == len(dense) - 1
+    check_model(m, full_check=True)
+    rec = json.loads(m.metadata_props[SPARSITY])
+    assert rec["sites"] == "all" and len(rec["layers"]) == 2
+    assert [a["matmuls"] for a in rec["attention"]] == [3, 1, 3, 1]  # q/k/v share one input, o has its own
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref, got = _outputs(original, None, ids), _outputs(m, lib, ids)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
+    if sparsity == 0.0:
+        assert diff < 1e-5 and all(a["threshold"] == 0.0 for a in rec["attention"])
+    else:
+        assert diff > 1e-3 and all(a["threshold"] > 0 for a in rec["attention"])
+        assert 0.2 < rec["achieved_sparsity_heldout"]["attention"] < 0.6
+    assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity, sites="all")(m).modified
+
+
 def test_budget_picks_the_largest_sparsity_within_it(lib):
     m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
     SparsifyActivationsPass(_windows(4, 24, 0), _windows(3, 24, 1), budget=1.0)(m)
@@ -201,7 +238,7 @@ def test_does_not_fire_without_a_gated_mlp(lib, caplog):
 
 def test_bad_options_are_refused_before_anything_changes():
     m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu")
-    for kw in ({"sparsity": 1.0}, {"sparsity": -0.1}, {"budget": 0.0}, {"budget": 2.0}):
+    for kw in ({"sparsity": 1.0}, {"sparsity": -0.1}, {"budget": 0.0}, {"budget": 2.0}, {"sites": "attention"}):
         with pytest.raises(ir.passes.PreconditionError):
             SparsifyActivationsPass(_windows(2, 8, 0), **kw)(m)
     assert not uses_sparse_rows(m)
