@@ -213,7 +213,7 @@ def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
         rec = m.metadata_props.get(SPARSITY)
         if rec:
             r = json.loads(rec)
-            plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "mode", "budget_pct", "achieved_sparsity_heldout",
+            plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "sites", "mode", "budget_pct", "achieved_sparsity_heldout",
                                                   "quality") if k in r}
 
 

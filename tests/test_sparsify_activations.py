@@ -269,6 +269,10 @@ def plans(module_tmp, lib):
         "sparse": compile_model(target, opts, root / "sparse", progress=False, opt_level=0).plan_dir,
         "sparse_pl": compile_model(target, f"{opts},speculative{{measure=false}}", root / "sparse_pl",
                                    drafter="prompt-lookup", progress=False, opt_level=0).plan_dir,
+        "all": compile_model(target, opts.replace("}", ",sites=all}"), root / "all", progress=False,
+                             opt_level=0).plan_dir,
+        "all_pl": compile_model(target, opts.replace("}", ",sites=all}") + ",speculative{measure=false}",
+                                root / "all_pl", drafter="prompt-lookup", progress=False, opt_level=0).plan_dir,
     }
 
 
@@ -278,9 +282,23 @@ def test_plan_names_the_kernel_never_ships_it_and_greedy_speculative_stays_token
                                            "source_sha256": kernels.source_sha256()}
     assert all(f["role"] != "custom_ops" for f in plan["files"].values())
     assert not list(plans["sparse_pl"].rglob("*.so"))  # no native code in a plan
-    assert plan["policy"]["sparsity"]["sparsity"] == 0.5
-    alone = dyncompile.load(plans["sparse"])
-    spec = dyncompile.load(plans["sparse_pl"])
+    assert plan["policy"]["sparsity"]["sparsity"] == 0.5 and plan["policy"]["sparsity"]["sites"] == "mlp"
+    _assert_speculative_identical(plans["sparse"], plans["sparse_pl"])
+
+
+def test_attention_sites_stay_token_identical_under_speculative_decoding(plans, lib):
+    plan = json.loads((plans["all_pl"] / "plan.json").read_text())
+    assert plan["policy"]["sparsity"]["sites"] == "all" and "attention" in plan["policy"]["sparsity"][
+        "achieved_sparsity_heldout"]
+    _assert_speculative_identical(plans["all"], plans["all_pl"])
+    mlp_only = dyncompile.load(plans["sparse"]).generate([1, 2, 3, 4, 5, 1, 2, 3], max_new_tokens=30).token_ids
+    both = dyncompile.load(plans["all"]).generate([1, 2, 3, 4, 5, 1, 2, 3], max_new_tokens=30).token_ids
+    assert mlp_only != both  # the attention thresholds change the model (negative control for the identity above)
+
+
+def _assert_speculative_identical(alone_dir, spec_dir):
+    alone = dyncompile.load(alone_dir)
+    spec = dyncompile.load(spec_dir)
     for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 9, 10, 11, 7, 7, 8]):
         ref_ids = alone.generate(prompt, max_new_tokens=30).token_ids
         for opts in ({}, {"draft_length": 6, "adaptive": False}):
