@@ -30,7 +30,7 @@ import json
 import logging
 import math
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +49,9 @@ __all__ = [
     "MlpLayer",
     "Site",
     "SparsifyActivationsPass",
+    "abs_samples",
     "corpus_windows",
+    "heldout_stats",
     "linear_sites",
     "mlp_layers",
     "uses_sparse_rows",
@@ -263,23 +265,55 @@ def window_nll(logits: np.ndarray, window: Sequence[int]) -> tuple[float, int]:
     return float((lse - z[np.arange(len(tgt)), tgt]).sum()), len(tgt)
 
 
-def _ppl(model: ir.Model, spec, windows, sites: Sequence[str] = (), thresholds: Sequence[float] = ()):
-    """Perplexity of ``windows`` under ``model`` and, per site, the share of ``|v| <= threshold`` entries."""
-    sess = _session(model, sites)
-    logits_name = spec["logits"]
+def abs_samples(outputs: Iterable[Sequence[np.ndarray]], names: Sequence[str],
+                per_window: int = _SAMPLES_PER_WINDOW) -> dict[str, np.ndarray]:
+    """A random sample (seed 0) of ``|v|`` per site.
+
+    ``outputs`` gives, per calibration window, the sites' arrays in ``names`` order; a window adds at most
+    ``per_window`` entries of each.
+    """
+    rng = np.random.default_rng(0)
+    got: dict[str, list[np.ndarray]] = {s: [] for s in names}
+    for outs in outputs:
+        for name, v in zip(names, outs, strict=True):
+            a = np.abs(np.asarray(v, np.float32)).ravel()
+            got[name].append(a if a.size <= per_window else a[rng.integers(0, a.size, per_window)])
+    return {k: np.concatenate(v) for k, v in got.items()}
+
+
+def heldout_stats(runs: Iterable[tuple[Sequence[int], Sequence[np.ndarray]]], thresholds: Sequence[float],
+                  reference: Sequence[np.ndarray] | None = None, *, greedy: bool = False):
+    """Quality over held-out windows, from each window and its run's ``[logits, *site values]``.
+
+    Returns the perplexity, per site the share of ``|v| <= threshold`` entries, each window's greedy tokens (with
+    ``greedy`` or ``reference``, else an empty list) and, with ``reference`` (such tokens of another model), the
+    share of positions where they agree (else None).
+    """
     tot, n = 0.0, 0
-    below = np.zeros(len(sites))
-    count = np.zeros(len(sites))
-    for w in windows:
-        outs = _run(sess, spec, w, [logits_name, *sites])
+    below = np.zeros(len(thresholds))
+    count = np.zeros(len(thresholds))
+    top1, same = [], 0
+    for i, (w, outs) in enumerate(runs):
         s, k = window_nll(outs[0], w)
         tot, n = tot + s, n + k
+        if greedy or reference is not None:
+            top1.append(np.asarray(outs[0][0]).argmax(-1))
+        if reference is not None:
+            same += int((top1[-1] == reference[i]).sum())
         for j, (v, t) in enumerate(zip(outs[1:], thresholds, strict=True)):
             a = np.abs(np.asarray(v, np.float32))
             below[j] += float((a <= t).sum())
             count[j] += a.size
-    ppl = math.exp(tot / max(n, 1))
-    return ppl, (below / np.maximum(count, 1)).tolist()
+    agree = None if reference is None else same / max(sum(len(r) for r in reference), 1)
+    return math.exp(tot / max(n, 1)), below / np.maximum(count, 1), top1, agree
+
+
+def _ppl(model: ir.Model, spec, windows, sites: Sequence[str] = (), thresholds: Sequence[float] = ()):
+    """Perplexity of ``windows`` under ``model`` and, per site, the share of ``|v| <= threshold`` entries."""
+    sess = _session(model, sites)
+    names = [spec["logits"], *sites]
+    ppl, below, _, _ = heldout_stats(((w, _run(sess, spec, w, names)) for w in windows), thresholds)
+    return ppl, below.tolist()
 
 
 class SparsifyActivationsPass(ir.passes.InPlacePass):
@@ -404,14 +438,7 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
     def _calibrate(self, model: ir.Model, spec, sites: list[str]) -> dict[str, np.ndarray]:
         """A random sample of ``|v|`` per site over the calibration windows (dense model)."""
         sess = _session(model, sites)
-        rng = np.random.default_rng(0)
-        got: dict[str, list[np.ndarray]] = {s: [] for s in sites}
-        for w in self.calib:
-            outs = _run(sess, spec, w, sites)
-            for name, v in zip(sites, outs, strict=True):
-                a = np.abs(np.asarray(v, np.float32)).ravel()
-                got[name].append(a if a.size <= _SAMPLES_PER_WINDOW else a[rng.integers(0, a.size, _SAMPLES_PER_WINDOW)])
-        return {k: np.concatenate(v) for k, v in got.items()}
+        return abs_samples((_run(sess, spec, w, sites) for w in self.calib), sites)
 
     @staticmethod
     def _rewrite(model: ir.Model, sites: list[Site]) -> list[list[ir.Node]]:

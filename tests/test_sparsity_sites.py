@@ -69,7 +69,9 @@ def test_calibrated_thresholds_drop_the_asked_share_on_the_calibration_text():
     windows = [list(rng.integers(0, VOCAB, 16)) for _ in range(3)]
     samples = S.calibrate(sess, spec, windows, sites, names)  # every entry (tiny model: under the sample cap)
     level = 0.3
-    for j, a in enumerate(samples):  # one site at a time: its input is the dense model's, as calibrated
+    assert list(samples) == [s.value.name for s in sites]
+    for j, site in enumerate(sites):  # one site at a time: its input is the dense model's, as calibrated
+        a = samples[site.value.name]
         ts = [S.OFF] * len(sites)
         ts[j] = float(np.quantile(a, level))
         _, below, _, agree = S.evaluate(sess, spec, windows, sites, names, ts, reference=None)

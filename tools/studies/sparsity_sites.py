@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.sparsify_activations import Site, linear_sites, window_nll
+from dyncompile.passes.sparsify_activations import Site, abs_samples, heldout_stats, linear_sites
 
 logger = logging.getLogger(__name__)
 
@@ -87,40 +86,20 @@ def _feeds(spec, window, thresholds: Sequence[float], names: Sequence[str]) -> d
 
 
 def evaluate(sess, spec, windows, sites: Sequence[Site], names: Sequence[str], thresholds: Sequence[float],
-             reference: Sequence[np.ndarray] | None = None):
+             reference: Sequence[np.ndarray] | None = None, *, greedy: bool = False):
     """Perplexity of ``windows`` with ``thresholds`` per site, per site the share of entries at or below its
     threshold, and the per-window greedy tokens (with ``reference``, the dense model's: the share that agree too)."""
     outs = [spec["logits"], *[s.value.name for s in sites]]
-    tot, n = 0.0, 0
-    below = np.zeros(len(sites))
-    count = np.zeros(len(sites))
-    top1, same = [], 0
-    for i, w in enumerate(windows):
-        res = sess.run(outs, _feeds(spec, w, thresholds, names))
-        s, k = window_nll(res[0], w)
-        tot, n = tot + s, n + k
-        top1.append(np.asarray(res[0][0]).argmax(-1))
-        if reference is not None:
-            same += int((top1[-1] == reference[i]).sum())
-        for j, (v, t) in enumerate(zip(res[1:], thresholds, strict=True)):
-            a = np.abs(np.asarray(v, np.float32))
-            below[j] += float((a <= t).sum())
-            count[j] += a.size
-    agree = None if reference is None else same / max(sum(len(r) for r in reference), 1)
-    return math.exp(tot / max(n, 1)), (below / np.maximum(count, 1)), top1, agree
+    return heldout_stats(((w, sess.run(outs, _feeds(spec, w, thresholds, names))) for w in windows), thresholds,
+                         reference, greedy=greedy)
 
 
-def calibrate(sess, spec, windows, sites: Sequence[Site], names: Sequence[str], samples: int = 16384):
-    """A sample of ``|v|`` per site over ``windows`` through the dense model (every threshold off)."""
-    rng = np.random.default_rng(0)
-    got: list[list[np.ndarray]] = [[] for _ in sites]
+def calibrate(sess, spec, windows, sites: Sequence[Site], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """A sample of ``|v|`` per site (by value name) over ``windows`` through the dense model (every threshold off),
+    drawn as the pass draws its own."""
+    outs = [s.value.name for s in sites]
     off = [OFF] * len(sites)
-    for w in windows:
-        res = sess.run([s.value.name for s in sites], _feeds(spec, w, off, names))
-        for j, v in enumerate(res):
-            a = np.abs(np.asarray(v, np.float32)).ravel()
-            got[j].append(a if a.size <= samples else a[rng.integers(0, a.size, samples)])
-    return [np.concatenate(g) for g in got]
+    return abs_samples((sess.run(outs, _feeds(spec, w, off, names)) for w in windows), outs)
 
 
 def run(model_dir: Path, *, levels: Sequence[float] = LEVELS, budget: float = 2.0, calib_tokens: int = 4096,
@@ -143,20 +122,22 @@ def run(model_dir: Path, *, levels: Sequence[float] = LEVELS, budget: float = 2.
     calib = corpus_windows(model_dir / "tokenizer.json", tokens=calib_tokens, window=window, part="calib")
     held = corpus_windows(model_dir / "tokenizer.json", tokens=heldout_tokens, window=window, part="heldout")
     samples = calibrate(sess, spec, calib, sites, names)
-    dense_ppl, _, dense_top1, _ = evaluate(sess, spec, held, sites, names, [OFF] * len(sites))
+    dense_ppl, _, dense_top1, _ = evaluate(sess, spec, held, sites, names, [OFF] * len(sites), greedy=True)
     site_bytes = np.array([s.weight_bytes for s in sites], np.float64)
+    is_mlp = np.array([_kind(s) == "mlp" for s in sites])
     rows = []
     for which in SETS:
         on = np.array([which in ("all", _kind(s)) for s in sites])
         for lv in levels:
-            ts = [float(np.quantile(samples[j], lv)) if (on[j] and lv > 0) else OFF for j in range(len(sites))]
+            ts = [float(np.quantile(samples[s.value.name], lv)) if (on[j] and lv > 0) else OFF
+                  for j, s in enumerate(sites)]
             ppl, below, _, agree = evaluate(sess, spec, held, sites, names, ts, dense_top1)
             below = np.where(on, below, 0.0)
             skipped = float((below * site_bytes).sum() / total_bytes)
             row = {"sites": which, "sparsity": lv, "perplexity": round(ppl, 4),
                    "increase_pct": round(100.0 * (ppl / dense_ppl - 1.0), 3), "top1_agreement": round(agree, 4),
-                   "achieved_mlp": round(float(below[[_kind(s) == "mlp" for s in sites]].mean()), 4),
-                   "achieved_attention": round(float(below[[_kind(s) == "attention" for s in sites]].mean()), 4),
+                   "achieved_mlp": round(float(below[is_mlp].mean()), 4),
+                   "achieved_attention": round(float(below[~is_mlp].mean()), 4),
                    "skipped_bytes_share": round(skipped, 4), "perfect_kernel_bound": round(1.0 / (1.0 - skipped), 4)}
             rows.append(row)
             if progress:
