@@ -23,7 +23,12 @@ from dyncompile.errors import DataError, PlanError, ProviderError
 from dyncompile.plan import Plan, load_plan, load_subplan
 from dyncompile.plan.model_bytes import read_model
 from dyncompile.runtime import steps as _steps  # noqa: F401  (registers the built-in step handlers)
-from dyncompile.runtime.providers import check_ort_flavours, resolve_provider, session_config_entries
+from dyncompile.runtime.providers import (
+    check_ort_flavours,
+    resolve_provider,
+    session_config_entries,
+    session_memory_options,
+)
 from dyncompile.runtime.registry import (
     STEP_HANDLERS,
     StepHandler,
@@ -55,6 +60,7 @@ class LoadOptions:
     session_config: dict[str, str] | None = None
     spinning: bool = True
     cuda_graph: bool = False
+    memory: str = "auto"
 
 
 class RuntimeContext:
@@ -94,7 +100,17 @@ class RuntimeContext:
         if o.optimization not in levels:
             raise DataError(f"optimization must be one of {', '.join(levels)}, got {o.optimization!r}")
         self.optimization = levels[o.optimization]
+        try:
+            session_memory_options(o.memory, plan.task, self.provider, None)
+        except ProviderError as e:
+            raise DataError(str(e)) from None
         self._sessions: dict[str, Any] = {}
+
+    @property
+    def memory_options(self) -> dict[str, bool]:
+        """``SessionOptions`` memory attributes of the plan's sessions (``LoadOptions.memory``; providers' rule)."""
+        lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
+        return session_memory_options(self.options.memory, self.plan.task, self.provider, lowering)
 
     @property
     def disabled_optimizers(self) -> list[str]:
@@ -123,6 +139,8 @@ class RuntimeContext:
         if self.threads:
             so.intra_op_num_threads = int(self.threads)
         so.log_severity_level = self.log_severity
+        for k, v in self.memory_options.items():
+            setattr(so, k, v)
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, str(v))
         ops = self.plan.policy.get("custom_ops")
@@ -340,6 +358,7 @@ def load(
     spinning: bool = True,
     verify_hashes: bool = True,
     cuda_graph: bool = False,
+    memory: str = "auto",
 ) -> CompiledModel:
     """Load a compiled plan directory for execution on ``provider`` (``cpu``, ``openvino``, ``cuda``, ``directml``).
 
@@ -359,11 +378,16 @@ def load(
         verify_hashes: check every file's sha256 against the plan (default on).
         cuda_graph: on the CUDA EP, replay a decoder's one-token steps as a CUDA graph (needs a float16
             ``causal-attention`` plan without ``trim-logits``; otherwise it runs without and says why at INFO).
+        memory: how sessions allocate tensors: ``auto`` (default: no CPU memory arena and no memory pattern for a
+            classifier plan whose exits are ``If`` nodes, the batch-1 form, 1.01-1.05x a row with cold caches;
+            ORT's defaults for every other plan), ``arena`` (ORT's defaults; for running an ``If`` plan in batches
+            of 4 or more) or ``malloc`` (both off); :func:`~dyncompile.runtime.providers.session_memory_options`
+            has the measurements.
     """
     check_ort_flavours()
     plan = load_plan(plan_dir, verify_hashes=verify_hashes, known_step_kinds=known_step_kinds())
     options = LoadOptions(provider=provider, fallback=fallback, threads=threads, optimization=optimization,
                           provider_options=provider_options, session_config=session_config, spinning=spinning,
-                          cuda_graph=bool(cuda_graph))
+                          cuda_graph=bool(cuda_graph), memory=memory)
     ctx = RuntimeContext(plan, options)
     return CompiledModel(plan, ctx)

@@ -45,7 +45,7 @@ def run_command(args: argparse.Namespace) -> int:
     import dyncompile
 
     model = dyncompile.load(args.plan, provider=args.provider, fallback=args.fallback, spinning=not args.no_spinning,
-                            cuda_graph=args.cuda_graph)
+                            cuda_graph=args.cuda_graph, memory=args.memory)
     if model.plan.task == "text-to-image":
         from dyncompile.tools.diffusion_cli import run_text_to_image
 

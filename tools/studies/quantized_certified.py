@@ -46,8 +46,23 @@ def promise(policy: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: int, progress: bool,
-        provider: str = "cpu", block: int = 1, peers: list[str] = ()) -> dict[str, Any]:
+def parse_plan(text: str) -> tuple[str, Path, str]:
+    """``LABEL=DIR[,memory=MODE]`` -> ``(label, dir, memory mode)`` (``dyncompile.load``'s ``memory``, default auto)."""
+    from dyncompile.errors import DataError
+    from dyncompile.runtime.providers import MEMORY_MODES
+
+    label, sep, rest = text.partition("=")
+    if not sep or not label or not rest:
+        raise DataError(f"--plans: {text!r} is not LABEL=DIR[,memory=MODE]")
+    where, sep, mode = rest.partition(",memory=")
+    mode = mode if sep else "auto"
+    if mode not in MEMORY_MODES:
+        raise DataError(f"--plans {label}: memory must be one of {', '.join(MEMORY_MODES)}, got {mode!r}")
+    return label, Path(where), mode
+
+
+def run(plans: list[tuple[str, Path] | tuple[str, Path, str]], data: Path, limit: int | None, warmup: int,
+        progress: bool, provider: str = "cpu", block: int = 1, peers: list[str] = ()) -> dict[str, Any]:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench.common import (
@@ -60,7 +75,8 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
         total_time_ratio,
     )
 
-    compiled = [(name, dyncompile.load(d, provider=provider)) for name, d in plans]
+    plans = [(p[0], p[1], p[2] if len(p) > 2 else "auto") for p in plans]
+    compiled = [(name, dyncompile.load(d, provider=provider, memory=mode)) for name, d, mode in plans]
     first = compiled[0][1]
     texts, labels = texts_and_labels(read_jsonl(data, limit=limit), first.plan.labels)
     runners = [reference_runner("fp32 original", str(first.plan.original_model("bench")), first)]
@@ -75,7 +91,8 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
     base_lat = np.asarray(lat[runners[0].name])
     rows = []
     plan_of = [None, *[c for _, c in compiled], *[None] * len(peers)]
-    for r, c in zip(runners, plan_of, strict=True):
+    memory_of = [None, *[mode for _, _, mode in plans], *[None] * len(peers)]
+    for r, c, mode in zip(runners, plan_of, memory_of, strict=True):
         pred = np.stack(probs[r.name]).argmax(-1)
         ex = exits[r.name]
         row = {
@@ -92,6 +109,8 @@ def run(plans: list[tuple[str, Path]], data: Path, limit: int | None, warmup: in
             "plan": None if c is None else Path(c.plan.directory).name,  # no machine paths in stored reports
             "promise": {} if c is None else promise(c.plan.policy),
         }
+        if c is not None:  # dyncompile.load's memory mode and the session options it set
+            row["memory"] = {"mode": mode, "session_options": c.ctx.memory_options}
         if r.info.get("peer"):
             row["peer"] = r.info
         rows.append(row)
@@ -134,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         return rendered
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--name", required=True, help="report stem (e.g. the model)")
-    p.add_argument("--plans", nargs="+", required=True, metavar="LABEL=DIR", help="compiled plan directories")
+    p.add_argument("--plans", nargs="+", required=True, metavar="LABEL=DIR[,memory=MODE]",
+                   help="compiled plan directories; ',memory=arena' (or malloc) loads one with that dyncompile.load "
+                        "memory mode instead of auto")
     p.add_argument("--data", default=str(DATA / "movie-test.jsonl"))
     p.add_argument("--limit", type=int)
     p.add_argument("--warmup", type=int, default=5)
@@ -152,12 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.block < 1:
         p.error(f"--block must be a positive number of rows, got {a.block}")
-    plans = [(x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in a.plans]
-    labels = ["fp32 original", *[name for name, _ in plans], *[x.split("=", 1)[0] for x in a.peer]]
+    from dyncompile.errors import DataError
+
+    try:
+        plans = [parse_plan(x) for x in a.plans]
+    except DataError as e:
+        p.error(str(e))
+    labels = ["fp32 original", *[name for name, _, _ in plans], *[x.split("=", 1)[0] for x in a.peer]]
     if len(set(labels)) < len(labels):
         p.error(f"every runner needs its own label; repeated: {sorted({x for x in labels if labels.count(x) > 1})}")
     if a.peer:
-        from dyncompile.errors import DataError
         from dyncompile.tools.studies.encoder_peers import parse_peer
 
         try:
