@@ -105,10 +105,15 @@ class RuntimeContext:
         except ProviderError as e:
             raise DataError(str(e)) from None
         self._sessions: dict[str, Any] = {}
+        self._session_lock = threading.Lock()
 
     @property
     def memory_options(self) -> dict[str, bool]:
-        """``SessionOptions`` memory attributes of the plan's sessions (``LoadOptions.memory``; providers' rule)."""
+        """``SessionOptions`` memory attributes of the plan's sessions (``LoadOptions.memory``; providers' rule).
+
+        Under ``memory="auto"`` these are for batch-1 calls; a call of several rows runs in a session with ORT's
+        defaults instead (:meth:`session`'s ``rows``), made when the first such call comes.
+        """
         lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
         return session_memory_options(self.options.memory, self.plan.task, self.provider, lowering)
 
@@ -130,16 +135,20 @@ class RuntimeContext:
         ctx = copy.copy(self)
         ctx.plan = sub
         ctx._sessions = {}
+        ctx._session_lock = threading.Lock()
         return CompiledModel(sub, ctx)
 
-    def session_options(self):
-        """ORT session options for one of the plan's files (optimisation level, threads, config entries)."""
+    def session_options(self, batched: bool = False):
+        """ORT session options for one of the plan's files (optimisation level, threads, memory, config entries).
+
+        ``batched``: for calls of several rows, which keep ORT's memory defaults under ``memory="auto"``.
+        """
         so = self.ort.SessionOptions()
         so.graph_optimization_level = self.optimization
         if self.threads:
             so.intra_op_num_threads = int(self.threads)
         so.log_severity_level = self.log_severity
-        for k, v in self.memory_options.items():
+        for k, v in ({} if batched and self.options.memory == "auto" else self.memory_options).items():
             setattr(so, k, v)
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, str(v))
@@ -153,7 +162,7 @@ class RuntimeContext:
                 raise PlanError(f"{self.plan.directory}: {e}") from None
         return so
 
-    def _new_session(self, file_key: str, providers=None):
+    def _new_session(self, file_key: str, providers=None, batched: bool = False):
         """An ORT session made from the bytes of ``file_key`` that were hashed, never from a path.
 
         :func:`~dyncompile.plan.model_bytes.read_model` reads the ONNX file and its external data once and checks
@@ -161,7 +170,7 @@ class RuntimeContext:
         the session is made; the bytes are dropped then).
         """
         mb = read_model(self.plan, file_key, check_hashes=self.plan.hashes_checked)
-        so = self.session_options()
+        so = self.session_options(batched)
         if mb.external:
             names = list(mb.external)
             bufs = [mb.external[n] for n in names]
@@ -200,40 +209,55 @@ class RuntimeContext:
             self._sessions[key] = s
         return s
 
-    def session(self, file_key: str):
-        """The ORT session of plan file ``file_key`` (created on first use, from the bytes that were hashed)."""
-        s = self._sessions.get(file_key)
+    def session(self, file_key: str, rows: int | None = None):
+        """The ORT session of plan file ``file_key`` (created on first use, from the bytes that were hashed).
+
+        ``rows``: the call's batch size. Where ``memory="auto"`` runs batch-1 calls without ORT's memory arena
+        (:attr:`memory_options`), a call of several rows gets a second session of the same file with ORT's defaults
+        (the arena is faster from 4 rows a call), made on the first such call.
+        """
+        batched = bool(rows and rows > 1 and self.options.memory == "auto" and self.memory_options)
+        key = f"{file_key}#batched" if batched else file_key
+        s = self._sessions.get(key)
+        if s is None and batched:  # made during a call: threads calling at once make it once
+            with self._session_lock:
+                return self._sessions.get(key) or self._make_session(file_key, key, batched)
         if s is None:
-            path = self.plan.path_of(file_key)
-            try:
-                s = self._new_session(file_key)
-            except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-                if not is_ort_error(e):
-                    raise
-                if self.provider == "CPUExecutionProvider":
-                    raise PlanError(
-                        f"ONNX Runtime cannot load {path.name} of plan {self.plan.directory}: {first_line(e)}. The file is "
-                        "not a model this ONNX Runtime can run (an op or domain it lacks, or a damaged graph); "
-                        "recompile the plan with this dyncompile"
-                    ) from None
-                lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
-                hint = (
-                    " This plan is an If-graph early exit; recompile it for this provider with --lowering staged "
-                    "(or --lowering auto --provider NAME), which needs no If nodes."
-                    if lowering == "if"
-                    else " Try --fallback cpu, or recompile the plan for this provider."
-                )
-                raise ProviderError(
-                    f"{self.provider} could not load {path.name} of plan {self.plan.directory}: {first_line(e)}.{hint}"
+            s = self._make_session(file_key, key, batched)
+        return s
+
+    def _make_session(self, file_key: str, key: str, batched: bool):
+        """Create, check and keep the session ``key`` of plan file ``file_key`` (:meth:`session`)."""
+        path = self.plan.path_of(file_key)
+        try:
+            s = self._new_session(file_key, batched=batched)
+        except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+            if not is_ort_error(e):
+                raise
+            if self.provider == "CPUExecutionProvider":
+                raise PlanError(
+                    f"ONNX Runtime cannot load {path.name} of plan {self.plan.directory}: {first_line(e)}. The file is "
+                    "not a model this ONNX Runtime can run (an op or domain it lacks, or a damaged graph); "
+                    "recompile the plan with this dyncompile"
                 ) from None
-            if self.provider not in s.get_providers():
-                raise ProviderError(
-                    f"{self.provider} was asked for, but ONNX Runtime created the session for {path.name} on "
-                    f"{s.get_providers()} (the provider failed to initialise: missing CUDA/cuDNN libraries?); "
-                    "pass --fallback cpu to accept that"
-                )
-            logger.debug("session for %s (%s) on %s", file_key, path.name, s.get_providers())
-            self._sessions[file_key] = s
+            lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
+            hint = (
+                " This plan is an If-graph early exit; recompile it for this provider with --lowering staged "
+                "(or --lowering auto --provider NAME), which needs no If nodes."
+                if lowering == "if"
+                else " Try --fallback cpu, or recompile the plan for this provider."
+            )
+            raise ProviderError(
+                f"{self.provider} could not load {path.name} of plan {self.plan.directory}: {first_line(e)}.{hint}"
+            ) from None
+        if self.provider not in s.get_providers():
+            raise ProviderError(
+                f"{self.provider} was asked for, but ONNX Runtime created the session for {path.name} on "
+                f"{s.get_providers()} (the provider failed to initialise: missing CUDA/cuDNN libraries?); "
+                "pass --fallback cpu to accept that"
+            )
+        logger.debug("session for %s (%s) on %s", key, path.name, s.get_providers())
+        self._sessions[key] = s
         return s
 
 
@@ -380,8 +404,8 @@ def load(
             ``causal-attention`` plan without ``trim-logits``; otherwise it runs without and says why at INFO).
         memory: how sessions allocate tensors: ``auto`` (default: no CPU memory arena and no memory pattern for a
             classifier plan whose exits are ``If`` nodes, the batch-1 form, 1.01-1.05x a row with cold caches;
-            ORT's defaults for every other plan), ``arena`` (ORT's defaults; for running an ``If`` plan in batches
-            of 4 or more) or ``malloc`` (both off); :func:`~dyncompile.runtime.providers.session_memory_options`
+            its calls of several rows run in a second session with ORT's defaults, made on the first such call;
+            every other plan: ORT's defaults), ``arena`` (ORT's defaults, one session) or ``malloc`` (both off); :func:`~dyncompile.runtime.providers.session_memory_options`
             has the measurements.
     """
     check_ort_flavours()

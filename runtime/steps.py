@@ -31,15 +31,18 @@ class RunModelStep(StepHandler):
         """Open the model's session."""
         super().__init__(step, ctx)
         p = step.typed or STEP_SCHEMAS["run_model"](step.params, "run_model step")  # validated
+        self.model = p.model
         self.session = ctx.session(p.model)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.rename = dict(p.outputs)
 
     def run(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Run the model on the state's arrays named like its inputs."""
+        """Run the model on the state's arrays named like its inputs (a several-row call: the batched session)."""
         feeds = {n: state[n] for n in self.input_names}
-        results = self.session.run(self.output_names, feeds)
+        first = np.shape(feeds[self.input_names[0]]) if self.input_names else ()
+        session = self.ctx.session(self.model, first[0] if len(first) > 1 else None)
+        results = session.run(self.output_names, feeds)
         for name, val in zip(self.output_names, results):
             state[self.rename.get(name, name)] = np.asarray(val)
         return state

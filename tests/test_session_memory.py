@@ -65,6 +65,25 @@ def test_the_answers_do_not_depend_on_the_memory_mode(plans, texts):
             assert e == ref_e, (lowering, mode)
 
 
+def test_auto_runs_several_rows_in_a_session_with_the_arena(plans, texts):
+    auto = dyncompile.load(plans["if"])
+    arena = dyncompile.load(plans["if"], memory="arena")
+    p1 = auto.predict_proba(texts[:1])
+    assert set(auto.ctx._sessions) == {"model"}  # batch 1 only: one session, no arena
+    assert not auto.ctx.session("model").get_session_options().enable_cpu_mem_arena
+    p7 = auto.predict_proba(texts[:7], batch_size=7)
+    batched = auto.ctx.session("model", rows=7)
+    assert set(auto.ctx._sessions) == {"model", "model#batched"}
+    assert batched.get_session_options().enable_cpu_mem_arena and batched.get_session_options().enable_mem_pattern
+    np.testing.assert_array_equal(p7, arena.predict_proba(texts[:7], batch_size=7))
+    np.testing.assert_array_equal(p1, arena.predict_proba(texts[:1]))
+    # a plan that keeps ORT's defaults needs no second session
+    staged = dyncompile.load(plans["staged"])
+    staged.predict_proba(texts[:7], batch_size=7)
+    staged.predict_proba(texts[:1])
+    assert staged.ctx._sessions and not any(k.endswith("#batched") for k in staged.ctx._sessions)
+
+
 def test_other_plans_and_providers_keep_ort_defaults():
     assert session_memory_options("auto", "text-generation", "CPUExecutionProvider", None) == {}
     assert session_memory_options("auto", "text-classification", "OpenVINOExecutionProvider", "if") == {}
