@@ -213,7 +213,7 @@ class RuntimeContext:
         """The ORT session of plan file ``file_key`` (created on first use, from the bytes that were hashed).
 
         ``rows``: the call's batch size. Where ``memory="auto"`` runs batch-1 calls without ORT's memory arena
-        (:attr:`memory_options`), a call of several rows gets a second session of the same file with ORT's defaults
+        (:attr:`memory_options`), a call of several rows gets an extra session of the same file with ORT's defaults
         (the arena is faster from 4 rows a call), made on the first such call.
         """
         batched = bool(rows and rows > 1 and self.options.memory == "auto" and self.memory_options)
@@ -404,7 +404,7 @@ def load(
             ``causal-attention`` plan without ``trim-logits``; otherwise it runs without and says why at INFO).
         memory: how sessions allocate tensors: ``auto`` (default: no CPU memory arena and no memory pattern for a
             classifier plan whose exits are ``If`` nodes, the batch-1 form, 1.01-1.05x a row with cold caches;
-            its calls of several rows run in a second session with ORT's defaults, made on the first such call;
+            its calls of several rows run in an extra session with ORT's defaults, made on the first such call;
             every other plan: ORT's defaults), ``arena`` (ORT's defaults, one session) or ``malloc`` (both off); :func:`~dyncompile.runtime.providers.session_memory_options`
             has the measurements.
     """

@@ -92,7 +92,7 @@ def session_memory_options(mode: str, task: str, ort_provider: str, lowering: st
     (blocks of 25 rows) 0.99x and 1.01x. The answers are the same either way (tested). Everything else keeps
     ORT's defaults: at batch 4 and 32 the arena is faster (0.92x and 0.81-0.83x without it), and without exits the
     memory pattern alone measured 0.97-0.99x (MPNet-base int8). The runtime runs an ``If`` plan's calls of several
-    rows in a second session with ORT's defaults (``RuntimeContext.session``); ``memory="arena"`` keeps one session.
+    rows in an extra session with ORT's defaults (``RuntimeContext.session``); ``memory="arena"`` keeps one session.
 
     ``arena`` is ORT's defaults (nothing set), ``malloc`` both off, for any plan.
     """

@@ -77,7 +77,7 @@ def test_auto_runs_several_rows_in_a_session_with_the_arena(plans, texts):
     assert batched.get_session_options().enable_cpu_mem_arena and batched.get_session_options().enable_mem_pattern
     np.testing.assert_array_equal(p7, arena.predict_proba(texts[:7], batch_size=7))
     np.testing.assert_array_equal(p1, arena.predict_proba(texts[:1]))
-    # a plan that keeps ORT's defaults needs no second session
+    # a plan that keeps ORT's defaults needs no extra session
     staged = dyncompile.load(plans["staged"])
     staged.predict_proba(texts[:7], batch_size=7)
     staged.predict_proba(texts[:1])

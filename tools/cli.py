@@ -155,7 +155,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", choices=("auto", "arena", "malloc"), default="auto",
                    help="how ONNX Runtime allocates tensors: auto (default: no memory arena and no memory pattern for a "
                    "classifier plan whose exits are If nodes, the batch-1 form, 1.01-1.05x a row; ORT's defaults "
-                   "otherwise; several-row calls of such a plan run in a second session with ORT's defaults), arena (ORT's "
+                   "otherwise; several-row calls of such a plan run in an extra session with ORT's defaults), arena (ORT's "
                    "defaults, one session), malloc (both off)")
     p.add_argument("--compare", action="store_true", help="also run the original model and compare probabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
