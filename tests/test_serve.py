@@ -311,3 +311,22 @@ def test_serve_cli_bad_plan_is_one_error(tmp_path, capsys):
     rc = main(["serve", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "not a plan folder" in err and "Traceback" not in err
+
+
+def test_serve_memory_option():
+    from dyncompile.errors import DataError
+    from dyncompile.tools.serve.options import ServeOptions
+
+    assert ServeOptions().replica_memory == "arena"  # rows are batched: ORT's arena
+    assert ServeOptions(max_batch_size=1).replica_memory == "auto"
+    assert ServeOptions(memory="malloc").replica_memory == "malloc"
+    with pytest.raises(DataError, match="serve option memory must be one of auto, arena, malloc, got 'pool'"):
+        ServeOptions(memory="pool")
+
+
+def test_serve_cli_bad_memory_is_one_error(tmp_path, capsys):
+    from dyncompile.tools.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path), "--memory", "pool"])
+    assert e.value.code == 2 and "invalid choice: 'pool'" in capsys.readouterr().err

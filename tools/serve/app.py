@@ -117,9 +117,8 @@ class PlanServer:
 
         self.info = info
         self.options = options
-        # rows are batched (up to max_batch_size): ORT's arena, which is faster than the batch-1 rule from 4 rows on
         self.model = dyncompile.load(info.path, provider=options.provider, threads=options.threads,
-                                     spinning=options.spinning, memory="arena" if options.max_batch_size > 1 else "auto")
+                                     spinning=options.spinning, memory=options.replica_memory)
         self.replica = _replica_id()
         self.where = f"{self.replica}@{_node_id()}"
         self.metrics = ReplicaMetrics(info.name, self.replica, _exits_of(self.model) if info.kind == "classify" else None)

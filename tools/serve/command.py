@@ -56,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="cpu", help="execution provider of the replicas (default %(default)s)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads per replica (default: ORT's choice)")
     p.add_argument("--spinning", action="store_true", help="ORT threads spin between work items (see `run`)")
+    p.add_argument("--memory", choices=("auto", "arena", "malloc"),
+                   help="how each replica's ORT sessions allocate (see `run --memory`); default: arena when rows are "
+                   "batched (--max-batch-size > 1), else auto. malloc keeps a replica's memory near its model's size "
+                   "(ORT's arena grows by a few hundred MiB over many batch shapes) at some batched speed")
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s", help="HTTP request timeout, seconds")
     p.add_argument("--address", help="join a running Ray cluster (ray start --head ...) instead of starting Ray here")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -74,8 +78,8 @@ def serve_command(args: argparse.Namespace, *, block: bool = True) -> int:
     opts = ServeOptions(host=args.host, port=args.port, replicas=args.replicas, replica_cpus=args.replica_cpus,
                         max_ongoing_requests=args.max_ongoing_requests, max_queued_requests=args.max_queued_requests,
                         max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, provider=args.provider,
-                        threads=args.threads, spinning=args.spinning, request_timeout_s=args.request_timeout_s,
-                        address=args.address)
+                        threads=args.threads, spinning=args.spinning, memory=args.memory,
+                        request_timeout_s=args.request_timeout_s, address=args.address)
     urls = start(args.plans, opts)
     for name, url in urls.items():
         print(f"serving {name} at {url}/", flush=True)
