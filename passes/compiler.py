@@ -169,19 +169,15 @@ def _emit(result, model_path: Path, cfg, tok_path: Path, source_sha: str, pass_l
     return plan
 
 
-#: tasks whose CPU plans record ``policy.ort_session`` (encoders: the fusions it switches off are theirs)
-ORT_SESSION_TASKS = ("text-classification", "sentence-embedding", "feature-extraction")
-
-
 def _record_ort_session(plan: Plan, provider: str) -> None:
     """An encoder plan for the CPU EP names the ORT fusions that are slow with this ONNX Runtime (``policy.ort_session``).
 
     The answer is :func:`~dyncompile.runtime.providers.slow_cpu_fusions`'s, the same one the compile's
     calibration sessions used, so the plan's certificate was made on the numerics its sessions run with.
     """
-    from dyncompile.runtime.providers import slow_cpu_fusions
+    from dyncompile.runtime.providers import ENCODER_TASKS, slow_cpu_fusions
 
-    if plan.task not in ORT_SESSION_TASKS or provider != "cpu":
+    if plan.task not in ENCODER_TASKS or provider != "cpu":
         return
     rec = slow_cpu_fusions()
     if rec["disabled_optimizers"]:

@@ -405,8 +405,8 @@ def load(
         memory: how sessions allocate tensors: ``auto`` (default: no CPU memory arena and no memory pattern for a
             classifier plan whose exits are ``If`` nodes, the batch-1 form, 1.01-1.05x a row with cold caches;
             its calls of several rows run in an extra session with ORT's defaults, made on the first such call;
-            every other plan: ORT's defaults), ``arena`` (ORT's defaults, one session) or ``malloc`` (both off); :func:`~dyncompile.runtime.providers.session_memory_options`
-            has the measurements.
+            every other plan: ORT's defaults), ``arena`` (ORT's defaults, one session) or ``malloc`` (both off);
+            :func:`~dyncompile.runtime.providers.session_memory_options` has the measurements.
     """
     check_ort_flavours()
     plan = load_plan(plan_dir, verify_hashes=verify_hashes, known_step_kinds=known_step_kinds())

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 
 from dyncompile.errors import DyncompileError
+from dyncompile.runtime.providers import MEMORY_MODES
 from dyncompile.tools._text import safe_text
 
 logger = logging.getLogger("dyncompile")
@@ -152,7 +153,7 @@ def _run_parser() -> argparse.ArgumentParser:
                    help="ORT's intra-op threads wait without spinning between work items: for a machine whose cores "
                    "other busy processes share (spinning, the default, decodes ~5-10 %% faster on cores the process "
                    "has to itself and 10-15 %% slower on oversubscribed ones)")
-    p.add_argument("--memory", choices=("auto", "arena", "malloc"), default="auto",
+    p.add_argument("--memory", choices=tuple(MEMORY_MODES), default="auto",
                    help="how ONNX Runtime allocates tensors: auto (default: no memory arena and no memory pattern for a "
                    "classifier plan whose exits are If nodes, the batch-1 form, 1.01-1.05x a row; ORT's defaults "
                    "otherwise; several-row calls of such a plan run in an extra session with ORT's defaults), arena (ORT's "

@@ -9,6 +9,7 @@ import sys
 import threading
 
 from dyncompile.errors import DataError
+from dyncompile.runtime.providers import MEMORY_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="cpu", help="execution provider of the replicas (default %(default)s)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads per replica (default: ORT's choice)")
     p.add_argument("--spinning", action="store_true", help="ORT threads spin between work items (see `run`)")
-    p.add_argument("--memory", choices=("auto", "arena", "malloc"),
+    p.add_argument("--memory", choices=tuple(MEMORY_MODES),
                    help="how each replica's ORT sessions allocate (see `run --memory`); default: arena when rows are "
                    "batched (--max-batch-size > 1), else auto. malloc keeps a replica's memory near its model's size "
                    "(ORT's arena grows by a few hundred MiB over many batch shapes) at some batched speed")
