@@ -101,21 +101,23 @@ class RuntimeContext:
             raise DataError(f"optimization must be one of {', '.join(levels)}, got {o.optimization!r}")
         self.optimization = levels[o.optimization]
         try:
-            session_memory_options(o.memory, plan.task, self.provider, None)
+            self._set_memory_options()
         except ProviderError as e:
             raise DataError(str(e)) from None
         self._sessions: dict[str, Any] = {}
         self._session_lock = threading.Lock()
 
-    @property
-    def memory_options(self) -> dict[str, bool]:
-        """``SessionOptions`` memory attributes of the plan's sessions (``LoadOptions.memory``; providers' rule).
+    def _set_memory_options(self) -> None:
+        """Derive, once per plan, its sessions' memory attributes and whether several-row calls get their own session.
 
-        Under ``memory="auto"`` these are for batch-1 calls; a call of several rows runs in a session with ORT's
-        defaults instead (:meth:`session`'s ``rows``), made when the first such call comes.
+        :attr:`memory_options`: ``SessionOptions`` memory attributes (``LoadOptions.memory``; the providers' rule).
+        Under ``memory="auto"`` they are for batch-1 calls; where they change ORT's defaults
+        (:attr:`batched_session`), a call of several rows runs in a session with ORT's defaults instead
+        (:meth:`session`'s ``rows``), made when the first such call comes.
         """
         lowering = (self.plan.policy.get("early_exit") or {}).get("lowering")
-        return session_memory_options(self.options.memory, self.plan.task, self.provider, lowering)
+        self.memory_options = session_memory_options(self.options.memory, self.plan.task, self.provider, lowering)
+        self.batched_session = self.options.memory == "auto" and bool(self.memory_options)
 
     @property
     def disabled_optimizers(self) -> list[str]:
@@ -134,6 +136,7 @@ class RuntimeContext:
         sub = load_subplan(self.plan, candidate, known_step_kinds=known_step_kinds())
         ctx = copy.copy(self)
         ctx.plan = sub
+        ctx._set_memory_options()
         ctx._sessions = {}
         ctx._session_lock = threading.Lock()
         return CompiledModel(sub, ctx)
@@ -141,14 +144,15 @@ class RuntimeContext:
     def session_options(self, batched: bool = False):
         """ORT session options for one of the plan's files (optimisation level, threads, memory, config entries).
 
-        ``batched``: for calls of several rows, which keep ORT's memory defaults under ``memory="auto"``.
+        ``batched``: for the session of several-row calls (:attr:`batched_session`), which keeps ORT's memory
+        defaults.
         """
         so = self.ort.SessionOptions()
         so.graph_optimization_level = self.optimization
         if self.threads:
             so.intra_op_num_threads = int(self.threads)
         so.log_severity_level = self.log_severity
-        for k, v in ({} if batched and self.options.memory == "auto" else self.memory_options).items():
+        for k, v in ({} if batched else self.memory_options).items():
             setattr(so, k, v)
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, str(v))
@@ -213,10 +217,10 @@ class RuntimeContext:
         """The ORT session of plan file ``file_key`` (created on first use, from the bytes that were hashed).
 
         ``rows``: the call's batch size. Where ``memory="auto"`` runs batch-1 calls without ORT's memory arena
-        (:attr:`memory_options`), a call of several rows gets an extra session of the same file with ORT's defaults
+        (:attr:`batched_session`), a call of several rows gets an extra session of the same file with ORT's defaults
         (the arena is faster from 4 rows a call), made on the first such call.
         """
-        batched = bool(rows and rows > 1 and self.options.memory == "auto" and self.memory_options)
+        batched = self.batched_session and rows is not None and rows > 1
         key = f"{file_key}#batched" if batched else file_key
         s = self._sessions.get(key)
         if s is None and batched:  # made during a call: threads calling at once make it once

@@ -61,8 +61,8 @@ def parse_plan(text: str) -> tuple[str, Path, str]:
     return label, Path(where), mode
 
 
-def run(plans: list[tuple[str, Path] | tuple[str, Path, str]], data: Path, limit: int | None, warmup: int,
-        progress: bool, provider: str = "cpu", block: int = 1, peers: list[str] = ()) -> dict[str, Any]:
+def run(plans: list[tuple[str, Path, str]], data: Path, limit: int | None, warmup: int, progress: bool,
+        provider: str = "cpu", block: int = 1, peers: list[str] = ()) -> dict[str, Any]:
     import dyncompile
     from dyncompile.io import read_jsonl, texts_and_labels
     from dyncompile.tools.bench.common import (
@@ -75,7 +75,6 @@ def run(plans: list[tuple[str, Path] | tuple[str, Path, str]], data: Path, limit
         total_time_ratio,
     )
 
-    plans = [(p[0], p[1], p[2] if len(p) > 2 else "auto") for p in plans]
     compiled = [(name, dyncompile.load(d, provider=provider, memory=mode)) for name, d, mode in plans]
     first = compiled[0][1]
     texts, labels = texts_and_labels(read_jsonl(data, limit=limit), first.plan.labels)
