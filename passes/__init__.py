@@ -12,7 +12,7 @@ Importing this package registers every built-in pass and plan emitter. Layout:
 * ``speculative/`` — decoder specs, measurement, the split drafter and the speculative pass;
 * ``analysis/`` — layers, cut tensors and the family of an exported transformer;
 * one module per remaining pass (``cleanup_graph``, ``verify_model``, ``causal_attention``, ``cast_float16``, ``quantize_weights``, ``fuse_decoder``,
-  ``fuse_encoder_attention``, ``fuse_gelu``, ``pack_matmuls``,
+  ``fuse_encoder_attention``, ``fuse_gelu``, ``fuse_int8_epilogues``, ``pack_matmuls``,
   ``matmul_to_conv``, ``raise_opset``, ``tabulate_length_values``).
 """
 
@@ -37,6 +37,7 @@ from dyncompile.passes.early_exit import (
 from dyncompile.passes.fuse_decoder import FuseDecoderPass
 from dyncompile.passes.fuse_encoder_attention import FuseEncoderAttentionPass
 from dyncompile.passes.fuse_gelu import FuseGeluPass
+from dyncompile.passes.fuse_int8_epilogues import FuseInt8EpiloguesPass
 from dyncompile.passes.key_padding_mask import KeyPaddingMaskPass
 from dyncompile.passes.matmul_to_conv import MatMulToConvPass
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
@@ -61,6 +62,7 @@ __all__ = [
     "FuseDecoderPass",
     "FuseEncoderAttentionPass",
     "FuseGeluPass",
+    "FuseInt8EpiloguesPass",
     "KeyPaddingMaskPass",
     "MatMulToConvPass",
     "PackMatMulsPass",

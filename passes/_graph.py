@@ -7,6 +7,8 @@
   optionally only when it is small (shape arithmetic reads ``Slice`` starts and ``Gather`` indices, never weights).
 * :func:`replace_node_output`: swap a node for the nodes that now compute its output, keeping the output's name.
 * :func:`default_opset`: the model's default-domain opset.
+* :func:`custom_ops_of`: the ``dyncompile``-domain custom operators a model's graphs use (its sessions, the
+  compile's calibration ones too, need dyncompile's kernel library).
 * :func:`extract_model`: a new model of the part of a graph between some of its values (a staged plan's segment,
   a pass's probe of one value), nodes and initializers cloned, the source model untouched.
 """
@@ -19,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 __all__ = ["add_initializer", "backward_slice", "captured_values", "const_array", "constant_node_tensor",
-           "default_opset", "extract_model", "replace_node_output"]
+           "custom_ops_of", "default_opset", "extract_model", "replace_node_output"]
 
 
 def add_initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
@@ -51,6 +53,14 @@ def extract_model(model: ir.Model, inputs: list[str], outputs: list[str], name: 
     common_passes.RemoveUnusedNodesPass()(part)
     common_passes.NameFixPass()(part)
     return part
+
+
+def custom_ops_of(model: ir.Model) -> list[str]:
+    """``domain.op`` of every operator of dyncompile's kernel library used in ``model`` (subgraphs included), sorted."""
+    from dyncompile.runtime.kernels import DOMAIN
+
+    return sorted({f"{n.domain}.{n.op_type}" for n in ir.traversal.RecursiveGraphIterator(model.graph)
+                   if n.domain == DOMAIN})
 
 
 def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:

@@ -185,28 +185,28 @@ def _record_ort_session(plan: Plan, provider: str) -> None:
 
 
 def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
-    """A plan whose target or drafter holds dyncompile's own custom op names it in ``policy.custom_ops``.
+    """A plan whose target or drafter holds dyncompile's own custom ops names them in ``policy.custom_ops``.
 
-    The plan never carries the library: the runtime builds it from the installed package's C source and refuses a
-    plan compiled against another source. Building it here first makes a missing compiler an error at compile
+    The plan never carries the library: the runtime builds it from the installed package's C sources and refuses a
+    plan compiled against other sources. Building it here first makes a missing compiler an error at compile
     time. The ``sparsify-activations`` records go to ``policy.sparsity`` (target) and ``policy.drafter_sparsity``
     (a sparse model drafter).
     """
     import json
 
     import dyncompile.runtime.kernels as kernels
+    from dyncompile.passes._graph import custom_ops_of
     from dyncompile.passes.sparsify_activations import SPARSITY, uses_sparse_rows
 
     drafter = model.meta.get(_keys.DRAFTER_MODEL)
     graphs = {"sparsity": model, "drafter_sparsity": drafter if isinstance(drafter, ir.Model) else None}
-    users = {k: m for k, m in graphs.items() if m is not None and uses_sparse_rows(m)}
-    if not users:
+    ops = sorted({op for m in graphs.values() if m is not None for op in custom_ops_of(m)})
+    if not ops:
         return
     kernels.library()
-    plan.policy["custom_ops"] = {"ops": [f"{kernels.DOMAIN}.{kernels.OP_TYPE}"],
-                                 "source_sha256": kernels.source_sha256()}
-    for key, m in users.items():
-        rec = m.metadata_props.get(SPARSITY)
+    plan.policy["custom_ops"] = {"ops": ops, "source_sha256": kernels.source_sha256()}
+    for key, m in graphs.items():
+        rec = m.metadata_props.get(SPARSITY) if m is not None and uses_sparse_rows(m) else None
         if rec:
             r = json.loads(rec)
             plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "sites", "mode", "budget_pct", "achieved_sparsity_heldout",

@@ -312,13 +312,18 @@ def calibration_disabled_optimizers() -> list[str]:
     return list(slow_cpu_fusions()["disabled_optimizers"])
 
 
-def calibration_session(model: bytes | str, session_options: Any) -> Any:
+def calibration_session(model: bytes | str, session_options: Any, custom_ops: bool = False) -> Any:
     """A CPU EP session for the compile's calibration runs, with the measured-slow fusions off.
 
     ``model`` is ONNX bytes or a path; the fusions are :func:`calibration_disabled_optimizers`', as the plan's CPU
-    sessions will run it.
+    sessions will run it. ``custom_ops``: the model uses dyncompile's own operators (``fuse-int8-epilogues``,
+    ``sparsify-activations``): ``session_options`` gets the kernel library the plan's sessions will register.
     """
     import onnxruntime as ort
 
+    if custom_ops:
+        import dyncompile.runtime.kernels as kernels
+
+        kernels.register(session_options, *kernels.library())
     return ort.InferenceSession(model, session_options, providers=["CPUExecutionProvider"],
                                 disabled_optimizers=calibration_disabled_optimizers() or None)

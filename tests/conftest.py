@@ -80,6 +80,17 @@ def mpnet():
 
 
 @pytest.fixture(scope="session")
+def kernel_lib():
+    """``(path, sha256)`` of dyncompile's custom-op library, built here (skips where no C compiler or header)."""
+    from dyncompile.runtime import kernels
+
+    try:
+        return kernels.library()
+    except kernels.KernelUnavailable as e:
+        pytest.skip(f"dyncompile's kernel library cannot be built here: {e}")
+
+
+@pytest.fixture(scope="session")
 def movie_test_rows() -> list[dict]:
     return [json.loads(line) for line in (DATA / "movie-test.jsonl").read_text().splitlines() if line.strip()]
 

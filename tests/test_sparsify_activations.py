@@ -27,23 +27,15 @@ from dyncompile.runtime import kernels
 VOCAB = 32
 
 
-@pytest.fixture(scope="module")
-def lib():
-    try:
-        return kernels.library()
-    except kernels.KernelUnavailable as e:
-        pytest.skip(f"the SparseRowsMatMul kernel cannot be built here: {e}")
-
-
-def _session(model: ir.Model | bytes, lib=None, *, threads: int = 2):
+def _session(model: ir.Model | bytes, kernel_lib=None, *, threads: int = 2):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
-    if lib is not None:
-        kernels.register(so, *lib)
+    if kernel_lib is not None:
+        kernels.register(so, *kernel_lib)
     data = model if isinstance(model, bytes) else ir.to_proto(model).SerializeToString()
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
@@ -66,13 +58,13 @@ def _op_model(w: np.ndarray, threshold: float, *, op: str = "SparseRowsMatMul") 
 # ----------------------------------------------------------------------------------------------- kernel
 
 
-def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_call_size(lib):
+def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_call_size(kernel_lib):
     rng = np.random.default_rng(0)
     k, n = 96, 200  # n not a multiple of the chunk width: the column tail is exercised
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((1, 40, k)).astype(np.float32)
     t = float(np.quantile(np.abs(x), 0.6))
-    sess = _session(_op_model(w, t), lib)
+    sess = _session(_op_model(w, t), kernel_lib)
     y = sess.run(None, {"x": x})[0]
     ref = np.where(np.abs(x) > t, x, 0).astype(np.float64) @ w.astype(np.float64)
     assert np.abs(y - ref).max() < 1e-4
@@ -81,28 +73,28 @@ def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_ca
     one = np.concatenate([sess.run(None, {"x": x[:, i : i + 1]})[0] for i in range(40)], axis=1)
     assert np.array_equal(one, y)
     # and the thread count does not change a bit either (columns are cut in fixed chunks)
-    assert np.array_equal(_session(_op_model(w, t), lib, threads=1).run(None, {"x": x})[0], y)
+    assert np.array_equal(_session(_op_model(w, t), kernel_lib, threads=1).run(None, {"x": x})[0], y)
 
 
-def test_threshold_zero_equals_the_dense_matmul(lib):
+def test_threshold_zero_equals_the_dense_matmul(kernel_lib):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((64, 48)).astype(np.float32)
     x = rng.standard_normal((1, 5, 64)).astype(np.float32)
     x[0, 0, :10] = 0.0  # exact zeros are the only entries threshold 0 drops
-    y = _session(_op_model(w, 0.0), lib).run(None, {"x": x})[0]
+    y = _session(_op_model(w, 0.0), kernel_lib).run(None, {"x": x})[0]
     dense = _session(_op_model(w, 0.0, op="MatMul")).run(None, {"x": x})[0]
     assert np.abs(y - dense).max() < 1e-5
 
 
-def test_a_negative_threshold_is_refused(lib):
+def test_a_negative_threshold_is_refused(kernel_lib):
     with pytest.raises(Exception, match="threshold must be >= 0"):
-        _session(_op_model(np.ones((4, 4), np.float32), -1.0), lib)
+        _session(_op_model(np.ones((4, 4), np.float32), -1.0), kernel_lib)
 
 
-def test_a_library_with_another_sha256_is_not_loaded(lib, tmp_path):
+def test_a_library_with_another_sha256_is_not_loaded(kernel_lib, tmp_path):
     import onnxruntime as ort
 
-    path, sha = lib
+    path, sha = kernel_lib
     bad = tmp_path / path.name
     bad.write_bytes(path.read_bytes() + b"\0")
     with pytest.raises(kernels.KernelUnavailable, match="refusing to load it"):
@@ -155,12 +147,12 @@ def _windows(n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
 
 
-def _outputs(model: ir.Model, lib, ids) -> list[np.ndarray]:
-    return _session(model, lib).run(None, prefill_feeds(decoder_spec(model, "model"), ids))
+def _outputs(model: ir.Model, kernel_lib, ids) -> list[np.ndarray]:
+    return _session(model, kernel_lib).run(None, prefill_feeds(decoder_spec(model, "model"), ids))
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.5])
-def test_pass_structure_outputs_and_record(lib, sparsity):
+def test_pass_structure_outputs_and_record(kernel_lib, sparsity):
     original = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
     m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
     assert len(mlp_layers(m)[0]) == 2
@@ -174,7 +166,7 @@ def test_pass_structure_outputs_and_record(lib, sparsity):
     assert [v.name for v in m.graph.outputs] == [v.name for v in original.graph.outputs]
     check_model(m, full_check=True)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
-    ref, got = _outputs(original, None, ids), _outputs(m, lib, ids)
+    ref, got = _outputs(original, None, ids), _outputs(m, kernel_lib, ids)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
     rec = json.loads(m.metadata_props[SPARSITY])
     ts = [layer[s]["threshold"] for layer in rec["layers"] for s in ("gate_up", "down")]
@@ -186,13 +178,13 @@ def test_pass_structure_outputs_and_record(lib, sparsity):
         # the thresholds are the calibration quantiles: about half of each site's entries are dropped on other text
         assert 0.35 < rec["achieved_sparsity_heldout"]["gate_up"] < 0.65
         assert 0.35 < rec["achieved_sparsity_heldout"]["down"] < 0.65
-    assert rec["library"]["sha256"] == lib[1] and rec["op"] == "dyncompile.SparseRowsMatMul"
+    assert rec["library"]["sha256"] == kernel_lib[1] and rec["op"] == "dyncompile.SparseRowsMatMul"
     # a second run finds the op there already
     assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity)(m).modified
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.4])
-def test_sites_all_also_thresholds_attention_projections_but_not_the_lm_head(lib, sparsity):
+def test_sites_all_also_thresholds_attention_projections_but_not_the_lm_head(kernel_lib, sparsity):
     original = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
     m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
     dense = {n.inputs[1].name for n in m.graph if n.op_type == "MatMul" and n.inputs[1].const_value is not None}
@@ -206,7 +198,7 @@ def test_sites_all_also_thresholds_attention_projections_but_not_the_lm_head(lib
     assert rec["sites"] == "all" and len(rec["layers"]) == 2
     assert [a["matmuls"] for a in rec["attention"]] == [3, 1, 3, 1]  # q/k/v share one input, o has its own
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
-    ref, got = _outputs(original, None, ids), _outputs(m, lib, ids)
+    ref, got = _outputs(original, None, ids), _outputs(m, kernel_lib, ids)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
     if sparsity == 0.0:
         assert diff < 1e-5 and all(a["threshold"] == 0.0 for a in rec["attention"])
@@ -216,7 +208,7 @@ def test_sites_all_also_thresholds_attention_projections_but_not_the_lm_head(lib
     assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity, sites="all")(m).modified
 
 
-def test_budget_picks_the_largest_sparsity_within_it(lib):
+def test_budget_picks_the_largest_sparsity_within_it(kernel_lib):
     m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
     SparsifyActivationsPass(_windows(4, 24, 0), _windows(3, 24, 1), budget=1.0)(m)
     rec = json.loads(m.metadata_props[SPARSITY])
@@ -226,7 +218,7 @@ def test_budget_picks_the_largest_sparsity_within_it(lib):
     assert rec["quality"]["increase_pct"] <= 1.0
 
 
-def test_does_not_fire_without_a_gated_mlp(lib, caplog):
+def test_does_not_fire_without_a_gated_mlp(kernel_lib, caplog):
     from dyncompile.passes._infra import run_pipeline
 
     m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB)  # Relu MLP
@@ -257,7 +249,7 @@ def test_excluded_files_are_the_benchmarks_prompt_and_quality_files():
 
 
 @pytest.fixture(scope="module")
-def plans(module_tmp, lib):
+def plans(module_tmp, kernel_lib):
     from dyncompile.passes.compiler import compile_model
 
     root = module_tmp("sparse")
@@ -276,7 +268,7 @@ def plans(module_tmp, lib):
     }
 
 
-def test_plan_names_the_kernel_never_ships_it_and_greedy_speculative_stays_token_identical(plans, lib):
+def test_plan_names_the_kernel_never_ships_it_and_greedy_speculative_stays_token_identical(plans, kernel_lib):
     plan = json.loads((plans["sparse_pl"] / "plan.json").read_text())
     assert plan["policy"]["custom_ops"] == {"ops": [f"{kernels.DOMAIN}.{kernels.OP_TYPE}"],
                                            "source_sha256": kernels.source_sha256()}
@@ -286,7 +278,7 @@ def test_plan_names_the_kernel_never_ships_it_and_greedy_speculative_stays_token
     _assert_speculative_identical(plans["sparse"], plans["sparse_pl"])
 
 
-def test_attention_sites_stay_token_identical_under_speculative_decoding(plans, lib):
+def test_attention_sites_stay_token_identical_under_speculative_decoding(plans, kernel_lib):
     plan = json.loads((plans["all_pl"] / "plan.json").read_text())
     assert plan["policy"]["sparsity"]["sites"] == "all" and "attention" in plan["policy"]["sparsity"][
         "achieved_sparsity_heldout"]
@@ -318,7 +310,7 @@ def test_a_plan_compiled_against_another_kernel_source_is_refused(plans, tmp_pat
     doc = json.loads((copy / "plan.json").read_text())
     doc["policy"]["custom_ops"]["source_sha256"] = "0" * 64
     (copy / "plan.json").write_text(json.dumps(doc))
-    with pytest.raises(PlanError, match="another SparseRowsMatMul kernel source"):
+    with pytest.raises(PlanError, match="other sources of dyncompile.s kernels"):
         dyncompile.load(copy).generate([1, 2, 3], max_new_tokens=2)
     doc["policy"]["custom_ops"] = {"ops": ["dyncompile.Evil"], "source_sha256": kernels.source_sha256()}
     (copy / "plan.json").write_text(json.dumps(doc))

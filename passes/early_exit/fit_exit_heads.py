@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.passes import _keys
+from dyncompile.passes._graph import custom_ops_of
 from dyncompile.passes._infra import progress_bar as _progress
 from dyncompile.passes.early_exit.attach_exit_heads import (
     EARLY_EXIT_FORMAT,
@@ -494,7 +495,7 @@ def collect_exit_features(
     # Threads that sleep instead of spinning between ops: batch-32 throughput work loses nothing to the
     # wake-up, and on a busy machine spinning burnt ~45 % more CPU for the same rows (MiniLM, 640 rows).
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = calibration_session(proto.SerializeToString(), so)
+    sess = calibration_session(proto.SerializeToString(), so, custom_ops=bool(custom_ops_of(model)))
     del proto
     enc = TextEncoder(tokenizer_file, max_length=max_length)
     in_names = [i.name for i in sess.get_inputs()]

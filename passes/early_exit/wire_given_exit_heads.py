@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
-from dyncompile.passes._graph import backward_slice
+from dyncompile.passes._graph import backward_slice, custom_ops_of
 from dyncompile.passes._infra import progress_bar
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.passes.early_exit.fit_exit_heads import (
@@ -111,7 +111,7 @@ class WireGivenExitHeadsPass(ir.passes.InPlacePass):
         exits = sorted(given)
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        sess = calibration_session(ir.to_proto(model).SerializeToString(), so)
+        sess = calibration_session(ir.to_proto(model).SerializeToString(), so, custom_ops=bool(custom_ops_of(model)))
         enc = TextEncoder(self.tokenizer_file, max_length=self.max_length)
         names = [final.name] + [given[k].name for k in exits]
         in_names = [i.name for i in sess.get_inputs()]

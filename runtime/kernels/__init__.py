@@ -1,10 +1,15 @@
 """dyncompile's own ONNX Runtime custom operators, compiled at first use with the system C compiler.
 
-``SparseRowsMatMul`` (domain ``dyncompile``, :data:`DOMAIN`): ``Y = X' W`` where ``X'`` is ``X`` with every entry
-``|x| <= threshold`` dropped, reading only the weight rows of the entries kept (``sparse_rows.c`` beside this
-file says how and why it is deterministic). ONNX Runtime has no such kernel; the stock ``Gather`` + ``MatMul``
-route copies the active rows before reading them again and cannot pay below ~70 % sparsity
-(``bench-results/contextual-sparsity``).
+One library (domain ``dyncompile``, :data:`DOMAIN`) built from the C sources beside this file (:data:`SOURCES`),
+holding :data:`OPS`:
+
+* ``SparseRowsMatMul``: ``Y = X' W`` where ``X'`` is ``X`` with every entry ``|x| <= threshold`` dropped, reading
+  only the weight rows of the entries kept (``sparse_rows.c`` says how and why it is deterministic). ONNX Runtime
+  has no such kernel; the stock ``Gather`` + ``MatMul`` route copies the active rows before reading them again and
+  cannot pay below ~70 % sparsity (``bench-results/contextual-sparsity``). Used by ``sparsify-activations``.
+* ``QuantizeRows`` and ``ScaledResidualAdd`` (``int8_epilogues.c``): the per-row int8 quantization before an int8
+  MatMul, and the row scale + bias + residual after one, each one kernel instead of five or three, bit-identical
+  to the kernels they replace. Used by ``fuse-int8-epilogues``.
 
 How the library is made (:func:`build_library`):
 
@@ -48,6 +53,7 @@ __all__ = [
     "DOMAIN",
     "HEADER_PACKAGE",
     "HEADER_PACKAGE_SHA256",
+    "OPS",
     "OP_TYPE",
     "KernelUnavailable",
     "build_library",
@@ -61,8 +67,12 @@ __all__ = [
 ]
 
 DOMAIN = "dyncompile"
+#: the sparse-rows MatMul (``sparsify-activations``)
 OP_TYPE = "SparseRowsMatMul"
-SOURCE = Path(__file__).with_name("sparse_rows.c")
+#: every operator the library registers, as ``domain.op`` (what a plan's ``policy.custom_ops`` may name)
+OPS = tuple(f"{DOMAIN}.{op}" for op in (OP_TYPE, "QuantizeRows", "ScaledResidualAdd"))
+#: the library's C sources, in build order (``register.c`` holds the entry point ORT calls)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("register.c", "sparse_rows.c", "int8_epilogues.c"))
 #: an npm package that ships ONNX Runtime's C API header (inside its iOS framework; the header is the same on
 #: every platform): fetched by ``npm pack`` when no header is found, its archive checked against the pinned sha256
 HEADER_PACKAGE = "com.github.asus4.onnxruntime@0.4.9"
@@ -121,7 +131,7 @@ def _fetch_header(dest: Path) -> Path:
     npm = shutil.which("npm")
     if npm is None:
         raise KernelUnavailable(
-            f"building dyncompile's {OP_TYPE} kernel needs ONNX Runtime's C API header {HEADER}, which the onnxruntime "
+            f"building dyncompile's kernel library needs ONNX Runtime's C API header {HEADER}, which the onnxruntime "
             f"wheel does not ship, and npm (to fetch it from {HEADER_PACKAGE}) is not installed. Install npm, or set "
             f"{ENV_INCLUDE} to a folder holding {HEADER} (the include/ of an ONNX Runtime release), then compile again"
         )
@@ -131,7 +141,7 @@ def _fetch_header(dest: Path) -> Path:
         tgz = sorted(Path(tmp).glob("*.tgz"))
         if r.returncode != 0 or not tgz:
             raise KernelUnavailable(
-                f"npm pack {HEADER_PACKAGE} failed ({(r.stderr or r.stdout).strip()[:200]}): the {OP_TYPE} kernel needs "
+                f"npm pack {HEADER_PACKAGE} failed ({(r.stderr or r.stdout).strip()[:200]}): dyncompile's kernel library needs "
                 f"ONNX Runtime's C API header; set {ENV_INCLUDE} to a folder holding {HEADER}, then compile again"
             )
         got = sha256_of(tgz[0])
@@ -164,7 +174,7 @@ def ort_header() -> Path:
 
 
 def build_library(force: bool = False) -> tuple[Path, dict]:
-    """The built ``SparseRowsMatMul`` library and its record (sha256, flags, compile seconds), building it if needed.
+    """The built kernel library and its record (sha256, flags, compile seconds), building it if needed.
 
     Raises:
         KernelUnavailable: no C compiler, no header, or the compile failed (with the compiler's first lines).
@@ -172,31 +182,31 @@ def build_library(force: bool = False) -> tuple[Path, dict]:
     cc = compiler()
     if cc is None:
         raise KernelUnavailable(
-            f"dyncompile's {OP_TYPE} kernel is compiled at first use and no C compiler was found (tried $CC, cc, gcc, "
+            "dyncompile's custom-op kernels are compiled at first use and no C compiler was found (tried $CC, cc, gcc, "
             "clang). Install one (e.g. `apt-get install gcc`) or set CC, then compile again"
         )
     header = ort_header()
     flags = ["-O3", "-std=c11", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-math-errno", *_cpu_flags()]
     headers = "".join(sha256_of(header.parent / h) for h in HEADERS if (header.parent / h).is_file())
-    key = hashlib.sha256(SOURCE.read_bytes() + headers.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source_sha256().encode() + headers.encode() + " ".join(flags).encode()).hexdigest()[:16]
     home = kernels_home()
-    lib = home / f"libdyncompile_sparse_rows-{key}.so"
+    lib = home / f"libdyncompile_kernels-{key}.so"
     meta_path = lib.with_suffix(".json")
     if lib.is_file() and meta_path.is_file() and not force:
         return lib, json.loads(meta_path.read_text())
     home.mkdir(parents=True, exist_ok=True)
     tmp = home / f".{lib.name}.{os.getpid()}.tmp"
-    cmd = [cc, *flags, "-I", str(header.parent), str(SOURCE), "-o", str(tmp), "-lm"]
+    cmd = [cc, *flags, "-I", str(header.parent), *map(str, SOURCES), "-o", str(tmp), "-lm"]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     secs = time.perf_counter() - t0
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         first = "\n".join((r.stderr or r.stdout).strip().splitlines()[:5])
-        raise KernelUnavailable(f"compiling {SOURCE.name} with {cc} failed:\n{first}\nfix the compiler setup (or CC) "
+        raise KernelUnavailable(f"compiling {', '.join(p.name for p in SOURCES)} with {cc} failed:\n{first}\nfix the compiler setup (or CC) "
                                 "and compile again")
-    meta = {"op": f"{DOMAIN}.{OP_TYPE}", "library": lib.name, "sha256": sha256_of(tmp), "source_sha256":
-            sha256_of(SOURCE), "header_sha256": sha256_of(header), "compiler": Path(cc).name, "flags": flags,
+    meta = {"ops": list(OPS), "library": lib.name, "sha256": sha256_of(tmp), "source_sha256":
+            source_sha256(), "header_sha256": sha256_of(header), "compiler": Path(cc).name, "flags": flags,
             "compile_seconds": round(secs, 3)}
     tmp.replace(lib)
     tmp_meta = meta_path.with_name(f".{meta_path.name}.{os.getpid()}")
@@ -217,8 +227,11 @@ def library() -> tuple[Path, str]:
 
 
 def source_sha256() -> str:
-    """sha256 of the kernel's C source as installed (what a plan's ``policy.custom_ops`` names)."""
-    return sha256_of(SOURCE)
+    """sha256 of the library's C sources as installed, in :data:`SOURCES` order (what ``policy.custom_ops`` names)."""
+    h = hashlib.sha256()
+    for path in SOURCES:
+        h.update(f"{path.name}\0{sha256_of(path)}\0".encode())
+    return h.hexdigest()
 
 
 def register_for_plan(session_options, ops: list[str], plan_source_sha256: str) -> None:
@@ -228,13 +241,13 @@ def register_for_plan(session_options, ops: list[str], plan_source_sha256: str) 
         KernelUnavailable: the plan asks for an op this package does not build, or was compiled against another
             version of the kernel's source, or the library cannot be built here.
     """
-    unknown = sorted(set(ops) - {f"{DOMAIN}.{OP_TYPE}"})
+    unknown = sorted(set(ops) - set(OPS))
     if unknown:
         raise KernelUnavailable(f"the plan needs custom ops {unknown} that this dyncompile does not provide; "
                                 "compile the plan with this version")
     mine = source_sha256()
     if plan_source_sha256 != mine:
-        raise KernelUnavailable(f"the plan was compiled against another {OP_TYPE} kernel source (sha256 "
+        raise KernelUnavailable(f"the plan was compiled against other sources of dyncompile's kernels (sha256 "
                                 f"{plan_source_sha256[:12]}…, this installation has {mine[:12]}…); compile the plan "
                                 "again with this version of dyncompile")
     register(session_options, *library())

@@ -14,7 +14,8 @@
  * (prefill) loop K in blocks so a block of weight rows is reused from cache across the rows; the order per
  * element is unchanged.
  *
- * Built by dyncompile.runtime.kernels at first use with the system C compiler against onnxruntime_c_api.h.
+ * Built into dyncompile's kernel library by dyncompile.runtime.kernels (with int8_epilogues.c and register.c) at
+ * first use, with the system C compiler against onnxruntime_c_api.h.
  */
 #include <math.h>
 #include <stdint.h>
@@ -194,33 +195,9 @@ static int sr_end(const OrtCustomOp *op) { (void)op; return 1 << 30; }
 
 static OrtCustomOp g_op;
 
-/* The ISA this file was compiled for must be there at load time (the library may travel with a plan). */
-static int sr_cpu_ok(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-#if defined(__AVX2__)
-  if (!__builtin_cpu_supports("avx2")) return 0;
-#endif
-#if defined(__FMA__)
-  if (!__builtin_cpu_supports("fma")) return 0;
-#endif
-#endif
-  return 1;
-}
-
-#if defined(_WIN32)
-#define SR_EXPORT __declspec(dllexport)
-#else
-#define SR_EXPORT __attribute__((visibility("default")))
-#endif
-
-SR_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-  g_ort = base->GetApi(SR_API_VERSION);
-  if (g_ort == NULL) return NULL; /* cannot even report: ORT older than 1.17 */
-  if (!sr_cpu_ok())
-    return g_ort->CreateStatus(ORT_FAIL,
-                               "dyncompile SparseRowsMatMul: this kernel library was built for a CPU with AVX2/FMA "
-                               "that this machine lacks; recompile the plan on this machine");
+/* Called by RegisterCustomOps (register.c): adds SparseRowsMatMul to the "dyncompile" domain. */
+OrtStatus *dc_add_sparse_rows_ops(const OrtApi *api, OrtCustomOpDomain *domain) {
+  g_ort = api;
   memset(&g_op, 0, sizeof(g_op));
   g_op.version = SR_API_VERSION;
   g_op.GetName = sr_name;
@@ -241,9 +218,5 @@ SR_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, 
   g_op.KernelComputeV2 = sr_compute;
   g_op.GetStartVersion = sr_start;
   g_op.GetEndVersion = sr_end;
-  OrtCustomOpDomain *domain = NULL;
-  OrtStatus *st = g_ort->CreateCustomOpDomain("dyncompile", &domain);
-  if (st != NULL) return st;
-  if ((st = g_ort->CustomOpDomain_Add(domain, &g_op)) != NULL) return st;
-  return g_ort->AddCustomOpDomain(options, domain);
+  return g_ort->CustomOpDomain_Add(domain, &g_op);
 }
