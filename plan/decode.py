@@ -331,6 +331,9 @@ class SpeculativePolicy:
 class CustomOpsPolicy:
     """``policy.custom_ops``: dyncompile's own ONNX Runtime custom operators that the plan's graphs use.
 
+    Any plan kind (a decoder's ``sparsify-activations``, a classifier's ``fuse-int8-epilogues``); it is defined here
+    with the decoder policies it first served and merged into the one policy schema with them.
+
     Never a file of the plan: the runtime builds the library from the installed package's own C source into the
     user's cache (``dyncompile.runtime.kernels``) and registers that, so a plan cannot bring native code. The
     plan names the source it was compiled against; another source is refused (recompile the plan).
