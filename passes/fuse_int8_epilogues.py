@@ -39,20 +39,24 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile.passes._graph import const_array
 from dyncompile.passes._infra import not_fired, register_pass
+from dyncompile.runtime.kernels import DOMAIN as _DOMAIN
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["FuseInt8EpiloguesPass", "propagate_shapes", "quantize_rows_rules", "scaled_residual_rules"]
 
 _MS = "com.microsoft"
-#: the custom-op domain of dyncompile's kernel library (:data:`dyncompile.runtime.kernels.DOMAIN`)
-_DOMAIN = "dyncompile"
 _OPS = ("QuantizeRows", "ScaledResidualAdd")
 
 
 def _scalar(v: ir.Value | None, dtype: ir.DataType | None = None) -> float | None:
-    """The value of a one-element constant (an initializer or a Constant's output), else None."""
+    """The value of a one-element initializer (or other ``const_value``), else None.
+
+    Not a ``Constant`` node's output (:func:`~dyncompile.passes._graph.const_array` reads those): the rewrite would
+    leave that node behind unused, where the initializers it leaves unused are removed.
+    """
     if v is None or v.const_value is None:
         return None
     if dtype is not None and v.const_value.dtype != dtype:  # the tensor's: a pass's new initializer may lack v.dtype
@@ -89,8 +93,8 @@ def _broadcast(a: tuple, b: tuple) -> tuple | None:
 
 
 def _const_ints(node: ir.Node, i: int) -> list[int] | None:
-    v = node.inputs[i] if len(node.inputs) > i else None
-    return None if v is None or v.const_value is None else [int(a) for a in v.const_value.numpy().reshape(-1)]
+    arr = const_array(node.inputs[i] if len(node.inputs) > i else None, max_elements=64)
+    return None if arr is None else [int(a) for a in arr.reshape(-1)]
 
 
 def _last_axis(axes, rank: int) -> bool:
@@ -290,6 +294,10 @@ def scaled_residual_rules(dims: dict[ir.Value, tuple]):
     return pattern.RewriteRuleSet([_ScaledResidualAdd.rule(False), _ScaledResidualAdd.rule(True)])
 
 
+def _fused_counts(model: ir.Model) -> dict[str, int]:
+    return {op: sum(1 for n in model.graph if n.domain == _DOMAIN and n.op_type == op) for op in _OPS}
+
+
 class FuseInt8EpiloguesPass(ir.passes.InPlacePass):
     """Per-row int8 quantization and residual LayerNorms -> dyncompile's fused kernels (see the module docstring)."""
 
@@ -304,7 +312,7 @@ class FuseInt8EpiloguesPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the module docstring)."""
-        before = {op: sum(1 for n in model.graph if n.domain == _DOMAIN and n.op_type == op) for op in _OPS}
+        before = _fused_counts(model)
         read = {name for name, v in model.graph.initializers.items() if v.uses()}
         count = 0
         for make_rules in (quantize_rows_rules, scaled_residual_rules):
@@ -324,7 +332,7 @@ class FuseInt8EpiloguesPass(ir.passes.InPlacePass):
         model.opset_imports.setdefault(_DOMAIN, 1)
         for name in [n for n, v in model.graph.initializers.items() if n in read and not v.uses()]:
             model.graph.initializers.pop(name)  # the replaced chains' constants (ranges, floors, zero points)
-        after = {op: sum(1 for n in model.graph if n.domain == _DOMAIN and n.op_type == op) for op in _OPS}
+        after = _fused_counts(model)
         logger.info("fuse-int8-epilogues: %s", ", ".join(f"{after[op] - before[op]} {op}" for op in _OPS))
         return ir.passes.PassResult(model, modified=True)
 

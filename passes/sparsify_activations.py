@@ -182,10 +182,10 @@ def linear_sites(model: ir.Model, vocab_size: int | None, which: str = "all") ->
 
 
 def uses_sparse_rows(model: ir.Model) -> bool:
-    """Whether ``model``'s main graph holds the ``dyncompile`` custom op (its sessions need the library)."""
-    from dyncompile.runtime.kernels import DOMAIN
+    """Whether ``model``'s main graph holds ``dyncompile.SparseRowsMatMul`` (not merely another op of the library)."""
+    from dyncompile.runtime.kernels import DOMAIN, OP_TYPE
 
-    return any(n.domain == DOMAIN for n in model.graph)
+    return any(n.domain == DOMAIN and n.op_type == OP_TYPE for n in model.graph)
 
 
 # ----------------------------------------------------------------------------------------------- text
