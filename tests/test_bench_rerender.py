@@ -19,6 +19,7 @@ RESULTS = ROOT / "bench-results"
 
 #: (glob under bench-results/, module whose ``render_markdown`` wrote the markdown); first match wins
 OWNERS: list[tuple[str, str]] = [
+    ("certificate-splits/*.json", "dyncompile.tools.studies.certificate_splits"),
     ("decoder-graphs/*.json", "dyncompile.tools.studies.decoder_graphs"),
     ("decoder-quality/*.json", "dyncompile.tools.bench.quality"),
     ("early-exit-certified/*.json", "dyncompile.tools.studies.certified"),

@@ -8,6 +8,7 @@ binomial margin (3 standard errors of a rate ``delta`` over the number of draws)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -26,6 +27,7 @@ from dyncompile.passes.early_exit.certify import (
     fixed_sequence_test,
     hoeffding_ucb,
     parse_confidence,
+    split_check_warning,
 )
 from dyncompile.runtime.rules.exit_policy import ExitPolicy
 
@@ -213,3 +215,49 @@ def test_parse_confidence(value, expected):
 def test_parse_confidence_rejects(value):
     with pytest.raises(Exception, match="--confidence"):
         parse_confidence(value)
+
+
+def test_split_check_records_what_the_other_splits_certify():
+    p, final, y = _synthetic(2000, seed=12)
+    res = certify_exits(p, final, y, COSTS[: p.shape[0]], budget=2.0, criterion="learned")
+    check = res.certificate.split_check
+    assert check["seeds"] == list(range(1, 9))
+    for s, speed in zip(check["seeds"], check["expected_speedups"], strict=True):
+        try:
+            other = certify_exits(p, final, y, COSTS[: p.shape[0]], budget=2.0, criterion="learned", seed=s, split_check=0)
+            assert other.certificate.expected_speedup == speed  # each entry is that split's own certificate
+        except CertificationError:
+            assert speed == 1.0
+    assert check["rank"] == 1 + sum(v > res.certificate.expected_speedup for v in check["expected_speedups"])
+    assert check["median"] == pytest.approx(float(np.median(check["expected_speedups"])), abs=1e-4)
+    assert f"this split ranks {check['rank']} of 9" in describe_certificate(res.certificate.to_dict())
+    # no check without a certificate, with explicit path rows, or when turned off
+    assert certify_exits(p, final, y, COSTS[: p.shape[0]], budget=2.0, confidence=None).certificate.split_check is None
+    assert certify_exits(p, final, y, COSTS[: p.shape[0]], budget=2.0, path_rows=np.arange(600)).certificate.split_check is None
+    assert certify_exits(p, final, y, COSTS[: p.shape[0]], budget=2.0, split_check=0).certificate.split_check is None
+
+
+def test_split_check_warns_only_when_this_split_certifies_the_most():
+    p, final, y = _synthetic(2000, seed=12)
+    c = certify_exits(p, final, y, COSTS[: p.shape[0]], budget=2.0, split_check=0).certificate
+    top = dataclasses.replace(c, split_check={"seeds": [1, 2], "expected_speedups": [1.2, 1.1], "median": 1.15, "rank": 1})
+    second = dataclasses.replace(top, split_check=top.split_check | {"rank": 2})
+    assert split_check_warning(top).startswith(f"the calibration split (seed 0) certifies {c.expected_speedup:.2f}x")
+    assert split_check_warning(second) is None and split_check_warning(c) is None
+
+
+@pytest.mark.parametrize(("stem", "criterion", "warned"), [("minilm-l6-per-token-int8", "learned", True),
+                                                           ("mpnet-base-mixed-int8", "entropy", False)])
+def test_split_check_on_the_stored_real_calibration_arrays(stem, criterion, warned):
+    """MiniLM-L6 int8 x trained exits: the compile's split is the favourable one (it lost 2 points on movie-test at
+    budget 1.0); MPNet-base's is a typical one (bench-results/certificate-splits, per-row arrays of the real runs)."""
+    from pathlib import Path
+
+    from dyncompile.passes.early_exit.certify import certified_calibration
+
+    z = np.load(Path(__file__).resolve().parent.parent / "bench-results" / "certificate-splits" / f"{stem}.npz")
+    exits = [int(k) for k in z["exits"]]
+    res, record = certified_calibration(z["oof"], z["teacher"], z["labels"], exits, int(z["num_layers"]), budget=1.0,
+                                        confidence=0.9, criterion=criterion, reference_probs=z["reference"])
+    assert (res.certificate.split_check["rank"] == 1) is warned
+    assert any("certifying rows look favourable" in w for w in record["warnings"]) is warned

@@ -323,6 +323,8 @@ class FitExitHeadsPass(ir.passes.InPlacePass):
                     reference_probs=reference_probs, split=self.split, seed=self.seed,
                 )
                 logger.info("early-exit certificate: %s", certified.certificate.describe())
+                for w in certified.warnings:
+                    logger.warning("early-exit certificate: %s", w)
                 thresholds = list(certified.thresholds[:-1])
             else:
                 cal = calibrate_exits(

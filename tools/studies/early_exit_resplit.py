@@ -95,7 +95,7 @@ def _certified(criterion: str):
         from dyncompile.passes.early_exit.certify import certified_calibration
 
         res, _ = certified_calibration(oof, teacher, labels, exits, num_layers, budget=budget, confidence=CONFIDENCE,
-                                       criterion=criterion)
+                                       criterion=criterion, split_check=0)  # the study re-splits itself
         costs = [k / num_layers for k in exits] + [1.0]
         if criterion == "learned":
             tc = np.array([np.inf if t is None else float(t) for t in res.thresholds])
