@@ -45,6 +45,12 @@ its fold) and deploys the average of the K fold heads, which is not independent 
 guarantee is exact for the out-of-fold predictor and approximate for the deployed one (its outputs differ
 from any fold head's only by the averaging). The re-split check of the bench measures the deployed plans.
 
+The split is part of the draw the confidence is about, and every compile of the same rows makes the same
+split. The split check (:data:`SPLIT_CHECK_SEEDS` more seeds, same rows and budget) records what the other splits
+certify (``Certificate.split_check``) and warns when this split certifies more speed than each of them: its
+certifying rows then look favourable, the place a certificate's misses come from. It never changes the chosen
+thresholds — choosing a split by its outcome would void the guarantee.
+
 Everything here works from stored per-row arrays (exit probabilities, reference probabilities,
 labels): :func:`certify_exits` reruns a calibration in well under a second, with no ONNX Runtime.
 """
@@ -461,7 +467,8 @@ def split_check_warning(cert: Certificate) -> str | None:
     sp = check["expected_speedups"]
     return (f"the calibration split (seed {cert.seed}) certifies {cert.expected_speedup:.2f}x, more than each of "
             f"{len(sp)} other splits of the same rows ({min(sp):.2f}x-{max(sp):.2f}x, median {check['median']:.2f}x): its "
-            f"certifying rows look favourable, and a 90 % certificate's misses come from such splits; on new data "
+            f"certifying rows look favourable, and a {100 * cert.confidence:g} % certificate's misses come from such "
+            "splits; on new data "
             f"expect the drop nearer the budget than the observed {cert.observed:.2f} points (a lower --budget or a "
             "higher --confidence buys margin)")
 
