@@ -255,7 +255,8 @@ def test_split_check_on_the_stored_real_calibration_arrays(stem, criterion, warn
 
     from dyncompile.passes.early_exit.certify import certified_calibration
 
-    z = np.load(Path(__file__).resolve().parent.parent / "bench-results" / "certificate-splits" / f"{stem}.npz")
+    z = np.load(Path(__file__).resolve().parent.parent / "bench-results" / "certificate-splits" / f"{stem}.npz",
+                allow_pickle=False)
     exits = [int(k) for k in z["exits"]]
     res, record = certified_calibration(z["oof"], z["teacher"], z["labels"], exits, int(z["num_layers"]), budget=1.0,
                                         confidence=0.9, criterion=criterion, reference_probs=z["reference"])

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_npz:
         if not a.from_npz.is_file():
             p.error(f"--from-npz: {a.from_npz} does not exist; run once without --from-npz")
-        with np.load(a.from_npz) as z:
+        with np.load(a.from_npz, allow_pickle=False) as z:
             missing = [k for k in ARRAYS if k not in z.files]
             if missing:
                 p.error(f"--from-npz: {a.from_npz} lacks {', '.join(missing)}; give a NAME.npz this study wrote")
