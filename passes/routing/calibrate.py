@@ -20,6 +20,7 @@ reference's ms, so ``expected_speedup`` is against the reference alone.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,8 @@ from dyncompile.passes.early_exit.certify import (
 )
 from dyncompile.passes.early_exit.checks import CalibrationError
 from dyncompile.passes.routing.router import RouterHead, fit_router_head
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RoutingFit", "calibrate_cascade", "calibrate_check", "calibrate_route", "cascade_costs", "route_costs"]
 
@@ -127,6 +130,8 @@ def calibrate_cascade(
         p, p[-1], labels, costs, budget=budget, confidence=confidence, criterion=criterion, split=split, seed=seed,
         method=method, reference_probs=np.asarray(reference_probs),
     )
+    for w in res.warnings:  # the split check's (certify_exits)
+        logger.warning("routing certificate: %s", w)
     cert = res.certificate.to_dict()
     return RoutingFit("confidence", list(res.thresholds[:-1]), criterion, cert,
                       _record("confidence", costs, cert, res.exit_histogram, res.path, p.shape[1], labels is not None))
