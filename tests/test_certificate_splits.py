@@ -83,6 +83,28 @@ def test_markdown_rerenders_from_the_json():
     assert r["budgets"][0]["seed0_rank"] == 1 + sum(v > speeds[0] for v in speeds)
 
 
+def test_merged_certificates_ship_one_of_k_settings_each_certified_at_the_union_bound():
+    """``--merge K``: each seed of a group certifies at 1 - delta / K (here 0.95), and the group ships its fastest or
+    (lower) median setting; with a stricter confidence no group is faster than the same seed at 90 %."""
+    a = _arrays()
+    r = cs.merged(a, [4.0], seeds=4, k=2, criterion="learned")
+    assert r["confidence_each"] == 0.95 and r["groups"] == 2
+    b = r["budgets"][0]
+    each = []
+    for seed in range(4):
+        c, _ = certified_calibration(a["oof"], a["teacher"], a["labels"], [1, 2, 3], 4, budget=4.0, confidence=0.95,
+                                     criterion="learned", reference_probs=a["reference"], seed=seed, split_check=0)
+        loose, _ = certified_calibration(a["oof"], a["teacher"], a["labels"], [1, 2, 3], 4, budget=4.0, confidence=0.9,
+                                         criterion="learned", reference_probs=a["reference"], seed=seed, split_check=0)
+        # the same path walked at a stricter level stops no later
+        assert c.certificate.expected_speedup <= loose.certificate.expected_speedup
+        each.append(round(c.certificate.expected_speedup, 3))
+    assert b["fastest"]["expected_speedup"] == [max(each[:2]), max(each[2:])]
+    assert b["median"]["expected_speedup"] == [min(each[:2]), min(each[2:])]  # the lower median of two
+    text = cs.render_markdown(json.loads(json.dumps(r)))
+    assert text == cs.markdown(r) and "merged over 2 calibration splits" in text
+
+
 def test_minilm_seed_zero_reproduces_the_compiled_plan(minilm, module_tmp):
     """On the real MiniLM-L6: the study's seed 0 is the plan ``--passes early-exit`` ships, on the test rows too."""
     d = module_tmp("splits")

@@ -21,6 +21,12 @@ from lucky calibration rows. The test rows are used for reporting only: nothing 
 
 Writes ``NAME.json`` / ``NAME.md`` (``--render NAME.json`` re-renders the markdown) and ``NAME.npz`` (the per-row
 probabilities; ``--from-npz NAME.npz`` reruns the analysis without running a model, e.g. with another criterion).
+
+``--merge K`` asks instead what a certificate *merged over K splits* would ship: each of K seeds certifies at
+confidence ``1 - delta / K``, so that with probability ``>= 1 - delta`` all K settings are within the budget at
+once (the union bound) and any of them may be shipped — the fastest, or the median. Seeds ``0..N-1`` make
+``N // K`` such groups; per group and budget: the shipped setting's expected speedup and its test drop ("median":
+the lower median, the ``(K + 1) // 2``-th fastest).
 """
 
 from __future__ import annotations
@@ -200,7 +206,61 @@ def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str,
     return out
 
 
+def merged(a: dict[str, Any], budgets: list[float], seeds: int, k: int, criterion: str, confidence: float = 0.9
+           ) -> dict[str, Any]:
+    """Certificates merged over ``k`` splits (module docstring): per group of ``k`` seeds, the fastest and the median."""
+    from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
+
+    each = 1.0 - (1.0 - confidence) / k
+    out: dict[str, Any] = {"merge": k, "confidence": confidence, "confidence_each": round(each, 6), "criterion": criterion,
+                           "calibration_rows": int(len(a["labels"])), "test_rows": int(len(a["test_labels"])),
+                           "groups": seeds // k, "budgets": []}
+    for budget in budgets:
+        per_seed = []
+        for seed in range(k * (seeds // k)):
+            try:
+                certified, _ = certified_calibration(
+                    a["oof"], a["teacher"], a["labels"], [int(e) for e in a["exits"]], int(a["num_layers"]),
+                    budget=budget, confidence=each, criterion=criterion, reference_probs=a["reference"], seed=seed,
+                    split_check=0)
+            except CertificationError:
+                per_seed.append((1.0, 0.0))  # refused: the model without exits, no drop from the exits
+                continue
+            drop, _ = _test_outcome(certified, a)
+            per_seed.append((float(certified.certificate.expected_speedup), round(drop, 2)))
+        picks = {}
+        for pick in ("fastest", "median"):
+            chosen = []
+            for g in range(seeds // k):
+                group = sorted(per_seed[g * k : (g + 1) * k])
+                chosen.append(group[-1] if pick == "fastest" else group[(k - 1) // 2])
+            drops = np.array([d for _, d in chosen])
+            picks[pick] = {"expected_speedup": [round(v, 3) for v, _ in chosen], "test_drop": drops.tolist(),
+                           "test_drop_mean": round(float(drops.mean()), 2),
+                           "test_drop_over_budget": round(float((drops > budget).mean()), 3)}
+        out["budgets"].append({"budget": budget, **picks})
+    return out
+
+
+def markdown_merged(report: dict[str, Any]) -> str:
+    lines = [f"Certificates merged over {report['merge']} calibration splits ({report['groups']} groups of seeds), each "
+             f"split certified at {report['confidence_each']:.4g} so that all {report['merge']} hold together at "
+             f"{report['confidence']:g}; criterion {report['criterion']}; {report['calibration_rows']} calibration rows, "
+             f"{report['test_rows']} test rows.", "",
+             "| budget | shipped | expected speedup per group (layers) | test drop per group | test drop, mean | "
+             "share of groups with test drop > budget |", "|---|---|---|---|---|---|"]
+    for b in report["budgets"]:
+        for pick in ("fastest", "median"):
+            r = b[pick]
+            lines.append(f"| {b['budget']:g} | {pick} of the group | {', '.join(f'{v:.2f}x' for v in r['expected_speedup'])} | "
+                         f"{', '.join(f'{d:+.2f}' for d in r['test_drop'])} | {r['test_drop_mean']:+.2f} | "
+                         f"{r['test_drop_over_budget']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict[str, Any]) -> str:
+    if "merge" in report:
+        return markdown_merged(report)
     lines = [f"Calibration rows {report['calibration_rows']}, test rows {report['test_rows']}, criterion "
              f"{report['criterion']}, confidence {report['confidence']:g}; heads' agreement with the model, exits "
              f"{', '.join(map(str, report['exits']))}: out-of-fold on the calibration rows "
@@ -296,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-npz", type=Path, metavar="NPZ",
                    help="the per-row arrays a previous run wrote (its NAME.npz): rerun the analysis without a model, "
                         "e.g. with another --criterion")
+    p.add_argument("--merge", type=int, metavar="K",
+                   help="report certificates merged over K splits instead (module docstring): seeds 0..N-1 in groups of K")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
@@ -305,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--budgets must be comma-separated numbers of points, got {a.budgets!r}")
     if a.seeds < 1:
         p.error(f"--seeds must be a positive number, got {a.seeds}")
+    if a.merge is not None and not 2 <= a.merge <= a.seeds:
+        p.error(f"--merge K needs 2 <= K <= --seeds, got {a.merge}")
     npz = a.out / f"{a.name}.npz"
     if a.from_npz:
         if not a.from_npz.is_file():
@@ -328,13 +392,16 @@ def main(argv: list[str] | None = None) -> int:
         tmp = npz.with_suffix(".tmp.npz")
         np.savez_compressed(tmp, **arrays)
         tmp.replace(npz)
-    report = analyse(arrays, budgets, a.seeds, a.criterion)
+    if a.merge:
+        report = merged(arrays, budgets, a.seeds, a.merge, a.criterion)
+    else:
+        report = analyse(arrays, budgets, a.seeds, a.criterion)
     report.update({"passes": [str(x) for x in arrays.get("passes", [])], "arrays": npz.name, "heads": a.heads, "data": {"calib": a.calib.name, "test": a.test.name,
                                               "train_text": a.train_text.name if a.train_text else None},
                    "machine": machine_info()})
     report["markdown"] = markdown(report)
     jp, mp = write_report(report, a.out, a.name)
-    png = plot(report, a.out / f"{a.name}.png")
+    png = None if a.merge else plot(report, a.out / f"{a.name}.png")
     print(report["markdown"])
     print(f"written: {jp} {mp} {npz}" + (f" {png}" if png else ""))
     return 0
