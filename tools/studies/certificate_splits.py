@@ -26,7 +26,7 @@ probabilities; ``--from-npz NAME.npz`` reruns the analysis without running a mod
 confidence ``1 - delta / K``, so that with probability ``>= 1 - delta`` all K settings are within the budget at
 once (the union bound) and any of them may be shipped — the fastest, or the median. Seeds ``0..N-1`` make
 ``N // K`` such groups; per group and budget: the shipped setting's expected speedup and its test drop ("median":
-the lower median, the ``(K + 1) // 2``-th fastest).
+the lower median, the ``(K + 1) // 2``-th slowest).
 """
 
 from __future__ import annotations
@@ -151,9 +151,23 @@ def _split_losses(certified, a: dict[str, Any], seed: int, split: float) -> dict
             "all_rows": round(100.0 * float(loss.mean()), 2)}
 
 
+def _certify(a: dict[str, Any], budget: float, criterion: str, confidence: float, seed: int):
+    """The compile's certificate of the stored arrays for one split seed (no split check), or None where refused."""
+    from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
+
+    try:
+        certified, _ = certified_calibration(
+            a["oof"], a["teacher"], a["labels"], [int(k) for k in a["exits"]], int(a["num_layers"]), budget=budget,
+            confidence=confidence, criterion=criterion, reference_probs=a["reference"], seed=seed, split_check=0,
+        )
+    except CertificationError:
+        return None
+    return certified
+
+
 def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, confidence: float = 0.9) -> dict[str, Any]:
     """Certify for every budget and split seed; apply each certified setting to the test rows."""
-    from dyncompile.passes.early_exit.certify import DEFAULT_SPLIT, CertificationError, certified_calibration
+    from dyncompile.passes.early_exit.certify import DEFAULT_SPLIT
 
     y, yt = a["labels"], a["test_labels"]
     out: dict[str, Any] = {
@@ -172,12 +186,8 @@ def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str,
     for budget in budgets:
         rows = []
         for seed in range(seeds):
-            try:
-                certified, _ = certified_calibration(
-                    a["oof"], a["teacher"], y, [int(k) for k in a["exits"]], int(a["num_layers"]), budget=budget,
-                    confidence=confidence, criterion=criterion, reference_probs=a["reference"], seed=seed, split_check=0,
-                )
-            except CertificationError:
+            certified = _certify(a, budget, criterion, confidence, seed)
+            if certified is None:
                 rows.append({"seed": seed, "certified": False})
                 continue
             c = certified.certificate
@@ -209,8 +219,6 @@ def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str,
 def merged(a: dict[str, Any], budgets: list[float], seeds: int, k: int, criterion: str, confidence: float = 0.9
            ) -> dict[str, Any]:
     """Certificates merged over ``k`` splits (module docstring): per group of ``k`` seeds, the fastest and the median."""
-    from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
-
     each = 1.0 - (1.0 - confidence) / k
     out: dict[str, Any] = {"merge": k, "confidence": confidence, "confidence_each": round(each, 6), "criterion": criterion,
                            "calibration_rows": int(len(a["labels"])), "test_rows": int(len(a["test_labels"])),
@@ -218,22 +226,16 @@ def merged(a: dict[str, Any], budgets: list[float], seeds: int, k: int, criterio
     for budget in budgets:
         per_seed = []
         for seed in range(k * (seeds // k)):
-            try:
-                certified, _ = certified_calibration(
-                    a["oof"], a["teacher"], a["labels"], [int(e) for e in a["exits"]], int(a["num_layers"]),
-                    budget=budget, confidence=each, criterion=criterion, reference_probs=a["reference"], seed=seed,
-                    split_check=0)
-            except CertificationError:
+            certified = _certify(a, budget, criterion, each, seed)
+            if certified is None:
                 per_seed.append((1.0, 0.0))  # refused: the model without exits, no drop from the exits
                 continue
             drop, _ = _test_outcome(certified, a)
             per_seed.append((float(certified.certificate.expected_speedup), round(drop, 2)))
+        groups = [sorted(per_seed[g * k : (g + 1) * k]) for g in range(seeds // k)]  # slowest first
         picks = {}
-        for pick in ("fastest", "median"):
-            chosen = []
-            for g in range(seeds // k):
-                group = sorted(per_seed[g * k : (g + 1) * k])
-                chosen.append(group[-1] if pick == "fastest" else group[(k - 1) // 2])
+        for pick, index in (("fastest", -1), ("median", (k - 1) // 2)):
+            chosen = [group[index] for group in groups]
             drops = np.array([d for _, d in chosen])
             picks[pick] = {"expected_speedup": [round(v, 3) for v, _ in chosen], "test_drop": drops.tolist(),
                            "test_drop_mean": round(float(drops.mean()), 2),
