@@ -125,3 +125,51 @@ def test_minilm_seed_zero_reproduces_the_compiled_plan(minilm, module_tmp):
     ref = a["test_reference"].argmax(-1)
     plan_drop = 100.0 * float((ref == y).mean() - (pred == y).mean())
     assert abs(plan_drop - s0["test_drop"]) <= 100.0 / len(rows) + 1e-9  # one row at most (float ties at a threshold)
+
+
+def test_shift_of_a_file_against_itself_finds_nothing():
+    a = _arrays()
+    same = a | {"test_exits": a["oof"], "test_teacher": a["teacher"], "test_labels": a["labels"],
+                "test_reference": a["reference"]}
+    r = cs.shift(same, [4.0], seeds=2, criterion="learned", permutations=500, bootstraps=200)
+    assert all(e["drop_difference"] == 0.0 and e["calibration"] == e["test"] for e in r["per_exit"])
+    for test in r["exchangeability"].values():  # every re-draw differs at least as much as no difference at all
+        assert test["observed"] == 0.0 and test["p_two_sided"] == 1.0
+    b = r["budgets"][0]
+    assert b["calibration_drop"] == b["test_drop"] and b["calibration_disagreement"] == b["test_disagreement"]
+
+
+def test_shift_separates_labels_that_favour_the_original_from_exits_that_disagree_more():
+    a = _arrays()
+    base = cs.shift(a, [4.0], seeds=3, criterion="learned", permutations=2000, bootstraps=200)
+    # relabel the test rows: wherever the first exit disagrees with the original, the original is right
+    ref_t, ex0 = a["test_reference"].argmax(-1), a["test_exits"][0].argmax(-1)
+    lucky = a | {"test_labels": np.where(ex0 != ref_t, ref_t, a["test_labels"])}
+    r = cs.shift(lucky, [4.0], seeds=3, criterion="learned", permutations=2000, bootstraps=200)
+    assert r["per_exit"][0]["test"]["original_right"] == 1.0
+    assert r["per_exit"][0]["test"]["drop"] > base["per_exit"][0]["test"]["drop"]
+    assert r["exchangeability"]["drop"]["p_two_sided"] < 0.01 < base["exchangeability"]["drop"]["p_two_sided"]
+    # the label-free test does not read labels: same statistic as before
+    assert r["exchangeability"]["disagreement"]["observed"] == base["exchangeability"]["disagreement"]["observed"]
+    # the share over budget is the split study's own number for the same certified settings
+    assert r["budgets"][0]["test_drop_over_budget"] == cs.analyse(lucky, [4.0], seeds=3, criterion="learned")[
+        "budgets"][0]["test_drop_over_budget"]
+    lo, hi = r["budgets"][0]["test_drop_over_budget_interval"]
+    assert lo <= r["budgets"][0]["test_drop_over_budget"] <= hi
+    text = cs.render_markdown(json.loads(json.dumps(r)))
+    assert text == cs.markdown(r) and "Exchangeability of the two files" in text
+
+
+def test_agreement_metric_certifies_without_labels_and_bounds_the_drop():
+    a = _arrays()
+    r = cs.analyse(a, [8.0], seeds=3, criterion="learned", metric="agreement")
+    certified, _ = certified_calibration(a["oof"], a["teacher"], None, [1, 2, 3], 4, budget=8.0, confidence=0.9,
+                                         criterion="learned", reference_probs=a["reference"])
+    b = r["budgets"][0]
+    assert r["metric"] == "agreement" and b["seed0"]["bound"] == certified.certificate.bound
+    ok = [row for row in b["rows"] if row["certified"]]
+    assert ok and all(abs(row["test_drop"]) <= row["test_disagreement"] for row in ok)
+    assert any(row["test_disagreement"] > abs(row["test_drop"]) for row in ok)  # disagreements cancel in the drop
+    accuracy = cs.analyse(a, [8.0], seeds=3, criterion="learned")
+    assert "metric" not in accuracy and accuracy["budgets"][0]["seed0"]["bound"] != b["seed0"]["bound"]
+    assert cs.render_markdown(json.loads(json.dumps(r))) == cs.markdown(r)

@@ -27,6 +27,12 @@ confidence ``1 - delta / K``, so that with probability ``>= 1 - delta`` all K se
 once (the union bound) and any of them may be shipped — the fastest, or the median. Seeds ``0..N-1`` make
 ``N // K`` such groups; per group and budget: the shipped setting's expected speedup and its test drop ("median":
 the lower median, the ``(K + 1) // 2``-th slowest).
+
+``--shift`` asks whether the calibration rows and the test rows are alike for these exits (:func:`shift`: per exit,
+the drop, the disagreement with the fp32 original and who is right when they disagree, on both files; permutation
+tests of exchangeability for the drop and for the label-free disagreement; the test file's own noise on the share
+of certificates over budget). ``--metric agreement`` certifies the disagreement rate instead of the accuracy drop,
+as the compile's ``--metric agreement`` does.
 """
 
 from __future__ import annotations
@@ -151,13 +157,17 @@ def _split_losses(certified, a: dict[str, Any], seed: int, split: float) -> dict
             "all_rows": round(100.0 * float(loss.mean()), 2)}
 
 
-def _certify(a: dict[str, Any], budget: float, criterion: str, confidence: float, seed: int):
-    """The compile's certificate of the stored arrays for one split seed (no split check), or None where refused."""
+def _certify(a: dict[str, Any], budget: float, criterion: str, confidence: float, seed: int, metric: str = "accuracy"):
+    """The compile's certificate of the stored arrays for one split seed (no split check), or None where refused.
+
+    ``metric="agreement"`` certifies the disagreement rate with the fp32 original (no labels), as ``--metric agreement``.
+    """
     from dyncompile.passes.early_exit.certify import CertificationError, certified_calibration
 
+    labels = a["labels"] if metric == "accuracy" else None
     try:
         certified, _ = certified_calibration(
-            a["oof"], a["teacher"], a["labels"], [int(k) for k in a["exits"]], int(a["num_layers"]), budget=budget,
+            a["oof"], a["teacher"], labels, [int(k) for k in a["exits"]], int(a["num_layers"]), budget=budget,
             confidence=confidence, criterion=criterion, reference_probs=a["reference"], seed=seed, split_check=0,
         )
     except CertificationError:
@@ -165,8 +175,13 @@ def _certify(a: dict[str, Any], budget: float, criterion: str, confidence: float
     return certified
 
 
-def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, confidence: float = 0.9) -> dict[str, Any]:
-    """Certify for every budget and split seed; apply each certified setting to the test rows."""
+def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, confidence: float = 0.9,
+            metric: str = "accuracy") -> dict[str, Any]:
+    """Certify for every budget and split seed; apply each certified setting to the test rows.
+
+    ``metric="agreement"``: the budgets bound the disagreement with the fp32 original; the test rows then report
+    the disagreement too (and the share over budget is the disagreement's).
+    """
     from dyncompile.passes.early_exit.certify import DEFAULT_SPLIT
 
     y, yt = a["labels"], a["test_labels"]
@@ -183,10 +198,12 @@ def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str,
                            for e in range(len(a["exits"]))],
         "budgets": [],
     }
+    if metric != "accuracy":
+        out["metric"] = metric
     for budget in budgets:
         rows = []
         for seed in range(seeds):
-            certified = _certify(a, budget, criterion, confidence, seed)
+            certified = _certify(a, budget, criterion, confidence, seed, metric)
             if certified is None:
                 rows.append({"seed": seed, "certified": False})
                 continue
@@ -194,6 +211,10 @@ def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str,
             drop, speedup = _test_outcome(certified, a)
             row = {"seed": seed, "certified": True, "bound": c.bound, "observed": c.observed,
                    "expected_speedup": c.expected_speedup, "test_drop": round(drop, 2), "test_speedup": round(speedup, 3)}
+            if metric != "accuracy":
+                p = np.concatenate([a["test_exits"], a["test_teacher"][None]]).astype(np.float64)
+                pred = p[_decisions(certified, p), np.arange(p.shape[1])].argmax(-1)
+                row["test_disagreement"] = round(100.0 * float((pred != a["test_reference"].argmax(-1)).mean()), 2)
             if seed == 0:
                 row["losses_at_setting"] = _split_losses(certified, a, seed, c.split)
             rows.append(row)
@@ -208,6 +229,9 @@ def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str,
             "test_drop_mean": round(float(drops.mean()), 2) if ok else None,
             "test_drop_quartiles": [round(float(q), 2) for q in np.quantile(drops, [0.25, 0.5, 0.75])] if ok else None,
             "test_drop_over_budget": round(float((drops > budget).mean()), 3) if ok else None,
+            **({"test_disagreement_mean": round(float(np.mean([r["test_disagreement"] for r in ok])), 2),
+                "test_disagreement_over_budget": round(float(np.mean([r["test_disagreement"] > budget for r in ok])), 3),
+                "test_drop_max": round(float(drops.max()), 2)} if metric != "accuracy" and ok else {}),
             "seed0": rows[0] if rows else None,
             "seed0_rank": 1 + sum(v > speed[0] for v in speed),  # by expected speedup, refused seeds at 1x
             "rows": rows,
@@ -244,6 +268,129 @@ def merged(a: dict[str, Any], budgets: list[float], seeds: int, k: int, criterio
     return out
 
 
+def _per_exit_losses(a: dict[str, Any], part: str) -> tuple[np.ndarray, np.ndarray]:
+    """``[E+1, N]`` label loss and disagreement of every row stopped at each exit (the last: the model without exits)."""
+    from dyncompile.passes.early_exit.certify import exit_losses
+
+    ex, fin, ref, y = ((a["oof"], a["teacher"], a["reference"], a["labels"]) if part == "calibration" else
+                       (a["test_exits"], a["test_teacher"], a["test_reference"], a["test_labels"]))
+    p = np.concatenate([ex, fin[None]]).astype(np.float64)
+    r = ref.argmax(-1)
+    return exit_losses(p, r, y), exit_losses(p, r, None)
+
+
+def _disagreement_split(loss: np.ndarray, dis: np.ndarray) -> dict[str, float]:
+    """Disagreement with the fp32 original (%), and among the disagreeing rows the share the original gets right."""
+    n = int(dis.sum())
+    # on a disagreeing row of a binary task exactly one of the two is right: loss +1 where the original is
+    return {"disagreement": round(100.0 * float(dis.mean()), 2), "disagreeing_rows": n,
+            "original_right": round(float((loss[dis > 0] > 0).mean()), 3) if n else None,
+            "drop": round(100.0 * float(loss.mean()), 2)}
+
+
+def shift(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, confidence: float = 0.9,
+          permutations: int = 20000, bootstraps: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Are the calibration rows and the test rows alike for these exits, or is the test file an unlucky draw?
+
+    1. Per exit, every row stopped there (no threshold, nothing chosen on any rows): the drop against the fp32
+       original, the disagreement with it, and among the disagreeing rows the share the original gets right, on the
+       calibration rows (out-of-fold heads) and on the test rows (shipped heads), with the difference and its
+       standard error.
+    2. Permutation tests of exchangeability (calibration and test rows pooled and re-drawn ``permutations`` times,
+       two-sided): for the drop averaged over the exits (needs labels) and for the disagreement averaged over the
+       exits (label-free).
+    3. Per budget, over split seeds ``0..seeds-1``: the share of certified settings whose test drop exceeds the
+       budget, with a bootstrap interval over the test rows (all seeds share the one test file, so its noise moves
+       them together), and the disagreement split of the certified settings on both parts.
+    """
+    lc, dc = _per_exit_losses(a, "calibration")
+    lt, dt = _per_exit_losses(a, "test")
+    exits = [int(k) for k in a["exits"]] + [int(a["num_layers"])]
+    per_exit = []
+    for e, layer in enumerate(exits):
+        c, t = _disagreement_split(lc[e], dc[e]), _disagreement_split(lt[e], dt[e])
+        se = 100.0 * float(np.sqrt(lt[e].var(ddof=1) / lt.shape[1] + lc[e].var(ddof=1) / lc.shape[1]))
+        per_exit.append({"layer": layer, "calibration": c, "test": t, "drop_difference": round(t["drop"] - c["drop"], 2),
+                         "drop_difference_se": round(se, 2)})
+    rng = np.random.default_rng(seed)
+    nc = lc.shape[1]
+    pooled = {"drop": np.concatenate([lc, lt], 1), "disagreement": np.concatenate([dc, dt], 1)}
+    tests = {}
+    for name, x in pooled.items():
+        total, n = x.sum(1), x.shape[1]
+
+        def stat(test_idx, x=x, total=total, n=n):  # mean over exits of (test mean - calibration mean), points
+            ts = x[:, test_idx].sum(1)
+            return 100.0 * float((ts / (n - nc) - (total - ts) / nc).mean())
+
+        observed = stat(np.arange(nc, n))
+        hits = sum(abs(stat(rng.permutation(n)[nc:])) >= abs(observed) - 1e-12 for _ in range(permutations))
+        tests[name] = {"observed": round(observed, 3), "p_two_sided": round((hits + 1) / (permutations + 1), 4)}
+    boot = rng.integers(0, lt.shape[1], (bootstraps, lt.shape[1]))
+    per_budget = []
+    for budget in budgets:
+        test_loss, cal_split, test_split = [], [], []
+        for s in range(seeds):
+            certified = _certify(a, budget, criterion, confidence, s)
+            if certified is None:
+                continue
+            lt_s, _ = _losses(certified, a["test_exits"], a["test_teacher"], a["test_reference"], a["test_labels"])
+            lc_s, fe_c = _losses(certified, a["oof"], a["teacher"], a["reference"], a["labels"])
+            _, fe_t = _losses(certified, a["test_exits"], a["test_teacher"], a["test_reference"], a["test_labels"])
+            test_loss.append(lt_s)
+            cal_split.append(_disagreement_split(lc_s, dc[fe_c, np.arange(nc)]))
+            test_split.append(_disagreement_split(lt_s, dt[fe_t, np.arange(dt.shape[1])]))
+        row: dict[str, Any] = {"budget": budget, "seeds": seeds, "certified": len(test_loss)}
+        if test_loss:
+            tl = np.asarray(test_loss)
+            share = (100.0 * tl.mean(1) > budget).mean()
+            shares = (100.0 * tl[:, boot].mean(2) > budget).mean(0)  # [bootstraps]
+            row.update({
+                "test_drop_over_budget": round(float(share), 3),
+                "test_drop_over_budget_interval": [round(float(q), 3) for q in np.quantile(shares, [0.05, 0.95])],
+                **{f"{part}_{k}": round(float(np.mean([d[k] for d in split if d[k] is not None])), 3)
+                   for part, split in (("calibration", cal_split), ("test", test_split))
+                   for k in ("disagreement", "original_right", "drop")},
+            })
+        per_budget.append(row)
+    return {"shift": True, "criterion": criterion, "confidence": confidence, "calibration_rows": int(nc),
+            "test_rows": int(lt.shape[1]), "permutations": permutations, "bootstraps": bootstraps,
+            "per_exit": per_exit, "exchangeability": tests, "budgets": per_budget}
+
+
+def markdown_shift(report: dict[str, Any]) -> str:
+    t = report["exchangeability"]
+    lines = [f"Calibration rows {report['calibration_rows']} (out-of-fold heads), test rows {report['test_rows']} "
+             "(shipped heads). Every row stopped at one exit — nothing chosen on any rows:", "",
+             "| exit (layer) | disagreement with fp32, calibration / test | original right among the disagreeing rows, "
+             "calibration / test | drop, calibration / test (points) | test − calibration (± s.e.) |",
+             "|---|---|---|---|---|"]
+    for r in report["per_exit"]:
+        c, s = r["calibration"], r["test"]
+        right = " / ".join("–" if v is None else f"{v:.2f}" for v in (c["original_right"], s["original_right"]))
+        lines.append(f"| {r['layer']} | {c['disagreement']:.2f} % / {s['disagreement']:.2f} % | {right} | "
+                     f"{c['drop']:+.2f} / {s['drop']:+.2f} | {r['drop_difference']:+.2f} ± {r['drop_difference_se']:.2f} |")
+    lines += ["", f"Exchangeability of the two files (pooled rows re-drawn {report['permutations']} times, two-sided), "
+              "mean over the exits of test minus calibration: drop "
+              f"{t['drop']['observed']:+.2f} points (p = {t['drop']['p_two_sided']:.4f}); disagreement "
+              f"{t['disagreement']['observed']:+.2f} points, label-free (p = {t['disagreement']['p_two_sided']:.4f}).", "",
+              f"Certified settings over split seeds (criterion {report['criterion']}, confidence "
+              f"{report['confidence']:g}); interval: 90 % bootstrap over the test rows ({report['bootstraps']} draws):", "",
+              "| budget | seeds certified | share with test drop > budget [interval] | disagreement, calibration / test | "
+              "original right among the disagreeing rows, calibration / test | drop, calibration (all rows) / test |",
+              "|---|---|---|---|---|---|"]
+    for b in report["budgets"]:
+        if not b["certified"]:
+            lines.append(f"| {b['budget']:g} | 0 / {b['seeds']} | – | – | – | – |")
+            continue
+        lo, hi = b["test_drop_over_budget_interval"]
+        lines.append(f"| {b['budget']:g} | {b['certified']} / {b['seeds']} | {b['test_drop_over_budget']:.2f} "
+                     f"[{lo:.2f}, {hi:.2f}] | {b['calibration_disagreement']:.2f} % / {b['test_disagreement']:.2f} % | "
+                     f"{b['calibration_original_right']:.2f} / {b['test_original_right']:.2f} | "
+                     f"{b['calibration_drop']:+.2f} / {b['test_drop']:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown_merged(report: dict[str, Any]) -> str:
     lines = [f"Certificates merged over {report['merge']} calibration splits ({report['groups']} groups of seeds), each "
              f"split certified at {report['confidence_each']:.4g} so that all {report['merge']} hold together at "
@@ -263,6 +410,8 @@ def markdown_merged(report: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     if "merge" in report:
         return markdown_merged(report)
+    if report.get("shift"):
+        return markdown_shift(report)
     lines = [f"Calibration rows {report['calibration_rows']}, test rows {report['test_rows']}, criterion "
              f"{report['criterion']}, confidence {report['confidence']:g}; heads' agreement with the model, exits "
              f"{', '.join(map(str, report['exits']))}: out-of-fold on the calibration rows "
@@ -287,6 +436,13 @@ def markdown(report: dict[str, Any]) -> str:
                      f"[{lo:.2f}, {hi:.2f}] | {b['test_speedup_mean']:.2f}x | {b['test_drop_mean']:+.2f} | "
                      f"{q[0]:+.2f} / {q[1]:+.2f} / {q[2]:+.2f} | {b['test_drop_over_budget']:.2f} | {s0txt} | "
                      f"{b['seed0_rank']} of {b['seeds']} |")
+    if report.get("metric") == "agreement":
+        lines += ["", "Metric agreement: each budget bounds the disagreement with the fp32 original (points), not the "
+                  "accuracy drop; on the test rows:", "",
+                  "| budget | disagreement, mean | share of seeds with disagreement > budget | accuracy drop, max |",
+                  "|---|---|---|---|"]
+        lines += [f"| {b['budget']:g} | {b['test_disagreement_mean']:.2f} | {b['test_disagreement_over_budget']:.2f} | "
+                  f"{b['test_drop_max']:+.2f} |" for b in report["budgets"] if b["certified"]]
     seed0 = [(b["budget"], b["seed0"]["losses_at_setting"]) for b in report["budgets"]
              if b["seed0"] and b["seed0"].get("losses_at_setting")]
     if seed0:
@@ -360,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. with another --criterion")
     p.add_argument("--merge", type=int, metavar="K",
                    help="report certificates merged over K splits instead (module docstring): seeds 0..N-1 in groups of K")
+    p.add_argument("--metric", choices=["accuracy", "agreement"], default="accuracy",
+                   help="what the budget bounds, as the compile's --metric (default accuracy: the drop against the fp32 "
+                        "original; agreement: the disagreement with it, no labels)")
+    p.add_argument("--shift", action="store_true",
+                   help="report instead whether the calibration and test rows behave alike for these exits "
+                        "(per-exit drop and disagreement on both, permutation tests, the test file's own noise)")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
@@ -371,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--seeds must be a positive number, got {a.seeds}")
     if a.merge is not None and not 2 <= a.merge <= a.seeds:
         p.error(f"--merge K needs 2 <= K <= --seeds, got {a.merge}")
+    if a.merge and a.shift:
+        p.error("--merge and --shift are two different reports: give one")
+    if a.metric != "accuracy" and (a.merge or a.shift):
+        p.error("--metric agreement goes with the plain split report, not --merge or --shift")
     npz = a.out / f"{a.name}.npz"
     if a.from_npz:
         if not a.from_npz.is_file():
@@ -396,14 +562,16 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(npz)
     if a.merge:
         report = merged(arrays, budgets, a.seeds, a.merge, a.criterion)
+    elif a.shift:
+        report = shift(arrays, budgets, a.seeds, a.criterion)
     else:
-        report = analyse(arrays, budgets, a.seeds, a.criterion)
+        report = analyse(arrays, budgets, a.seeds, a.criterion, metric=a.metric)
     report.update({"passes": [str(x) for x in arrays.get("passes", [])], "arrays": npz.name, "heads": a.heads, "data": {"calib": a.calib.name, "test": a.test.name,
                                               "train_text": a.train_text.name if a.train_text else None},
                    "machine": machine_info()})
     report["markdown"] = markdown(report)
     jp, mp = write_report(report, a.out, a.name)
-    png = None if a.merge else plot(report, a.out / f"{a.name}.png")
+    png = None if a.merge or a.shift else plot(report, a.out / f"{a.name}.png")
     print(report["markdown"])
     print(f"written: {jp} {mp} {npz}" + (f" {png}" if png else ""))
     return 0
