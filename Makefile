@@ -17,7 +17,7 @@ OV_TESTS ?= tests/test_plan_runtime.py tests/test_insert_early_exit.py tests/tes
 	tests/test_speculative.py tests/test_diffusion_provider.py tests/test_encoder_peers.py
 EXTRAS  ?= cpu,export,dev,sandbox,serve
 # pytest-xdist workers, one test file per worker (module fixtures build each compiled plan once): 2 fits CI's two
-# cores (26 -> 18 min there); 0 runs in one process
+# cores (the CPU suite took 26 min in one process, 18 in two, on a 2-core VM); 0 runs in one process
 PYTEST_WORKERS ?= 2
 PYTEST  := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 export PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -139,11 +139,13 @@ def _losses(certified, exit_probs: np.ndarray, final: np.ndarray, reference: np.
     return exit_losses(p, reference.argmax(-1), labels)[fe, np.arange(p.shape[1])], fe
 
 
-def _test_outcome(certified, a: dict[str, Any]) -> tuple[float, float]:
-    """(drop in points against the fp32 original, layer speedup) of a certified setting on the test rows."""
+def _test_outcome(certified, a: dict[str, Any]) -> tuple[float, float, float]:
+    """(drop, disagreement with the fp32 original, both in points; layer speedup) of a certified setting on the test rows."""
     loss, fe = _losses(certified, a["test_exits"], a["test_teacher"], a["test_reference"], a["test_labels"])
+    p = np.concatenate([a["test_exits"], a["test_teacher"][None]])
+    disagreement = p[fe, np.arange(p.shape[1])].argmax(-1) != a["test_reference"].argmax(-1)
     costs = np.r_[np.asarray(a["exits"], np.float64) / int(a["num_layers"]), 1.0]
-    return 100.0 * float(loss.mean()), float(1.0 / costs[fe].mean())
+    return 100.0 * float(loss.mean()), 100.0 * float(disagreement.mean()), float(1.0 / costs[fe].mean())
 
 
 def _split_losses(certified, a: dict[str, Any], seed: int, split: float) -> dict[str, float]:
@@ -208,13 +210,11 @@ def analyse(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str,
                 rows.append({"seed": seed, "certified": False})
                 continue
             c = certified.certificate
-            drop, speedup = _test_outcome(certified, a)
+            drop, disagreement, speedup = _test_outcome(certified, a)
             row = {"seed": seed, "certified": True, "bound": c.bound, "observed": c.observed,
                    "expected_speedup": c.expected_speedup, "test_drop": round(drop, 2), "test_speedup": round(speedup, 3)}
             if metric != "accuracy":
-                p = np.concatenate([a["test_exits"], a["test_teacher"][None]]).astype(np.float64)
-                pred = p[_decisions(certified, p), np.arange(p.shape[1])].argmax(-1)
-                row["test_disagreement"] = round(100.0 * float((pred != a["test_reference"].argmax(-1)).mean()), 2)
+                row["test_disagreement"] = round(disagreement, 2)
             if seed == 0:
                 row["losses_at_setting"] = _split_losses(certified, a, seed, c.split)
             rows.append(row)
@@ -254,7 +254,7 @@ def merged(a: dict[str, Any], budgets: list[float], seeds: int, k: int, criterio
             if certified is None:
                 per_seed.append((1.0, 0.0))  # refused: the model without exits, no drop from the exits
                 continue
-            drop, _ = _test_outcome(certified, a)
+            drop, _, _ = _test_outcome(certified, a)
             per_seed.append((float(certified.certificate.expected_speedup), round(drop, 2)))
         groups = [sorted(per_seed[g * k : (g + 1) * k]) for g in range(seeds // k)]  # slowest first
         picks = {}
@@ -282,7 +282,7 @@ def _per_exit_losses(a: dict[str, Any], part: str) -> tuple[np.ndarray, np.ndarr
 def _disagreement_split(loss: np.ndarray, dis: np.ndarray) -> dict[str, float]:
     """Disagreement with the fp32 original (%), and among the disagreeing rows the share the original gets right."""
     n = int(dis.sum())
-    # on a disagreeing row of a binary task exactly one of the two is right: loss +1 where the original is
+    # on a disagreeing row the original is right exactly where the loss is +1 (the exit's answer is then wrong)
     return {"disagreement": round(100.0 * float(dis.mean()), 2), "disagreeing_rows": n,
             "original_right": round(float((loss[dis > 0] > 0).mean()), 3) if n else None,
             "drop": round(100.0 * float(loss.mean()), 2)}
@@ -334,9 +334,8 @@ def shift(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, c
             certified = _certify(a, budget, criterion, confidence, s)
             if certified is None:
                 continue
-            lt_s, _ = _losses(certified, a["test_exits"], a["test_teacher"], a["test_reference"], a["test_labels"])
+            lt_s, fe_t = _losses(certified, a["test_exits"], a["test_teacher"], a["test_reference"], a["test_labels"])
             lc_s, fe_c = _losses(certified, a["oof"], a["teacher"], a["reference"], a["labels"])
-            _, fe_t = _losses(certified, a["test_exits"], a["test_teacher"], a["test_reference"], a["test_labels"])
             test_loss.append(lt_s)
             cal_split.append(_disagreement_split(lc_s, dc[fe_c, np.arange(nc)]))
             test_split.append(_disagreement_split(lt_s, dt[fe_t, np.arange(dt.shape[1])]))
