@@ -39,6 +39,7 @@ import onnx_ir as ir
 from dyncompile.errors import PassConfigError
 from dyncompile.passes._graph import const_array
 from dyncompile.passes._infra import not_fired, register_pass
+from dyncompile.passes._rule_guard import guarded_default_rules
 
 logger = logging.getLogger(__name__)
 
@@ -311,18 +312,19 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         input_ids = next(v for v in model.graph.inputs if v.name == spec["input_ids"])
         names_in = [v.name for v in model.graph.inputs]
         names_out = [v.name for v in model.graph.outputs]
-        _core._pre_optimize(model)
-        counts = {
-            "rms_norm": fuse_rms_normalization(model),
-            "skip_rms_norm": fuse_skip_rms_normalization(model),
-            "rotary": fuse_rotary_embedding(model),
-        }
-        common_passes.CommonSubexpressionEliminationPass()(model)
-        counts["sdpa"] = fuse_sdpa(model, apply_shape_inference=True)
-        common_passes.RemoveUnusedNodesPass()(model)  # Shape nodes left on the repeated keys block the match
-        counts["gqa"] = _gqa_rule(self.max_positions, input_ids).apply_to_model(model)
-        counts["rms_unfused"] = _unfuse_rms_rule().apply_to_model(model)
-        optimize(model)  # inlines recogniser functions left unconsumed, folds constants, drops dead nodes
+        with guarded_default_rules():  # the same rewrites, ~4x faster on a decoder (passes/_rule_guard.py)
+            _core._pre_optimize(model)
+            counts = {
+                "rms_norm": fuse_rms_normalization(model),
+                "skip_rms_norm": fuse_skip_rms_normalization(model),
+                "rotary": fuse_rotary_embedding(model),
+            }
+            common_passes.CommonSubexpressionEliminationPass()(model)
+            counts["sdpa"] = fuse_sdpa(model, apply_shape_inference=True)
+            common_passes.RemoveUnusedNodesPass()(model)  # Shape nodes left on the repeated keys block the match
+            counts["gqa"] = _gqa_rule(self.max_positions, input_ids).apply_to_model(model)
+            counts["rms_unfused"] = _unfuse_rms_rule().apply_to_model(model)
+            optimize(model)  # inlines recogniser functions left unconsumed, folds constants, drops dead nodes
         common_passes.CommonSubexpressionEliminationPass()(model)  # one seqlens_k / total length for all layers
         common_passes.RemoveUnusedNodesPass()(model)
         common_passes.RemoveUnusedFunctionsPass()(model)
