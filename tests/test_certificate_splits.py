@@ -137,6 +137,40 @@ def test_shift_of_a_file_against_itself_finds_nothing():
         assert test["observed"] == 0.0 and test["p_two_sided"] == 1.0
     b = r["budgets"][0]
     assert b["calibration_drop"] == b["test_drop"] and b["calibration_disagreement"] == b["test_disagreement"]
+    assert all(row["difference"] == 0.0 and row["p_two_sided"] == 1.0 for row in r["borderline"]["rows"])
+
+
+def test_borderline_rows_tell_labels_that_favour_the_original_on_one_file():
+    """The original's least-sure rows: right on every test row and wrong on every calibration row -> a difference of
+    1 and a small p; the same labels on both files -> no difference; each accuracy is the direct count."""
+    a = _arrays()
+    rng = np.random.default_rng(1)
+    for part, lab in (("reference", "labels"), ("test_reference", "test_labels")):
+        conf = rng.uniform(0.5, 1.0, len(a[lab]))  # the original's probability of its own answer
+        pred = a[part].argmax(-1)
+        a[part] = np.where(pred[:, None] == 1, np.c_[1 - conf, conf], np.c_[conf, 1 - conf]).astype(np.float32)
+    k = 100
+
+    def least_sure(part):
+        p = a[part]
+        return np.argsort(np.abs(p[:, 1] - p[:, 0]), kind="stable")[:k]
+
+    fav = dict(a)
+    c_rows, t_rows = least_sure("reference"), least_sure("test_reference")
+    fav["labels"] = a["labels"].copy()
+    fav["labels"][c_rows] = 1 - a["reference"][c_rows].argmax(-1)  # the original wrong on calibration's least sure
+    fav["test_labels"] = a["test_labels"].copy()
+    fav["test_labels"][t_rows] = a["test_reference"][t_rows].argmax(-1)  # and right on the test file's
+    r = cs._borderline(fav, (50, 100, 5000), permutations=2000, seed=0)
+    assert [row["k"] for row in r["rows"]] == [50, 100]  # k beyond the smaller file is left out
+    row = r["rows"][1]
+    assert (row["calibration"], row["test"], row["difference"]) == (0.0, 1.0, 1.0) and row["p_two_sided"] < 0.001
+    same = cs._borderline(fav | {"test_reference": fav["reference"], "test_labels": fav["labels"]}, (100,),
+                          permutations=200, seed=0)["rows"][0]
+    assert same["difference"] == 0.0 and same["p_two_sided"] == 1.0
+    plain = cs._borderline(a, (100,), permutations=2000, seed=0)["rows"][0]
+    right = a["test_reference"].argmax(-1)[t_rows] == a["test_labels"][t_rows]
+    assert plain["test"] == round(float(right.mean()), 3) and plain["p_two_sided"] > 0.01
 
 
 def test_shift_separates_labels_that_favour_the_original_from_exits_that_disagree_more():
@@ -157,7 +191,7 @@ def test_shift_separates_labels_that_favour_the_original_from_exits_that_disagre
     lo, hi = r["budgets"][0]["test_drop_over_budget_interval"]
     assert lo <= r["budgets"][0]["test_drop_over_budget"] <= hi
     text = cs.render_markdown(json.loads(json.dumps(r)))
-    assert text == cs.markdown(r) and "Exchangeability of the two files" in text
+    assert text == cs.markdown(r) and "Exchangeability of the two files" in text and "least sure of" in text
 
 
 def test_agreement_metric_certifies_without_labels_and_bounds_the_drop():

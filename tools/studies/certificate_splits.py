@@ -288,6 +288,41 @@ def _disagreement_split(loss: np.ndarray, dis: np.ndarray) -> dict[str, float]:
             "drop": round(100.0 * float(loss.mean()), 2)}
 
 
+def _borderline(a: dict[str, Any], ks: tuple[int, ...], permutations: int, seed: int) -> dict[str, Any]:
+    """The fp32 original's accuracy on the ``k`` rows of each file it is least sure of, and a permutation test.
+
+    Least sure = smallest top-1 minus top-2 probability of the original (any number of classes). No exit and no
+    quantized model is involved: this asks whether the two files' labels treat the original's borderline answers
+    alike. Pooled rows are re-split into files of the same sizes ``permutations`` times; p is two-sided, per ``k``.
+    """
+    ref = np.concatenate([a["reference"], a["test_reference"]]).astype(np.float64)
+    labels = np.concatenate([a["labels"], a["test_labels"]])
+    nc, n = len(a["labels"]), len(labels)
+    top = np.sort(ref, axis=-1)
+    order = np.argsort(top[:, -1] - top[:, -2], kind="stable")  # least sure first
+    right = (ref.argmax(-1) == labels)[order].astype(np.float64)
+    ks = tuple(k for k in ks if k <= min(nc, n - nc))
+    kk = np.asarray(ks) - 1
+
+    def difference(is_test: np.ndarray) -> np.ndarray:  # [len(ks)]: test minus calibration accuracy, lowest k rows
+        t, c = np.cumsum(right[is_test]), np.cumsum(right[~is_test])
+        return (t[kk] - c[kk]) / np.asarray(ks)
+
+    observed_test = order >= nc
+    observed = difference(observed_test)
+    rng = np.random.default_rng([seed, 1])  # its own stream: the report's other draws stay as they were
+    hits = np.zeros(len(ks))
+    for _ in range(permutations):
+        hits += np.abs(difference(rng.permutation(observed_test))) >= np.abs(observed) - 1e-12
+    rows = []
+    for i, k in enumerate(ks):
+        t = float(np.cumsum(right[observed_test])[k - 1] / k)
+        rows.append({"k": int(k), "calibration": round(t - float(observed[i]), 3), "test": round(t, 3),
+                     "difference": round(float(observed[i]), 3),
+                     "p_two_sided": round(float((hits[i] + 1) / (permutations + 1)), 4)})
+    return {"permutations": permutations, "rows": rows}
+
+
 def shift(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, confidence: float = 0.9,
           permutations: int = 20000, bootstraps: int = 2000, seed: int = 0) -> dict[str, Any]:
     """Are the calibration rows and the test rows alike for these exits, or is the test file an unlucky draw?
@@ -302,6 +337,8 @@ def shift(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, c
     3. Per budget, over split seeds ``0..seeds-1``: the share of certified settings whose test drop exceeds the
        budget, with a bootstrap interval over the test rows (all seeds share the one test file, so its noise moves
        them together), and the disagreement split of the certified settings on both parts.
+    4. The fp32 original alone on the rows each file's labels decide the cost of flipping: its accuracy on the
+       ``k`` rows it is least sure of, per file, with a permutation test (:func:`_borderline`).
     """
     lc, dc = _per_exit_losses(a, "calibration")
     lt, dt = _per_exit_losses(a, "test")
@@ -354,7 +391,8 @@ def shift(a: dict[str, Any], budgets: list[float], seeds: int, criterion: str, c
         per_budget.append(row)
     return {"shift": True, "criterion": criterion, "confidence": confidence, "calibration_rows": int(nc),
             "test_rows": int(lt.shape[1]), "permutations": permutations, "bootstraps": bootstraps,
-            "per_exit": per_exit, "exchangeability": tests, "budgets": per_budget}
+            "per_exit": per_exit, "exchangeability": tests, "budgets": per_budget,
+            "borderline": _borderline(a, (50, 100, 200, 400), permutations, seed)}
 
 
 def markdown_shift(report: dict[str, Any]) -> str:
@@ -387,6 +425,15 @@ def markdown_shift(report: dict[str, Any]) -> str:
                      f"[{lo:.2f}, {hi:.2f}] | {b['calibration_disagreement']:.2f} % / {b['test_disagreement']:.2f} % | "
                      f"{b['calibration_original_right']:.2f} / {b['test_original_right']:.2f} | "
                      f"{b['calibration_drop']:+.2f} / {b['test_drop']:+.2f} |")
+    if "borderline" in report:
+        bl = report["borderline"]
+        lines += ["", "The fp32 original alone on the rows it is least sure of in each file (smallest top-1 − top-2 "
+                  "probability; no exit, no quantized model): a row flipped there costs a point only where the "
+                  f"original was right. Permutation p: files re-drawn {bl['permutations']} times, two-sided.", "",
+                  "| rows (least sure first) | original's accuracy, calibration / test | test − calibration | p |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['k']} | {r['calibration']:.2f} / {r['test']:.2f} | {r['difference']:+.2f} | "
+                  f"{r['p_two_sided']:.4f} |" for r in bl["rows"]]
     return "\n".join(lines) + "\n"
 
 
