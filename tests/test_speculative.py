@@ -181,8 +181,11 @@ def test_text_prompt_and_decode(loaded):
 def test_prompt_lookup_drafts_from_the_prompt(loaded):
     # a target that loops: the continuation repeats, prompt lookup proposes it
     ref = loaded["plain"].generate(PROMPTS[0], max_new_tokens=60)
-    res = loaded["prompt-lookup"].generate(PROMPTS[0], max_new_tokens=60)
-    assert res.token_ids == ref.token_ids
+    timed = loaded["prompt-lookup"].generate(PROMPTS[0], max_new_tokens=60)
+    # drafts are asserted on the plan with the default cost model: the timed plan's policy follows this machine's
+    # load (two test workers on two cores) and may rightly draft little
+    res = loaded["prompt-lookup-unmeasured"].generate(PROMPTS[0], max_new_tokens=60)
+    assert res.token_ids == timed.token_ids == ref.token_ids
     assert res.stats.drafted > 0 and res.stats.accepted > 0
 
 
