@@ -107,8 +107,11 @@ def export_onnx(
     """
     import torch
 
+    from dyncompile._rule_guard import guarded_default_rules
+
     module.eval()
-    with _quiet_export(), torch.no_grad():
+    # the exporter's onnxscript optimize() behind the rule guard: the same graph, minutes less on a decoder
+    with _quiet_export(), torch.no_grad(), guarded_default_rules():
         prog = torch.onnx.export(
             module,
             args,

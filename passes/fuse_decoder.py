@@ -21,7 +21,7 @@ Invariants: graph inputs/outputs and their names are unchanged; logits equal the
 round-off (GQA sums in another order; measured on SmolLM2 below 2e-4 absolute); greedy tokens identical.
 A graph holding ``GroupQueryAttention`` already is left alone (a second run reports ``modified=False``).
 Sketch: onnxscript pre-optimisation (its default rewrite rules behind a root-op guard, the same rewrites ~4x faster:
-:mod:`dyncompile.passes._rule_guard`), its RMS / skip-RMS / rotary / SDPA recognisers, then
+:mod:`dyncompile._rule_guard`), its RMS / skip-RMS / rotary / SDPA recognisers, then
 ``_FuseGQA``: ``SDPA(rope(q), expand(concat(past_k, rope(k))), expand(concat(past_v, v)), mask)`` ->
 ``GQA(rope'(q), rope'(k), v, past_k, past_v, seqlens_k, total_len, attention_bias=mask)``, with one
 ``seqlens_k`` / ``total_len`` for all layers (from the mask's length and ``input_ids``' batch; ``pack-matmuls``
@@ -37,10 +37,10 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from dyncompile._rule_guard import guarded_default_rules
 from dyncompile.errors import PassConfigError
 from dyncompile.passes._graph import const_array
 from dyncompile.passes._infra import not_fired, register_pass
-from dyncompile.passes._rule_guard import guarded_default_rules
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class FuseDecoderPass(ir.passes.InPlacePass):
         input_ids = next(v for v in model.graph.inputs if v.name == spec["input_ids"])
         names_in = [v.name for v in model.graph.inputs]
         names_out = [v.name for v in model.graph.outputs]
-        with guarded_default_rules():  # the same rewrites, ~4x faster on a decoder (passes/_rule_guard.py)
+        with guarded_default_rules():  # the same rewrites, ~4x faster on a decoder (_rule_guard.py)
             _core._pre_optimize(model)
             counts = {
                 "rms_norm": fuse_rms_normalization(model),

@@ -1,4 +1,4 @@
-"""Root-op guards on onnxscript rewrite rules (passes/_rule_guard.py): the same rewrites, fewer matcher calls.
+"""Root-op guards on onnxscript rewrite rules (_rule_guard.py): the same rewrites, fewer matcher calls.
 
 Byte-identical graphs from the whole ``fuse-decoder`` pass on the real SmolLM2 export with and without the guard;
 the multi-output rule it exists for (``SlicesSplit``) still fires; the matcher is not
@@ -12,7 +12,7 @@ import pytest
 from onnxscript import rewriter
 from onnxscript.optimizer import optimize
 
-from dyncompile.passes._rule_guard import guard_rule, guard_rules, guarded_default_rules
+from dyncompile._rule_guard import guard_rule, guard_rules, guarded_default_rules
 from dyncompile.passes.fuse_decoder import FuseDecoderPass
 
 

@@ -4,7 +4,8 @@ onnxscript's ``RewriteRuleSet`` tries every rule at every node, and a rule's mat
 compares the node's op with its pattern's: a multi-output pattern (the default rules' ``SlicesSplit``) indexes the
 whole graph by op at *each* node it is tried on, which is quadratic in the graph's size. One ``optimize()`` of
 SmolLM2-135M's exported graph (2,245 nodes, 46 default rules) spent about 3.5 s matching, and ``fuse-decoder``
-runs it three times. A guarded rule first compares the node's ``(domain, op_type)`` with the op its pattern's
+runs it three times; torch's ONNX exporter runs it once on the larger graph it first produces (most of a decoder
+recipe's build time). Both run it behind this guard. A guarded rule first compares the node's ``(domain, op_type)`` with the op its pattern's
 first output node names — the node a match starts from — and returns "no match" at once when they differ: a
 match needs them equal, so the rewrites, their order and the resulting graph are the same (tested byte for byte
 on a real decoder, and on a graph where ``SlicesSplit`` fires). Rules whose first output node names no single op
