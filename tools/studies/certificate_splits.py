@@ -301,25 +301,22 @@ def _borderline(a: dict[str, Any], ks: tuple[int, ...], permutations: int, seed:
     top = np.sort(ref, axis=-1)
     order = np.argsort(top[:, -1] - top[:, -2], kind="stable")  # least sure first
     right = (ref.argmax(-1) == labels)[order].astype(np.float64)
-    ks = tuple(k for k in ks if k <= min(nc, n - nc))
-    kk = np.asarray(ks) - 1
+    ks = np.asarray([k for k in ks if k <= min(nc, n - nc)])
 
-    def difference(is_test: np.ndarray) -> np.ndarray:  # [len(ks)]: test minus calibration accuracy, lowest k rows
-        t, c = np.cumsum(right[is_test]), np.cumsum(right[~is_test])
-        return (t[kk] - c[kk]) / np.asarray(ks)
+    def right_counts(is_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # [len(ks)] each: test, calibration
+        return np.cumsum(right[is_test])[ks - 1], np.cumsum(right[~is_test])[ks - 1]
 
     observed_test = order >= nc
-    observed = difference(observed_test)
+    t, c = right_counts(observed_test)
+    observed = (t - c) / ks  # test minus calibration accuracy on the lowest k rows
     rng = np.random.default_rng([seed, 1])  # its own stream: the report's other draws stay as they were
     hits = np.zeros(len(ks))
     for _ in range(permutations):
-        hits += np.abs(difference(rng.permutation(observed_test))) >= np.abs(observed) - 1e-12
-    rows = []
-    for i, k in enumerate(ks):
-        t = float(np.cumsum(right[observed_test])[k - 1] / k)
-        rows.append({"k": int(k), "calibration": round(t - float(observed[i]), 3), "test": round(t, 3),
-                     "difference": round(float(observed[i]), 3),
-                     "p_two_sided": round(float((hits[i] + 1) / (permutations + 1)), 4)})
+        pt, pc = right_counts(rng.permutation(observed_test))
+        hits += np.abs((pt - pc) / ks) >= np.abs(observed) - 1e-12
+    rows = [{"k": int(k), "calibration": round(float(c[i] / k), 3), "test": round(float(t[i] / k), 3),
+             "difference": round(float(observed[i]), 3),
+             "p_two_sided": round(float((hits[i] + 1) / (permutations + 1)), 4)} for i, k in enumerate(ks)]
     return {"permutations": permutations, "rows": rows}
 
 
