@@ -288,6 +288,34 @@ def test_attention_sites_stay_token_identical_under_speculative_decoding(plans, 
     assert mlp_only != both  # the attention thresholds change the model (negative control for the identity above)
 
 
+def test_a_sparse_drafter_for_the_dense_target_registers_the_kernel_and_stays_token_identical(plans, module_tmp):
+    """The other composition: the dense model verifies drafts from a sparsified copy of itself (the drafter's
+    session needs the custom-op library too; the target's does not)."""
+    from dyncompile.passes.compiler import compile_model
+
+    sparse_dir = plans["sparse"]
+    target_dir = sparse_dir.parent / "target"
+    out = module_tmp("sparse-drafter") / "plan"
+    plan_dir = compile_model(target_dir, "speculative{measure=false}", out, drafter=str(sparse_dir / "model.onnx"),
+                             progress=False, opt_level=0).plan_dir
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    assert plan["policy"]["custom_ops"]["ops"] == [f"{kernels.DOMAIN}.{kernels.OP_TYPE}"]
+    drafter = ir.load(plan_dir / plan["files"]["drafter"]["path"])
+    target = ir.load(plan_dir / plan["files"]["model"]["path"])
+    assert uses_sparse_rows(drafter) and not uses_sparse_rows(target)
+    sparse = dyncompile.load(sparse_dir)
+    spec = dyncompile.load(plan_dir)
+    differs = 0
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 9, 10, 11, 7, 7, 8]):
+        ref = spec.generate(prompt, max_new_tokens=30, speculative=False).token_ids  # the dense target alone
+        differs += sparse.generate(prompt, max_new_tokens=30).token_ids != ref  # negative control
+        for opts in ({}, {"draft_length": 4, "adaptive": False}):
+            res = spec.generate(prompt, max_new_tokens=30, **opts)
+            assert res.token_ids == ref, opts
+    assert differs >= 1  # the drafter is a different model: identity comes from verification
+    assert res.stats.drafted > 0 and res.stats.accepted < res.stats.drafted
+
+
 def _assert_speculative_identical(alone_dir, spec_dir):
     alone = dyncompile.load(alone_dir)
     spec = dyncompile.load(spec_dir)

@@ -145,6 +145,44 @@ def test_trim_lm_head_on_transposed_tied_weights():
     np.testing.assert_allclose(out, xv @ e[subset].T, rtol=1e-5, atol=1e-5)
 
 
+def test_trim_lm_head_on_a_head_lowered_to_a_1x1_conv():
+    """``matmul-to-conv``'s head (Squeeze(Transpose(Conv(., W[N, K, 1, 1])))) is trimmed by the Conv's output
+    channels; a head whose Conv output has another reader is left alone."""
+    from dyncompile.passes.matmul_to_conv import MatMulToConvPass
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 10)).astype(np.float32)
+
+    def lowered(extra_reader: bool) -> ir.Model:
+        x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, 2, 4]))
+        wv = ir.val("W", const_value=ir.tensor(w, name="W"))
+        tape = ir.tape.Tape()
+        logits = tape.op("MatMul", [x, wv])
+        logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape([1, 2, 10])
+        g = ir.Graph([x], [logits], nodes=tape.nodes, initializers=[wv], opset_imports={"": 18}, name="head")
+        m = ir.Model(g, ir_version=10)
+        assert MatMulToConvPass()(m).modified
+        if extra_reader:
+            conv = next(n for n in m.graph if n.op_type == "Conv")
+            r = ir.node("Relu", [conv.outputs[0]])
+            m.graph.append(r)
+            r.outputs[0].name = "side"
+            m.graph.outputs.append(r.outputs[0])
+        return m
+
+    m = lowered(False)
+    subset = np.array([1, 4, 7])
+    assert trim_lm_head(m, "logits", subset)
+    conv = next(n for n in m.graph if n.op_type == "Conv")
+    assert conv.inputs[1].const_value.shape == (3, 4, 1, 1)
+    assert list(m.graph.outputs[0].shape) == [1, 2, 3]
+    check_model(m)
+    xv = rng.standard_normal((1, 2, 4)).astype(np.float32)
+    out = ort_session(m).run(None, {"x": xv})[0]
+    np.testing.assert_allclose(out, xv @ w[:, subset], rtol=1e-5, atol=1e-5)
+    assert not trim_lm_head(lowered(True), "logits", subset)
+
+
 def test_second_run_does_not_fire():
     model, p, _ = _run(k=1)
     again = p(model)

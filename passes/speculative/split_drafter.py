@@ -62,8 +62,9 @@ MIN_CALIB_TOKENS = 64
 def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     """Restrict the LM head producing ``logits_name`` to the tokens ``subset`` (in place).
 
-    Handles ``MatMul(x, W)``, ``MatMul(x, Transpose(E))`` (tied embeddings) and an optional bias ``Add``, and a
-    weight-only quantized head ``MatMulNBits`` (its packed rows, scales and zero points; ``quantize-int4``).
+    Handles ``MatMul(x, W)``, ``MatMul(x, Transpose(E))`` (tied embeddings) and an optional bias ``Add``, a
+    weight-only quantized head ``MatMulNBits`` (its packed rows, scales and zero points; ``quantize-int4``), and a
+    head lowered by ``matmul-to-conv`` (``Squeeze(Transpose(Conv(., W[N, K, 1, 1])))``: the Conv's output channels).
     The weights are sliced into new initializers (the originals stay shared). Returns False, changing
     nothing, for any other head shape.
     """
@@ -74,7 +75,32 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     node = out.producer()
     if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
         return _trim_matmul_nbits(g, node, out, np.asarray(subset, np.int64))
+    if node.op_type == "Squeeze":
+        return _trim_conv(g, node, out, np.asarray(subset, np.int64))
     return _trim_matmul(g, node, out, np.asarray(subset, np.int64))
+
+
+def _trim_conv(g: ir.Graph, squeeze: ir.Node, out: ir.Value, idx: np.ndarray) -> bool:
+    """:func:`trim_lm_head` for ``matmul-to-conv``'s head: keep output channels ``idx`` of the 1x1 Conv's weight."""
+    tr = squeeze.inputs[0].producer() if squeeze.inputs and squeeze.inputs[0] is not None else None
+    conv = tr.inputs[0].producer() if tr is not None and tr.op_type == "Transpose" else None
+    if conv is None or conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.inputs) != 2:
+        return False
+    if len(tr.inputs[0].uses()) != 1 or len(squeeze.inputs[0].uses()) != 1:
+        return False
+    w = conv.inputs[1]
+    arr = const_array(w)
+    if arr is None or arr.ndim != 4 or arr.shape[2:] != (1, 1) or idx.size == 0 or idx.max() >= arr.shape[0]:
+        return False
+    new = ir.val(f"{w.name}.subset", const_value=ir.tensor(np.ascontiguousarray(arr[idx]), name=f"{w.name}.subset"))
+    g.register_initializer(new)
+    conv.replace_input_with(1, new)
+    for v, axis in ((conv.outputs[0], 1), (tr.outputs[0], -1), (out, -1)):
+        if v.shape is not None:
+            dims = list(v.shape)
+            dims[axis] = len(idx)
+            v.shape = ir.Shape(dims)
+    return True
 
 
 def _trim_matmul(g: ir.Graph, node: ir.Node, out: ir.Value, idx: np.ndarray) -> bool:
