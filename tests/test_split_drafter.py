@@ -145,6 +145,27 @@ def test_trim_lm_head_on_transposed_tied_weights():
     np.testing.assert_allclose(out, xv @ e[subset].T, rtol=1e-5, atol=1e-5)
 
 
+def test_trim_lm_head_with_a_bias():
+    """MatMul(x, W) + b: the weight's columns and the bias are both trimmed to the subset."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4, 10)).astype(np.float32)
+    b = rng.standard_normal(10).astype(np.float32)
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, 2, 4]))
+    wv, bv = ir.val("W", const_value=ir.tensor(w, name="W")), ir.val("b", const_value=ir.tensor(b, name="b"))
+    tape = ir.tape.Tape()
+    logits = tape.op("Add", [tape.op("MatMul", [x, wv]), bv])
+    logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape([1, 2, 10])
+    m = ir.Model(ir.Graph([x], [logits], nodes=tape.nodes, initializers=[wv, bv], opset_imports={"": 18},
+                          name="head"), ir_version=10)
+    subset = np.array([0, 3, 9])
+    assert trim_lm_head(m, "logits", subset)
+    assert list(m.graph.outputs[0].shape) == [1, 2, 3]
+    check_model(m)
+    xv = rng.standard_normal((1, 2, 4)).astype(np.float32)
+    out = ort_session(m).run(None, {"x": xv})[0]
+    np.testing.assert_allclose(out, (xv @ w + b)[..., subset], rtol=1e-5, atol=1e-5)
+
+
 def test_trim_lm_head_on_a_head_lowered_to_a_1x1_conv():
     """``matmul-to-conv``'s head (Squeeze(Transpose(Conv(., W[N, K, 1, 1])))) is trimmed by the Conv's output
     channels; a head whose Conv output has another reader is left alone."""

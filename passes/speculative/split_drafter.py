@@ -72,12 +72,28 @@ def trim_lm_head(model: ir.Model, logits_name: str, subset: np.ndarray) -> bool:
     out = next((v for v in g.outputs if v.name == logits_name), None)
     if out is None or out.producer() is None:
         return False
-    node = out.producer()
+    node, idx = out.producer(), np.asarray(subset, np.int64)
     if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-        return _trim_matmul_nbits(g, node, out, np.asarray(subset, np.int64))
+        return _trim_matmul_nbits(g, node, out, idx)
     if node.op_type == "Squeeze":
-        return _trim_conv(g, node, out, np.asarray(subset, np.int64))
-    return _trim_matmul(g, node, out, np.asarray(subset, np.int64))
+        return _trim_conv(g, node, out, idx)
+    return _trim_matmul(g, node, out, idx)
+
+
+def _use_subset(g: ir.Graph, node: ir.Node, i: int, rows: np.ndarray) -> None:
+    """Feed ``node``'s input ``i`` from a new initializer holding ``rows`` (the sliced original, which stays)."""
+    name = f"{node.inputs[i].name}.subset"
+    new = ir.val(name, const_value=ir.tensor(np.ascontiguousarray(rows), name=name))
+    g.register_initializer(new)
+    node.replace_input_with(i, new)
+
+
+def _set_dim(v: ir.Value, axis: int, size: int) -> None:
+    """Set one dimension of ``v``'s recorded shape, if it has one."""
+    if v.shape is not None:
+        dims = list(v.shape)
+        dims[axis] = size
+        v.shape = ir.Shape(dims)
 
 
 def _trim_conv(g: ir.Graph, squeeze: ir.Node, out: ir.Value, idx: np.ndarray) -> bool:
@@ -92,14 +108,9 @@ def _trim_conv(g: ir.Graph, squeeze: ir.Node, out: ir.Value, idx: np.ndarray) ->
     arr = const_array(w)
     if arr is None or arr.ndim != 4 or arr.shape[2:] != (1, 1) or idx.size == 0 or idx.max() >= arr.shape[0]:
         return False
-    new = ir.val(f"{w.name}.subset", const_value=ir.tensor(np.ascontiguousarray(arr[idx]), name=f"{w.name}.subset"))
-    g.register_initializer(new)
-    conv.replace_input_with(1, new)
+    _use_subset(g, conv, 1, arr[idx])
     for v, axis in ((conv.outputs[0], 1), (tr.outputs[0], -1), (out, -1)):
-        if v.shape is not None:
-            dims = list(v.shape)
-            dims[axis] = len(idx)
-            v.shape = ir.Shape(dims)
+        _set_dim(v, axis, len(idx))
     return True
 
 
@@ -125,9 +136,7 @@ def _trim_matmul(g: ir.Graph, node: ir.Node, out: ir.Value, idx: np.ndarray) -> 
         arr = w.const_value.numpy()
         if arr.ndim != 2:
             return False
-        new = ir.val(f"{w.name}.subset", const_value=ir.tensor(np.ascontiguousarray(arr[:, idx]), name=f"{w.name}.subset"))
-        g.register_initializer(new)
-        node.replace_input_with(1, new)
+        _use_subset(g, node, 1, arr[:, idx])
     elif w.producer() is not None and w.producer().op_type == "Transpose" and w.producer().inputs[0].const_value is not None:
         tr = w.producer()
         perm = tr.attributes.get_ints("perm", None)
@@ -135,25 +144,15 @@ def _trim_matmul(g: ir.Graph, node: ir.Node, out: ir.Value, idx: np.ndarray) -> 
         arr = e.const_value.numpy()
         if arr.ndim != 2 or (perm is not None and list(perm) != [1, 0]):
             return False
-        new = ir.val(f"{e.name}.subset", const_value=ir.tensor(np.ascontiguousarray(arr[idx]), name=f"{e.name}.subset"))
-        g.register_initializer(new)
-        tr.replace_input_with(0, new)
-        if w.shape is not None:
-            w.shape = ir.Shape([w.shape[0], len(idx)])
+        _use_subset(g, tr, 0, arr[idx])
+        _set_dim(w, -1, len(idx))
     else:
         return False
     if bias_node is not None:
         bi = next(i for i, v in enumerate(bias_node.inputs) if v is not None and v.const_value is not None)
-        b = bias_node.inputs[bi]
-        newb = ir.val(f"{b.name}.subset", const_value=ir.tensor(np.ascontiguousarray(const_array(b)[..., idx]),
-                                                                  name=f"{b.name}.subset"))
-        g.register_initializer(newb)
-        bias_node.replace_input_with(bi, newb)
-        mmout = node.outputs[0]
-        if mmout.shape is not None:
-            mmout.shape = ir.Shape([*list(mmout.shape)[:-1], len(idx)])
-    if out.shape is not None:
-        out.shape = ir.Shape([*list(out.shape)[:-1], len(idx)])
+        _use_subset(g, bias_node, bi, const_array(bias_node.inputs[bi])[..., idx])
+        _set_dim(node.outputs[0], -1, len(idx))
+    _set_dim(out, -1, len(idx))
     return True
 
 
@@ -181,14 +180,9 @@ def _trim_matmul_nbits(g: ir.Graph, node: ir.Node, out: ir.Value, idx: np.ndarra
     for i, arr in arrays.items():
         rows = arr.reshape(n, -1)[idx]
         shape = (len(idx), *arr.shape[1:]) if arr.shape[0] == n else (rows.size,)
-        v = ins[i]
-        new = ir.val(f"{v.name}.subset", const_value=ir.tensor(np.ascontiguousarray(rows.reshape(shape)),
-                                                              name=f"{v.name}.subset"))
-        g.register_initializer(new)
-        node.replace_input_with(i, new)
+        _use_subset(g, node, i, rows.reshape(shape))
     node.attributes["N"] = ir.AttrInt64("N", len(idx))
-    if out.shape is not None:
-        out.shape = ir.Shape([*list(out.shape)[:-1], len(idx)])
+    _set_dim(out, -1, len(idx))
     return True
 
 
