@@ -43,6 +43,7 @@ from dyncompile.passes.matmul_to_conv import MatMulToConvPass
 from dyncompile.passes.pack_matmuls import PackMatMulsPass
 from dyncompile.passes.quantize_weights import QuantizeDynamicInt8Pass, QuantizeWeightsInt4Pass
 from dyncompile.passes.raise_opset import RaiseOpsetPass
+from dyncompile.passes.screen_lm_head import ScreenLMHeadPass
 from dyncompile.passes.smooth_activations import SmoothActivationsPass
 from dyncompile.passes.sparsify_activations import SparsifyActivationsPass
 from dyncompile.passes.speculative import SpeculativePass, SplitDrafterPass
@@ -76,6 +77,7 @@ __all__ = [
     "TrimLogitsPass",
     "CacheUNetFeaturesPass",
     "QuantizeWeightsInt4Pass",
+    "ScreenLMHeadPass",
     "SmoothActivationsPass",
     "SparsifyActivationsPass",
     "VerifyModelPass",

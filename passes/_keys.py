@@ -21,6 +21,7 @@ __all__ = [
     "EARLY_EXIT_LOWERING_CHOICE",
     "EMITTER",
     "EXPLICIT_ATTENTION",
+    "LOGITS_EXACT",
     "METADATA_KEYS",
     "META_KEYS",
     "POLICY_PREFIX",
@@ -58,6 +59,7 @@ MEDUSA = "dyncompile.medusa"  # JSON: Medusa heads provenance, heads, topk, IO n
 SPARSITY = "dyncompile.sparsity"  # JSON: thresholds, achieved sparsity, held-out quality (SparsifyActivationsPass)
 EAGLE_FEATURES = "dyncompile.eagle.features"  # name of the features output (ExposeFeaturesPass)
 EXPLICIT_ATTENTION = "dyncompile.explicit_attention"  # JSON: the 4-D attention bias input (ExposeAttentionMaskPass)
+LOGITS_EXACT = "dyncompile.logits_exact"  # "argmax": the logits are exact at each row's argmax only (ScreenLMHeadPass)
 POLICY_PREFIX = "dyncompile.policy."  # dyncompile.policy.NAME -> plan policy NAME
 
 # --- model.meta (in-memory objects, never saved) ----------------------------------------------------
@@ -72,7 +74,8 @@ SPECULATIVE_ROWS = "dyncompile.speculative.rows"  # SpeculativePass row-invarian
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
-     ROLE, SMOOTHED, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA, SPARSITY}
+     ROLE, SMOOTHED, STEP_SAVER, UNET_CACHE, EAGLE, EAGLE_FEATURES, EXPLICIT_ATTENTION, MEDUSA, SPARSITY,
+     LOGITS_EXACT}
 )
 META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, DRAFTER_VOCAB, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB,
                        SPECULATIVE_MEASURED,

@@ -87,6 +87,9 @@ class DecoderSpec:
     #: (``causal-attention``: ``attention_mask`` only says how many slots are valid; the runtime keeps the cache
     #: gap-free and verifies chains)
     attention: Literal["masked", "causal"] = "masked"
+    #: ``all`` (every logit is the model's) or ``argmax`` (``screen-lm-head``: each row's argmax is the model's, the
+    #: other logits are bounded approximations): such a decoder decodes greedily only
+    logits_exact: Literal["all", "argmax"] = "all"
 
     def _check(self, where: str) -> None:
         if not self.kv:
@@ -114,6 +117,7 @@ class DecoderSpec:
             **({"logits_to_keep": self.logits_to_keep} if self.logits_to_keep else {}),
             **({"min_rows": self.min_rows} if self.min_rows != 1 else {}),
             **({"attention": self.attention} if self.attention != "masked" else {}),
+            **({"logits_exact": self.logits_exact} if self.logits_exact != "all" else {}),
         }
 
 

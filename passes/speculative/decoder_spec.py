@@ -19,6 +19,7 @@ from typing import Any
 import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
+from dyncompile.passes._keys import LOGITS_EXACT
 from dyncompile.passes.causal_attention import is_causal_attention_graph
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ def decoder_spec(model: ir.Model, file_key: str, *, what: str = "model", where: 
         **({"kv_buffer": "shared"} if shared else {}),
         **({"attention": "causal"} if causal else {}),
         **({"logits_to_keep": "logits_to_keep"} if "logits_to_keep" in inputs else {}),
+        **({"logits_exact": "argmax"} if model.metadata_props.get(LOGITS_EXACT) == "argmax" else {}),
     }
 
 

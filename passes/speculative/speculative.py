@@ -539,6 +539,8 @@ def _row_dependent_ops(model: ir.Model) -> dict[str, int]:
     """Counts of the ops :func:`call_shape_dependent_ops` describes, by op (and compute type)."""
     found: dict[str, int] = {}
     for node in model.graph.all_nodes():
+        if node.metadata_props.get(_keys.LOGITS_EXACT) == "screen":
+            continue  # screen-lm-head's int8 screen: its rounding never reaches an argmax (exact float32 candidates)
         if node.op_type == "MatMulNBits":
             attr = node.attributes.get("accuracy_level")
             if attr is not None and attr.as_int() == 4:

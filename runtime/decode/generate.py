@@ -67,6 +67,7 @@ __all__ = [
     "decode_target_only",
     "GenerationStream",
     "generate",
+    "refuse_sampling_on_screened_logits",
     "generate_stream",
     "prompt_ids_of",
 ]
@@ -300,6 +301,7 @@ class GenerateStep(StepHandler):
                      rng: np.random.Generator, speculative: bool = True, **options) -> tuple[list[int], GenerationStats]:
         """Decode up to ``max_new_tokens`` after ``prompt_ids`` with the target alone; returns the ids and statistics."""
         del speculative  # target-only
+        refuse_sampling_on_screened_logits(self.target_spec, sample)
         stop_when = options.pop("stop_when", None)
         io_binding = options.pop("io_binding", None)
         self.target.io_binding = bool(self.params.io_binding if io_binding is None else io_binding)
@@ -317,6 +319,14 @@ class GenerateStep(StepHandler):
         stats.new_tokens = len(out)
         stats.target_seconds = self.timer.seconds.get("target", 0.0)
         return out, stats
+
+
+def refuse_sampling_on_screened_logits(spec: DecoderSpec, sample: bool) -> None:
+    """Sampling needs every logit; a decoder whose logits are exact at the argmax only (``screen-lm-head``) cannot."""
+    if sample and spec.logits_exact == "argmax":
+        raise PromptError("this plan's LM head is screened (screen-lm-head): each row's argmax is exact but the other "
+                          "logits are approximations, so it decodes greedily only; leave out sample=True / --sample, "
+                          "or recompile without screen-lm-head to sample")
 
 
 def _generation_handler(compiled):

@@ -63,7 +63,12 @@ from dyncompile.runtime.decode.drafters import (
     TreeBudget,
     Verification,
 )
-from dyncompile.runtime.decode.generate import GenerateStep, GenerationStats, PromptError
+from dyncompile.runtime.decode.generate import (
+    GenerateStep,
+    GenerationStats,
+    PromptError,
+    refuse_sampling_on_screened_logits,
+)
 from dyncompile.runtime.decode.kv_cache import KVDecoder
 from dyncompile.runtime.registry import register_step
 from dyncompile.runtime.rules.cost_model import (
@@ -436,6 +441,7 @@ class SpeculativeGenerateStep(GenerateStep):
 
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
         """Speculative decoding of up to ``max_new_tokens`` after ``prompt_ids``; returns the ids and statistics."""
+        refuse_sampling_on_screened_logits(self.target_spec, sample)
         # per-call runtime options (the plan's defaults otherwise)
         inner = self.drafter.other if isinstance(self.drafter, HybridDrafter) else self.drafter
         decoders = [self.target] + ([inner.decoder] if isinstance(inner, ModelDrafter) else [])

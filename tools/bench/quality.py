@@ -78,6 +78,9 @@ def _decoder(compiled):
     h = compiled.handlers[-1]
     if not hasattr(h, "target") or getattr(h, "codec", None) is None:
         raise DataError("bench quality needs text-generation plans with a tokenizer")
+    if h.target_spec.logits_exact != "all":
+        raise DataError("bench quality scores every logit, and this plan's LM head is screened (screen-lm-head: exact "
+                        "at each row's argmax only); score the plan compiled without screen-lm-head")
     return h.target, h.codec
 
 
