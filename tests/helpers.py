@@ -93,6 +93,27 @@ def random_token_feeds(
     return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64), "attention_mask": mask}
 
 
+def decoder_feeds(model, n: int, seed: int = 0, vocab: int = 8, past: int = 3) -> dict[str, np.ndarray]:
+    """Feeds for a KV decoder graph: ``n`` random tokens after ``past`` cached positions of random keys / values
+    (every input but ``logits_to_keep``, which the caller sets)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for v in model.graph.inputs:
+        if v.name == "logits_to_keep":
+            continue
+        if v.name == "input_ids":
+            feeds[v.name] = rng.integers(0, vocab, size=(1, n)).astype(np.int64)
+        elif v.name == "attention_mask":
+            feeds[v.name] = np.ones((1, n + past), np.int64)
+        elif v.name == "position_ids":
+            feeds[v.name] = np.arange(past, past + n, dtype=np.int64)[None]
+        else:  # past key / value
+            dims = [d if isinstance(d, int) else 1 for d in v.shape]
+            dims[2] = past
+            feeds[v.name] = rng.standard_normal(dims).astype(np.float32)
+    return feeds
+
+
 def tolerance(provider: str) -> float:
     """Max |difference| accepted between a provider's outputs and the CPU EP reference (fp32)."""
     return {"cpu": 1e-5}.get(provider, 1e-4)

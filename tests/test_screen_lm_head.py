@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import ort_session  # tests/ is on pythonpath
+from helpers import decoder_feeds, ort_session  # tests/ is on pythonpath
 
 import dyncompile
 from dyncompile.errors import DataError, PassConfigError
@@ -28,20 +28,7 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 
 
 def _feeds(model: ir.Model, n: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for v in model.graph.inputs:
-        if v.name == "input_ids":
-            feeds[v.name] = rng.integers(0, VOCAB, size=(1, n)).astype(np.int64)
-        elif v.name == "attention_mask":
-            feeds[v.name] = np.ones((1, n + 3), np.int64)
-        elif v.name == "position_ids":
-            feeds[v.name] = np.arange(3, 3 + n, dtype=np.int64)[None]
-        else:  # past key / value: 3 cached positions
-            dims = [d if isinstance(d, int) else 1 for d in v.shape]
-            dims[2] = 3
-            feeds[v.name] = rng.standard_normal(dims).astype(np.float32)
-    return feeds
+    return decoder_feeds(model, n, seed, vocab=VOCAB)
 
 
 def _screened(candidates: int, slack: float = 2.0) -> ir.Model:
