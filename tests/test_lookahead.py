@@ -243,3 +243,25 @@ def test_lookahead_and_hybrid_token_identical_on_smollm2(smollm2, module_tmp):
         assert res.token_ids == ref.token_ids, (prompt[:40], res.text, ref.text)
         harvested += m.handlers[-1].drafter.other.harvested
     assert harvested > 0
+
+
+# ------------------------------------------------------------------------------------ the verification cost curve
+
+
+def test_verify_curve_reports_its_thread_count(tmp_path):
+    """``bench.generate curve --threads N`` times the graph in a session of N intra-op threads and says so; without
+    it the session keeps ONNX Runtime's default (0: one thread per core), the compile-time probe's setting."""
+    from dyncompile.passes.speculative.probe import session_for
+    from dyncompile.tools.bench.generate import verify_curve_main
+
+    model = tiny_decoder(num_layers=1, vocab=VOCAB, seed=0)
+    path = write_decoder_dir(tmp_path / "m", model, eos=EOS_UNUSED)
+    assert session_for(model, 1).get_session_options().intra_op_num_threads == 1
+    assert session_for(model).get_session_options().intra_op_num_threads == 0
+    assert verify_curve_main([str(path), "--sizes", "2,4", "--past", "6", "--repeats", "1", "--threads", "1",
+                              "--report-dir", str(tmp_path), "--name", "c"]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["threads"] == 1 and report["model"] == "model.onnx" and report["past"] == 6
+    assert sorted(report["verify_cost"], key=int) == ["1", "2", "4"] and report["verify_cost"]["1"] == 1.0
+    costs = [report["verify_cost"][k] for k in ("1", "2", "4")]
+    assert costs == sorted(costs)  # kept monotone

@@ -47,8 +47,8 @@ EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
 _PACKED_WEIGHT_DTYPES = (ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT4, ir.DataType.INT4)
 
 
-def session_for(model: ir.Model):
-    """An ORT CPU session on ``model`` as it is in memory.
+def session_for(model: ir.Model, threads: int | None = None):
+    """An ORT CPU session on ``model`` as it is in memory (``threads``: intra-op threads; ORT's default: every core).
 
     Weights stored as external data are read from the folder they were loaded from. A model holding more rewritten weights than one protobuf message can carry
     (past 2 GB, e.g. ``pack-matmuls`` on a 1.5B decoder) is written to a temporary folder (external data) and
@@ -60,6 +60,8 @@ def session_for(model: ir.Model):
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = int(threads)
     import dyncompile.runtime.kernels as kernels
 
     if any(n.domain == kernels.DOMAIN for n in model.graph):  # sparsify-activations: dyncompile's own custom op

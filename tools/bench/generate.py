@@ -390,6 +390,9 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,4,9,16,24,32", help="tokens per call (default: %(default)s)")
     p.add_argument("--past", type=int, default=128, help="tokens already in the cache (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None,
+                   help="ORT intra-op threads (default: ONNX Runtime's, one per core; the plan's compile-time probe "
+                   "uses that too)")
     p.add_argument("--report-dir", default=".", help="where the JSON goes (default: the current directory)")
     p.add_argument("--name", required=True, help="report file stem")
     args = p.parse_args(argv)
@@ -399,8 +402,8 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     spec = decoder_spec(model, "model")
     chunk = [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, args.past + 1)]
     load_before = os.getloadavg()
-    times = measure_step_times(session_for(model), spec, chunk, sizes, args.repeats)
-    report = {"model": str(Path(args.model).resolve()), "past": args.past, "sizes": sizes,
+    times = measure_step_times(session_for(model, args.threads), spec, chunk, sizes, args.repeats)
+    report = {"model": Path(args.model).name, "past": args.past, "sizes": sizes, "threads": args.threads,
               "seconds_min": {str(k): round(v, 5) for k, v in times.items()},
               "verify_cost": {str(k): v for k, v in relative_verify_costs(times).items()},
               "machine": machine_info(),
