@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import DATA, ort_session, random_token_feeds
+from helpers import DATA, ort_session, random_token_feeds, skip_if_int8_pairs_saturate
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
@@ -243,6 +243,7 @@ def test_int8_keep_fp32_ffn_out_and_quantized_metadata():
         QuantizeDynamicInt8Pass(keep_fp32="attention")
 
 
+@skip_if_int8_pairs_saturate
 def test_int8_early_exit_pipeline_budget_is_against_the_fp32_original(minilm, tmp_path):
     """quantize-int8,early-exit on a tiny generated encoder: heads on int8 features, budget vs the fp32 input."""
     import shutil

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import ort_session, random_token_feeds
+from helpers import ort_session, random_token_feeds, skip_if_int8_pairs_saturate
 
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import QuantizeDynamicInt8Pass, _keys, run_pipeline
@@ -86,6 +86,7 @@ def test_shared_activation_is_quantized_once():
     assert ops.count("MatMulInteger") == 3 and ops.count("ReduceMax") == 1 and ops.count("QuantizeLinear") == 1
 
 
+@skip_if_int8_pairs_saturate
 @pytest.mark.parametrize("optimized", [False, True])
 def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized):
     """Rows of very different size (one token 300x the others): each keeps its own scale. At ORT_ENABLE_ALL the
@@ -117,6 +118,7 @@ def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized
     assert rel < 0.02 and np.abs(got - exact)[small].max() < 0.1 * per_tensor_step * np.abs(w).sum(0).max()
 
 
+@skip_if_int8_pairs_saturate
 @pytest.mark.parametrize("optimized", [False, True])
 def test_row_quantizer_gives_the_bytes_of_the_elementwise_chain(optimized):
     """From opset 15 one QuantizeLinear over a [rows, k] view replaces Div, Round, Add(128), Cast; from opset 21 a
@@ -200,6 +202,7 @@ def test_a_gelu_output_needs_no_abs_and_gives_the_same_bytes(opset):
     assert np.all(np.abs(outs[True][2, 3] - gelu[2, 3] @ w) <= step + 1e-6)
 
 
+@skip_if_int8_pairs_saturate
 def test_numerics_on_the_generated_encoder_are_within_the_quantization_step():
     from test_quantize import ROWS, _check_quantized, _weight_step_error
 
@@ -294,6 +297,7 @@ def test_a_graph_without_weight_matmuls_is_left_alone_with_a_reason(caplog):
 # --- activations=mixed: per-token for the GELU-fed MatMuls, ORT's per-tensor elsewhere -------------------------
 
 
+@skip_if_int8_pairs_saturate
 def test_mixed_structure_numerics_and_idempotence():
     """On a GELU MLP: fc1 gets ORT's per-tensor DynamicQuantizeLinear, fc2 (GELU-fed) the per-token rewrite. The
     logits equal ORT's per-tensor fc1 followed by the numpy per-token emulation of fc2, with ORT's fusions off
