@@ -288,7 +288,8 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
 
     def __repr__(self) -> str:
         keep = _fp32_repr(self.keep_fp32, self.exclude_nodes)
-        return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}, op_types={list(self.op_types)}{keep})"
+        rr = ", reduce_range=True" if self.reduce_range else ""  # read by the runtime (7-bit weights: no saturation)
+        return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}{rr}, op_types={list(self.op_types)}{keep})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""

@@ -28,6 +28,7 @@ from dyncompile.runtime.providers import (
     resolve_provider,
     session_config_entries,
     session_memory_options,
+    warn_if_int8_saturates,
 )
 from dyncompile.runtime.registry import (
     STEP_HANDLERS,
@@ -418,4 +419,5 @@ def load(
                           provider_options=provider_options, session_config=session_config, spinning=spinning,
                           cuda_graph=bool(cuda_graph), memory=memory)
     ctx = RuntimeContext(plan, options)
+    warn_if_int8_saturates(plan.provenance.get("passes") or [], ctx.provider)
     return CompiledModel(plan, ctx)

@@ -143,6 +143,56 @@ PROVIDERS: dict[str, ProviderInfo] = {
 ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-openvino", "onnxruntime-gpu", "onnxruntime-directml")
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports (``/proc/cpuinfo``); empty where it reports none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def int8_pairs_saturate() -> bool:
+    """Whether ONNX Runtime's u8 x s8 int8 kernels saturate on this CPU.
+
+    An x86-64 CPU without VNNI (AVX2, or AVX-512 without VNNI) adds each pair of u8 x s8 products in int16 with saturation (``vpmaddubsw``), so a pair
+    past 32,767 (an outlier activation times large 8-bit weights) is clipped; with VNNI (``vpdpbusd``) it is not.
+    7-bit weights (``quantize-int8{reduce_range=true}``) keep every pair in range. False where the flags are unknown.
+    """
+    import platform
+
+    flags = cpu_flags()
+    return bool(flags) and platform.machine() in ("x86_64", "AMD64") and not (
+        {"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+
+
+#: the passes (as ``provenance.passes`` records them) whose int8 MatMuls run u8 activations x s8 weights in ORT
+_U8S8_PASSES = ("QuantizeDynamicInt8Pass(", "QuantizeDynamicInt8PerTokenPass(", "QuantizeDynamicInt8MixedPass(",
+                "QuantizeStaticInt8Pass(", "QuantizeMixedInt4Pass(", "SearchInt8FallbackPass(")
+
+
+def warn_if_int8_saturates(plan_passes: Sequence[str], ort_provider: str) -> bool:
+    """Log one warning where a plan with full-range int8 weights runs on a CPU whose int8 kernels saturate.
+
+    ``plan_passes``: the plan's ``provenance.passes`` (the passes' reprs). True when it warned.
+    """
+    if ort_provider != "CPUExecutionProvider" or not int8_pairs_saturate():
+        return False
+    full = [p for p in plan_passes if p.startswith(_U8S8_PASSES) and "reduce_range=True" not in p]
+    if not full:
+        return False
+    logger.warning(
+        "this plan's int8 MatMuls (%s) use 8-bit weights, and this CPU has no VNNI: ONNX Runtime's int8 kernels here "
+        "add pairs of u8 x s8 products in int16 with saturation, so outputs can differ from those of a CPU with VNNI "
+        "(a quality promise certified on another machine was not measured with these kernels). Recompile on this "
+        "machine, or with quantize-int8{reduce_range=true} (7-bit weights, no saturation)", full[0].split("(")[0])
+    return True
+
+
 def installed_ort_flavours() -> list[str]:
     """ONNX Runtime distributions installed side by side in one site-packages (should be at most one).
 

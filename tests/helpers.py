@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import platform
 import shutil
 from pathlib import Path
 
@@ -11,27 +10,14 @@ import onnx_ir as ir
 import pytest
 
 from dyncompile.io import shared_dir
+from dyncompile.runtime.providers import int8_pairs_saturate
 
 SHARED = shared_dir()
 DATA = SHARED / "data" / "sentiment"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_FLAGS = _cpu_flags()
-#: ONNX Runtime's x86 u8 x s8 int8 GEMM on a CPU without VNNI (AVX2, or AVX-512 without VNNI) adds each pair of
-#: u8 x s8 products in int16 with saturation (``vpmaddubsw``), so its outputs leave exact int32 accumulation wherever
-#: a pair passes 32,767 (an outlier activation row times large weights); with VNNI (``vpdpbusd``) they do not
-INT8_PAIRS_SATURATE = bool(_FLAGS) and platform.machine() in ("x86_64", "AMD64") and not (
-    {"avx512_vnni", "avx_vnni", "amx_int8"} & _FLAGS)
+#: ONNX Runtime's u8 x s8 int8 kernels saturate on this CPU (no VNNI): :func:`dyncompile.runtime.providers.int8_pairs_saturate`
+INT8_PAIRS_SATURATE = int8_pairs_saturate()
 skip_if_int8_pairs_saturate = pytest.mark.skipif(
     INT8_PAIRS_SATURATE,
     reason="this CPU has no VNNI: ONNX Runtime's u8s8 int8 kernels saturate int16 pair sums (vpmaddubsw), so the "
