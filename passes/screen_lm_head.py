@@ -41,6 +41,7 @@ import numpy as np
 import onnx_ir as ir
 
 from dyncompile.errors import PassConfigError
+from dyncompile.passes._graph import add_initializer
 from dyncompile.passes._infra import not_fired, register_pass
 from dyncompile.passes._keys import LOGITS_EXACT
 from dyncompile.passes.trim_logits import lm_head
@@ -94,12 +95,6 @@ def _head_weight(head: ir.Node) -> tuple[np.ndarray | None, ir.Value | None]:
     if e is None or e.dtype != ir.DataType.FLOAT or len(e.shape) != 2 or (perm is not None and list(perm) != [1, 0]):
         return None, None
     return e.numpy().T, tr.inputs[0]
-
-
-def _const(g: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
-    v = ir.val(name, const_value=ir.tensor(np.ascontiguousarray(arr), name=name))
-    g.register_initializer(v)
-    return v
 
 
 def _tied_rows(g: ir.Graph, w: np.ndarray) -> ir.Value | None:
@@ -175,11 +170,11 @@ class ScreenLMHeadPass(ir.passes.InPlacePass):
         b_u8, scales, q = quantize_head(w, bs)
         rows = rows or _tied_rows(g, w)
         if rows is None:
-            rows = _const(g, f"{p}.weight_rows", w.T)
+            rows = add_initializer(g, f"{p}.weight_rows", np.ascontiguousarray(w.T))
         x, old = head.inputs[0], head.outputs[0]
 
         def c(nm, arr):
-            return _const(g, f"{p}.{nm}", np.asarray(arr))
+            return add_initializer(g, f"{p}.{nm}", np.ascontiguousarray(arr))
 
         nodes: list[ir.Node] = []
 

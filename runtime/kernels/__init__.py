@@ -112,18 +112,12 @@ def compiler() -> str | None:
 
 
 def _cpu_flags() -> list[str]:
+    """The compiler's vector flags for this CPU (AVX2 + FMA where /proc/cpuinfo reports both on x86-64)."""
+    from dyncompile.runtime.providers import cpu_flags
+
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
 
 
 def _fetch_header(dest: Path) -> Path:
