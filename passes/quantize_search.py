@@ -205,17 +205,21 @@ def int4_weights(model: ir.Model, targets: Sequence[QuantTarget], fmt: Int4Forma
     return out
 
 
-def _fake_quant_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
-    """``dq(q(W))`` as ``quantize_dynamic`` stores it: symmetric int8 in [-127, 127], a scale per column (axis 1)."""
+def _fake_quant_weight(w: np.ndarray, per_channel: bool, qmax: int = 127) -> np.ndarray:
+    """``dq(q(W))`` as ``quantize_dynamic`` stores it: symmetric int8, a scale per column (axis 1).
+
+    Values in ``[-qmax, qmax]``: 127, or 64 with ORT's ``reduce_range``.
+    """
     a = w.astype(np.float32)
     amax = np.abs(a).max(axis=0, keepdims=True) if per_channel else np.abs(a).max(keepdims=True)
-    scale = (np.maximum(amax, 1e-12) / 127.0).astype(np.float32)
-    return (np.clip(np.rint(a / scale), -127, 127) * scale).astype(np.float32)
+    scale = (np.maximum(amax, 1e-12) / float(qmax)).astype(np.float32)
+    return (np.clip(np.rint(a / scale), -qmax, qmax) * scale).astype(np.float32)
 
 
 def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channel: bool = True,
                      act_qparams: dict[str, tuple[float, int, bool]] | None = None,
-                     int4: dict[str, np.ndarray] | None = None, int4_act_block: int | None = None) -> bytes:
+                     int4: dict[str, np.ndarray] | None = None, int4_act_block: int | None = None,
+                     weight_max: int = 127) -> bytes:
     """A serialised copy of ``model`` whose target MatMuls are int8 where the input ``GATE_INPUT[i]`` is 1.
 
     ``g`` is a float ``[len(targets)]`` graph input. MatMul ``i`` reads ``x + g_i (dq(q(x)) - x)`` and
@@ -227,7 +231,7 @@ def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channe
     ``g[len(targets) + i] = 1`` makes MatMul ``i`` int4 as ``MatMulNBits`` computes it: ``W`` read as its int4
     weight and, with ``int4_act_block`` (``accuracy_level=4``), ``x`` rounded to symmetric int8 per block of that
     many elements along ``K`` (MLAS's ``QuantizeARow_CompInt8``: scale ``max|x| / 127``, round to nearest even).
-    ``model`` is not modified.
+    ``weight_max``: the int8 weights' range (64 for ``reduce_range``). ``model`` is not modified.
     """
     work = ir.from_proto(ir.to_proto(model))
     g = work.graph
@@ -242,7 +246,7 @@ def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channe
         arr = w.const_value.numpy()
         p = f"dyncompile_fq{i}"
         idx = ir.Value(name=f"{p}/idx", const_value=ir.tensor(np.array(i, np.int64), name=f"{p}/idx"))
-        wd = _fake_quant_weight(arr, per_channel) - arr.astype(np.float32)
+        wd = _fake_quant_weight(arr, per_channel, weight_max) - arr.astype(np.float32)
         wdelta = ir.Value(name=f"{p}/wdelta", const_value=ir.tensor(wd, name=f"{p}/wdelta"))
         g.register_initializer(idx)
         g.register_initializer(wdelta)
@@ -448,6 +452,7 @@ def search_fallback(
     seed: int = 0,
     batch_size: int = 32,
     int4: Int4Format | None = None,
+    reduce_range: bool = False,
 ) -> tuple[QuantSearchResult, _Runner, np.ndarray, np.ndarray]:
     """Steps 1–3 of the module docstring: the names to keep in fp32 (and, with ``int4``, in int8) and the evidence.
 
@@ -466,8 +471,10 @@ def search_fallback(
         raise ValueError("no MatMul with a 2-D float32 weight initializer to quantize")
     w4 = int4_weights(model, targets, int4) if int4 is not None else {}
     act_block = int4.block_size if int4 is not None and int4.accuracy_level == 4 else None
-    runner = _Runner(gated_fake_quant(model, targets, per_channel, act_qparams, w4, act_block), texts, tokenizer_file,
-                     max_length, batch_size)
+    from dyncompile.passes.quantize_weights import weight_qmax
+
+    fq = gated_fake_quant(model, targets, per_channel, act_qparams, w4, act_block, weight_qmax(reduce_range))
+    runner = _Runner(fq, texts, tokenizer_file, max_length, batch_size)
     n, m = len(texts), len(targets)
     width = 2 * m if w4 else m
     every = np.arange(n)
@@ -703,8 +710,9 @@ class QuantizeMixedInt4Pass(ir.passes.InPlacePass):
     """
 
     def __init__(self, int4: Int4Format, int8_nodes: Sequence[str] = (), fp32_nodes: Sequence[str] = (), *,
-                 per_channel: bool = True) -> None:
+                 per_channel: bool = True, reduce_range: bool = False) -> None:
         super().__init__()
+        self.reduce_range = bool(reduce_range)
         self.int4 = int4
         self.int8_nodes = tuple(int8_nodes)
         self.fp32_nodes = tuple(fp32_nodes)
@@ -712,7 +720,7 @@ class QuantizeMixedInt4Pass(ir.passes.InPlacePass):
 
     def __repr__(self) -> str:
         return (f"QuantizeMixedInt4Pass({self.int4}, int8_nodes=<{len(self.int8_nodes)} names>, "
-                f"fp32_nodes=<{len(self.fp32_nodes)} names>)")
+                f"fp32_nodes=<{len(self.fp32_nodes)} names>{', reduce_range=True' if self.reduce_range else ''})")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
@@ -743,14 +751,16 @@ class QuantizeMixedInt4Pass(ir.passes.InPlacePass):
         int4 = [t.node for t in targets if t.node not in keep and t.node not in int8]
         # int8 first: ORT's dynamic quantizer cannot type a graph that holds MatMulNBits already
         if int8:
-            QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=[*keep, *int4])(model)
+            QuantizeDynamicInt8Pass(per_channel=self.per_channel, reduce_range=self.reduce_range,
+                                    exclude_nodes=[*keep, *int4])(model)
         if int4:
             QuantizeWeightsInt4Pass(block_size=f.block_size, symmetric=f.symmetric, accuracy_level=f.accuracy_level,
                                     include_nodes=int4)(model)
         if not int8 and not int4:
             return ir.passes.PassResult(model, modified=False)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
-            {"scheme": "mixed-int4-int8", **f.to_dict(), "per_channel": self.per_channel, "int4_matmuls": len(int4),
+            {"scheme": "mixed-int4-int8", **f.to_dict(), "per_channel": self.per_channel,
+             "reduce_range": self.reduce_range, "int4_matmuls": len(int4),
              "int8_matmuls": len(int8), "fp32_matmuls_kept": len(keep)})
         return ir.passes.PassResult(model, modified=True)
 
@@ -778,9 +788,10 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
                  per_channel: bool = True, sensitivity_rows: int = 256, progress: bool = True, fmt: str = "dynamic",
                  static_feeds: Sequence[dict[str, np.ndarray]] | None = None,
                  symmetric_activations: bool = False, forecast: str = "labels",
-                 int4: Int4Format | None = None) -> None:
+                 int4: Int4Format | None = None, reduce_range: bool = False) -> None:
         super().__init__()
         self.int4 = int4
+        self.reduce_range = bool(reduce_range)
         if int4 is not None and fmt != "dynamic":
             raise ValueError("the int4 search falls back to dynamic int8 (fmt='dynamic')")
         self.texts = list(texts)
@@ -805,7 +816,7 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
     def __repr__(self) -> str:
         return (f"SearchInt8FallbackPass(rows={len(self.texts)}, budget={self.budget}, share={self.share}, "
                 f"confidence={self.confidence}, per_channel={self.per_channel}, format={self.fmt}"
-                + (f", int4={self.int4})" if self.int4 else ")"))
+                + (", reduce_range=True" if self.reduce_range else "") + (f", int4={self.int4})" if self.int4 else ")"))
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a model the pass cannot work on, with what to do about it."""
@@ -859,6 +870,7 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
             model, self.texts, self.labels, tokenizer_file=self.tokenizer_file, max_length=self.max_length,
             budget=self.budget, share=self.share, confidence=self.confidence, per_channel=self.per_channel,
             sensitivity_rows=self.sensitivity_rows, act_qparams=act_qparams, forecast=self.forecast, int4=self.int4,
+            reduce_range=self.reduce_range,
         )
         layers = json.loads(model.metadata_props.get(_keys.SMOOTHED, "{}")).get("layers") or _layer_record(model)
         if len(res.excluded) == len(res.table):
@@ -867,12 +879,15 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
                            res.target_points)
             result = ir.passes.PassResult(model, modified=False)
         elif self.int4 is not None:
-            result = QuantizeMixedInt4Pass(self.int4, res.int8_nodes, res.excluded, per_channel=self.per_channel)(model)
+            result = QuantizeMixedInt4Pass(self.int4, res.int8_nodes, res.excluded, per_channel=self.per_channel,
+                                           reduce_range=self.reduce_range)(model)
         elif self.fmt == "static":
             result = QuantizeStaticInt8Pass(self.static_feeds, per_channel=self.per_channel, exclude_nodes=res.excluded,
-                                            symmetric_activations=self.symmetric_activations)(model)
+                                            symmetric_activations=self.symmetric_activations,
+                                            reduce_range=self.reduce_range)(model)
         else:
-            result = QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=res.excluded)(model)
+            result = QuantizeDynamicInt8Pass(per_channel=self.per_channel, exclude_nodes=res.excluded,
+                                             reduce_range=self.reduce_range)(model)
         certify_quantized(res, result.model, runner, fp32, self.labels, test)
         del runner
         c = res.certificate

@@ -15,6 +15,7 @@ import logging
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
@@ -240,11 +241,51 @@ def _weight_matmuls_to_quantize(model: ir.Model, skip: set[str], dtypes: tuple[i
     return targets
 
 
-def _int8_weight(a: np.ndarray, per_channel: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 ``(q, scale)`` of the float weight ``a`` ``[in, out]``: one scale per output column (or one)."""
+#: the largest int8 weight of ORT's reduced range (``reduce_range=True``: [-64, 64]): a u8 x s8 product pair
+#: stays within int16 (2 x 255 x 64 = 32,640 <= 32,767), so CPUs without VNNI do not saturate
+REDUCED_WEIGHT_MAX = 64
+
+
+def weight_qmax(reduce_range: bool) -> int:
+    """The largest symmetric int8 weight: 127, or 64 with ``reduce_range`` (ORT's reduced int8 range)."""
+    return REDUCED_WEIGHT_MAX if reduce_range else 127
+
+
+def _int8_weight(a: np.ndarray, per_channel: bool = True, qmax: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 ``(q, scale)`` of the float weight ``a`` ``[in, out]``: one scale per output column (or one).
+
+    Values in ``[-qmax, qmax]``.
+    """
     amax = np.abs(a).max(axis=0) if per_channel else np.abs(a).max(keepdims=True)
-    scale = (np.maximum(amax, 1e-12) / 127.0).astype(np.float32)
-    return np.clip(np.rint(a / scale), -127, 127).astype(np.int8), scale
+    scale = (np.maximum(amax, 1e-12) / float(qmax)).astype(np.float32)
+    return np.clip(np.rint(a / scale), -qmax, qmax).astype(np.int8), scale
+
+
+def resolve_reduce_range(reduce_range: bool | str, provider: str | None) -> bool:
+    """``reduce_range`` as an int8 pass takes it (True: 7-bit weights, ORT's reduced range).
+
+    ``"auto"`` is True where the int8 MatMuls will run on the CPU EP of a CPU whose u8 x s8 kernels saturate (x86
+    without VNNI: :func:`~dyncompile.runtime.providers.int8_pairs_saturate`), judged on the compiling machine (the
+    plan records the choice; ``dyncompile.load`` warns where a plan with 8-bit weights runs on such a CPU).
+    """
+    if reduce_range == "auto":
+        from dyncompile.runtime.providers import int8_pairs_saturate
+
+        chosen = (provider or "cpu") == "cpu" and int8_pairs_saturate()
+        if chosen:
+            logger.info("quantize-int8: this CPU has no VNNI (ONNX Runtime's int8 kernels add u8 x s8 pairs in int16 "
+                        "with saturation): 7-bit weights (reduce_range=true); reduce_range=false keeps 8 bits")
+        return chosen
+    if not isinstance(reduce_range, bool):
+        from dyncompile.errors import PassConfigError
+
+        raise PassConfigError(f"quantize-int8 reduce_range is true, false or auto, got {reduce_range!r}")
+    return reduce_range
+
+
+def _rr_repr(reduce_range: bool) -> str:
+    """The repr part the runtime reads (``reduce_range=True``: 7-bit weights, no saturation)."""
+    return ", reduce_range=True" if reduce_range else ""
 
 
 def _fp32_repr(keep_fp32: tuple[str, ...], exclude_nodes: tuple[str, ...]) -> str:
@@ -288,7 +329,7 @@ class QuantizeDynamicInt8Pass(ir.passes.InPlacePass):
 
     def __repr__(self) -> str:
         keep = _fp32_repr(self.keep_fp32, self.exclude_nodes)
-        rr = ", reduce_range=True" if self.reduce_range else ""  # read by the runtime (7-bit weights: no saturation)
+        rr = _rr_repr(self.reduce_range)
         return f"QuantizeDynamicInt8Pass(per_channel={self.per_channel}{rr}, op_types={list(self.op_types)}{keep})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -333,8 +374,9 @@ def _is_gelu_output(x: ir.Value) -> bool:
 class _PerTokenRewrite:
     """The nodes :func:`quantize_per_token` writes; the graph's shared constants are made once, here."""
 
-    def __init__(self, model: ir.Model, integer_to_float: bool) -> None:
+    def __init__(self, model: ir.Model, integer_to_float: bool, weight_max: int = 127) -> None:
         self.g = model.graph
+        self.weight_max = int(weight_max)
         opset = default_opset(model)
         self.blocked = opset >= 21  # QuantizeLinear with one block per row of x as it is (no 2-D view)
         self.rows = 15 <= opset < 21  # QuantizeLinear over the rows of a 2-D view (Shape's start/end: opset 15)
@@ -428,7 +470,7 @@ class _PerTokenRewrite:
         """The int8 product of quantized ``x`` and weight ``w``, scaled back (its output is the last node's)."""
         xq, s_row, lead = self.quantized[x]
         if w.name not in self.weights:
-            wq, sw = _int8_weight(w.const_value.numpy().astype(np.float32))
+            wq, sw = _int8_weight(w.const_value.numpy().astype(np.float32), qmax=self.weight_max)
             self.weights[w.name] = (self.const(f"{w.name}_int8pt", wq), self.const(f"{w.name}_int8pt_scale", sw))
         wq_v, sw_v = self.weights[w.name]
         if self.unit_scale is not None:
@@ -448,18 +490,19 @@ class _PerTokenRewrite:
         return new
 
 
-def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Value]], integer_to_float: bool = False
-                       ) -> int:
+def quantize_per_token(model: ir.Model, targets: Sequence[tuple[ir.Node, ir.Value]], integer_to_float: bool = False,
+                       reduce_range: bool = False) -> int:
     """Rewrite ``targets`` (``(MatMul, 2-D float weight)`` pairs) as per-token int8; returns the activations quantized.
 
     The rewrite of :class:`QuantizeDynamicInt8PerTokenPass` (its docstring has the arithmetic); MatMuls that
     read one activation share its quantization. With ``integer_to_float``, ``MatMulInteger`` -> ``Cast`` ->
     ``Mul(weight scale)`` is one ``com.microsoft.MatMulIntegerToFloat`` (A's scale 1, B's the weight scale): the
-    same bytes. No targets: the graph is left as it is.
+    same bytes. With ``reduce_range`` the weights are in ORT's reduced int8 range ``[-64, 64]`` (no saturation on
+    CPUs without VNNI). No targets: the graph is left as it is.
     """
     if not targets:
         return 0
-    rw = _PerTokenRewrite(model, integer_to_float)
+    rw = _PerTokenRewrite(model, integer_to_float, weight_qmax(reduce_range))
     g = model.graph
     for i, (node, w) in enumerate(targets):
         x, y = node.inputs[0], node.outputs[0]
@@ -499,20 +542,22 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
     row of ``x`` as it is) needs no 2-D view and no shape arithmetic around it, six kernels fewer (the same bytes;
     ``raise-opset`` declares 21 for the CPU EP). With ``integer_to_float`` (the factory sets it for the CPU EP)
     ``MatMulInteger`` -> ``Cast`` -> ``Mul(w_scale)`` is one ``com.microsoft.MatMulIntegerToFloat`` (A's scale 1,
-    B's ``w_scale``): the same bytes, two kernels fewer.
+    B's ``w_scale``): the same bytes, two kernels fewer. ``reduce_range``: weights in ``[-64, 64]`` (scale
+    ``max |w| / 64``), ORT's reduced range, so x86 CPUs without VNNI add u8 x s8 pairs without saturating.
     Records ``dyncompile.quantized``.
     Idempotent: a graph that already holds int8 MatMuls is left alone (``modified=False``).
     """
 
     def __init__(self, keep_fp32: str | tuple[str, ...] | None = None, exclude_nodes: Sequence[str] = (),
-                 integer_to_float: bool = False) -> None:
+                 integer_to_float: bool = False, reduce_range: bool = False) -> None:
         super().__init__()
         self.keep_fp32 = _parse_keep_fp32(keep_fp32)
         self.exclude_nodes = tuple(exclude_nodes)
         self.integer_to_float = bool(integer_to_float)
+        self.reduce_range = bool(reduce_range)
 
     def _repr_tail(self) -> str:
-        return ", integer_to_float=True" if self.integer_to_float else ""
+        return (", integer_to_float=True" if self.integer_to_float else "") + _rr_repr(self.reduce_range)
 
     def __repr__(self) -> str:
         return (f"QuantizeDynamicInt8PerTokenPass({_fp32_repr(self.keep_fp32, self.exclude_nodes).lstrip(', ')}"
@@ -543,10 +588,10 @@ class QuantizeDynamicInt8PerTokenPass(ir.passes.InPlacePass):
     def _quantize(self, model: ir.Model, targets: list[tuple[ir.Node, ir.Value]], exclude: list[str]
                   ) -> ir.passes.PassResult:
         """Quantize ``targets`` (the float-weight MatMuls not in ``exclude``) and record the scheme."""
-        n_act = quantize_per_token(model, targets, self.integer_to_float)
+        n_act = quantize_per_token(model, targets, self.integer_to_float, self.reduce_range)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
-            {"scheme": "int8-dynamic-per-token", "per_channel": True, "keep_fp32": list(self.keep_fp32),
-             "fp32_matmuls_kept": len(exclude)}
+            {"scheme": "int8-dynamic-per-token", "per_channel": True, "reduce_range": self.reduce_range,
+             "keep_fp32": list(self.keep_fp32), "fp32_matmuls_kept": len(exclude)}
         )
         logger.info("int8 per-token: %d MatMulInteger nodes (%d activations quantized), %d MatMuls kept in fp32",
                     len(targets), n_act, len(exclude))
@@ -570,8 +615,9 @@ class QuantizeDynamicInt8MixedPass(QuantizeDynamicInt8PerTokenPass):
     (``modified=False``).
     """
 
-    def __init__(self, exclude_nodes: Sequence[str] = (), integer_to_float: bool = False) -> None:
-        super().__init__(exclude_nodes=exclude_nodes, integer_to_float=integer_to_float)
+    def __init__(self, exclude_nodes: Sequence[str] = (), integer_to_float: bool = False,
+                 reduce_range: bool = False) -> None:
+        super().__init__(exclude_nodes=exclude_nodes, integer_to_float=integer_to_float, reduce_range=reduce_range)
 
     def __repr__(self) -> str:
         return f"QuantizeDynamicInt8MixedPass({_fp32_repr((), self.exclude_nodes).lstrip(', ')}{self._repr_tail()})"
@@ -581,12 +627,14 @@ class QuantizeDynamicInt8MixedPass(QuantizeDynamicInt8PerTokenPass):
         """ORT's per-tensor int8 for ``targets`` a GELU does not feed, then the per-token rewrite for the rest."""
         gelu_fed = [n for n in gelu_fed_matmuls(model) if n not in self.exclude_nodes]
         if any(node.name not in gelu_fed for node, _ in targets):
-            QuantizeDynamicInt8Pass(per_channel=True, exclude_nodes=(*gelu_fed, *self.exclude_nodes))(model)
+            QuantizeDynamicInt8Pass(per_channel=True, reduce_range=self.reduce_range,
+                                    exclude_nodes=(*gelu_fed, *self.exclude_nodes))(model)
         by_name = {n.name: n for n in model.graph}  # ORT's rewrite replaced the graph: look the MatMuls up again
         per_token = [(by_name[n], by_name[n].inputs[1]) for n in gelu_fed if n in by_name]
-        n_act = quantize_per_token(model, per_token, self.integer_to_float)
+        n_act = quantize_per_token(model, per_token, self.integer_to_float, self.reduce_range)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
-            {"scheme": "int8-dynamic-mixed", "per_channel": True, "per_token_matmuls": len(per_token),
+            {"scheme": "int8-dynamic-mixed", "per_channel": True, "reduce_range": self.reduce_range,
+             "per_token_matmuls": len(per_token),
              "keep_fp32": [], "fp32_matmuls_kept": len(exclude)}
         )
         logger.info("int8 mixed: %d GELU-fed MatMuls per-token (%d activations), the rest per-tensor, %d kept in fp32",
@@ -688,16 +736,19 @@ class _FeedsReader:
         return next(self._it, None)
 
 
-def _quantize_static(src: Path, dst: Path, reader, names: list[str], per_channel: bool, symmetric: bool) -> None:
+def _quantize_static(src: Path, dst: Path, reader, names: list[str], per_channel: bool, symmetric: bool,
+                     reduce_range: bool = False) -> None:
     """ORT's ``quantize_static`` on the MatMuls ``names``: QDQ, their outputs left float.
 
-    MinMax activation ranges (uint8, or int8 when ``symmetric``), symmetric int8 weights.
+    MinMax activation ranges (uint8, or int8 when ``symmetric``), symmetric int8 weights (``[-64, 64]`` with
+    ``reduce_range``).
     """
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     quantize_static(
         src, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"], nodes_to_quantize=names,
-        per_channel=per_channel, activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
+        per_channel=per_channel, reduce_range=reduce_range,
+        activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
         weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax,
         extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True,
                        "OpTypesToExcludeOutputQuantization": ["MatMul"], "DefaultTensorType": int(ir.DataType.FLOAT)},
@@ -739,14 +790,18 @@ class QuantizeStaticInt8Pass(ir.passes.InPlacePass):
     of a quantized activation (the residual ``Add`` after a LayerNorm, a fallback MatMul): ORT's quantizer hands
     them the int8-rounded tensor, this pass gives them the float one back.
 
+    ``reduce_range``: weights in ORT's reduced range ``[-64, 64]`` (no saturated u8 x s8 pairs on CPUs without VNNI).
+
     Scope: main graph. Invariants: graph inputs/outputs unchanged. Records ``dyncompile.quantized``
     (``scheme=int8-static-qdq``). Idempotent: a model with that key or with QuantizeLinear nodes is left alone.
     """
 
     def __init__(self, feeds: Sequence[dict[str, np.ndarray]], per_channel: bool = True,
-                 exclude_nodes: Sequence[str] = (), symmetric_activations: bool = False) -> None:
+                 exclude_nodes: Sequence[str] = (), symmetric_activations: bool = False,
+                 reduce_range: bool = False) -> None:
         super().__init__()
         self.feeds = list(feeds)
+        self.reduce_range = bool(reduce_range)
         self.symmetric_activations = bool(symmetric_activations)
         self.per_channel = bool(per_channel)
         self.exclude_nodes = tuple(exclude_nodes)
@@ -754,7 +809,7 @@ class QuantizeStaticInt8Pass(ir.passes.InPlacePass):
     def __repr__(self) -> str:
         ex = f", exclude_nodes=<{len(self.exclude_nodes)} names>" if self.exclude_nodes else ""
         return (f"QuantizeStaticInt8Pass(per_channel={self.per_channel}, symmetric_activations="
-                f"{self.symmetric_activations}, feeds={len(self.feeds)} batches{ex})")
+                f"{self.symmetric_activations}{_rr_repr(self.reduce_range)}, feeds={len(self.feeds)} batches{ex})")
 
     def requires(self, model: ir.Model) -> None:
         """Refuse missing calibration feeds or an opset without per-axis QDQ before anything changes."""
@@ -786,7 +841,7 @@ class QuantizeStaticInt8Pass(ir.passes.InPlacePass):
         quiet.setLevel(logging.ERROR)
         try:
             new = _ort_quantized(model, lambda src, dst: _quantize_static(
-                src, dst, reader, names, self.per_channel, self.symmetric_activations))
+                src, dst, reader, names, self.per_channel, self.symmetric_activations, self.reduce_range))
         finally:
             quiet.setLevel(level)
         _float_for_other_readers(new, set(names))
@@ -794,7 +849,7 @@ class QuantizeStaticInt8Pass(ir.passes.InPlacePass):
                     and n.inputs[0].const_value is not None)
         _replace_contents(model, new)
         model.metadata_props[_keys.QUANTIZED] = json.dumps(
-            {"scheme": "int8-static-qdq", "per_channel": self.per_channel,
+            {"scheme": "int8-static-qdq", "per_channel": self.per_channel, "reduce_range": self.reduce_range,
              "activations": "int8-symmetric-minmax" if self.symmetric_activations else "uint8-minmax",
              "calibration_batches": len(self.feeds), "int8_matmuls": count, "fp32_matmuls_kept": len(excluded)})
         logger.info("int8 static (QDQ): %d MatMuls, %d kept in fp32, activation ranges from %d calibration batches",
@@ -983,13 +1038,17 @@ class QuantizeWeightsInt4Pass(ir.passes.InPlacePass):
     "(e.g. a search's choice, from `dyncompile inspect`); forecast=clipped: the search's path-row forecast does not let "
     "helpful flips cancel harmful ones; activations=per-token (format=dynamic): one int8 scale per token instead of one "
     "per tensor (fewer flipped answers, same int8 GEMM); activations=mixed: per-token only for the GELU-fed FFN output "
-    "MatMuls, per-tensor elsewhere (nearly per-token's answers at nearly per-tensor's speed)",
+    "MatMuls, per-tensor elsewhere (nearly per-token's answers at nearly per-tensor's speed); reduce_range=auto: "
+    "7-bit weights (ORT's reduced range [-64, 64]) where the compiling CPU's int8 kernels saturate (x86 without "
+    "VNNI, e.g. AMD Zen 2/3: 8-bit weights there can cost tens of points), 8-bit elsewhere; true or false to choose "
+    "(format=dynamic with 7-bit weights: per_channel defaults to true)",
     choices={"format": ("auto", "dynamic", "qdq-weights", "static"), "forecast": ("labels", "clipped"),
              "activations": ("per-tensor", "per-token", "mixed")},
 )
 def _make_int8(
-    context, format: str = "auto", per_channel: bool | None = None, reduce_range: bool = False,  # noqa: A002
-    keep_fp32: str | None = None, budget_share: float | None = None, sensitivity_rows: int = 256,
+    context, format: str = "auto", per_channel: bool | None = None,  # noqa: A002
+    reduce_range: bool | Literal["auto"] = "auto", keep_fp32: str | None = None, budget_share: float | None = None,
+    sensitivity_rows: int = 256,
     fp32_nodes: str | None = None, calib_rows: int = 256, symmetric_activations: bool = False,
     forecast: str = "labels", activations: str = "per-tensor",
 ):
@@ -1000,17 +1059,20 @@ def _make_int8(
         format, _ = choose_int8_format(context.options.get("provider") or "cpu")  # noqa: A001
     names = tuple(n for n in (fp32_nodes or "").split("+") if n)
     cpu = (context.options.get("provider") or "cpu") == "cpu"
+    if format != "qdq-weights":  # weight-only QDQ computes in float: no int8 product to saturate
+        reduce_range = resolve_reduce_range(reduce_range, context.options.get("provider"))
     if activations in ("per-token", "mixed"):
-        if format != "dynamic" or budget_share is not None or reduce_range or per_channel is False:
+        if format != "dynamic" or budget_share is not None or per_channel is False:
             raise PassConfigError(f"quantize-int8 activations={activations} is a dynamic format with per-channel weights: "
-                                  "use format=dynamic without budget_share, reduce_range or per_channel=false")
+                                  "use format=dynamic without budget_share or per_channel=false")
         if activations == "mixed":
             if keep_fp32:
                 raise PassConfigError("quantize-int8 activations=mixed quantizes the GELU-fed MatMuls per token; drop "
                                       "keep_fp32 (or name fp32 MatMuls with fp32_nodes=A+B)")
             # MatMulIntegerToFloat is a CPU kernel of onnxruntime's contrib ops: written for the CPU EP only
-            return QuantizeDynamicInt8MixedPass(exclude_nodes=names, integer_to_float=cpu)
-        return QuantizeDynamicInt8PerTokenPass(keep_fp32=keep_fp32, exclude_nodes=names, integer_to_float=cpu)
+            return QuantizeDynamicInt8MixedPass(exclude_nodes=names, integer_to_float=cpu, reduce_range=reduce_range)
+        return QuantizeDynamicInt8PerTokenPass(keep_fp32=keep_fp32, exclude_nodes=names, integer_to_float=cpu,
+                                               reduce_range=reduce_range)
     if budget_share is not None:
         if fp32_nodes:
             raise PassConfigError("quantize-int8: give budget_share (search the fp32 MatMuls) or fp32_nodes (name "
@@ -1020,15 +1082,17 @@ def _make_int8(
     if names and format not in ("dynamic", "static"):
         raise PassConfigError(f"quantize-int8 fp32_nodes applies to format=dynamic or static, not {format!r}")
     if format == "static":
-        if keep_fp32 or reduce_range:
-            raise PassConfigError("quantize-int8 format=static takes fp32_nodes=A+B for fp32 MatMuls; drop keep_fp32 "
-                                  "and reduce_range")
+        if keep_fp32:
+            raise PassConfigError("quantize-int8 format=static takes fp32_nodes=A+B for fp32 MatMuls; drop keep_fp32")
         if not context.options.get("calib"):
             raise PassConfigError("quantize-int8 format=static calibrates its activation ranges: pass --calib FILE.jsonl")
         return QuantizeStaticInt8Pass(_static_feeds(context, calib_rows),
                                       per_channel=per_channel is not False, exclude_nodes=names,
-                                      symmetric_activations=symmetric_activations)
+                                      symmetric_activations=symmetric_activations, reduce_range=reduce_range)
     if format == "dynamic":
+        # 7-bit weights want a scale per output channel (one scale per matrix leaves too few levels: paraphrase-MiniLM-L3
+        # embeddings' mean cosine to fp32 0.916 per matrix, 0.996 per channel, 0.978 8-bit per channel saturating)
+        per_channel = reduce_range if per_channel is None else per_channel
         return QuantizeDynamicInt8Pass(per_channel=bool(per_channel), reduce_range=reduce_range, keep_fp32=keep_fp32,
                                        exclude_nodes=names)
     if format == "qdq-weights":
@@ -1048,9 +1112,8 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
     if format not in ("dynamic", "static"):
         raise PassConfigError(f"quantize-int8 budget_share searches the dynamic or static int8 formats, not {format!r};"
                               " use format=dynamic (the CPU EP's), format=static, or drop budget_share")
-    if keep_fp32 or reduce_range:
-        raise PassConfigError("quantize-int8 budget_share chooses the fp32 MatMuls itself: drop keep_fp32 and "
-                              "reduce_range")
+    if keep_fp32:
+        raise PassConfigError("quantize-int8 budget_share chooses the fp32 MatMuls itself: drop keep_fp32")
     if isinstance(share, bool) or not 0.0 < float(share) <= 1.0:
         raise PassConfigError(f"quantize-int8 budget_share is the part of --budget the int8 model may spend, in (0, 1];"
                               f" got {share!r}")
@@ -1073,7 +1136,7 @@ def _make_int8_search(context, format: str, per_channel, reduce_range: bool, kee
         budget=float(budget), share=float(share), confidence=confidence, sensitivity_rows=sensitivity_rows,
         per_channel=per_channel is not False, progress=context.progress, fmt=format,
         static_feeds=_static_feeds(context, calib_rows) if format == "static" else None,
-        symmetric_activations=symmetric_activations, forecast=forecast, int4=int4,
+        symmetric_activations=symmetric_activations, forecast=forecast, int4=int4, reduce_range=reduce_range,
     )
 
 
@@ -1096,13 +1159,14 @@ def _static_feeds(context, calib_rows: int):
     "at a time by sensitivity until the quantized model alone is expected within S*B points of fp32, certified on "
     "held-out calibration rows (sensitivity_rows, forecast, per_channel as quantize-int8's); int8_nodes=A+B, "
     "fp32_nodes=C+D: those MatMuls int8 (dynamic) / fp32, every other int4 (e.g. a search's choice, from `dyncompile "
-    "inspect`)",
+    "inspect`); reduce_range=auto: the int8 ones with 7-bit weights where this CPU's int8 kernels saturate (as "
+    "quantize-int8's)",
     choices={"forecast": ("labels", "clipped")},
 )
 def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy_level: int | None = 4,
                lm_head_bits: int = 8, budget_share: float | None = None, sensitivity_rows: int = 256,
                forecast: str = "labels", per_channel: bool = True, int8_nodes: str | None = None,
-               fp32_nodes: str | None = None):
+               fp32_nodes: str | None = None, reduce_range: bool | Literal["auto"] = "auto"):
     from dyncompile.errors import PassConfigError
 
     warn_if_cuda(context, "quantize-int4")
@@ -1110,6 +1174,9 @@ def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy
         raise PassConfigError(f"quantize-int4 block_size must be a power of two >= 16 (e.g. 32), got {block_size}")
     if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
         raise PassConfigError(f"quantize-int4 accuracy_level must be 0..4 or none, got {accuracy_level}")
+    if reduce_range != "auto" and not (int8_nodes or fp32_nodes or budget_share is not None):
+        raise PassConfigError("quantize-int4 reduce_range applies to the int8 MatMuls of a mixed plan (int8_nodes or "
+                              "budget_share); int4 MatMulNBits weights have no 8-bit range to reduce: drop it")
     if int8_nodes or fp32_nodes:
         from dyncompile.passes.quantize_search import Int4Format, QuantizeMixedInt4Pass
 
@@ -1120,7 +1187,8 @@ def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy
             raise PassConfigError("quantize-int4 int8_nodes/fp32_nodes take accuracy_level 4 or 0 and no lm_head_bits")
         return QuantizeMixedInt4Pass(Int4Format(block_size, bool(symmetric), int(accuracy_level)),
                                      [n for n in (int8_nodes or "").split("+") if n],
-                                     [n for n in (fp32_nodes or "").split("+") if n], per_channel=per_channel)
+                                     [n for n in (fp32_nodes or "").split("+") if n], per_channel=per_channel,
+                                     reduce_range=resolve_reduce_range(reduce_range, context.options.get("provider")))
     if budget_share is not None:
         from dyncompile.passes.quantize_search import Int4Format
 
@@ -1129,7 +1197,8 @@ def _make_int4(context, block_size: int = 128, symmetric: bool = False, accuracy
                                   f"compute), got {accuracy_level}")
         if lm_head_bits != 8:
             raise PassConfigError("quantize-int4 budget_share chooses every MatMul's precision itself: drop lm_head_bits")
-        return _make_int8_search(context, "dynamic", per_channel, False, None, budget_share, sensitivity_rows,
+        return _make_int8_search(context, "dynamic", per_channel, resolve_reduce_range(
+            reduce_range, context.options.get("provider")), None, budget_share, sensitivity_rows,
                                  forecast=forecast, int4=Int4Format(block_size, bool(symmetric), int(accuracy_level)))
     return QuantizeWeightsInt4Pass(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
                                    lm_head_bits=lm_head_bits)

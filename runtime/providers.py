@@ -189,7 +189,8 @@ def warn_if_int8_saturates(plan_passes: Sequence[str], ort_provider: str) -> boo
         "this plan's int8 MatMuls (%s) use 8-bit weights, and this CPU has no VNNI: ONNX Runtime's int8 kernels here "
         "add pairs of u8 x s8 products in int16 with saturation, so outputs can differ from those of a CPU with VNNI "
         "(a quality promise certified on another machine was not measured with these kernels). Recompile on this "
-        "machine, or with quantize-int8{reduce_range=true} (7-bit weights, no saturation)", full[0].split("(")[0])
+        "machine (quantize-int8's default reduce_range=auto picks 7-bit weights here), or anywhere with "
+        "quantize-int8{reduce_range=true} (7-bit weights, no saturation)", full[0].split("(")[0])
     return True
 
 

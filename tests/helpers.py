@@ -23,6 +23,9 @@ skip_if_int8_pairs_saturate = pytest.mark.skipif(
     reason="this CPU has no VNNI: ONNX Runtime's u8s8 int8 kernels saturate int16 pair sums (vpmaddubsw), so the "
     "exact int8 emulation this test compares against does not describe them",
 )
+#: ``reduce_range`` for an int8 test against an exact emulation: 8-bit weights where the CPU's kernels are exact,
+#: 7-bit weights (ORT's reduced range, [-64, 64]) on every CPU
+REDUCE_RANGE = [pytest.param(False, id="8-bit", marks=skip_if_int8_pairs_saturate), pytest.param(True, id="7-bit")]
 
 
 @pytest.fixture(scope="module")

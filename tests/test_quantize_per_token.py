@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import ort_session, random_token_feeds, skip_if_int8_pairs_saturate
+from helpers import REDUCE_RANGE, ort_session, random_token_feeds, skip_if_int8_pairs_saturate
 
 from dyncompile.models.synthetic import tiny_encoder_classifier
 from dyncompile.passes import QuantizeDynamicInt8Pass, _keys, run_pipeline
@@ -37,12 +37,14 @@ def _one_matmul(w: np.ndarray, b: np.ndarray) -> ir.Model:
     return ir.Model(g, ir_version=10)
 
 
-def _emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The pass's arithmetic in numpy (float64): symmetric int8 per token, symmetric int8 per output column."""
+def _emulate(x: np.ndarray, w: np.ndarray, reduce_range: bool = False) -> np.ndarray:
+    """The pass's arithmetic in numpy (float64): symmetric int8 per token, symmetric int8 per output column (in
+    [-64, 64] with ``reduce_range``, ORT's reduced range)."""
+    wmax = 64 if reduce_range else 127
     s = np.maximum(np.abs(x).max(-1, keepdims=True) / 127.0, 1e-12)
-    sw = np.abs(w).max(0) / 127.0
+    sw = np.abs(w).max(0) / wmax
     xq = np.round(x / s)  # within [-127, 127] by construction
-    wq = np.clip(np.round(w / sw), -127, 127)
+    wq = np.clip(np.round(w / sw), -wmax, wmax)
     return (xq @ wq) * sw * s
 
 
@@ -86,9 +88,9 @@ def test_shared_activation_is_quantized_once():
     assert ops.count("MatMulInteger") == 3 and ops.count("ReduceMax") == 1 and ops.count("QuantizeLinear") == 1
 
 
-@skip_if_int8_pairs_saturate
+@pytest.mark.parametrize("reduce_range", REDUCE_RANGE)
 @pytest.mark.parametrize("optimized", [False, True])
-def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized):
+def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized, reduce_range):
     """Rows of very different size (one token 300x the others): each keeps its own scale. At ORT_ENABLE_ALL the
     result must not change: ORT fuses MatMulInteger -> Cast -> Mul(scale) -> Add(bias) into MatMulIntegerToFloat;
     the per-row scale is multiplied after the weight scale (multiplied into the weight scale first, the fusion
@@ -101,10 +103,13 @@ def test_arithmetic_matches_the_emulation_with_and_without_ort_fusions(optimized
     x[1, 2] *= 300.0
     x[2, 4, :] = 0.0  # an all-zero token: scale floor, output exactly zero
     m = _one_matmul(w, b)
-    QuantizeDynamicInt8PerTokenPass()(m)
+    QuantizeDynamicInt8PerTokenPass(reduce_range=reduce_range)(m)
     onnx.checker.check_model(ir.to_proto(m), full_check=True)
+    wq = next(m.graph.initializers[n.inputs[1].name].const_value.numpy() for n in m.graph if n.op_type.startswith(
+        "MatMulInteger"))
+    assert np.abs(wq.astype(int)).max() == (64 if reduce_range else 127)  # the widest column reaches the range
     got = ort_session(m, disable_all=not optimized).run(None, {"x": x})[0]
-    want = _emulate(x.astype(np.float64), w.astype(np.float64)) + b
+    want = _emulate(x.astype(np.float64), w.astype(np.float64), reduce_range) + b
     scale = np.abs(want).max(-1, keepdims=True) + 1e-30  # relative to each token's own size
     assert (np.abs(got - want) / scale).max() <= 1e-5
     assert np.abs(got[2, 4] - b).max() <= 1e-6
@@ -202,16 +207,16 @@ def test_a_gelu_output_needs_no_abs_and_gives_the_same_bytes(opset):
     assert np.all(np.abs(outs[True][2, 3] - gelu[2, 3] @ w) <= step + 1e-6)
 
 
-@skip_if_int8_pairs_saturate
-def test_numerics_on_the_generated_encoder_are_within_the_quantization_step():
+@pytest.mark.parametrize("reduce_range", REDUCE_RANGE)
+def test_numerics_on_the_generated_encoder_are_within_the_quantization_step(reduce_range):
     from test_quantize import ROWS, _check_quantized, _weight_step_error
 
     feeds = random_token_feeds(batch=ROWS)
     ref = ort_session(tiny_encoder_classifier()).run(None, feeds)[0]
     m = tiny_encoder_classifier()
-    QuantizeDynamicInt8PerTokenPass()(m)
+    QuantizeDynamicInt8PerTokenPass(reduce_range=reduce_range)(m)
     got = ort_session(m).run(None, feeds)[0]
-    rel_step, matmuls = _weight_step_error(tiny_encoder_classifier(), 127, per_channel=True)
+    rel_step, matmuls = _weight_step_error(tiny_encoder_classifier(), 64 if reduce_range else 127, per_channel=True)
     _check_quantized(got, ref, rel_step, matmuls, activations=True)
 
 
@@ -297,8 +302,8 @@ def test_a_graph_without_weight_matmuls_is_left_alone_with_a_reason(caplog):
 # --- activations=mixed: per-token for the GELU-fed MatMuls, ORT's per-tensor elsewhere -------------------------
 
 
-@skip_if_int8_pairs_saturate
-def test_mixed_structure_numerics_and_idempotence():
+@pytest.mark.parametrize("reduce_range", REDUCE_RANGE)
+def test_mixed_structure_numerics_and_idempotence(reduce_range):
     """On a GELU MLP: fc1 gets ORT's per-tensor DynamicQuantizeLinear, fc2 (GELU-fed) the per-token rewrite. The
     logits equal ORT's per-tensor fc1 followed by the numpy per-token emulation of fc2, with ORT's fusions off
     and on; a second run changes nothing."""
@@ -307,7 +312,7 @@ def test_mixed_structure_numerics_and_idempotence():
     from dyncompile.passes.quantize_weights import QuantizeDynamicInt8MixedPass
 
     m = _gelu_mlp()
-    res = run_pipeline([QuantizeDynamicInt8MixedPass()], m, check="each")  # onnx.checker full_check each pass
+    res = run_pipeline([QuantizeDynamicInt8MixedPass(reduce_range=reduce_range)], m, check="each")  # full_check each
     assert res.modified
     ops = [n.op_type for n in m.graph]
     assert ops.count("MatMulInteger") == 2 and "MatMul" not in ops
@@ -316,16 +321,17 @@ def test_mixed_structure_numerics_and_idempotence():
     assert [n.name for n in pt_matmul] == ["fc2/pt_matmul"]
     meta = json.loads(m.metadata_props[_keys.QUANTIZED])
     assert meta["scheme"] == "int8-dynamic-mixed" and meta["per_token_matmuls"] == 1
+    assert meta["reduce_range"] is reduce_range
     assert QuantizeDynamicInt8MixedPass()(m).modified is False
     # reference: ORT's per-tensor fc1 (fc2 left fp32), GELU output exposed, fc2 emulated per token
     ref = _gelu_mlp()
-    QuantizeDynamicInt8Pass(per_channel=True, keep_fp32="ffn-out")(ref)
+    QuantizeDynamicInt8Pass(per_channel=True, reduce_range=reduce_range, keep_fp32="ffn-out")(ref)
     fc2 = next(n for n in ref.graph if n.name == "fc2")
     ref.graph.outputs.append(fc2.inputs[0])
     x = np.random.default_rng(1).standard_normal((6, 64)).astype(np.float32) * 3
     _, gelu = ort_session(ref).run(None, {"x": x})
     w2 = _gelu_mlp().graph.initializers["w2"].const_value.numpy()
-    want = _emulate(gelu.astype(np.float64), w2.astype(np.float64))
+    want = _emulate(gelu.astype(np.float64), w2.astype(np.float64), reduce_range)
     for disable_all in (True, False):
         got = ort_session(m, disable_all=disable_all).run(None, {"x": x})[0]
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import DATA, ort_session, random_token_feeds, skip_if_int8_pairs_saturate, tiny_classifier_dir
+from helpers import DATA, REDUCE_RANGE, ort_session, random_token_feeds, tiny_classifier_dir
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
@@ -30,20 +30,21 @@ def _run(model, feeds, gate=None):
     return ort_session(model).run(None, f)[0]
 
 
-@skip_if_int8_pairs_saturate
-def test_gated_fake_quant_is_fp32_at_gate_zero_and_quantize_dynamic_at_gate_one():
+@pytest.mark.parametrize("reduce_range", REDUCE_RANGE)
+def test_gated_fake_quant_is_fp32_at_gate_zero_and_quantize_dynamic_at_gate_one(reduce_range):
     """g = 0: the fp32 graph's outputs (to float round-off: the MatMuls read computed weights); g = 1: ORT's per-channel dynamic int8 (far closer to it than to fp32)."""
     feeds = random_token_feeds(64, vocab=512, seed=3)
     m = tiny_encoder_classifier()
     targets = quant_targets(m)
     assert len(targets) == sum(1 for n in m.graph if n.op_type == "MatMul" and n.inputs[1].const_value is not None)
-    gated = ir.from_proto(__import__("onnx").load_from_string(gated_fake_quant(m, targets)))
+    gated = ir.from_proto(__import__("onnx").load_from_string(
+        gated_fake_quant(m, targets, weight_max=64 if reduce_range else 127)))
     fp32 = _run(tiny_encoder_classifier(), feeds)
     off = _run(gated, feeds, np.zeros(len(targets)))
     assert np.abs(off - fp32).max() <= 1e-5 * max(1.0, float(np.abs(fp32).max()))
     assert (off.argmax(-1) == fp32.argmax(-1)).all()
     q = tiny_encoder_classifier()
-    QuantizeDynamicInt8Pass(per_channel=True)(q)
+    QuantizeDynamicInt8Pass(per_channel=True, reduce_range=reduce_range)(q)
     real = _run(q, feeds)
     sim = _run(gated, feeds, np.ones(len(targets)))
     assert np.abs(real - fp32).max() > 1e-3  # int8 does change the outputs here
@@ -302,8 +303,9 @@ def test_int4_search_plan_graph_and_inspect(minilm, tmp_path, capsys, budget, le
     from dyncompile.passes.quantize_search import precision_moves
 
     d, calib = tiny_classifier_dir(tmp_path, minilm)
-    res = dyncompile.compile(d / "model.onnx", "quantize-int4{budget_share=0.5,sensitivity_rows=64,block_size=32}",
-                             tmp_path / "o", calib=str(calib), budget=budget, progress=False)
+    # reduce_range=false: 8-bit int8 fallbacks on every CPU (the branches each budget reaches were found with them)
+    spec = "quantize-int4{budget_share=0.5,sensitivity_rows=64,block_size=32,reduce_range=false}"
+    res = dyncompile.compile(d / "model.onnx", spec, tmp_path / "o", calib=str(calib), budget=budget, progress=False)
     q = res.plan.policy["quantization"]
     assert q["int4"] == {"block_size": 32, "symmetric": False, "accuracy_level": 4}
     table = q["table"]

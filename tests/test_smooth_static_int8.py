@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import DATA, ort_session, random_token_feeds, skip_if_int8_pairs_saturate, tiny_classifier_dir
+from helpers import DATA, REDUCE_RANGE, ort_session, random_token_feeds, tiny_classifier_dir
 
 import dyncompile
 from dyncompile.models.synthetic import tiny_encoder_classifier
@@ -109,8 +109,8 @@ def test_smoothing_does_not_fire_without_a_layernorm_feeding_a_matmul():
     assert _keys.SMOOTHED not in m.metadata_props
 
 
-@skip_if_int8_pairs_saturate
-def test_static_int8_structure_fusion_and_simulation():
+@pytest.mark.parametrize("reduce_range", REDUCE_RANGE)
+def test_static_int8_structure_fusion_and_simulation(reduce_range):
     """QDQ on every constant-weight MatMul (per-channel int8 weights, uint8 activations, outputs float), names kept in
     fp32 are untouched; ORT's CPU EP fuses every quantized MatMul into MatMulIntegerToFloat; the gated fake-quant
     model at gate 1 with :func:`static_qparams` of the calibrated ranges reproduces the real static model."""
@@ -119,7 +119,7 @@ def test_static_int8_structure_fusion_and_simulation():
     targets = quant_targets(m)
     keep = targets[0].node
     q = tiny_encoder_classifier()
-    assert QuantizeStaticInt8Pass([feeds], exclude_nodes=[keep])(q).modified
+    assert QuantizeStaticInt8Pass([feeds], exclude_nodes=[keep], reduce_range=reduce_range)(q).modified
     g = q.graph
     mms = {n.name: n for n in g if n.op_type == "MatMul"}
     assert mms[keep].inputs[1].const_value is not None  # kept fp32: reads its float weight
@@ -127,6 +127,7 @@ def test_static_int8_structure_fusion_and_simulation():
         a, w = (mms[t.node].inputs[i].producer() for i in (0, 1))
         assert a.op_type == w.op_type == "DequantizeLinear"
         assert w.inputs[0].const_value.dtype == ir.DataType.INT8 and w.attributes.get_int("axis", 1) == 1
+        assert np.abs(w.inputs[0].const_value.numpy().astype(int)).max() == (64 if reduce_range else 127)
         assert len(w.inputs[1].const_value.shape) == 1  # one scale per output channel
         assert a.inputs[0].producer().op_type == "QuantizeLinear" and a.inputs[2].const_value.dtype == ir.DataType.UINT8
         assert not any(u.node.op_type == "QuantizeLinear" for u in mms[t.node].outputs[0].uses())
@@ -134,6 +135,7 @@ def test_static_int8_structure_fusion_and_simulation():
     onnx.checker.check_model(ir.to_proto(q), full_check=True)
     meta = json.loads(q.metadata_props[_keys.QUANTIZED])
     assert meta["scheme"] == "int8-static-qdq" and meta["fp32_matmuls_kept"] == 1
+    assert meta["reduce_range"] is reduce_range
     assert QuantizeStaticInt8Pass([feeds])(q).modified is False
     ref = _run(m, feeds)[0]
     real = _run(q, feeds, disable_all=False)[0]
@@ -142,11 +144,17 @@ def test_static_int8_structure_fusion_and_simulation():
     xs = {t.node: nodes[t.node].inputs[0].name for t in targets}
     ranges = channel_ranges(m, sorted(set(xs.values())), [feeds])
     qp = {k: static_qparams(float(ranges[x][0].min()), float(ranges[x][1].max()), False) for k, x in xs.items()}
-    gated = ir.from_proto(onnx.load_from_string(gated_fake_quant(m, targets, True, qp)))
+    gated = ir.from_proto(onnx.load_from_string(gated_fake_quant(m, targets, True, qp,
+                                                                 weight_max=64 if reduce_range else 127)))
     gate = np.ones(len(targets))
     gate[0] = 0.0
     sim = _run(gated, feeds, gate)[0]
-    assert np.sqrt(((sim - real) ** 2).mean()) < 0.1 * np.sqrt(((real - ref) ** 2).mean())
+    qdq = _run(q, feeds)[0]  # the QDQ graph as written (no fusion): exactly the simulation's arithmetic
+    effect = np.sqrt(((real - ref) ** 2).mean())
+    assert np.sqrt(((sim - qdq) ** 2).mean()) <= 1e-4 * effect
+    # fused into MatMulIntegerToFloat: the same integer sums, a different float order for the scaling, which flips
+    # the rounding of a few activations downstream (7-bit weights: 0.10 of int8's effect; a saturating kernel: ~1)
+    assert np.sqrt(((sim - real) ** 2).mean()) < 0.2 * effect
 
 
 def test_static_int8_fuses_every_matmul_on_the_cpu_ep(tmp_path):
