@@ -210,10 +210,10 @@ def _fake_quant_weight(w: np.ndarray, per_channel: bool, qmax: int = 127) -> np.
 
     Values in ``[-qmax, qmax]``: 127, or 64 with ORT's ``reduce_range``.
     """
-    a = w.astype(np.float32)
-    amax = np.abs(a).max(axis=0, keepdims=True) if per_channel else np.abs(a).max(keepdims=True)
-    scale = (np.maximum(amax, 1e-12) / float(qmax)).astype(np.float32)
-    return (np.clip(np.rint(a / scale), -qmax, qmax) * scale).astype(np.float32)
+    from dyncompile.passes.quantize_weights import _int8_weight
+
+    q, scale = _int8_weight(w.astype(np.float32), per_channel, qmax)
+    return (q * scale).astype(np.float32)
 
 
 def gated_fake_quant(model: ir.Model, targets: Sequence[QuantTarget], per_channel: bool = True,
@@ -719,8 +719,10 @@ class QuantizeMixedInt4Pass(ir.passes.InPlacePass):
         self.per_channel = bool(per_channel)
 
     def __repr__(self) -> str:
+        from dyncompile.passes.quantize_weights import _rr_repr
+
         return (f"QuantizeMixedInt4Pass({self.int4}, int8_nodes=<{len(self.int8_nodes)} names>, "
-                f"fp32_nodes=<{len(self.fp32_nodes)} names>{', reduce_range=True' if self.reduce_range else ''})")
+                f"fp32_nodes=<{len(self.fp32_nodes)} names>{_rr_repr(self.reduce_range)})")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Run the rewrite on ``model`` (scope and invariants: the class docstring)."""
@@ -814,9 +816,11 @@ class SearchInt8FallbackPass(ir.passes.InPlacePass):
             raise ValueError("fmt is 'dynamic', or 'static' with static_feeds (calibration batches)")
 
     def __repr__(self) -> str:
+        from dyncompile.passes.quantize_weights import _rr_repr
+
         return (f"SearchInt8FallbackPass(rows={len(self.texts)}, budget={self.budget}, share={self.share}, "
                 f"confidence={self.confidence}, per_channel={self.per_channel}, format={self.fmt}"
-                + (", reduce_range=True" if self.reduce_range else "") + (f", int4={self.int4})" if self.int4 else ")"))
+                + _rr_repr(self.reduce_range) + (f", int4={self.int4})" if self.int4 else ")"))
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a model the pass cannot work on, with what to do about it."""
