@@ -240,8 +240,19 @@ def test_smollm2_trained_medusa_heads_greedy_token_identical(smollm2, module_tmp
 
     root = module_tmp("medusa_smol")
     info = train_medusa(smollm2.onnx_path.parent, root / "heads", heads=3, steps=20, batch=64, seq_len=64,
-                        max_tokens=2000, draft_vocab=1024, threads=2)
+                        max_tokens=2000, draft_vocab=1024, threads=2, distill_sequences=3, distill_prompt=16,
+                        distill_new=48, eval_every=5)
     assert info["heads"] == 3 and set(CODE_FILES) <= set(info["corpus"]["held_out"])
+    # 2000 tokens = 31 windows of 64: 3 held out, 28 + the 3 continuations (16 + 48 = 64 tokens each) train
+    corpus = info["corpus"]
+    assert corpus["distilled_sequences"] == 3 and corpus["train_windows"] == 28 + 3 and corpus["eval_windows"] == 3
+    assert info["training"]["train_positions"] == corpus["train_windows"] * (64 - 3)
+    # the eval curve every 5 steps; the heads kept are those of the lowest eval loss on it
+    curve = info["curve"]
+    assert [c["step"] for c in curve] == [5, 10, 15, 20] and [c["positions"] for c in curve] == [320, 640, 960, 1280]
+    best = min(curve, key=lambda c: c["eval_loss"])
+    if best["eval_loss"] < info["eval"]["before_training"]["loss"]:
+        assert info["training"]["kept_step"] == best["step"] and info["eval"]["head_top1_agreement"] == best["agreement"]
     assert np.load(root / "heads" / "medusa_heads.npz")["vocab"].shape == (1024,)
     plan = compile_model(smollm2.onnx_path, f"medusa-heads{{head={root / 'heads'}}},explicit-attention,"
                          "speculative{tree=true,measure=false}", root / "plan", progress=False, opt_level=0).plan_dir

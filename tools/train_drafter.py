@@ -216,6 +216,33 @@ def feature_layers_for(num_layers: int) -> list[int]:
     return sorted({2, num_layers // 2, num_layers - 3})
 
 
+def self_distill(model: Any, train_w: np.ndarray, n: int, prompt_len: int, new_len: int, rng: np.random.Generator,
+                 *, eos: int, progress: bool = True) -> np.ndarray:
+    """``n`` greedy continuations (``new_len`` tokens) by the target of ``prompt_len``-token slices of training
+    windows (:func:`distill_prompts`): rows of ``prompt_len + new_len`` tokens, the text the target itself would write
+    (the self-distillation data of both trainers). On CUDA the target runs under bfloat16 autocast."""
+    import torch
+    from tqdm import tqdm
+
+    if n <= 0:
+        return np.zeros((0, prompt_len + new_len), np.int64)
+    dev = next(model.parameters()).device
+    amp = dev.type == "cuda"
+    gen_bs = 512 if amp else 4
+    prompts = distill_prompts(train_w, n, prompt_len, rng)
+    outs = []
+    bar = tqdm(range(0, len(prompts), gen_bs), desc="self-distillation", disable=not progress)
+    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+        for i in bar:
+            p = torch.as_tensor(prompts[i : i + gen_bs], device=dev)
+            g = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new_len, min_new_tokens=new_len,
+                               do_sample=False, pad_token_id=eos, eos_token_id=None)
+            outs.append(g.cpu().numpy())
+    distilled = np.concatenate(outs)
+    logger.info("self-distillation: %d sequences of %d tokens", len(distilled), distilled.shape[1])
+    return distilled
+
+
 def train_drafter(
     target: str | Path,
     out: str | Path,
@@ -294,20 +321,8 @@ def train_drafter(
                            init, before, held_out)
 
     # --- self-distillation: the target's own greedy continuations of corpus prefixes ---------------
-    distilled = np.zeros((0, distill_prompt + distill_new), np.int64)
-    if distill_sequences > 0:
-        gen_bs = 512 if amp else 4
-        prompts = distill_prompts(train_w, distill_sequences, distill_prompt, rng)
-        outs = []
-        bar = tqdm(range(0, len(prompts), gen_bs), desc="self-distillation", disable=not progress)
-        with torch.no_grad(), autocast():
-            for i in bar:
-                p = torch.as_tensor(prompts[i : i + gen_bs], device=dev)
-                g = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=distill_new, min_new_tokens=distill_new,
-                                   do_sample=False, pad_token_id=eos, eos_token_id=None)
-                outs.append(g.cpu().numpy())
-        distilled = np.concatenate(outs)
-        logger.info("self-distillation: %d sequences of %d tokens", len(distilled), distilled.shape[1])
+    distilled = self_distill(model, train_w, distill_sequences, distill_prompt, distill_new, rng, eos=eos,
+                             progress=progress)
 
     # --- draft vocabulary: most frequent tokens of the training text (corpus + continuations) -----
     vocab_size = int(cfg.vocab_size)
@@ -574,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft LM head size (0 = the full vocabulary)")
     p.add_argument("--max-tokens", type=int, help="corpus tokens to read (default 2,000,000 for eagle; 60,000 for "
                    "medusa, whose target pass over them is cached in memory)")
-    p.add_argument("--distill", type=int, default=0, metavar="N", help="self-distillation: N target continuations")
+    p.add_argument("--distill", type=int, default=0, metavar="N", help="self-distillation: N greedy target continuations "
+                   "of corpus prefixes added to the training text (both kinds)")
     p.add_argument("--features", choices=("top", "fused"), default="top",
                    help="eagle: top = the top layer's feature (EAGLE-1/2, default); fused = EAGLE-3: a trained "
                    "projection of a low, a middle and a high layer's features, distribution loss only")
@@ -583,8 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(EAGLE-3 uses several; default %(default)s)")
     p.add_argument("--init", metavar="HEAD_DIR", help="eagle: continue training this head (several runs, one curve)")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="eagle: held-out agreement per draft step every N steps (the curve in eagle_head.json), "
-                   "saving the head each time")
+                   help="held-out agreement every N steps, saving the head each time (eagle: per draft step, the "
+                   "curve in eagle_head.json; medusa: per head, the best eval loss so far, default 100)")
     p.add_argument("--max-seconds", type=float, help="stop training after this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
@@ -609,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
 
         info = train_medusa(args.target, args.out, heads=args.heads, corpus=args.corpus, device=args.device, steps=args.steps,
                             batch=args.batch, seq_len=args.seq_len, lr=args.lr, draft_vocab=args.draft_vocab,
-                            max_tokens=args.max_tokens, seed=args.seed, max_seconds=args.max_seconds)
+                            max_tokens=args.max_tokens, distill_sequences=args.distill, seed=args.seed,
+                            max_seconds=args.max_seconds, eval_every=args.eval_every or 100)
         print(f"medusa heads written to {args.out}: held-out top-1 agreement with the target per head "
               f"{info['eval']['head_top1_agreement']}, draft vocabulary {info['draft_vocab']}, "
               f"{info['training']['seconds']} s")

@@ -50,14 +50,28 @@ def train_medusa(
     lr: float = 1e-3,
     draft_vocab: int = 8192,
     max_tokens: int = 60_000,
+    distill_sequences: int = 0,
+    distill_prompt: int = 64,
+    distill_new: int = 192,
+    eval_every: int = 100,
     seed: int = 0,
     max_seconds: float | None = None,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Train ``heads`` Medusa heads for ``target`` (a model directory with ``hf/``, or the ``.gguf`` it was built
-    from, with a pre-tokenized ``.npy`` corpus) and write them to ``out``. ``device="cuda"`` runs the target pass
-    and the training on the GPU (the cached hidden states then live in GPU memory)."""
+    from, with a pre-tokenized ``.npy`` corpus) and write them to ``out``.
+
+    The training text is the corpus windows (the last tenth, contiguous, held out for evaluation) plus
+    ``distill_sequences`` greedy continuations by the target itself of training-window prefixes (the EAGLE
+    trainer's self-distillation, :func:`~dyncompile.tools.train_drafter.self_distill`). One target pass caches the
+    LM head's input and the target's argmax per position, then only the heads train. ``device="cuda"`` runs the
+    target under bfloat16 autocast and keeps the cache in GPU memory as bfloat16 (about 3 KB a position for a
+    1536-wide model). Every ``eval_every`` steps the heads are evaluated on the held-out windows; the weights of
+    the best eval loss so far are written to ``out`` each time they improve (a run stopped from outside keeps
+    them), with the eval curve (agreement per head against training positions seen) in ``medusa_heads.json``."""
     import torch
+
+    from dyncompile.tools.train_drafter import self_distill
 
     if heads < 1 or heads > 16:
         raise DataError(f"--heads must be in 1..16, got {heads}")
@@ -67,10 +81,13 @@ def train_medusa(
     target = Path(target).expanduser()
     torch.manual_seed(seed)
     dev = torch.device(device)
+    amp = dev.type == "cuda"
+    store = torch.bfloat16 if amp else torch.float32  # the cached hidden states' dtype
     model = load_target(target, dev)
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
-    ids = load_corpus_tokens(corpus, target / "tokenizer.json", max_tokens=max_tokens, eos=eos)
+    tok_json = (target.parent if target.suffix == ".gguf" else target) / "tokenizer.json"
+    ids = load_corpus_tokens(corpus, tok_json, max_tokens=max_tokens, eos=eos)
     wins = _windows(ids, seq_len)
     if len(wins) < 4:
         raise DataError(f"the corpus gave {len(wins)} windows of {seq_len} tokens; raise --max-tokens")
@@ -79,56 +96,66 @@ def train_medusa(
     # one file would make a random split optimistic); training windows shuffled
     n_eval = max(2, len(wins) // 10)
     eval_w, train_w = wins[-n_eval:], wins[:-n_eval]
+    distilled = self_distill(model, train_w, distill_sequences, distill_prompt, distill_new, rng, eos=eos,
+                             progress=False)
+    if len(distilled):  # continuations as training windows (cut to seq_len; shorter ones are dropped)
+        if distilled.shape[1] >= seq_len:
+            train_w = np.concatenate([train_w, distilled[:, :seq_len]])
+        else:
+            logger.warning("medusa: distilled sequences of %d tokens are shorter than --seq-len %d: not used",
+                           distilled.shape[1], seq_len)
     train_w = train_w[rng.permutation(len(train_w))]
 
-    # --- one target pass over the corpus: the LM head's input (normed hidden state) and the target's argmax ---
+    # --- one target pass over the text: the LM head's input (normed hidden state) and the target's argmax ---
     captured: dict[str, Any] = {}
     hook = model.lm_head.register_forward_hook(lambda m, a, o: captured.__setitem__("h", a[0]))
 
     per_call = 4 if dev.type == "cpu" else 32  # windows per target forward
 
-    def run(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def run(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         hs, ys = [], []
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
             for i in range(0, len(windows), per_call):
                 x = torch.as_tensor(windows[i : i + per_call]).to(dev)
                 logits = model(input_ids=x, use_cache=False).logits
-                hs.append(captured.pop("h").float().cpu().numpy())
-                ys.append(logits.argmax(-1).cpu().numpy())
-        return np.concatenate(hs), np.concatenate(ys)
+                hs.append(captured.pop("h").to(store))
+                ys.append(logits.argmax(-1))
+        return torch.cat(hs), torch.cat(ys)
 
     h_tr, y_tr = run(train_w)
     h_ev, y_ev = run(eval_w)
     hook.remove()
     t_cache = time.perf_counter() - t_start
-    logger.info("medusa: cached %d train / %d eval positions in %.0f s", y_tr.size, y_ev.size, t_cache)
+    logger.info("medusa: cached %d train / %d eval positions in %.0f s", y_tr.numel(), y_ev.numel(), t_cache)
 
     vocab_size = int(cfg.vocab_size)
-    counts = np.bincount(np.concatenate([train_w.ravel(), y_tr.ravel()]), minlength=vocab_size)
+    counts = np.bincount(np.concatenate([train_w.ravel(), y_tr.cpu().numpy().ravel()]), minlength=vocab_size)
     if draft_vocab and draft_vocab < vocab_size:
         vocab = np.sort(np.argsort(-counts, kind="stable")[:draft_vocab])
     else:
         vocab = np.arange(vocab_size)
-    remap = np.full(vocab_size, -100, np.int64)  # label outside the draft vocabulary: ignored by the loss
-    remap[vocab] = np.arange(len(vocab))
+    remap = torch.full((vocab_size,), -100, dtype=torch.int64, device=dev)  # outside the draft vocabulary: ignored
+    remap[torch.as_tensor(vocab, device=dev)] = torch.arange(len(vocab), device=dev)
     w_head = model.lm_head.weight.detach()[torch.as_tensor(vocab).to(dev)].float()  # [Vd, H], frozen
 
     K, H = heads, int(h_tr.shape[-1])
     # rows (window, t) with labels for every head: t + K < seq_len
     T = seq_len - K
-    def rows(h: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.as_tensor(h[:, :T].reshape(-1, H)).to(dev)
-        lab = np.stack([remap[y[:, k + 1 : k + 1 + T]].reshape(-1) for k in range(K)], 1)  # head k: argmax at t+k+1
-        return x, torch.as_tensor(lab).to(dev)
+
+    def rows(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = h[:, :T].reshape(-1, H)
+        lab = torch.stack([remap[y[:, k + 1 : k + 1 + T]].reshape(-1) for k in range(K)], 1)  # head k: argmax at t+k+1
+        return x, lab
 
     x_tr, l_tr = rows(h_tr, y_tr)
     x_ev, l_ev = rows(h_ev, y_ev)
-    del h_tr, h_ev
+    del h_tr, h_ev, y_tr, y_ev
     W = torch.nn.Parameter(torch.zeros(K, H, H, device=dev))  # zero init: each head starts as the target's LM head
     B = torch.nn.Parameter(torch.zeros(K, H, device=dev))
     opt = torch.optim.AdamW([W, B], lr=lr, weight_decay=0.0)
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [K, n, Vd]
+        x = x.float()
         z = x[None] + torch.nn.functional.silu(torch.einsum("nh,khg->kng", x, W) + B[:, None])
         return z @ w_head.T
 
@@ -148,16 +175,54 @@ def train_medusa(
                 accs.append(a.cpu().numpy())
         return float(np.mean(ls)), [round(float(a), 4) for a in np.mean(accs, 0)]
 
+    out = Path(out).expanduser()
+    history: list[dict[str, Any]] = []
+    curve: list[dict[str, Any]] = []
+
+    def save(w: torch.Tensor, b: torch.Tensor, ev: tuple[float, list[float]], done: int, kept: int) -> dict[str, Any]:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp_npz = out / "medusa_heads.tmp.npz"
+        np.savez(tmp_npz, w=w.detach().cpu().numpy().astype(np.float32),
+                 b=b.detach().cpu().numpy().astype(np.float32), vocab=vocab.astype(np.int64))
+        tmp_npz.replace(out / "medusa_heads.npz")
+        info = {
+            "format": MEDUSA_HEAD_FORMAT,
+            "target": target.name,
+            "target_config": {"hidden_size": H, "vocab_size": vocab_size, "model_type": cfg.model_type},
+            "lm_head": {"fingerprint": fingerprint(model.lm_head.weight.detach().cpu().numpy())},
+            "heads": K,
+            "draft_vocab": int(len(vocab)),
+            "draft_vocab_coverage": round(float(counts[vocab].sum() / max(1, counts.sum())), 4),
+            "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
+                       "held_out": list(HELD_OUT), "tokens": int(len(ids)), "train_windows": int(len(train_w)),
+                       "eval_windows": int(len(eval_w)), "seq_len": seq_len, "distilled_sequences": int(len(distilled)),
+                       "distill_prompt": distill_prompt, "distill_new": distill_new,
+                       "labels": "the target's own argmax (teacher-forced self-distillation)"},
+            "training": {"steps": done, "planned_steps": steps, "kept_step": kept, "batch": batch, "lr": lr, "seed": seed,
+                         "device": str(dev), "cache_dtype": str(store).removeprefix("torch."),
+                         "positions_seen": done * batch, "train_positions": int(len(x_tr)),
+                         "torch": torch.__version__, "cache_seconds": round(t_cache, 1),
+                         "seconds": round(time.perf_counter() - t_start, 1)},
+            "eval": {"loss": round(ev[0], 4), "head_top1_agreement": ev[1],
+                     "before_training": {"loss": round(ev_before[0], 4), "head_top1_agreement": ev_before[1]}},
+            "curve": curve,
+            "history": history,
+        }
+        tmp = out / "medusa_heads.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(out / "medusa_heads.json")
+        return info
+
     ev_before = evaluate()
-    best = (ev_before[0], W.detach().clone(), B.detach().clone(), 0)  # early stopping on the eval loss
-    history = []
+    best = (ev_before[0], W.detach().clone(), B.detach().clone(), 0, ev_before)  # early stopping on the eval loss
     t_train = time.perf_counter()
     done = 0
+    g = torch.Generator(device=dev).manual_seed(seed)
     for step in range(steps):
         if max_seconds is not None and time.perf_counter() - t_train > max_seconds:
             logger.info("medusa: stopping at step %d (--max-seconds)", step)
             break
-        pick = torch.as_tensor(rng.integers(0, len(x_tr), size=min(batch, len(x_tr)))).to(dev)
+        pick = torch.randint(0, len(x_tr), (min(batch, len(x_tr)),), device=dev, generator=g)
         loss, acc = loss_acc(x_tr[pick], l_tr[pick])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -166,51 +231,21 @@ def train_medusa(
         if step % 20 == 0 or step == steps - 1:
             history.append({"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(float(a), 4) for a in acc.detach()]})
             logger.info("medusa step %d: loss %.3f acc %s", step, float(loss.detach()), history[-1]["acc"])
-        if (step + 1) % 100 == 0 or step == steps - 1:
-            ev_loss, ev_acc = evaluate()
-            history.append({"step": step, "eval_loss": round(ev_loss, 4), "eval_acc": ev_acc})
-            logger.info("medusa step %d: eval loss %.3f acc %s", step, ev_loss, ev_acc)
-            if ev_loss < best[0]:
-                best = (ev_loss, W.detach().clone(), B.detach().clone(), step + 1)
-    with torch.no_grad():  # the weights of the best eval loss
-        W.copy_(best[1])
-        B.copy_(best[2])
-    ev = evaluate()
-
-    out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    w_np = W.detach().cpu().numpy().astype(np.float32)
-    np.savez(out / "medusa_heads.npz", w=w_np, b=B.detach().cpu().numpy().astype(np.float32),
-             vocab=vocab.astype(np.int64))
-    info = {
-        "format": MEDUSA_HEAD_FORMAT,
-        "target": target.name,
-        "target_config": {"hidden_size": H, "vocab_size": vocab_size, "model_type": cfg.model_type},
-        "lm_head": {"fingerprint": fingerprint(model.lm_head.weight.detach().cpu().numpy())},
-        "heads": K,
-        "draft_vocab": int(len(vocab)),
-        "draft_vocab_coverage": round(float(counts[vocab].sum() / max(1, counts.sum())), 4),
-        "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
-                   "held_out": list(HELD_OUT), "tokens": int(len(ids)), "train_windows": int(len(train_w)),
-                   "eval_windows": int(len(eval_w)), "seq_len": seq_len,
-                   "labels": "the target's own argmax (teacher-forced self-distillation)"},
-        "training": {"steps": done, "planned_steps": steps, "kept_step": best[3], "batch": batch, "lr": lr, "seed": seed,
-                     "device": str(dev),
-                     "torch": torch.__version__, "cache_seconds": round(t_cache, 1),
-                     "seconds": round(time.perf_counter() - t_start, 1)},
-        "eval": {"loss": round(ev[0], 4), "head_top1_agreement": ev[1],
-                 "before_training": {"loss": round(ev_before[0], 4), "head_top1_agreement": ev_before[1]}},
-        "history": history,
-    }
-    tmp = out / "medusa_heads.json.tmp"
-    tmp.write_text(json.dumps(info, indent=1))
-    tmp.replace(out / "medusa_heads.json")
-    logger.info("medusa heads: held-out top-1 agreement per head %s; wrote %s", ev[1], out)
+        if (eval_every and (step + 1) % eval_every == 0) or step == steps - 1:
+            ev = evaluate()
+            curve.append({"step": step + 1, "positions": (step + 1) * batch, "eval_loss": round(ev[0], 4),
+                          "agreement": ev[1]})
+            logger.info("medusa step %d (%d positions): eval loss %.3f acc %s", step + 1, (step + 1) * batch, *ev)
+            if ev[0] < best[0]:
+                best = (ev[0], W.detach().clone(), B.detach().clone(), step + 1, ev)
+                save(best[1], best[2], ev, done, best[3])  # a checkpoint: the best weights so far
+    info = save(best[1], best[2], best[4], done, best[3])  # the weights of the best eval loss
+    logger.info("medusa heads: held-out top-1 agreement per head %s; wrote %s", best[4][1], out)
     return info
 
 
 def evaluate_medusa(target: str | Path, head_dir: str | Path, *, max_tokens: int = 8192, seq_len: int = 256,
-                    threads: int | None = None) -> dict[str, Any]:
+                    threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
     """Per-head top-1 agreement of trained heads on the :data:`HELD_OUT` files (never trained on).
 
     ``agreement[k]``: head ``k``'s argmax equals the target's argmax for that position (what greedy verification
@@ -224,10 +259,15 @@ def evaluate_medusa(target: str | Path, head_dir: str | Path, *, max_tokens: int
     if threads:
         torch.set_num_threads(int(threads))
     target = Path(target).expanduser()
+    dev = torch.device(device)
     with np.load(Path(head_dir).expanduser() / "medusa_heads.npz", allow_pickle=False) as z:
-        W, B, vocab = (torch.as_tensor(z[k]) for k in ("w", "b", "vocab"))
-    model = AutoModelForCausalLM.from_pretrained(str(target / "hf"), dtype=torch.float32).eval()
-    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+        W, B, vocab = (torch.as_tensor(z[k]).to(dev) for k in ("w", "b", "vocab"))
+    if target.suffix == ".gguf":
+        model = load_target(target, dev)
+        tok = Tokenizer.from_file(str(target.parent / "tokenizer.json"))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(target / "hf"), dtype=torch.float32).to(dev).eval()
+        tok = Tokenizer.from_file(str(target / "tokenizer.json"))
     root = Path(sysconfig.get_paths()["stdlib"])
     ids: list[int] = []
     for name in HELD_OUT:
@@ -242,7 +282,7 @@ def evaluate_medusa(target: str | Path, head_dir: str | Path, *, max_tokens: int
     n = 0
     with torch.no_grad():
         for w in wins:
-            x = torch.as_tensor(w[None])
+            x = torch.as_tensor(w[None]).to(dev)
             y = model(input_ids=x, use_cache=False).logits.argmax(-1)[0]
             h = captured.pop("h")[0]
             T = seq_len - K - 1

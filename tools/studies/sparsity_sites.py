@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (4096, as the pass)")
     ap.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens (8192)")
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--levels", default=None,
+                    help="comma-separated sparsity levels in [0, 1) (default: 0, 0.05, ..., 0.5)")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     d = a.model_dir.expanduser()
@@ -213,8 +215,14 @@ def main(argv: list[str] | None = None) -> int:
                  "`dyncompile models build smollm2-135m`")
     if not a.budget > 0 or a.window < 8 or a.calib_tokens < a.window or a.heldout_tokens < a.window:
         ap.error("--budget must be > 0, --window >= 8, and --calib-tokens / --heldout-tokens >= --window")
+    try:
+        levels = LEVELS if a.levels is None else tuple(sorted({round(float(x), 4) for x in a.levels.split(",")}))
+    except ValueError:
+        ap.error(f"--levels {a.levels!r}: give comma-separated numbers, e.g. 0,0.2,0.3")
+    if not levels or not all(0.0 <= x < 1.0 for x in levels):
+        ap.error(f"--levels {a.levels!r}: every level must be in [0, 1)")
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
-    r = run(d, budget=a.budget, calib_tokens=a.calib_tokens, heldout_tokens=a.heldout_tokens, window=a.window,
+    r = run(d, levels=levels, budget=a.budget, calib_tokens=a.calib_tokens, heldout_tokens=a.heldout_tokens, window=a.window,
             progress=not a.quiet)
     name = a.name or f"{d.name}-sites"
     a.out.mkdir(parents=True, exist_ok=True)
