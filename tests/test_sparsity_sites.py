@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -107,3 +109,19 @@ def test_cli_refuses_a_folder_without_a_decoder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a decoder folder" in err and "dyncompile models build" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_levels_choose_the_rows_and_bad_levels_are_refused(tmp_path, capsys):
+    d = tmp_path / "tiny"
+    write_decoder_dir(d, _model(), eos=99)
+    write_word_tokenizer(d, VOCAB)
+    common = [str(d), "--calib-tokens", "64", "--heldout-tokens", "64", "--window", "32", "-q"]
+    assert S.main([*common, "--out", str(tmp_path / "out"), "--name", "t", "--levels", "0.4,0,0.4"]) == 0
+    r = json.loads((tmp_path / "out" / "t.json").read_text())
+    assert sorted({x["sparsity"] for x in r["rows"]}) == [0.0, 0.4] and len(r["rows"]) == 2 * len(S.SETS)
+    capsys.readouterr()
+    for bad, msg in (("1.5", "must be in [0, 1)"), ("0.1,x", "comma-separated numbers")):
+        with pytest.raises(SystemExit) as e:
+            S.main([*common, "--out", str(tmp_path / "bad"), "--levels", bad])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+        assert not (tmp_path / "bad").exists()
