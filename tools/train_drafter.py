@@ -126,6 +126,12 @@ def load_target(target: Path, device: Any = "cpu") -> Any:
     return model
 
 
+def target_tokenizer_json(target: Path) -> Path:
+    """The ``tokenizer.json`` that goes with a target :func:`load_target` reads: beside a ``.gguf``, inside a model
+    directory."""
+    return (target.parent if target.suffix == ".gguf" else target) / "tokenizer.json"
+
+
 def _windows(ids: np.ndarray, seq_len: int) -> np.ndarray:
     n = len(ids) // seq_len
     return ids[: n * seq_len].reshape(n, seq_len)
@@ -298,8 +304,7 @@ def train_drafter(
     model = load_target(target, dev)
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
-    tok_json = (target.parent if target.suffix == ".gguf" else target) / "tokenizer.json"
-    ids = load_corpus_tokens(corpus, tok_json, max_tokens=max_tokens, eos=eos)
+    ids = load_corpus_tokens(corpus, target_tokenizer_json(target), max_tokens=max_tokens, eos=eos)
     logger.info("corpus: %d tokens", len(ids))
     rng = np.random.default_rng(seed)
     eval_w, train_w = split_windows(ids, seq_len)
