@@ -91,6 +91,8 @@ NOT_REPORTS = {
     "medusa/qwen15-heads-gpu.json": "the training record `train-drafter --kind medusa` wrote for the Qwen 1.5B heads (README)",
     "medusa/qwen15-heads-gpu-run2.json": "the training record of the 1.5B heads on the EAGLE-3 data, eval curve inside (README)",
     "medusa/qwen15-heads-run2-heldout.json": "per-head held-out agreement `train_medusa.evaluate_medusa` returns, 1.5B run-2 heads",
+    "medusa/qwen15-heads-gpu-run3.json": "the training record of the 1.5B run-3 heads (per-head LM heads), eval curves inside (README)",
+    "medusa/qwen15-heads-run3-heldout.json": "per-head held-out agreement `train_medusa.evaluate_medusa` returns, 1.5B run-3 heads",
     "eagle3/qwen05-eagle3-curve.json": "`studies.eagle3_curve`: held-out agreement vs training tokens (JSON + PNG)",
     "eagle3/qwen15-eagle3-curve.json": "`studies.eagle3_curve`: held-out agreement vs training tokens, 1.5B head, first run (JSON + PNG)",
     "early-exit-trained/heads-minilm-l6-sentiment.json": "studies.trained_heads per-exit AUC / certificate data (the README's tables)",

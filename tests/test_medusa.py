@@ -31,15 +31,17 @@ EOS_UNUSED = 99
 
 
 def write_random_heads(out: Path, target_onnx: Path, *, heads: int = 3, scale: float = 0.5, seed: int = 0,
-                       vocab: np.ndarray | None = None) -> Path:
-    """Random Medusa heads for ``target_onnx`` (token identity and exact sampling hold for any heads)."""
+                       vocab: np.ndarray | None = None, lm_heads: bool = False) -> Path:
+    """Random Medusa heads for ``target_onnx`` (token identity and exact sampling hold for any heads); with
+    ``lm_heads``, each head also gets its own random LM head over ``vocab`` (Medusa-1's per-head LM heads)."""
     _, _, w_lm, _ = lm_head_of(ir.load(str(target_onnx)))
     H, V = w_lm.shape
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
+    vocab = np.arange(V) if vocab is None else np.asarray(vocab, np.int64)
+    extra = {"lm": rng.standard_normal((heads, H, len(vocab))).astype(np.float32)} if lm_heads else {}
     np.savez(out / "medusa_heads.npz", w=(rng.standard_normal((heads, H, H)) * scale / np.sqrt(H)).astype(np.float32),
-             b=(rng.standard_normal((heads, H)) * 0.1).astype(np.float32),
-             vocab=np.arange(V) if vocab is None else np.asarray(vocab, np.int64))
+             b=(rng.standard_normal((heads, H)) * 0.1).astype(np.float32), vocab=vocab, **extra)
     (out / "medusa_heads.json").write_text(json.dumps({
         "format": "dyncompile.medusa_heads/v1", "target": "tiny", "heads": heads,
         "lm_head": {"fingerprint": fingerprint(w_lm)}, "eval": {"head_top1_agreement": [0.5] * heads}}))
@@ -80,6 +82,47 @@ def test_heads_graph_matches_numpy(tiny):
         top = np.argsort(-ref, -1)[:, :3]
         np.testing.assert_array_equal(ids[k], top)
         np.testing.assert_allclose(logp[k], np.take_along_axis(ref, top, -1), atol=1e-4)
+
+
+def test_per_head_lm_heads_graph_matches_numpy_and_decodes_token_identical(tiny, tmp_path):
+    """Medusa-1's own LM head per head (``lm`` [K, H, Vd] in the head file): the heads graph multiplies each head's
+    block output by its own matrix (not the target's), over the draft vocabulary; greedy decoding stays the target's."""
+    vocab = np.asarray([0, 2, 3, 5, 7])
+    heads = write_random_heads(tmp_path / "heads", tiny["target"], vocab=vocab, lm_heads=True, seed=3)
+    plan = compile_model(tiny["target"], f"medusa-heads{{head={heads},topk=3}},explicit-attention,"
+                         "speculative{tree=true,tree_nodes=6,measure=false}", tmp_path / "plan", opt_level=0).plan_dir
+    onnx.checker.check_model(str(plan / "drafter.onnx"), full_check=True)
+    g = ir.load(str(plan / "drafter.onnx")).graph
+    assert "medusa.lm_heads" in g.initializers and "medusa.lm_head" not in g.initializers
+    m0 = ir.load(str(tiny["target"]))
+    MedusaHeadsPass(heads, topk=3)(m0)
+    assert json.loads(m0.metadata_props["dyncompile.medusa"])["lm_heads"] == "per head"
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(str(plan / "drafter.onnx"), so, providers=["CPUExecutionProvider"])
+    z = np.load(heads / "medusa_heads.npz")
+    h = np.random.default_rng(4).standard_normal((3, z["w"].shape[1])).astype(np.float32)
+    logp, ids = s.run(["medusa_logp", "medusa_ids"], {FEATURES: h})
+    for k in range(3):
+        a = h @ z["w"][k] + z["b"][k]
+        lg = (h + a / (1 + np.exp(-a))) @ z["lm"][k]  # head k's own LM head
+        ref = lg - lg.max(-1, keepdims=True)
+        ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+        top = np.argsort(-ref, -1)[:, :3]
+        np.testing.assert_array_equal(ids[k], vocab[top])
+        np.testing.assert_allclose(logp[k], np.take_along_axis(ref, top, -1), atol=1e-4)
+    m = dyncompile.load(plan)
+    ref_ids = m.generate([1, 2, 3, 4], max_new_tokens=16, speculative=False).token_ids
+    r = m.generate([1, 2, 3, 4], max_new_tokens=16, tree=False, draft_length=3, adaptive=False)
+    assert r.token_ids == ref_ids and r.stats.drafted > 0
+    # a head file whose LM heads do not fit its vocabulary is refused with what to do
+    bad = tmp_path / "bad"
+    write_random_heads(bad, tiny["target"], vocab=vocab[:4], lm_heads=True)
+    zz = dict(np.load(bad / "medusa_heads.npz"))
+    zz["lm"] = zz["lm"][:, :, :3]
+    np.savez(bad / "medusa_heads.npz", **zz)
+    with pytest.raises(DrafterError, match="per-head LM heads are .* retrain"):
+        MedusaHeadsPass(bad)(ir.load(str(tiny["target"])))
 
 
 def test_target_features_are_the_lm_head_input(tiny):
@@ -247,12 +290,14 @@ def test_smollm2_trained_medusa_heads_greedy_token_identical(smollm2, module_tmp
     corpus = info["corpus"]
     assert corpus["distilled_sequences"] == 3 and corpus["train_windows"] == 28 + 3 and corpus["eval_windows"] == 3
     assert info["training"]["train_positions"] == corpus["train_windows"] * (64 - 3)
-    # the eval curve every 5 steps; the heads kept are those of the lowest eval loss on it
+    # the eval curve every 5 steps; the heads kept are those of the highest summed agreement on it (the first such)
     curve = info["curve"]
     assert [c["step"] for c in curve] == [5, 10, 15, 20] and [c["positions"] for c in curve] == [320, 640, 960, 1280]
-    best = min(curve, key=lambda c: c["eval_loss"])
-    if best["eval_loss"] < info["eval"]["before_training"]["loss"]:
+    best = max(curve, key=lambda c: sum(c["agreement"]))
+    if sum(best["agreement"]) > sum(info["eval"]["before_training"]["head_top1_agreement"]):
         assert info["training"]["kept_step"] == best["step"] and info["eval"]["head_top1_agreement"] == best["agreement"]
+    else:
+        assert info["training"]["kept_step"] == 0
     assert np.load(root / "heads" / "medusa_heads.npz")["vocab"].shape == (1024,)
     plan = compile_model(smollm2.onnx_path, f"medusa-heads{{head={root / 'heads'}}},explicit-attention,"
                          "speculative{tree=true,measure=false}", root / "plan", progress=False, opt_level=0).plan_dir
@@ -266,3 +311,53 @@ def test_smollm2_trained_medusa_heads_greedy_token_identical(smollm2, module_tmp
                  dict(tree=False, draft_length=3, adaptive=False)):
         r = m.generate(prompt, max_new_tokens=24, **opts)
         assert r.token_ids == ref.token_ids and r.stats.drafted > 0 and r.stats.drafter == "medusa"
+    assert info["eval"]["selected_by"] == "agreement" and "distilled_eval" not in info  # no distilled eval set asked
+
+
+@pytest.mark.slow
+def test_smollm2_per_head_lm_heads_picked_on_distilled_eval(smollm2, module_tmp):
+    """Medusa-1's per-head LM heads, trained with a distilled eval set (the target's continuations of held-out
+    prefixes) whose summed agreement picks the checkpoint; evaluate_medusa reads them (tiling the shared rows as per-head LM heads gives
+    the shared heads' numbers exactly); compiled, greedy output is the target's."""
+    pytest.importorskip("torch")
+    from dyncompile.tools.train_medusa import evaluate_medusa, train_medusa
+
+    root = module_tmp("medusa_smol_lm")
+    info = train_medusa(smollm2.onnx_path.parent, root / "heads", heads=3, steps=10, batch=64, seq_len=64,
+                        max_tokens=2000, draft_vocab=1024, threads=2, distill_sequences=2, distill_prompt=16,
+                        distill_new=48, distill_eval=2, eval_every=5, lm_heads=True)
+    assert info["lm_heads"] == "per head, trained" and info["corpus"]["distilled_eval_sequences"] == 2
+    assert info["eval"]["selected_by"] == "distilled_agreement"
+    curve = info["curve"]
+    assert [c["step"] for c in curve] == [5, 10] and all("distilled_agreement" in c for c in curve)
+    best = max(curve, key=lambda c: sum(c["distilled_agreement"]))
+    if sum(best["distilled_agreement"]) > sum(info["distilled_eval"]["before_training"]["head_top1_agreement"]):
+        assert info["training"]["kept_step"] == best["step"]
+        assert info["distilled_eval"]["head_top1_agreement"] == best["distilled_agreement"]
+        assert info["eval"]["head_top1_agreement"] == best["agreement"]
+    z = dict(np.load(root / "heads" / "medusa_heads.npz"))
+    assert z["lm"].shape == (3, 576, 1024)
+    # evaluate_medusa: per-head LM heads equal to the target's rows give exactly the shared heads' numbers
+    w_lm = lm_head_of(ir.load(str(smollm2.onnx_path)))[2]
+    shared, tiled = root / "shared", root / "tiled"
+    for d, extra in ((shared, {}), (tiled, {"lm": np.repeat(w_lm[None][:, :, z["vocab"]], 3, 0)})):
+        d.mkdir()
+        np.savez(d / "medusa_heads.npz", w=z["w"], b=z["b"], vocab=z["vocab"], **extra)
+    ev_s = evaluate_medusa(smollm2.onnx_path.parent, shared, max_tokens=400, seq_len=64, threads=2)
+    ev_t = evaluate_medusa(smollm2.onnx_path.parent, tiled, max_tokens=400, seq_len=64, threads=2)
+    ev_own = evaluate_medusa(smollm2.onnx_path.parent, root / "heads", max_tokens=400, seq_len=64, threads=2)
+    assert ev_s["positions"] == 6 * (64 - 3 - 1) == ev_own["positions"]  # 400 tokens: 6 windows of 64
+    n = ev_s["positions"]
+    for key in ("agreement", "accuracy", "top4_agreement"):  # the same products (batched): a rounding tie at most
+        assert all(abs(t - s) * n <= 1.0001 for t, s in zip(ev_t[key], ev_s[key])), key
+    assert all(t >= a for t, a in zip(ev_own["top4_agreement"], ev_own["agreement"]))
+    if info["training"]["kept_step"]:  # the trained LM heads are read, not the target's
+        assert ev_own["agreement"] != ev_s["agreement"]
+    plan = compile_model(smollm2.onnx_path, f"medusa-heads{{head={root / 'heads'}}},explicit-attention,"
+                         "speculative{tree=true,measure=false}", root / "plan", progress=False, opt_level=0).plan_dir
+    assert ir.load(str(plan / "drafter.onnx")).graph.initializers["medusa.lm_heads"].const_value.shape == (3, 576, 1024)
+    m = dyncompile.load(plan, session_config={"session.intra_op.allow_spinning": "0"})
+    prompt = "def fibonacci(n):\n    "
+    ref = m.generate(prompt, max_new_tokens=20, speculative=False)
+    r = m.generate(prompt, max_new_tokens=20, tree=False, draft_length=3, adaptive=False)
+    assert r.token_ids == ref.token_ids and r.stats.drafted > 0

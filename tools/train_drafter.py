@@ -596,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
                    "medusa, whose target pass over them is cached in memory)")
     p.add_argument("--distill", type=int, default=0, metavar="N", help="self-distillation: N greedy target continuations "
                    "of corpus prefixes added to the training text (both kinds)")
+    p.add_argument("--distill-eval", type=int, metavar="N", help="medusa: N greedy target continuations of held-out "
+                   "prefixes, the eval set that picks the checkpoint (default: --distill / 16)")
+    p.add_argument("--lm-heads", action="store_true", help="medusa: one LM head per head over the draft vocabulary, "
+                   "initialised from the target's and trained (the paper's Medusa-1 heads; default: the target's LM "
+                   "head, frozen and shared)")
     p.add_argument("--features", choices=("top", "fused"), default="top",
                    help="eagle: top = the top layer's feature (EAGLE-1/2, default); fused = EAGLE-3: a trained "
                    "projection of a low, a middle and a high layer's features, distribution loss only")
@@ -605,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", metavar="HEAD_DIR", help="eagle: continue training this head (several runs, one curve)")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="held-out agreement every N steps, saving the head each time (eagle: per draft step, the "
-                   "curve in eagle_head.json; medusa: per head, the best eval loss so far, default 100)")
+                   "curve in eagle_head.json; medusa: per head, keeping the best summed agreement so far, default 100)")
     p.add_argument("--max-seconds", type=float, help="stop training after this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
@@ -631,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         info = train_medusa(args.target, args.out, heads=args.heads, corpus=args.corpus, device=args.device, steps=args.steps,
                             batch=args.batch, seq_len=args.seq_len, lr=args.lr, draft_vocab=args.draft_vocab,
                             max_tokens=args.max_tokens, distill_sequences=args.distill, seed=args.seed,
+                            distill_eval=args.distill_eval, lm_heads=args.lm_heads,
                             max_seconds=args.max_seconds, eval_every=args.eval_every or 100)
         print(f"medusa heads written to {args.out}: held-out top-1 agreement with the target per head "
               f"{info['eval']['head_top1_agreement']}, draft vocabulary {info['draft_vocab']}, "

@@ -1,8 +1,10 @@
 """``dyncompile train-drafter TARGET --kind medusa --out HEAD_DIR``: train Medusa-1 heads on the target's own predictions.
 
 Medusa (Cai et al. 2024) drafts from the target's last hidden state ``h_t`` alone (the LM head's input, after the
-final norm): head ``k`` (``k = 0..K-1``) is one residual block ``h + SiLU(W_k h + b_k)`` followed by the target's own
-LM head (frozen, shared), and predicts token ``t + k + 2`` (the target's LM head itself gives ``t + 1``). The heads
+final norm): head ``k`` (``k = 0..K-1``) is one residual block ``h + SiLU(W_k h + b_k)`` followed by an LM head, and predicts
+token ``t + k + 2`` (the target's LM head itself gives ``t + 1``). The LM head is the target's own, frozen and shared
+by the heads, or (``lm_heads=True``, the paper's Medusa-1 form) one per head, initialised from the target's and
+trained with the block, over the draft vocabulary. The heads
 are trained with cross-entropy to the *target's own* predictions (self-distillation, teacher-forced: the label of
 head ``k`` at position ``t`` is the target's argmax at position ``t + k + 1`` of the same text), on the CPython
 standard library minus the files the benchmark prompts are cut from (:data:`~dyncompile.tools.train_drafter.HELD_OUT`),
@@ -10,7 +12,13 @@ the corpus the EAGLE trainer uses. The target runs once over the corpus: its hid
 cached, then only the heads train (cheap on CPU). The LM head may be restricted to the ``draft_vocab`` most frequent
 tokens of the corpus (the rows of the target's head, mapped back to target ids inside the heads graph).
 
-Writes ``HEAD_DIR/medusa_heads.npz`` (``w`` ``[K, H, H]`` in ``x @ w`` layout, ``b`` ``[K, H]``, ``vocab``) and
+The checkpoint kept is the one of the highest summed top-1 agreement of the heads on the eval set (greedy
+verification accepts on agreement; the eval loss turns up long before agreement stops rising). With
+self-distillation on, that eval set is the target's own greedy continuations of held-out prefixes (what
+verification will see at run time: the target's own text), and the corpus eval windows are reported beside it.
+
+Writes ``HEAD_DIR/medusa_heads.npz`` (``w`` ``[K, H, H]`` in ``x @ w`` layout, ``b`` ``[K, H]``, ``vocab``, and with
+per-head LM heads ``lm`` ``[K, H, Vd]``) and
 ``medusa_heads.json`` (provenance, corpus, held-out files, per-head top-1 agreement with the target on held-out
 windows). The ``medusa-heads`` pass builds the ONNX heads graph from them. Needs PyTorch (the ``export`` extra).
 """
@@ -60,6 +68,8 @@ def train_medusa(
     distill_sequences: int = 0,
     distill_prompt: int = 64,
     distill_new: int = 192,
+    distill_eval: int | None = None,
+    lm_heads: bool = False,
     eval_every: int = 100,
     seed: int = 0,
     max_seconds: float | None = None,
@@ -74,14 +84,20 @@ def train_medusa(
     LM head's input and the target's argmax per position, then only the heads train. ``device="cuda"`` runs the
     target under bfloat16 autocast and keeps the cache in GPU memory as bfloat16 (about 3 KB a position for a
     1536-wide model). Every ``eval_every`` steps the heads are evaluated on the held-out windows; the weights of
-    the best eval loss so far are written to ``out`` each time they improve (a run stopped from outside keeps
-    them), with the eval curve (agreement per head against training positions seen) in ``medusa_heads.json``."""
+    the best summed agreement so far are written to ``out`` each time it improves (a run stopped from outside keeps
+    them), with the eval curve (agreement per head against training positions seen) in ``medusa_heads.json``.
+
+    ``distill_eval`` (default ``distill_sequences // 16``) continuations of held-out prefixes form the eval set that
+    picks the checkpoint when self-distillation is on. ``lm_heads=True`` trains one LM head per head (initialised from
+    the target's rows for the draft vocabulary); it needs a draft vocabulary smaller than the target's."""
     import torch
 
     from dyncompile.tools.train_drafter import self_distill
 
     if heads < 1 or heads > 16:
         raise DataError(f"--heads must be in 1..16, got {heads}")
+    if distill_eval is None:
+        distill_eval = distill_sequences // 16
     t_start = time.perf_counter()
     if threads:
         torch.set_num_threads(int(threads))
@@ -111,6 +127,9 @@ def train_medusa(
             logger.warning("medusa: distilled sequences of %d tokens are shorter than --seq-len %d: not used",
                            distilled.shape[1], seq_len)
     train_w = train_w[rng.permutation(len(train_w))]
+    # the target's own continuations of held-out prefixes: the eval set that picks the checkpoint
+    eval_d = self_distill(model, eval_w, distill_eval, distill_prompt, distill_new, rng, eos=eos, progress=False)
+    eval_d = eval_d[:, :seq_len] if eval_d.shape[1] >= seq_len else eval_d[:0, :seq_len]
 
     # --- one target pass over the text: the LM head's input (normed hidden state) and the target's argmax ---
     captured: dict[str, Any] = {}
@@ -130,11 +149,15 @@ def train_medusa(
 
     h_tr, y_tr = run(train_w)
     h_ev, y_ev = run(eval_w)
+    h_ed, y_ed = run(eval_d) if len(eval_d) else (None, None)
     hook.remove()
     t_cache = time.perf_counter() - t_start
     logger.info("medusa: cached %d train / %d eval positions in %.0f s", y_tr.numel(), y_ev.numel(), t_cache)
 
     vocab_size = int(cfg.vocab_size)
+    if lm_heads and not 0 < draft_vocab < vocab_size:
+        raise DataError(f"per-head LM heads need a draft vocabulary smaller than the target's {vocab_size} "
+                        f"(--draft-vocab, e.g. 8192), got {draft_vocab}")
     counts = np.bincount(np.concatenate([train_w.ravel(), y_tr.cpu().numpy().ravel()]), minlength=vocab_size)
     if draft_vocab and draft_vocab < vocab_size:
         vocab = np.sort(np.argsort(-counts, kind="stable")[:draft_vocab])
@@ -148,22 +171,39 @@ def train_medusa(
     # rows (window, t) with labels for every head: t + K < seq_len
     T = seq_len - K
 
-    def rows(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = h[:, :T].reshape(-1, H)
+    class Rows:
+        """Row ``i`` = position ``(i // T, i % T)`` of the cached ``[windows, seq_len, H]`` states, read in place (a
+        ``[rows, H]`` copy would double the cache's memory: ~30 GB on the 1.5B's 10 M positions)."""
+
+        def __init__(self, h: torch.Tensor) -> None:
+            self.h = h
+
+        def __len__(self) -> int:
+            return self.h.shape[0] * T
+
+        def __getitem__(self, i: torch.Tensor | slice) -> torch.Tensor:
+            if isinstance(i, slice):
+                i = torch.arange(*i.indices(len(self)), device=self.h.device)
+            return self.h[i // T, i % T]
+
+    def rows(h: torch.Tensor, y: torch.Tensor) -> tuple[Rows, torch.Tensor]:
         lab = torch.stack([remap[y[:, k + 1 : k + 1 + T]].reshape(-1) for k in range(K)], 1)  # head k: argmax at t+k+1
-        return x, lab
+        return Rows(h), lab
 
     x_tr, l_tr = rows(h_tr, y_tr)
     x_ev, l_ev = rows(h_ev, y_ev)
-    del h_tr, h_ev, y_tr, y_ev
+    x_ed, l_ed = rows(h_ed, y_ed) if h_ed is not None else (None, None)
+    del h_tr, h_ev, y_tr, y_ev, h_ed, y_ed
     W = torch.nn.Parameter(torch.zeros(K, H, H, device=dev))  # zero init: each head starts as the target's LM head
     B = torch.nn.Parameter(torch.zeros(K, H, device=dev))
-    opt = torch.optim.AdamW([W, B], lr=lr, weight_decay=0.0)
+    # per-head LM heads [K, H, Vd], from the target's rows (Medusa-1); else the target's, frozen and shared
+    L = torch.nn.Parameter(w_head.T[None].repeat(K, 1, 1).contiguous()) if lm_heads else None
+    opt = torch.optim.AdamW([W, B] + ([L] if lm_heads else []), lr=lr, weight_decay=0.0)
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [K, n, Vd]
         x = x.float()
         z = x[None] + torch.nn.functional.silu(torch.einsum("nh,khg->kng", x, W) + B[:, None])
-        return z @ w_head.T
+        return torch.bmm(z, L) if L is not None else z @ w_head.T
 
     def loss_acc(x: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lg = logits_of(x)  # [K, n, Vd]
@@ -172,25 +212,38 @@ def train_medusa(
         acc = (lg.argmax(-1) == lab_t).float().mean(1)  # per head (out-of-vocabulary labels count as misses)
         return loss, acc
 
-    def evaluate() -> tuple[float, list[float]]:
+    def evaluate(x_e: Rows | None = None, l_e: torch.Tensor | None = None) -> tuple[float, list[float]]:
+        x_e, l_e = (x_ev, l_ev) if x_e is None else (x_e, l_e)
         with torch.no_grad():
             ls, accs = [], []
-            for i in range(0, len(x_ev), 1024):
-                lo, a = loss_acc(x_ev[i : i + 1024], l_ev[i : i + 1024])
+            for i in range(0, len(x_e), 1024):
+                lo, a = loss_acc(x_e[i : i + 1024], l_e[i : i + 1024])
                 ls.append(float(lo))
                 accs.append(a.cpu().numpy())
         return float(np.mean(ls)), [round(float(a), 4) for a in np.mean(accs, 0)]
+
+    def evaluate_all() -> tuple[float, tuple[float, list[float]], tuple[float, list[float]] | None]:
+        """(minus the summed head agreement that picks the checkpoint, corpus eval, distilled eval or None). Agreement,
+        not the eval loss: the loss turns up long before agreement stops rising (the heads grow over-confident on
+        the positions they miss), and greedy verification accepts on agreement alone."""
+        ev = evaluate()
+        ed = evaluate(x_ed, l_ed) if x_ed is not None else None
+        return -float(sum((ed or ev)[1])), ev, ed
 
     out = Path(out).expanduser()
     lm_head_fingerprint = fingerprint(model.lm_head.weight.detach().cpu().numpy())  # once: ~1 GB read on a 1.5B
     history: list[dict[str, Any]] = []
     curve: list[dict[str, Any]] = []
 
-    def save(w: torch.Tensor, b: torch.Tensor, ev: tuple[float, list[float]], done: int, kept: int) -> dict[str, Any]:
+    def save(w: torch.Tensor, b: torch.Tensor, lm: torch.Tensor | None, ev: tuple[float, list[float]],
+             ed: tuple[float, list[float]] | None, done: int, kept: int) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         tmp_npz = out / "medusa_heads.tmp.npz"
-        np.savez(tmp_npz, w=w.detach().cpu().numpy().astype(np.float32),
-                 b=b.detach().cpu().numpy().astype(np.float32), vocab=vocab.astype(np.int64))
+        arrays = {"w": w.detach().cpu().numpy().astype(np.float32), "b": b.detach().cpu().numpy().astype(np.float32),
+                  "vocab": vocab.astype(np.int64)}
+        if lm is not None:
+            arrays["lm"] = lm.detach().cpu().numpy().astype(np.float32)
+        np.savez(tmp_npz, **arrays)
         tmp_npz.replace(out / "medusa_heads.npz")
         info = {
             "format": MEDUSA_HEAD_FORMAT,
@@ -198,12 +251,14 @@ def train_medusa(
             "target_config": {"hidden_size": H, "vocab_size": vocab_size, "model_type": cfg.model_type},
             "lm_head": {"fingerprint": lm_head_fingerprint},
             "heads": K,
+            "lm_heads": "per head, trained" if lm_heads else "the target's, frozen",
             "draft_vocab": int(len(vocab)),
             "draft_vocab_coverage": round(float(counts[vocab].sum() / max(1, counts.sum())), 4),
             "corpus": {"source": Path(str(corpus)).name if corpus else f"CPython {sysconfig.get_python_version()} stdlib",
                        "held_out": list(HELD_OUT), "tokens": int(len(ids)), "train_windows": int(len(train_w)),
                        "eval_windows": int(len(eval_w)), "seq_len": seq_len, "distilled_sequences": int(len(distilled)),
                        "distill_prompt": distill_prompt, "distill_new": distill_new,
+                       "distilled_eval_sequences": int(len(eval_d)),
                        "labels": "the target's own argmax (teacher-forced self-distillation)"},
             "training": {"steps": done, "planned_steps": steps, "kept_step": kept, "batch": batch, "lr": lr, "seed": seed,
                          "device": str(dev), "cache_dtype": str(store).removeprefix("torch."),
@@ -211,7 +266,12 @@ def train_medusa(
                          "torch": torch.__version__, "cache_seconds": round(t_cache, 1),
                          "seconds": round(time.perf_counter() - t_start, 1)},
             "eval": {"loss": round(ev[0], 4), "head_top1_agreement": ev[1],
-                     "before_training": {"loss": round(ev_before[0], 4), "head_top1_agreement": ev_before[1]}},
+                     "before_training": {"loss": round(ev_before[1][0], 4), "head_top1_agreement": ev_before[1][1]},
+                     "selected_by": "distilled_agreement" if ed is not None else "agreement"},
+            **({"distilled_eval": {"loss": round(ed[0], 4), "head_top1_agreement": ed[1],
+                                   "before_training": {"loss": round(ev_before[2][0], 4),
+                                                       "head_top1_agreement": ev_before[2][1]}}}
+               if ed is not None else {}),
             "curve": curve,
             "history": history,
         }
@@ -220,8 +280,11 @@ def train_medusa(
         tmp.replace(out / "medusa_heads.json")
         return info
 
-    ev_before = evaluate()
-    best = (ev_before[0], W.detach().clone(), B.detach().clone(), 0, ev_before)  # early stopping on the eval loss
+    def snapshot() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return W.detach().clone(), B.detach().clone(), (L.detach().clone() if L is not None else None)
+
+    ev_before = evaluate_all()
+    best = (ev_before[0], snapshot(), 0, ev_before)  # early stopping on the (distilled) summed agreement
     t_train = time.perf_counter()
     done = 0
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -239,15 +302,18 @@ def train_medusa(
             history.append({"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(float(a), 4) for a in acc.detach()]})
             logger.info("medusa step %d: loss %.3f acc %s", step, float(loss.detach()), history[-1]["acc"])
         if (eval_every and (step + 1) % eval_every == 0) or step == steps - 1:
-            ev = evaluate()
-            curve.append({"step": step + 1, "positions": (step + 1) * batch, "eval_loss": round(ev[0], 4),
-                          "agreement": ev[1]})
-            logger.info("medusa step %d (%d positions): eval loss %.3f acc %s", step + 1, (step + 1) * batch, *ev)
-            if ev[0] < best[0]:
-                best = (ev[0], W.detach().clone(), B.detach().clone(), step + 1, ev)
-                save(best[1], best[2], ev, done, best[3])  # a checkpoint: the best weights so far
-    info = save(best[1], best[2], best[4], done, best[3])  # the weights of the best eval loss
-    logger.info("medusa heads: held-out top-1 agreement per head %s; wrote %s", best[4][1], out)
+            sel, ev, ed = evaluate_all()
+            point = {"step": step + 1, "positions": (step + 1) * batch, "eval_loss": round(ev[0], 4), "agreement": ev[1]}
+            if ed is not None:
+                point |= {"distilled_eval_loss": round(ed[0], 4), "distilled_agreement": ed[1]}
+            curve.append(point)
+            logger.info("medusa step %d (%d positions): eval loss %.3f acc %s%s", step + 1, (step + 1) * batch, *ev,
+                        f"; distilled eval loss {ed[0]:.3f} acc {ed[1]}" if ed is not None else "")
+            if sel < best[0]:
+                best = (sel, snapshot(), step + 1, (sel, ev, ed))
+                save(*best[1], ev, ed, done, best[2])  # a checkpoint: the best weights so far
+    info = save(*best[1], best[3][1], best[3][2], done, best[2])  # the weights of the best (distilled) agreement
+    logger.info("medusa heads: held-out top-1 agreement per head %s; wrote %s", best[3][1][1], out)
     return info
 
 
@@ -268,6 +334,7 @@ def evaluate_medusa(target: str | Path, head_dir: str | Path, *, max_tokens: int
     dev = torch.device(device)
     with np.load(Path(head_dir).expanduser() / "medusa_heads.npz", allow_pickle=False) as z:
         W, B, vocab = (torch.as_tensor(z[k]).to(dev) for k in ("w", "b", "vocab"))
+        L = torch.as_tensor(z["lm"]).to(dev) if "lm" in z.files else None  # per-head LM heads [K, H, Vd]
     model = load_target(target, dev)
     tok = Tokenizer.from_file(str(target_tokenizer_json(target)))
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -289,7 +356,7 @@ def evaluate_medusa(target: str | Path, head_dir: str | Path, *, max_tokens: int
             h = captured.pop("h")[0]
             T = seq_len - K - 1
             z = h[None, :T] + torch.nn.functional.silu(torch.einsum("nh,khg->kng", h[:T], W) + B[:, None])
-            lg = z @ model.lm_head.weight[vocab].T  # [K, T, Vd]
+            lg = torch.bmm(z, L) if L is not None else z @ model.lm_head.weight[vocab].T  # [K, T, Vd]
             top = vocab[lg.topk(4, -1).indices]  # [K, T, 4]
             for k in range(K):
                 tgt = y[k + 1 : k + 1 + T]

@@ -6,14 +6,15 @@ The target's LM head reads ``h`` (the hidden state after the final norm) and giv
 ``k`` (``k = 0..K-1``) gives token ``t + k + 2`` from the same ``h``:
 
     z_k = h + SiLU(h @ W_k + b_k)           # one residual block per head, trained
-    logp_k = log_softmax(z_k @ LM)           # the target's own LM head (its rows for the draft vocabulary)
+    logp_k = log_softmax(z_k @ LM_k)         # the target's own LM head (its rows for the draft vocabulary),
+                                             # or head k's own trained one (Medusa-1's per-head LM heads)
     medusa_logp, idx = TopK(logp_k, topk)   # [K, n, topk]
     medusa_ids = vocab[idx]                  # target token ids
 
 The heads graph is a separate ONNX model (input ``medusa_features`` ``[n, H]``, outputs ``medusa_logp`` and
 ``medusa_ids`` ``[K, n, topk]``), built with onnx-ir; when the heads cover the full vocabulary it shares the
 target's LM head tensor (the emitter points it at the target's external data), otherwise it holds the head's rows
-for the draft vocabulary only. The target gets one more output: the LM head's input, named ``medusa_features``
+for the draft vocabulary only, or the heads' own LM heads (``lm`` ``[K, H, Vd]`` in the head file). The target gets one more output: the LM head's input, named ``medusa_features``
 (no compute added). The head file's LM-head fingerprint must match the target's (a head trained for another model
 is refused). Provenance goes to ``metadata_props["dyncompile.medusa"]``; the heads graph to
 ``model.meta["dyncompile.medusa.model"]`` for the ``speculative`` pass and the emitter.
@@ -119,7 +120,13 @@ def build_medusa_heads(target: ir.Model, arrays: dict[str, np.ndarray], info: di
     if not 1 <= topk <= min(64, len(vocab)):
         raise DrafterError(f"medusa-heads topk must be in 1..{min(64, len(vocab))}, got {topk}")
     full = len(vocab) == V and bool(np.all(vocab == np.arange(V)))
-    if full and node.inputs[1].const_value is not None:
+    if "lm" in arrays:  # one trained LM head per head (Medusa-1), over the draft vocabulary
+        lms = np.asarray(arrays["lm"], np.float32)
+        if lms.shape != (K, H, len(vocab)):
+            raise DrafterError(f"the Medusa heads' per-head LM heads are {list(lms.shape)}, expected "
+                               f"{[K, H, len(vocab)]} (heads, hidden size, draft vocabulary); retrain the heads")
+        lm = ir.val("medusa.lm_heads", const_value=ir.tensor(np.ascontiguousarray(lms), name="medusa.lm_heads"))
+    elif full and node.inputs[1].const_value is not None:
         lm = ir.Value(name=node.inputs[1].name, const_value=node.inputs[1].const_value)  # the target's own tensor
     else:
         lm = ir.val("medusa.lm_head", const_value=ir.tensor(np.ascontiguousarray(w_lm[:, vocab], np.float32),
@@ -216,6 +223,7 @@ class MedusaHeadsPass(ir.passes.InPlacePass):
             "heads": int(arrays["w"].shape[0]),
             "topk": self.topk,
             "draft_vocab": int(len(arrays["vocab"])),
+            "lm_heads": "per head" if "lm" in arrays else "shared",
         }
         model.metadata_props[_keys.MEDUSA] = json.dumps(record, sort_keys=True)
         model.meta[_keys.MEDUSA_MODEL] = heads
