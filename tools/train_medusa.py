@@ -1,11 +1,10 @@
 """``dyncompile train-drafter TARGET --kind medusa --out HEAD_DIR``: train Medusa-1 heads on the target's own predictions.
 
 Medusa (Cai et al. 2024) drafts from the target's last hidden state ``h_t`` alone (the LM head's input, after the
-final norm): head ``k`` (``k = 0..K-1``) is one residual block ``h + SiLU(W_k h + b_k)`` followed by an LM head, and predicts
-token ``t + k + 2`` (the target's LM head itself gives ``t + 1``). The LM head is the target's own, frozen and shared
-by the heads, or (``lm_heads=True``, the paper's Medusa-1 form) one per head, initialised from the target's and
-trained with the block, over the draft vocabulary. The heads
-are trained with cross-entropy to the *target's own* predictions (self-distillation, teacher-forced: the label of
+final norm): head ``k`` (``k = 0..K-1``) is one residual block ``h + SiLU(W_k h + b_k)`` followed by an LM head,
+and predicts token ``t + k + 2`` (the target's LM head itself gives ``t + 1``). The LM head is the target's own,
+frozen and shared by the heads, or (``lm_heads=True``, the paper's Medusa-1 form) one per head, initialised from the
+target's and trained with the block, over the draft vocabulary. The heads are trained with cross-entropy to the *target's own* predictions (self-distillation, teacher-forced: the label of
 head ``k`` at position ``t`` is the target's argmax at position ``t + k + 1`` of the same text), on the CPython
 standard library minus the files the benchmark prompts are cut from (:data:`~dyncompile.tools.train_drafter.HELD_OUT`),
 the corpus the EAGLE trainer uses. The target runs once over the corpus: its hidden states and argmax labels are
@@ -50,6 +49,26 @@ logger = logging.getLogger(__name__)
 __all__ = ["MEDUSA_HEAD_FORMAT", "evaluate_medusa", "train_medusa"]
 
 MEDUSA_HEAD_FORMAT = HEAD_FILE_FORMAT  # what the medusa-heads pass reads
+
+
+def head_logits(x: Any, w: Any, b: Any, lm: Any) -> Any:
+    """The heads' logits ``[K, n, Vd]`` for LM-head inputs ``x`` ``[n, H]``: ``z_k = x + SiLU(x @ w_k + b_k)``, then
+    ``z_k @ lm`` with ``lm`` the shared ``[H, Vd]`` rows of the target's LM head or per-head ``[K, H, Vd]``."""
+    import torch
+
+    x = x.float()
+    z = x[None] + torch.nn.functional.silu(torch.einsum("nh,khg->kng", x, w) + b[:, None])
+    return z @ lm
+
+
+def _as_windows(d: np.ndarray, seq_len: int, what: str) -> np.ndarray:
+    """Distilled rows cut to ``seq_len`` tokens; none (with a warning) when they are shorter."""
+    if d.shape[1] >= seq_len:
+        return d[:, :seq_len]
+    if len(d):
+        logger.warning("medusa: distilled %s of %d tokens are shorter than --seq-len %d: not used", what, d.shape[1],
+                       seq_len)
+    return np.zeros((0, seq_len), d.dtype)
 
 
 def train_medusa(
@@ -108,6 +127,10 @@ def train_medusa(
     store = torch.bfloat16 if amp else torch.float32  # the cached hidden states' dtype
     model = load_target(target, dev)
     cfg = model.config
+    vocab_size = int(cfg.vocab_size)
+    if lm_heads and not 0 < draft_vocab < vocab_size:  # before the target pass, which can take hours
+        raise DataError(f"per-head LM heads need a draft vocabulary smaller than the target's {vocab_size} "
+                        f"(--draft-vocab, e.g. 8192), got {draft_vocab}")
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
     ids = load_corpus_tokens(corpus, target_tokenizer_json(target), max_tokens=max_tokens, eos=eos)
     wins = _windows(ids, seq_len)
@@ -120,16 +143,11 @@ def train_medusa(
     eval_w, train_w = wins[-n_eval:], wins[:-n_eval]
     distilled = self_distill(model, train_w, distill_sequences, distill_prompt, distill_new, rng, eos=eos,
                              progress=False)
-    if len(distilled):  # continuations as training windows (cut to seq_len; shorter ones are dropped)
-        if distilled.shape[1] >= seq_len:
-            train_w = np.concatenate([train_w, distilled[:, :seq_len]])
-        else:
-            logger.warning("medusa: distilled sequences of %d tokens are shorter than --seq-len %d: not used",
-                           distilled.shape[1], seq_len)
+    train_w = np.concatenate([train_w, _as_windows(distilled, seq_len, "sequences")])  # continuations as windows
     train_w = train_w[rng.permutation(len(train_w))]
     # the target's own continuations of held-out prefixes: the eval set that picks the checkpoint
-    eval_d = self_distill(model, eval_w, distill_eval, distill_prompt, distill_new, rng, eos=eos, progress=False)
-    eval_d = eval_d[:, :seq_len] if eval_d.shape[1] >= seq_len else eval_d[:0, :seq_len]
+    eval_d = _as_windows(self_distill(model, eval_w, distill_eval, distill_prompt, distill_new, rng, eos=eos,
+                                      progress=False), seq_len, "eval sequences")
 
     # --- one target pass over the text: the LM head's input (normed hidden state) and the target's argmax ---
     captured: dict[str, Any] = {}
@@ -154,10 +172,6 @@ def train_medusa(
     t_cache = time.perf_counter() - t_start
     logger.info("medusa: cached %d train / %d eval positions in %.0f s", y_tr.numel(), y_ev.numel(), t_cache)
 
-    vocab_size = int(cfg.vocab_size)
-    if lm_heads and not 0 < draft_vocab < vocab_size:
-        raise DataError(f"per-head LM heads need a draft vocabulary smaller than the target's {vocab_size} "
-                        f"(--draft-vocab, e.g. 8192), got {draft_vocab}")
     counts = np.bincount(np.concatenate([train_w.ravel(), y_tr.cpu().numpy().ravel()]), minlength=vocab_size)
     if draft_vocab and draft_vocab < vocab_size:
         vocab = np.sort(np.argsort(-counts, kind="stable")[:draft_vocab])
@@ -199,21 +213,16 @@ def train_medusa(
     # per-head LM heads [K, H, Vd], from the target's rows (Medusa-1); else the target's, frozen and shared
     L = torch.nn.Parameter(w_head.T[None].repeat(K, 1, 1).contiguous()) if lm_heads else None
     opt = torch.optim.AdamW([W, B] + ([L] if lm_heads else []), lr=lr, weight_decay=0.0)
-
-    def logits_of(x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [K, n, Vd]
-        x = x.float()
-        z = x[None] + torch.nn.functional.silu(torch.einsum("nh,khg->kng", x, W) + B[:, None])
-        return torch.bmm(z, L) if L is not None else z @ w_head.T
+    lm = L if L is not None else w_head.T
 
     def loss_acc(x: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lg = logits_of(x)  # [K, n, Vd]
+        lg = head_logits(x, W, B, lm)  # [K, n, Vd]
         lab_t = lab.T  # [K, n]
         loss = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab_t.reshape(-1), ignore_index=-100)
         acc = (lg.argmax(-1) == lab_t).float().mean(1)  # per head (out-of-vocabulary labels count as misses)
         return loss, acc
 
-    def evaluate(x_e: Rows | None = None, l_e: torch.Tensor | None = None) -> tuple[float, list[float]]:
-        x_e, l_e = (x_ev, l_ev) if x_e is None else (x_e, l_e)
+    def evaluate(x_e: Rows, l_e: torch.Tensor) -> tuple[float, list[float]]:
         with torch.no_grad():
             ls, accs = [], []
             for i in range(0, len(x_e), 1024):
@@ -226,7 +235,7 @@ def train_medusa(
         """(minus the summed head agreement that picks the checkpoint, corpus eval, distilled eval or None). Agreement,
         not the eval loss: the loss turns up long before agreement stops rising (the heads grow over-confident on
         the positions they miss), and greedy verification accepts on agreement alone."""
-        ev = evaluate()
+        ev = evaluate(x_ev, l_ev)
         ed = evaluate(x_ed, l_ed) if x_ed is not None else None
         return -float(sum((ed or ev)[1])), ev, ed
 
@@ -284,7 +293,8 @@ def train_medusa(
         return W.detach().clone(), B.detach().clone(), (L.detach().clone() if L is not None else None)
 
     ev_before = evaluate_all()
-    best = (ev_before[0], snapshot(), 0, ev_before)  # early stopping on the (distilled) summed agreement
+    # early stopping on the (distilled) summed agreement: (selection value, weights, step, corpus eval, distilled eval)
+    best = (ev_before[0], snapshot(), 0, ev_before[1], ev_before[2])
     t_train = time.perf_counter()
     done = 0
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -310,10 +320,11 @@ def train_medusa(
             logger.info("medusa step %d (%d positions): eval loss %.3f acc %s%s", step + 1, (step + 1) * batch, *ev,
                         f"; distilled eval loss {ed[0]:.3f} acc {ed[1]}" if ed is not None else "")
             if sel < best[0]:
-                best = (sel, snapshot(), step + 1, (sel, ev, ed))
-                save(*best[1], ev, ed, done, best[2])  # a checkpoint: the best weights so far
-    info = save(*best[1], best[3][1], best[3][2], done, best[2])  # the weights of the best (distilled) agreement
-    logger.info("medusa heads: held-out top-1 agreement per head %s; wrote %s", best[3][1][1], out)
+                best = (sel, snapshot(), step + 1, ev, ed)
+                save(*best[1], ev, ed, done, step + 1)  # a checkpoint: the best weights so far
+    _, weights, kept, ev, ed = best
+    info = save(*weights, ev, ed, done, kept)  # the weights of the best (distilled) agreement
+    logger.info("medusa heads: held-out top-1 agreement per head %s; wrote %s", ev[1], out)
     return info
 
 
@@ -336,6 +347,7 @@ def evaluate_medusa(target: str | Path, head_dir: str | Path, *, max_tokens: int
         W, B, vocab = (torch.as_tensor(z[k]).to(dev) for k in ("w", "b", "vocab"))
         L = torch.as_tensor(z["lm"]).to(dev) if "lm" in z.files else None  # per-head LM heads [K, H, Vd]
     model = load_target(target, dev)
+    lm = L if L is not None else model.lm_head.weight.detach()[vocab].T  # once, not per window
     tok = Tokenizer.from_file(str(target_tokenizer_json(target)))
     root = Path(sysconfig.get_paths()["stdlib"])
     ids: list[int] = []
@@ -355,8 +367,7 @@ def evaluate_medusa(target: str | Path, head_dir: str | Path, *, max_tokens: int
             y = model(input_ids=x, use_cache=False).logits.argmax(-1)[0]
             h = captured.pop("h")[0]
             T = seq_len - K - 1
-            z = h[None, :T] + torch.nn.functional.silu(torch.einsum("nh,khg->kng", h[:T], W) + B[:, None])
-            lg = torch.bmm(z, L) if L is not None else z @ model.lm_head.weight[vocab].T  # [K, T, Vd]
+            lg = head_logits(h[:T], W, B, lm)  # [K, T, Vd]
             top = vocab[lg.topk(4, -1).indices]  # [K, T, 4]
             for k in range(K):
                 tgt = y[k + 1 : k + 1 + T]

@@ -6,9 +6,10 @@
 #   PARTS=DIR BUNDLE_SHA=... [SITE=DIR] [WORK=DIR] [OUT=DIR] bash bench-results/medusa/gpu_medusa_train.sh setup|train|wait|fetch
 #
 # run 2: the defaults (DISTILL=4096, shared frozen LM head, checkpoint picked on the corpus eval windows);
-# run 3: two trainings at once on one GPU, both DISTILL=12288 DISTILL_EVAL=768 (the checkpoint picked on the target's
-#        own continuations of held-out prefixes): NAME=run3-lm LM_HEADS=1 (Medusa-1's per-head LM heads) and
-#        NAME=run3-shared (the target's LM head, as run 2)
+# run 3: NAME=run3 LM_HEADS=1 DISTILL=12288 DISTILL_EVAL=768 MAX_SECONDS=240 (Medusa-1's per-head LM heads, the
+#        checkpoint picked on the target's own continuations of held-out prefixes). A first attempt ran NAME=run3-lm
+#        LM_HEADS=1 beside NAME=run3-shared (the shared-head ablation) at MAX_SECONDS=420; both were stopped at ~4,000
+#        steps when selection still followed the eval loss (README), and only run3 was started again
 #
 # run from the repository root. Carried into $PARTS as p00..p24 (47,000,000-byte pieces of one tar, sha256 in
 # $BUNDLE_SHA), made on the CPU machine with

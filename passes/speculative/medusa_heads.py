@@ -14,8 +14,8 @@ The target's LM head reads ``h`` (the hidden state after the final norm) and giv
 The heads graph is a separate ONNX model (input ``medusa_features`` ``[n, H]``, outputs ``medusa_logp`` and
 ``medusa_ids`` ``[K, n, topk]``), built with onnx-ir; when the heads cover the full vocabulary it shares the
 target's LM head tensor (the emitter points it at the target's external data), otherwise it holds the head's rows
-for the draft vocabulary only, or the heads' own LM heads (``lm`` ``[K, H, Vd]`` in the head file). The target gets one more output: the LM head's input, named ``medusa_features``
-(no compute added). The head file's LM-head fingerprint must match the target's (a head trained for another model
+for the draft vocabulary only, or the heads' own LM heads (``lm`` ``[K, H, Vd]`` in the head file). The target
+gets one more output: the LM head's input, named ``medusa_features`` (no compute added). The head file's LM-head fingerprint must match the target's (a head trained for another model
 is refused). Provenance goes to ``metadata_props["dyncompile.medusa"]``; the heads graph to
 ``model.meta["dyncompile.medusa.model"]`` for the ``speculative`` pass and the emitter.
 """
