@@ -238,7 +238,7 @@ class TreePolicy:
 class DraftPolicy:
     """Draft lengths and the cost model of a ``speculative_generate`` step.
 
-    ``stop_below``: a model or EAGLE drafter's chain ends after a token whose probability under the drafter is below
+    ``stop_below``: a model, EAGLE or Medusa drafter's chain ends after a token whose probability under the drafter is below
     this (the chain is then shorter than the round's length; 0: never), as transformers' assisted generation does
     with ``assistant_confidence_threshold``.
     """
@@ -254,7 +254,7 @@ class DraftPolicy:
     verify_cost: dict[str, float] | None = _field(None, lo=0.0, hi=1e6)
     timing: bool = False
     tree: TreePolicy | None = None
-    #: a model or EAGLE drafter ends its chain after a token it gives less than this probability (0: never)
+    #: a model, EAGLE or Medusa drafter ends its chain after a token it gives less than this probability (0: never)
     stop_below: float = _field(0.0, lo=0.0, hi=1.0)
 
     def _check(self, where: str) -> None:

@@ -24,7 +24,7 @@ from dyncompile.passes.speculative.medusa_heads import FEATURES, MedusaHeadsPass
 from dyncompile.plan._typed import from_json
 from dyncompile.plan.decode import DrafterParams, SpeculativeParams
 from dyncompile.runtime.decode.drafters import TreeBudget
-from dyncompile.runtime.decode.medusa import sparse_tree
+from dyncompile.runtime.decode.medusa import IDS_OUTPUT, LOGP_OUTPUT, MedusaDrafter, sparse_tree
 from dyncompile.tools.train_drafter import fingerprint
 
 EOS_UNUSED = 99
@@ -190,6 +190,52 @@ def test_greedy_token_identical_on_the_tiny_decoder(tiny):
             r = m.generate(prompt, max_new_tokens=20, **opts)
             assert r.token_ids == ref.token_ids, opts
             assert r.stats.drafter == "medusa" and r.stats.drafted > 0 and r.stats.target_calls == r.stats.rounds + 1
+
+
+class _FixedHeads:
+    """A heads session that always answers the same ``[K, 1, topk]`` candidates."""
+
+    def __init__(self, ids, probs):
+        self.ids = np.asarray(ids, np.int64)[:, None, :]
+        self.logp = np.log(np.asarray(probs, np.float32))[:, None, :]
+
+    def get_inputs(self):
+        return [type("I", (), {"name": "medusa_features"})()]
+
+    def get_outputs(self):
+        return [type("O", (), {"name": n})() for n in (LOGP_OUTPUT, IDS_OUTPUT)]
+
+    def run(self, names, feeds):
+        return [self.logp if n == LOGP_OUTPUT else self.ids for n in names]
+
+
+def _chain(ids, probs, n, stop_below, vocab_size=100):
+    d = MedusaDrafter(_FixedHeads(ids, probs), features="f", heads=len(ids), topk=len(ids[0]))
+    d._h = np.zeros(4, np.float32)
+    d.stop_below = stop_below
+    return d.propose([1], n, sample=False, temperature=1.0, rng=None, vocab_size=vocab_size)[0]
+
+
+def test_medusa_chain_stops_after_the_first_unsure_head():
+    ids, probs = [[10, 11], [20, 21], [30, 31]], [[0.9, 0.1], [0.4, 0.3], [0.8, 0.1]]
+    assert _chain(ids, probs, 3, 0.0) == [10, 20, 30]
+    assert _chain(ids, probs, 3, 0.5) == [10, 20]          # head 2 is unsure: drafted, then the chain ends
+    assert _chain(ids, probs, 3, 0.95) == [10]             # every head unsure: one draft (1.0: one per round)
+    assert _chain(ids, probs, 2, 0.3) == [10, 20]          # the round's length still caps it
+    # a head whose token the target cannot take ends the chain; the next head's token never moves up a depth
+    assert _chain([[10], [200], [30]], [[0.9], [0.9], [0.9]], 3, 0.0, vocab_size=100) == [10]
+
+
+def test_medusa_stop_below_keeps_greedy_output_and_drafts_less(tiny):
+    m = dyncompile.load(tiny["plan"])
+    prompt = [1, 2, 3, 4]
+    ref = m.generate(prompt, max_new_tokens=20, speculative=False)
+    full = m.generate(prompt, max_new_tokens=20, tree=False, draft_length=3, adaptive=False)
+    one = m.generate(prompt, max_new_tokens=20, tree=False, draft_length=3, adaptive=False, stop_below=1.0)
+    assert full.token_ids == one.token_ids == ref.token_ids
+    # stop 1.0: one head's token a round (none in a last round with one token left); without it, all three
+    assert set(one.stats.draft_lengths) <= {0, 1} and max(full.stats.draft_lengths) == 3
+    assert one.stats.drafted < full.stats.drafted
 
 
 def test_hybrid_prompt_lookup_and_medusa_is_token_identical(tiny):
@@ -362,3 +408,4 @@ def test_smollm2_per_head_lm_heads_picked_on_distilled_eval(smollm2, module_tmp)
     ref = m.generate(prompt, max_new_tokens=20, speculative=False)
     r = m.generate(prompt, max_new_tokens=20, tree=False, draft_length=3, adaptive=False)
     assert r.token_ids == ref.token_ids and r.stats.drafted > 0
+

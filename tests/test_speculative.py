@@ -774,6 +774,58 @@ def test_bench_stop_below_runs_the_step_with_each_threshold(tiny, tmp_path):
         bench_generate.main([str(plan), "--prompts", str(prompts), "--stop-below", "1.5"])
 
 
+def test_verify_costs_pair_the_calls_of_a_round(monkeypatch):
+    """The verification cost curve is the median of ``t(s) / t(1)`` within round-robin rounds: a burst of machine
+    speed during one single-token call (here 25 % faster, ending before that round's next call) leaves it exact,
+    where the ratio of each size's fastest call reads the burst as verification cost. A fake clock, no timing."""
+    from dyncompile.passes.speculative import probe
+
+    cost = {1: 1.0, 2: 1.03, 4: 1.1, 9: 1.5}
+    clock = [0.0]
+    calls = []
+
+    class Session:
+        def run(self, names, feeds):
+            size = feeds["ids"].shape[1]
+            calls.append(size)
+            burst = len(calls) == 3  # prefill, warm-up, then round 0's single-token call
+            clock[0] += cost.get(size, 10.0) * (0.8 if burst else 1.0)
+            return [np.zeros((1, size, 4), np.float32)]
+
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
+    spec = {"input_ids": "ids", "logits": "logits", "kv": []}
+    rounds = probe.measure_step_rounds(Session(), spec, list(range(16)), [1, 2, 4, 9], repeats=5)
+    assert calls == [16, 1] + [1, 2, 4, 9] * 5 and len(rounds) == 5
+    assert probe.relative_verify_costs(rounds) == {s_: round(c, 4) for s_, c in cost.items()}
+    # the fastest call of each size: the burst's single-token call becomes the unit, every cost 25 % too high
+    by_min = probe.relative_verify_costs(probe._min_times(rounds))
+    assert by_min[2] == round(1.03 / 0.8, 4) and by_min[9] == round(1.5 / 0.8, 4)
+
+
+def test_bench_chain_options_run_chains_on_a_tree_plan():
+    """``--stop-below`` and ``--max-drafts`` are chain options: their runners ask for chains (``tree=False``), so on a
+    plan whose default is a draft tree (Medusa, EAGLE) they measure the option instead of the plan's tree."""
+    from types import SimpleNamespace
+
+    from dyncompile.tools.bench.generate import plan_runners
+
+    calls = []
+
+    class Model:
+        plan = SimpleNamespace(steps=[SimpleNamespace(kind="speculative_generate")])
+        handlers = [SimpleNamespace(last_rounds=[])]
+
+        def generate(self, ids, max_new_tokens, **opts):
+            calls.append(opts)
+            return SimpleNamespace(token_ids=list(ids), stats=SimpleNamespace(seconds=0.0, to_dict=dict))
+
+    runners = {r.name: r for r in plan_runners(Model(), stop_below=(0.5,), max_drafts=(3,))}
+    runners["speculative, stop below 0.5 (ORT)"].fn([1], 4)
+    runners["speculative, max draft 3 (ORT)"].fn([1], 4)
+    runners["speculative (ORT)"].fn([1], 4)
+    assert calls == [{"stop_below": 0.5, "tree": False}, {"max_draft": 3, "tree": False}, {}]
+
+
 # ------------------------------------------------------------------------------------------- drafter vocabulary
 
 

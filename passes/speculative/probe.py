@@ -2,8 +2,9 @@
 
 * :func:`session_for` — a CPU session on an in-memory ``ir.Model`` (external weights found where they are);
 * :func:`prefill_feeds` — batch-1 feeds for some tokens on an empty or given cache;
-* :func:`measure_step_times` / :func:`relative_verify_costs` / :func:`measure_verify_costs` — seconds of a
-  call with ``s`` new tokens on a cache, and the cost of verifying ``s`` tokens relative to one;
+* :func:`measure_step_rounds` / :func:`measure_step_times` / :func:`relative_verify_costs` /
+  :func:`measure_verify_costs` — seconds of a call with ``s`` new tokens on a cache (each round, or the fastest),
+  and the cost of verifying ``s`` tokens relative to one (the median of paired ratios within rounds);
 * :func:`target_verify_costs` / :func:`drafter_step_seconds` — the same probe for a target and a drafter;
 * :func:`weight_reads` — bytes of weights a decode step reads (the drafter cost when nothing is timed);
 * :func:`row_invariance` / :func:`target_min_rows` — whether a row's logits depend on the number of rows in a
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "drafter_step_seconds",
+    "measure_step_rounds",
     "measure_step_times",
     "measure_verify_costs",
     "prefill_feeds",
@@ -117,12 +119,11 @@ def prefill_feeds(spec: dict[str, Any], ids: Sequence[int], past=None, past_len:
     return feeds
 
 
-def measure_step_times(sess, spec, chunk: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
-    """Seconds for ``s`` new tokens on a cache of ``len(chunk)`` tokens, for each s in ``sizes``.
+def measure_step_rounds(sess, spec, chunk: Sequence[int], sizes: Sequence[int], repeats: int = 5
+                        ) -> list[dict[int, float]]:
+    """Seconds for ``s`` new tokens on a cache of ``len(chunk)`` tokens, per round, for each s in ``sizes``.
 
-    Sizes are measured round-robin and the minimum over ``repeats`` is kept, so that a burst of load from
-    other processes does not make one size look expensive (medians taken size by size did: on a loaded
-    2-core machine a 4-token verification once measured 3.4x a single token instead of 1.2x).
+    Each of ``repeats`` rounds times every size once, smallest first (round-robin).
     """
     names = [spec["logits"], *(e["present"] for e in spec["kv"])]
     outs = sess.run(names, prefill_feeds(spec, list(chunk)))
@@ -131,29 +132,55 @@ def measure_step_times(sess, spec, chunk: Sequence[int], sizes: Sequence[int], r
         size: prefill_feeds(spec, [int(chunk[0])] * size, past=past, past_len=len(chunk)) for size in sorted(set(sizes))
     }
     sess.run(names[:1], feeds[min(feeds)])  # warm-up
-    times: dict[int, float] = {size: float("inf") for size in feeds}
+    rounds = []
     for _ in range(repeats):
+        r = {}
         for size, f in feeds.items():
             t0 = time.perf_counter()
             sess.run(names[:1], f)
-            times[size] = min(times[size], time.perf_counter() - t0)
-    return times
+            r[size] = time.perf_counter() - t0
+        rounds.append(r)
+    return rounds
 
 
-def relative_verify_costs(times: dict[int, float]) -> dict[int, float]:
+def measure_step_times(sess, spec, chunk: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
+    """Seconds for ``s`` new tokens on a cache of ``len(chunk)`` tokens, for each s in ``sizes``.
+
+    Sizes are measured round-robin and the minimum over ``repeats`` is kept, so that a burst of load from
+    other processes does not make one size look expensive (medians taken size by size did: on a loaded
+    2-core machine a 4-token verification once measured 3.4x a single token instead of 1.2x).
+    """
+    return _min_times(measure_step_rounds(sess, spec, chunk, sizes, repeats))
+
+
+def _min_times(rounds: Sequence[dict[int, float]]) -> dict[int, float]:
+    return {size: min(r[size] for r in rounds) for size in rounds[0]}
+
+
+def relative_verify_costs(times: dict[int, float] | Sequence[dict[int, float]]) -> dict[int, float]:
     """Step times by tokens per call -> cost relative to one token.
 
+    Given the rounds of :func:`measure_step_rounds`, the cost of ``s`` is the median over rounds of ``t(s) / t(1)``
+    within a round: calls of one round run back to back, so a machine whose speed drifts (a shared VM's memory
+    bandwidth moved a 1.5B decoder's single-token call between 163 and 207 ms within a minute) cancels out of each
+    ratio. Ratios of minimums taken size by size did not cancel it: the fastest single-token call and the fastest
+    two-token call may come from different moments, and a 1.5B probe during a compile read v(2) = 1.27 where
+    paired calls on the same machine gave 1.01-1.06. Given one time per size, the ratio of those times.
     Kept monotone: verifying more tokens never costs less.
     """
+    if isinstance(times, dict):
+        ratio = {s_: times[s_] / times[1] for s_ in times}
+    else:
+        ratio = {s_: float(np.median([r[s_] / r[1] for r in times])) for s_ in times[0]}
     costs, run = {}, 1.0
-    for s_ in sorted(times):
-        run = costs[s_] = round(max(run, times[s_] / times[1]), 4)
+    for s_ in sorted(ratio):
+        run = costs[s_] = round(max(run, ratio[s_]), 4)
     return costs
 
 
 def measure_verify_costs(sess, spec, chunk: Sequence[int], max_draft: int = 8, repeats: int = 5) -> dict[int, float]:
     """Target time for ``s`` new tokens on a cache of ``len(chunk)``, relative to one token (s = 1, 2, 4, ...)."""
-    return relative_verify_costs(measure_step_times(sess, spec, chunk, sorted({1, 2, 4, max_draft + 1}), repeats))
+    return relative_verify_costs(measure_step_rounds(sess, spec, chunk, sorted({1, 2, 4, max_draft + 1}), repeats))
 
 
 def _probe_chunk(spec: dict[str, Any]) -> list[int]:
@@ -167,8 +194,8 @@ def target_verify_costs(model: ir.Model, spec: dict[str, Any], sizes: Sequence[i
     The costs are the runtime's draft-length model, keyed by ``str(s)`` as the plan stores them. Draft trees measure the
     curve further (``sizes`` up to the largest tree).
     """
-    times = measure_step_times(session_for(model), spec, _probe_chunk(spec), sorted({1, *sizes}))
-    costs = relative_verify_costs(times)
+    rounds = measure_step_rounds(session_for(model), spec, _probe_chunk(spec), sorted({1, *sizes}))
+    times, costs = _min_times(rounds), relative_verify_costs(rounds)
     logger.info("speculative: target step %.1f ms; verification cost by tokens %s", times[1] * 1e3, costs)
     return {str(k): v for k, v in costs.items()}, times[1]
 

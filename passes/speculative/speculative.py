@@ -167,7 +167,7 @@ class SpeculativePass(ir.passes.InPlacePass):
     the ones they were timed on (checked by a fingerprint of nodes and initializers; in memory only, so a
     model loaded from disk is always timed afresh).
 
-    Draft cost: ``stop_below`` goes to the draft policy (a model or EAGLE drafter's chain ends after a token it gives
+    Draft cost: ``stop_below`` goes to the draft policy (a model, EAGLE or Medusa drafter's chain ends after a token it gives
     less probability); ``drafter_vocab`` names the token ids of an external drafter whose LM head
     :func:`trim_drafter_vocab` restricted to them (the plan maps its logits back; the CLI's ``draft_vocab=N`` picks
     the N commonest tokens of ``--calib``).
@@ -236,7 +236,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         }
         if not 0.0 <= float(stop_below) <= 1.0:
             raise DrafterError(f"stop_below is a drafter probability in [0, 1], got {stop_below}")
-        if float(stop_below) > 0.0:  # a model or EAGLE drafter's chains end at its first unsure token
+        if float(stop_below) > 0.0:  # a model, EAGLE or Medusa drafter's chains end at its first unsure token
             self.draft["stop_below"] = float(stop_below)
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
         self.tokenizer_check = tokenizer_check
@@ -601,7 +601,7 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "token-identical to the target, sampling exact; options draft_length=4, max_draft (16 for prompt-lookup, 8 for "
     "model drafters), adaptive=true, tree=false, tree_nodes=16; --drafter lookahead: window=5, ngram=4, guesses=5 "
     "(a fixed tree, after explicit-attention); hybrid=true: prompt lookup's matches in the same tree as the drafter's; "
-    "stop_below=P: a model or EAGLE drafter ends a chain after a token it gives probability < P (0: off); "
+    "stop_below=P: a model, EAGLE or Medusa drafter ends a chain after a token it gives probability < P (0: off); "
     "draft_vocab=N (with --drafter DRAFT.onnx and --calib TEXT): the drafter's LM head keeps the N most frequent "
     "tokens of the calibration text (a cheaper draft step; decoding stays exact)",
     after=("split-drafter", "eagle-drafter", "medusa-heads"),

@@ -111,11 +111,23 @@ class MedusaDrafter(Drafter):
         return np.asarray(ids)[:, 0], np.asarray(logp)[:, 0]
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
-        """The chain of each head's best token (deterministic candidates, also when sampling)."""
+        """The chain of each head's best token (deterministic candidates, also when sampling).
+
+        With ``stop_below`` > 0 the chain ends after the first head whose best token has a probability below it
+        (the heads' own softmax over the draft vocabulary): rounds where the heads are sure draft all ``n``, the
+        others stop early and verify fewer tokens. The stop reads only the heads' outputs, so exactness is kept.
+        """
         if n <= 0:
             return [], ([] if sample else None)
-        ids, _ = self.candidates()
-        tokens = [int(t) for t in ids[: min(n, len(ids)), 0] if 0 <= int(t) < vocab_size]
+        ids, logp = self.candidates()
+        tokens: list[int] = []
+        for k in range(min(n, len(ids))):
+            tok = int(ids[k, 0])
+            if not 0 <= tok < vocab_size:  # a head's token belongs at depth k + 1: never shift the next one up
+                break
+            tokens.append(tok)
+            if self.stop_below > 0.0 and float(np.exp(logp[k, 0])) < self.stop_below:
+                break
         return tokens, None
 
     def propose_tree(self, seq, budget: TreeBudget, *, sample, temperature, rng, vocab_size) -> DraftTree:

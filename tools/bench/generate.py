@@ -70,7 +70,7 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
     (the ``max_draft`` generation option; the adaptive policy still picks each round's length): for tuning the
     plan's ``speculative{max_draft=…}`` on a calibration prompt set. ``stop_below``: also the speculative step with
     each of these drafter-confidence stops (the ``stop_below`` generation option; tune ``speculative{stop_below=…}``
-    the same way).
+    the same way). Both are chain options, so these runners draft chains also on a plan whose default is a tree.
     """
     def target(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, speculative=False, **opts)
@@ -95,10 +95,10 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
             runners.append(Runner("speculative (ORT)", spec))
         for m in max_drafts:  # the runtime cuts the plan's first draft length down to the cap
             runners.append(Runner(f"speculative, max draft {m} (ORT)",
-                                  lambda ids, n, m=m, **o: spec(ids, n, max_draft=m, **o)))
+                                  lambda ids, n, m=m, **o: spec(ids, n, max_draft=m, tree=False, **o)))
         for b in stop_below:
             runners.append(Runner(f"speculative, stop below {b:g} (ORT)",
-                                  lambda ids, n, b=b, **o: spec(ids, n, stop_below=b, **o)))
+                                  lambda ids, n, b=b, **o: spec(ids, n, stop_below=b, tree=False, **o)))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
         return runners
@@ -381,7 +381,7 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
 
     from dyncompile.io import write_json_atomic
     from dyncompile.passes.speculative import ExposeAttentionMaskPass, decoder_spec
-    from dyncompile.passes.speculative.probe import measure_step_times, relative_verify_costs, session_for
+    from dyncompile.passes.speculative.probe import measure_step_rounds, relative_verify_costs, session_for
 
     p = argparse.ArgumentParser(prog="dyncompile-bench-speculative curve",
                                 description="Verification cost v(s) of a KV-cache decoder with a 4-D attention "
@@ -402,10 +402,10 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     spec = decoder_spec(model, "model")
     chunk = [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, args.past + 1)]
     load_before = os.getloadavg()
-    times = measure_step_times(session_for(model, args.threads), spec, chunk, sizes, args.repeats)
+    rounds = measure_step_rounds(session_for(model, args.threads), spec, chunk, sizes, args.repeats)
     report = {"model": Path(args.model).name, "past": args.past, "sizes": sizes, "threads": args.threads,
-              "seconds_min": {str(k): round(v, 5) for k, v in times.items()},
-              "verify_cost": {str(k): v for k, v in relative_verify_costs(times).items()},
+              "seconds_min": {str(k): round(min(r[k] for r in rounds), 5) for k in sizes},
+              "verify_cost": {str(k): v for k, v in relative_verify_costs(rounds).items()},
               "machine": machine_info(),
               "load": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}}
     out = Path(args.report_dir)
