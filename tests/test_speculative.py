@@ -798,8 +798,9 @@ def test_verify_costs_pair_the_calls_of_a_round(monkeypatch):
     assert calls == [16, 1] + [1, 2, 4, 9] * 5 and len(rounds) == 5
     assert probe.relative_verify_costs(rounds) == {s_: round(c, 4) for s_, c in cost.items()}
     # the fastest call of each size: the burst's single-token call becomes the unit, every cost 25 % too high
-    by_min = probe.relative_verify_costs(probe._min_times(rounds))
-    assert by_min[2] == round(1.03 / 0.8, 4) and by_min[9] == round(1.5 / 0.8, 4)
+    fastest = probe.fastest_times(rounds)
+    assert round(fastest[1], 4) == 0.8
+    assert round(fastest[2] / fastest[1], 4) == round(1.03 / 0.8, 4) and round(fastest[9] / fastest[1], 4) == round(1.5 / 0.8, 4)
 
 
 def test_bench_chain_options_run_chains_on_a_tree_plan():

@@ -2,7 +2,7 @@
 
 * :func:`session_for` — a CPU session on an in-memory ``ir.Model`` (external weights found where they are);
 * :func:`prefill_feeds` — batch-1 feeds for some tokens on an empty or given cache;
-* :func:`measure_step_rounds` / :func:`measure_step_times` / :func:`relative_verify_costs` /
+* :func:`measure_step_rounds` / :func:`fastest_times` / :func:`measure_step_times` / :func:`relative_verify_costs` /
   :func:`measure_verify_costs` — seconds of a call with ``s`` new tokens on a cache (each round, or the fastest),
   and the cost of verifying ``s`` tokens relative to one (the median of paired ratios within rounds);
 * :func:`target_verify_costs` / :func:`drafter_step_seconds` — the same probe for a target and a drafter;
@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "drafter_step_seconds",
+    "fastest_times",
     "measure_step_rounds",
     "measure_step_times",
     "measure_verify_costs",
@@ -150,28 +151,25 @@ def measure_step_times(sess, spec, chunk: Sequence[int], sizes: Sequence[int], r
     other processes does not make one size look expensive (medians taken size by size did: on a loaded
     2-core machine a 4-token verification once measured 3.4x a single token instead of 1.2x).
     """
-    return _min_times(measure_step_rounds(sess, spec, chunk, sizes, repeats))
+    return fastest_times(measure_step_rounds(sess, spec, chunk, sizes, repeats))
 
 
-def _min_times(rounds: Sequence[dict[int, float]]) -> dict[int, float]:
+def fastest_times(rounds: Sequence[dict[int, float]]) -> dict[int, float]:
+    """Each size's fastest call over the rounds of :func:`measure_step_rounds`."""
     return {size: min(r[size] for r in rounds) for size in rounds[0]}
 
 
-def relative_verify_costs(times: dict[int, float] | Sequence[dict[int, float]]) -> dict[int, float]:
-    """Step times by tokens per call -> cost relative to one token.
+def relative_verify_costs(rounds: Sequence[dict[int, float]]) -> dict[int, float]:
+    """The rounds of :func:`measure_step_rounds` -> the cost of verifying ``s`` tokens relative to one.
 
-    Given the rounds of :func:`measure_step_rounds`, the cost of ``s`` is the median over rounds of ``t(s) / t(1)``
-    within a round: calls of one round run back to back, so a machine whose speed drifts (a shared VM's memory
-    bandwidth moved a 1.5B decoder's single-token call between 163 and 207 ms within a minute) cancels out of each
-    ratio. Ratios of minimums taken size by size did not cancel it: the fastest single-token call and the fastest
-    two-token call may come from different moments, and a 1.5B probe during a compile read v(2) = 1.27 where
-    paired calls on the same machine gave 1.01-1.06. Given one time per size, the ratio of those times.
+    The cost of ``s`` is the median over rounds of ``t(s) / t(1)`` within a round: calls of one round run back to
+    back, so a machine whose speed drifts (a shared VM's memory bandwidth moved a 1.5B decoder's single-token call
+    between 163 and 207 ms within a minute) cancels out of each ratio. Ratios of minimums taken size by size did not
+    cancel it: the fastest single-token call and the fastest two-token call may come from different moments, and a
+    1.5B probe during a compile read v(2) = 1.27 where paired calls on the same machine gave 1.01-1.06.
     Kept monotone: verifying more tokens never costs less.
     """
-    if isinstance(times, dict):
-        ratio = {s_: times[s_] / times[1] for s_ in times}
-    else:
-        ratio = {s_: float(np.median([r[s_] / r[1] for r in times])) for s_ in times[0]}
+    ratio = {s_: float(np.median([r[s_] / r[1] for r in rounds])) for s_ in rounds[0]}
     costs, run = {}, 1.0
     for s_ in sorted(ratio):
         run = costs[s_] = round(max(run, ratio[s_]), 4)
@@ -195,7 +193,7 @@ def target_verify_costs(model: ir.Model, spec: dict[str, Any], sizes: Sequence[i
     curve further (``sizes`` up to the largest tree).
     """
     rounds = measure_step_rounds(session_for(model), spec, _probe_chunk(spec), sorted({1, *sizes}))
-    times, costs = _min_times(rounds), relative_verify_costs(rounds)
+    times, costs = fastest_times(rounds), relative_verify_costs(rounds)
     logger.info("speculative: target step %.1f ms; verification cost by tokens %s", times[1] * 1e3, costs)
     return {str(k): v for k, v in costs.items()}, times[1]
 

@@ -381,7 +381,12 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
 
     from dyncompile.io import write_json_atomic
     from dyncompile.passes.speculative import ExposeAttentionMaskPass, decoder_spec
-    from dyncompile.passes.speculative.probe import measure_step_rounds, relative_verify_costs, session_for
+    from dyncompile.passes.speculative.probe import (
+        fastest_times,
+        measure_step_rounds,
+        relative_verify_costs,
+        session_for,
+    )
 
     p = argparse.ArgumentParser(prog="dyncompile-bench-speculative curve",
                                 description="Verification cost v(s) of a KV-cache decoder with a 4-D attention "
@@ -404,7 +409,7 @@ def verify_curve_main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     rounds = measure_step_rounds(session_for(model, args.threads), spec, chunk, sizes, args.repeats)
     report = {"model": Path(args.model).name, "past": args.past, "sizes": sizes, "threads": args.threads,
-              "seconds_min": {str(k): round(min(r[k] for r in rounds), 5) for k in sizes},
+              "seconds_min": {str(k): round(v, 5) for k, v in fastest_times(rounds).items()},
               "verify_cost": {str(k): v for k, v in relative_verify_costs(rounds).items()},
               "machine": machine_info(),
               "load": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}}
