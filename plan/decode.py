@@ -155,7 +155,7 @@ class DrafterParams:
     ``ngram - 1`` levels plus an n-gram pool of ``guesses`` candidates per first token; no model, see
     :mod:`dyncompile.runtime.decode.lookahead`) or Medusa heads (``heads_model``: a graph reading the target's
     ``features`` output and giving each of ``heads`` heads' ``topk`` best tokens; see
-    :mod:`dyncompile.runtime.decode.medusa`). ``prompt_lookup`` (model, eagle, lookahead): a *hybrid* drafter
+    :mod:`dyncompile.runtime.decode.medusa`). ``prompt_lookup`` (model, eagle, lookahead, medusa): a *hybrid* drafter
     whose tree holds prompt-lookup candidates (``max_ngram`` / ``min_ngram``) where the context has n-gram matches
     and this drafter's candidates in the rest of the tree budget.
     """
@@ -184,7 +184,7 @@ class DrafterParams:
 
     def _check(self, where: str) -> None:  # noqa: C901 - one rule per drafter kind
         if self.prompt_lookup and self.kind == "prompt-lookup":
-            raise PlanError(f"{where}.prompt_lookup: a hybrid needs a second drafter (kind model, eagle or lookahead), "
+            raise PlanError(f"{where}.prompt_lookup: a hybrid needs a second drafter (kind model, eagle, lookahead or medusa), "
                             "not prompt-lookup itself")
         if self.min_ngram > self.max_ngram:
             raise PlanError(f"{where}: min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")

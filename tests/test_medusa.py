@@ -248,6 +248,47 @@ def test_hybrid_prompt_lookup_and_medusa_is_token_identical(tiny):
     assert r.token_ids == ref.token_ids and r.stats.drafted > 0
 
 
+def test_hybrid_option_runs_each_part_alone(tiny):
+    """``hybrid=False`` / ``"prompt-lookup"`` draft with one part of the hybrid only; greedy stays the target's."""
+    from dyncompile.runtime.decode.drafters import HybridDrafter
+    from dyncompile.runtime.decode.generate import PromptError
+
+    m = dyncompile.load(tiny["hybrid"])
+    hybrid = m.handlers[0].drafter
+    assert isinstance(hybrid, HybridDrafter)
+    prompt = [5, 6, 5, 6, 5, 6, 5]
+    ref = m.generate(prompt, max_new_tokens=20, speculative=False)
+    both = m.generate(prompt, max_new_tokens=20, tree=False)
+    heads = m.generate(prompt, max_new_tokens=20, tree=False, hybrid=False)
+    lookup = m.generate(prompt, max_new_tokens=20, tree=False, hybrid="prompt-lookup")
+    assert both.token_ids == heads.token_ids == lookup.token_ids == ref.token_ids
+    assert (both.stats.drafter, heads.stats.drafter, lookup.stats.drafter) == (
+        hybrid.name, hybrid.other.name, hybrid.lookup.name)
+    assert len({both.stats.drafter, heads.stats.drafter, lookup.stats.drafter}) == 3
+    # the repeating prompt: prompt lookup drafts every round; the heads alone draft what the heads say
+    assert lookup.stats.drafted > 0 and heads.stats.drafted > 0
+    with pytest.raises(PromptError, match="hybrid must be"):
+        m.generate(prompt, max_new_tokens=4, hybrid="medusa")
+    with pytest.raises(PromptError, match="is not one"):
+        dyncompile.load(tiny["plan"]).generate(prompt, max_new_tokens=4, hybrid=False)
+
+
+def test_bench_runs_a_hybrid_plans_parts_alone(tiny):
+    from dyncompile.tools.bench.generate import plan_runners
+
+    names = [r.name for r in plan_runners(dyncompile.load(tiny["hybrid"]))]
+    assert names == ["target alone (ORT)", "speculative (ORT)", "speculative, drafter alone (ORT)",
+                     "speculative, prompt lookup alone (ORT)"]
+    tree_names = [r.name for r in plan_runners(dyncompile.load(tiny["hybrid"]), tree=True)]
+    assert "speculative tree, adaptive, drafter alone (ORT)" in tree_names
+    assert "speculative chain, prompt lookup alone (ORT)" in tree_names and len(tree_names) == 7
+    # negative control: a plan without prompt lookup gets no part runners
+    assert [r.name for r in plan_runners(dyncompile.load(tiny["plan"]))] == ["target alone (ORT)", "speculative (ORT)"]
+    runner = dict((r.name, r) for r in plan_runners(dyncompile.load(tiny["hybrid"])))
+    run = runner["speculative, prompt lookup alone (ORT)"].fn([5, 6, 5, 6, 5, 6, 5], 8)
+    assert run.stats["drafter"] == "prompt-lookup" and run.ids == runner["target alone (ORT)"].fn([5, 6, 5, 6, 5, 6, 5], 8).ids
+
+
 # ------------------------------------------------------------------------------------------- exact sampling
 
 def _chi_square_p(observed: np.ndarray, expected_probs: np.ndarray) -> float:

@@ -813,7 +813,7 @@ def test_bench_chain_options_run_chains_on_a_tree_plan():
     calls = []
 
     class Model:
-        plan = SimpleNamespace(steps=[SimpleNamespace(kind="speculative_generate")])
+        plan = SimpleNamespace(steps=[SimpleNamespace(kind="speculative_generate", params={})])
         handlers = [SimpleNamespace(last_rounds=[])]
 
         def generate(self, ids, max_new_tokens, **opts):

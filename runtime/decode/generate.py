@@ -370,7 +370,8 @@ def generate(
         **options: ``on_tokens=f``: ``f(ids)`` is called with the new tokens so far after each token (target
             alone) or verification round (speculative), not after the last; it returning True ends the generation
             there (stop reason ``stop_sequence``), which streaming uses to cancel. Also speculative runtime options, e.g. ``draft_length=4``, ``adaptive=False``, ``max_draft=8``,
-            ``stop_below=0.4`` (a model, EAGLE or Medusa drafter ends its chain after a token it gives less probability).
+            ``stop_below=0.4`` (a model, EAGLE or Medusa drafter ends its chain after a token it gives less probability),
+            ``hybrid=False`` / ``hybrid="prompt-lookup"`` (a hybrid plan drafts with one of its two parts alone).
     """
     handler = _generation_handler(compiled)
     max_new_tokens, temperature = check_generation_args(max_new_tokens, sample, temperature)

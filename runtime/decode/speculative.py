@@ -35,8 +35,10 @@ from the measured verification cost curve and what branch nodes have bought so f
 Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.decode.generate`), ``drafter``
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
 "vocab": file key|null}``, ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``, ``{"kind": "eagle", ...}`` or
-``{"kind": "lookahead", "window": 5, "ngram": 4, "guesses": 5}`` or ``{"kind": "medusa", "heads_model": file key, ...}``; ``"prompt_lookup": true`` on a model, eagle or
-lookahead drafter makes it a hybrid with prompt lookup: :class:`~dyncompile.runtime.decode.drafters.HybridDrafter`), ``draft``
+``{"kind": "lookahead", "window": 5, "ngram": 4, "guesses": 5}`` or ``{"kind": "medusa", "heads_model": file key, ...}``; ``"prompt_lookup": true`` on a model, eagle,
+lookahead or medusa drafter makes it a hybrid with prompt lookup: :class:`~dyncompile.runtime.decode.drafters.HybridDrafter`;
+the ``hybrid`` generation option runs one of its parts alone, ``False`` the other drafter, ``"prompt-lookup"`` prompt
+lookup), ``draft``
 (``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``, ``stop_below``),
 ``generation``.
 """
@@ -439,6 +441,22 @@ class SpeculativeGenerateStep(GenerateStep):
         return TreeController(ctl, max_nodes=d["max_nodes"], max_depth=d["max_depth"], branching=d["branching"],
                               adaptive=bool(d["adaptive"]))
 
+    def _drafter_for(self, hybrid) -> Drafter:
+        """The drafter of one call: the plan's, or one part of a hybrid plan's drafter alone.
+
+        ``hybrid=True``: the plan's drafter; ``False``: a hybrid's model, EAGLE, lookahead or Medusa drafter;
+        ``"prompt-lookup"``: its prompt lookup.
+        """
+        if hybrid is True:
+            return self.drafter
+        if hybrid is False or hybrid == "prompt-lookup":
+            if not isinstance(self.drafter, HybridDrafter):
+                raise PromptError(f"hybrid={hybrid!r} runs one part of a hybrid drafter, but this plan's drafter "
+                                  f"({self.drafter.name}) is not one; leave the option out")
+            return self.drafter.other if hybrid is False else self.drafter.lookup
+        raise PromptError(f"hybrid must be True (the plan's drafter), False (a hybrid's other drafter alone) or "
+                          f"'prompt-lookup' (its prompt lookup alone), got {hybrid!r}")
+
     def generate_ids(self, prompt_ids, max_new_tokens, *, sample, temperature, rng, speculative=True, **options):
         """Speculative decoding of up to ``max_new_tokens`` after ``prompt_ids``; returns the ids and statistics."""
         refuse_sampling_on_screened_logits(self.target_spec, sample)
@@ -459,7 +477,7 @@ class SpeculativeGenerateStep(GenerateStep):
             if options:
                 options = {k: v for k, v in options.items() if k not in ("draft_length", "max_draft", "min_draft",
                                                                           "adaptive", "adapt_to_timing", "rollback",
-                                                                          "tree", "stop_below")}
+                                                                          "tree", "stop_below", "hybrid")}
             return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
                                         kv_buffer=kv_buffer, **options)
         if self.target.cuda_graph and not self._said_graph:
@@ -468,6 +486,7 @@ class SpeculativeGenerateStep(GenerateStep):
                         "without one: generate(..., speculative=False) may be faster (Qwen2.5-Coder-0.5B on an H200: "
                         "about 2x EAGLE-3's rate; bench-results/speculative-cuda/)")
         stop_when = options.pop("stop_when", None)
+        drafter = self._drafter_for(options.pop("hybrid", True))
         stop_below = options.pop("stop_below", None)
         stop_below = self.draft_policy.stop_below if stop_below is None else stop_below
         if isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0.0 <= stop_below <= 1.0:
@@ -478,13 +497,14 @@ class SpeculativeGenerateStep(GenerateStep):
         if options:
             raise PromptError(
                 f"unknown generation options {sorted(options)}; known: draft_length, min_draft, max_draft, adaptive, "
-                "adapt_to_timing, io_binding, kv_buffer, rollback, tree, stop_below"
+                "adapt_to_timing, io_binding, kv_buffer, rollback, tree, stop_below, hybrid"
             )
         stats = GenerationStats(prompt_tokens=len(prompt_ids), mode="sample" if sample else "greedy",
-                                drafter=self.drafter.name)
+                                drafter=drafter.name)
         self.timer.reset()
         t_start = time.perf_counter()
-        out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats, tree_ctl, stop_when)
+        out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats, tree_ctl, stop_when,
+                         drafter)
         stats.seconds = time.perf_counter() - t_start
         stats.new_tokens = len(out)
         stats.target_seconds = self.timer.seconds.get("target", 0.0)
@@ -493,8 +513,9 @@ class SpeculativeGenerateStep(GenerateStep):
         return out, stats
 
     def _loop(self, prompt_ids, max_new_tokens, sample, temperature, rng, ctl: DraftController,
-              stats: GenerationStats, tree_ctl: TreeController | None = None, stop_when=None) -> list[int]:
-        target, drafter = self.target, self.drafter
+              stats: GenerationStats, tree_ctl: TreeController | None = None, stop_when=None,
+              drafter: Drafter | None = None) -> list[int]:
+        target, drafter = self.target, drafter or self.drafter
         eos = set(self.gen.eos_token_ids)
         max_len = self.gen.max_length
         budget = max_new_tokens if max_len is None else min(max_new_tokens, max_len - len(prompt_ids))

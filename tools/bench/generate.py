@@ -71,6 +71,8 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
     plan's ``speculative{max_draft=…}`` on a calibration prompt set. ``stop_below``: also the speculative step with
     each of these drafter-confidence stops (the ``stop_below`` generation option; tune ``speculative{stop_below=…}``
     the same way). Both are chain options, so these runners draft chains also on a plan whose default is a tree.
+    A hybrid plan (``speculative{hybrid=true}``) also gets its two parts alone (the ``hybrid`` generation option),
+    in the same modes as its own speculative runners.
     """
     def target(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, speculative=False, **opts)
@@ -99,6 +101,13 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
         for b in stop_below:
             runners.append(Runner(f"speculative, stop below {b:g} (ORT)",
                                   lambda ids, n, b=b, **o: spec(ids, n, stop_below=b, tree=False, **o)))
+        if (model.plan.steps[0].params.get("drafter") or {}).get("prompt_lookup"):  # a hybrid: each part alone too
+            modes = [("chain", False), ("tree, adaptive", True)] if tree or tree_sizes else [("", None)]
+            for part, value in (("drafter alone", False), ("prompt lookup alone", "prompt-lookup")):
+                for mode, t in modes:
+                    extra = {} if t is None else {"tree": t}
+                    runners.append(Runner(f"speculative {mode}, {part} (ORT)" if mode else f"speculative, {part} (ORT)",
+                                          lambda ids, n, v=value, e=extra, **o: spec(ids, n, hybrid=v, **e, **o)))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]
         return runners

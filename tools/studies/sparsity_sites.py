@@ -191,45 +191,63 @@ def render_markdown(r: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from dyncompile.io import write_json_atomic
-
-    ap = argparse.ArgumentParser(
-        prog="python -m dyncompile.tools.studies.sparsity_sites",
-        description="Held-out perplexity and skippable weight bytes when TEAL thresholds cover the MLP inputs only "
-        "or every linear layer's input (attention included), on one decoder folder (model.onnx + tokenizer.json).")
-    ap.add_argument("model_dir", type=Path, help="a decoder folder, e.g. ~/.cache/dyncompile/models/smollm2-135m")
+def study_parser(prog: str, description: str, *, example: str, suffix: str, heldout_tokens: int) -> argparse.ArgumentParser:
+    """The arguments every sparsity study over one decoder folder takes (model folder, report, budget, text)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("model_dir", type=Path, help=f"a decoder folder, e.g. ~/.cache/dyncompile/models/{example}")
     ap.add_argument("--out", type=Path, required=True, help="folder for NAME.json and NAME.md")
-    ap.add_argument("--name", default=None, help="report name (default: MODEL-sites)")
+    ap.add_argument("--name", default=None, help=f"report name (default: MODEL-{suffix})")
     ap.add_argument("--budget", type=float, default=2.0, help="held-out perplexity increase allowed, percent (2)")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (4096, as the pass)")
-    ap.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens (8192)")
+    ap.add_argument("--heldout-tokens", type=int, default=heldout_tokens, help=f"held-out tokens ({heldout_tokens})")
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--levels", default=None,
-                    help="comma-separated sparsity levels in [0, 1) (default: 0, 0.05, ..., 0.5)")
     ap.add_argument("-q", "--quiet", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def study_dir(ap: argparse.ArgumentParser, a: argparse.Namespace, *tokens: int) -> Path:
+    """The checked decoder folder of parsed ``a`` (``tokens``: more token counts that must hold a window)."""
     d = a.model_dir.expanduser()
     if not (d / "model.onnx").is_file() or not (d / "tokenizer.json").is_file():
         ap.error(f"{d} is not a decoder folder (model.onnx + tokenizer.json); build one with "
                  "`dyncompile models build smollm2-135m`")
-    if not a.budget > 0 or a.window < 8 or a.calib_tokens < a.window or a.heldout_tokens < a.window:
-        ap.error("--budget must be > 0, --window >= 8, and --calib-tokens / --heldout-tokens >= --window")
+    if not a.budget > 0 or a.window < 8 or min(a.calib_tokens, a.heldout_tokens, *tokens) < a.window:
+        ap.error("--budget must be > 0, --window >= 8, and every token count (--calib-tokens, --heldout-tokens, ...) "
+                 ">= --window")
+    logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
+    return d
+
+
+def write_study(a: argparse.Namespace, d: Path, suffix: str, r: dict[str, Any], md: str) -> None:
+    """``NAME.json`` (atomic) and ``NAME.md`` under ``--out``; the markdown printed."""
+    from dyncompile.io import write_json_atomic
+
+    name = a.name or f"{d.name}-{suffix}"
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(a.out / f"{name}.json", r)
+    (a.out / f"{name}.md").write_text(md, encoding="utf-8")
+    print(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = study_parser(
+        "python -m dyncompile.tools.studies.sparsity_sites",
+        "Held-out perplexity and skippable weight bytes when TEAL thresholds cover the MLP inputs only "
+        "or every linear layer's input (attention included), on one decoder folder (model.onnx + tokenizer.json).",
+        example="smollm2-135m", suffix="sites", heldout_tokens=8192)
+    ap.add_argument("--levels", default=None,
+                    help="comma-separated sparsity levels in [0, 1) (default: 0, 0.05, ..., 0.5)")
+    a = ap.parse_args(argv)
+    d = study_dir(ap, a)
     try:
         levels = LEVELS if a.levels is None else tuple(sorted({round(float(x), 4) for x in a.levels.split(",")}))
     except ValueError:
         ap.error(f"--levels {a.levels!r}: give comma-separated numbers, e.g. 0,0.2,0.3")
     if not levels or not all(0.0 <= x < 1.0 for x in levels):
         ap.error(f"--levels {a.levels!r}: every level must be in [0, 1)")
-    logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
     r = run(d, levels=levels, budget=a.budget, calib_tokens=a.calib_tokens, heldout_tokens=a.heldout_tokens, window=a.window,
             progress=not a.quiet)
-    name = a.name or f"{d.name}-sites"
-    a.out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(a.out / f"{name}.json", r)
-    md = render_markdown(r)
-    (a.out / f"{name}.md").write_text(md, encoding="utf-8")
-    print(md)
+    write_study(a, d, "sites", r, render_markdown(r))
     return 0
 
 
