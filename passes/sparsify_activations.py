@@ -8,8 +8,11 @@ gets faster only if the dropped rows are never read: each projection becomes ``d
 
 Thresholds (TEAL, Liu et al. 2024): per layer and per input (``x`` shared by gate and up, ``h`` for down), the
 ``sparsity``-quantile of ``|v|`` over calibration text run through the dense model: each site drops that share of
-its rows on text like the calibration text. ``budget=P`` instead searches the largest sparsity (0.05 grid) whose
-held-out perplexity increase stays within ``P`` percent. Calibration text: CPython standard-library ``.py`` files,
+its rows on text like the calibration text. ``allocation=greedy`` (TEAL's block-wise greedy) instead gives each MLP
+its own pair of levels: from (0, 0), step whichever input's next level adds the least error to the MLP's output per
+weight byte skipped (errors measured in numpy on the dense inputs of the first calibration tokens), until the MLP
+skips ``sparsity`` of its weight bytes. ``budget=P`` searches the largest sparsity (0.05 grid) whose held-out
+perplexity increase stays within ``P`` percent. Calibration text: CPython standard-library ``.py`` files,
 minus the benchmarks' prompt files and held-out quality files (:data:`EXCLUDED_FILES`); the held-out perplexity
 check runs on other files of the same library, disjoint from the calibration ones.
 
@@ -43,9 +46,13 @@ from dyncompile.passes._infra import not_fired, register_pass
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ALLOCATIONS",
     "EXCLUDED_FILES",
+    "LEVELS",
     "SITES",
     "SPARSITY",
+    "GreedyPath",
+    "LayerError",
     "MlpLayer",
     "Site",
     "SparsifyActivationsPass",
@@ -54,6 +61,7 @@ __all__ = [
     "heldout_stats",
     "linear_sites",
     "mlp_layers",
+    "residual_after",
     "uses_sparse_rows",
     "window_nll",
 ]
@@ -70,7 +78,10 @@ EXCLUDED_FILES = (
     "sched.py", "queue.py", "random.py", "glob.py",
 )
 SITES = ("mlp", "all")  # which linear-layer inputs the pass thresholds (``sites=`` option)
+ALLOCATIONS = ("uniform", "greedy")  # one quantile for every site, or TEAL's block-wise greedy (``allocation=``)
 _GRID = tuple(round(0.05 * k, 2) for k in range(1, 20))  # budget search: 0.05 .. 0.95
+LEVELS = (0.0, *_GRID)  # the levels a greedy allocation gives each MLP input
+_ERROR_TOKENS = 512  # calibration tokens whose MLP inputs the greedy allocation's local errors use
 _SAMPLES_PER_WINDOW = 16384
 
 
@@ -316,6 +327,105 @@ def _ppl(model: ir.Model, spec, windows, sites: Sequence[str] = (), thresholds: 
     return ppl, below.tolist()
 
 
+
+# ----------------------------------------------------------------------------------------------- allocation
+
+
+class LayerError:
+    """A gated MLP in numpy on fixed dense inputs ``x``, and its error at a pair of levels.
+
+    ``error(i, j)`` is the squared distance of its output from the dense output with ``x`` thresholded at ``tx[i]``
+    and ``h`` at ``th[j]`` (a negative threshold: dense), over ``norm`` (the squared norm of the residual stream the
+    output is added to, so that layers compare); memoised.
+    """
+
+    def __init__(self, x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
+                 tx: Sequence[float], th: Sequence[float], norm: float) -> None:
+        self.x, self.wg, self.wu, self.wd = x, w_gate, w_up, w_down
+        self.tx, self.th, self.norm = list(tx), list(th), float(norm)
+        self._h: dict[int, np.ndarray] = {}
+        self._e: dict[tuple[int, int], float] = {}
+        self.dense = self._out(self._hidden(-1), -1)
+
+    @staticmethod
+    def _cut(v: np.ndarray, t: float) -> np.ndarray:
+        return v if t < 0 else np.where(np.abs(v) <= t, np.float32(0), v)
+
+    def _hidden(self, i: int) -> np.ndarray:
+        if i not in self._h:
+            xs = self._cut(self.x, self.tx[i] if i >= 0 else -1.0)
+            if len(self._h) > 2:  # a greedy path moves forward: keep a few
+                self._h.pop(next(iter(self._h)))
+            g = xs @ self.wg
+            self._h[i] = g / (1.0 + np.exp(-g)) * (xs @ self.wu)
+        return self._h[i]
+
+    def _out(self, h: np.ndarray, j: int) -> np.ndarray:
+        return self._cut(h, self.th[j] if j >= 0 else -1.0) @ self.wd
+
+    def __call__(self, i: int, j: int) -> float:
+        """The error with ``x`` at level ``i`` and ``h`` at level ``j``."""
+        if (i, j) not in self._e:
+            d = self._out(self._hidden(i), j) - self.dense
+            self._e[(i, j)] = float(np.square(d, dtype=np.float64).sum()) / self.norm
+        return self._e[(i, j)]
+
+    def release(self) -> None:
+        """Drop the cached hidden activations (the errors already computed stay)."""
+        self._h.clear()
+
+
+class GreedyPath:
+    """One layer's greedy path over level indices ``(i, j)`` of its MLP's ``x`` and ``h`` (TEAL's block-wise greedy).
+
+    ``error(i, j)``: the layer's error with ``x`` at level ``i`` and ``h`` at level ``j`` (:class:`LayerError`); a
+    step of ``x`` skips ``x_bytes`` more (``h_bytes`` for ``h``). From (0, 0), each step takes the input whose step
+    adds the least error per byte skipped (ties: ``x``). ``points``: ``(i, j, error, bytes skipped)`` so far; the
+    path grows on demand (:meth:`at`) up to both inputs' last level.
+    """
+
+    def __init__(self, error, x_bytes: float, h_bytes: float, *, levels: int) -> None:
+        self.error, self.x_bytes, self.h_bytes, self.levels = error, float(x_bytes), float(h_bytes), int(levels)
+        self.points = [(0, 0, float(error(0, 0)), 0.0)]
+
+    def step(self) -> bool:
+        """Take one more step; False at the end."""
+        i, j, e, _ = self.points[-1]
+        cands = []
+        if i < self.levels - 1:
+            ex = float(self.error(i + 1, j))
+            cands.append(((ex - e) / self.x_bytes, 0, i + 1, j, ex))
+        if j < self.levels - 1:
+            eh = float(self.error(i, j + 1))
+            cands.append(((eh - e) / self.h_bytes, 1, i, j + 1, eh))
+        if not cands:
+            return False
+        _, _, i, j, e = min(cands)
+        self.points.append((i, j, e, i * self.x_bytes + j * self.h_bytes))
+        return True
+
+    def full(self) -> list[tuple[int, int, float, float]]:
+        """The whole path, to both inputs' last level."""
+        while self.step():
+            pass
+        return self.points
+
+    def at(self, skipped: float) -> tuple[int, int]:
+        """The first point of the path that skips at least ``skipped`` bytes (the last one if none does)."""
+        while self.points[-1][3] < skipped - 1e-9 and self.step():
+            pass
+        getattr(self.error, "release", lambda: None)()
+        return next((p[0], p[1]) for p in self.points if p[3] >= skipped - 1e-9 or p is self.points[-1])
+
+
+def residual_after(down: ir.Node) -> ir.Value | None:
+    """The output of the ``Add`` that adds ``down``'s output to the residual stream, if there is one."""
+    for use in down.outputs[0].uses():
+        if use.node.op_type == "Add":
+            return use.node.outputs[0]
+    return None
+
+
 class SparsifyActivationsPass(ir.passes.InPlacePass):
     """Replace each gated MLP's three projections by ``dyncompile.SparseRowsMatMul`` with calibrated thresholds.
 
@@ -326,21 +436,26 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
     (:func:`corpus_windows`); ``heldout`` may be empty when no budget is asked (then no quality is recorded).
     ``sites``: ``"mlp"`` (the gated MLPs' three projections) or ``"all"`` (TEAL: every constant-weight projection
     but the LM head, attention's q/k/v and o included; :func:`linear_sites`), one threshold per input value.
+    ``allocation``: ``"uniform"`` (every site at the ``sparsity`` quantile) or ``"greedy"`` (each gated MLP skips
+    ``sparsity`` of its weight bytes, split between ``x`` and ``h`` by :class:`GreedyPath`; attention sites stay
+    uniform; needs each MLP's output added to a residual stream).
     """
 
     def __init__(self, calib: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]] = (), *,
-                 sparsity: float = 0.5, budget: float | None = None, sites: str = "mlp") -> None:
+                 sparsity: float = 0.5, budget: float | None = None, sites: str = "mlp",
+                 allocation: str = "uniform") -> None:
         super().__init__()
         self.calib = [list(w) for w in calib]
         self.heldout = [list(w) for w in heldout]
         self.sparsity = float(sparsity)
         self.budget = None if budget is None else float(budget)
         self.sites = sites
+        self.allocation = allocation
 
     def __repr__(self) -> str:
         what = f"budget={self.budget}%" if self.budget is not None else f"sparsity={self.sparsity}"
-        return (f"SparsifyActivationsPass({what}, sites={self.sites}, calib={len(self.calib)} windows, "
-                f"heldout={len(self.heldout)})")
+        return (f"SparsifyActivationsPass({what}, sites={self.sites}, allocation={self.allocation}, "
+                f"calib={len(self.calib)} windows, heldout={len(self.heldout)})")
 
     def requires(self, model: ir.Model) -> None:
         """Refuse a sparsity outside [0, 1), a non-positive budget, or no text, before anything changes."""
@@ -354,6 +469,9 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError("sparsify-activations budget= needs held-out windows")
         if self.sites not in SITES:
             raise ir.passes.PreconditionError(f"sparsify-activations sites must be one of {SITES}, got {self.sites!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ir.passes.PreconditionError(f"sparsify-activations allocation must be one of {ALLOCATIONS}, got "
+                                              f"{self.allocation!r}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Rewrite ``model`` in place (scope and invariants: the module docstring)."""
@@ -371,11 +489,18 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
         sites = linear_sites(model, spec.get("vocab_size"), self.sites)
         names = [site.value.name for site in sites]
         samples = self._calibrate(model, spec, names)
+        paths = self._greedy_paths(model, spec, layers, samples) if self.allocation == "greedy" else None
         dense_ppl = _ppl(model, spec, self.heldout)[0] if self.heldout else None
         nodes = self._rewrite(model, sites)
+        levels: dict[str, float] = {}
 
         def apply(s: float) -> list[float]:
-            ts = [float(np.quantile(samples[name], s)) if s > 0 else 0.0 for name in names]
+            levels.clear()
+            levels.update({name: s for name in names})
+            for layer, path in zip(layers, paths or (), strict=False):
+                i, j = path.at(s * (path.x_bytes + path.h_bytes) / LEVELS[1])
+                levels[layer.x.name], levels[layer.h.name] = LEVELS[i], LEVELS[j]
+            ts = [float(np.quantile(samples[name], levels[name])) if levels[name] > 0 else 0.0 for name in names]
             for site_nodes, t in zip(nodes, ts, strict=True):
                 for node in site_nodes:
                     node.attributes["threshold"] = ir.AttrFloat32("threshold", t)
@@ -417,8 +542,9 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
             "mode": "budget" if self.budget is not None else "sparsity",
             **({"budget_pct": self.budget, "searched": searched} if self.budget is not None else {}),
             "sites": self.sites,
-            "layers": [{"layer": i, "gate_up": {"threshold": ts[g], "rows": _rows(nodes[g][0])},
-                        "down": {"threshold": ts[d], "rows": _rows(nodes[d][0])}}
+            "allocation": self.allocation,
+            "layers": [{"layer": i, "gate_up": {"threshold": ts[g], "rows": _rows(nodes[g][0]), "level": levels[names[g]]},
+                        "down": {"threshold": ts[d], "rows": _rows(nodes[d][0]), "level": levels[names[d]]}}
                        for i, (g, d) in enumerate(zip(by_kind["gate_up"], by_kind["down"], strict=True))],
             **({"attention": [{"threshold": ts[j], "rows": _rows(nodes[j][0]), "matmuls": len(nodes[j])}
                               for j in by_kind["attention"]]} if by_kind["attention"] else {}),
@@ -430,10 +556,42 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
                         "compile_seconds": lib_meta.get("compile_seconds"), "source_sha256": lib_meta.get("source_sha256")},
         }
         model.metadata_props[SPARSITY] = json.dumps(record)  # the compiler copies it to the plan's policy
-        logger.info("sparsify-activations: %d MLPs%s, sparsity %.2f%s", len(layers),
+        logger.info("sparsify-activations: %d MLPs%s, sparsity %.2f (%s)%s", len(layers),
                     f" and {len(by_kind['attention'])} attention inputs" if by_kind["attention"] else "", sparsity,
+                    self.allocation,
                     f", held-out perplexity +{quality['increase_pct']:.2f} %" if quality else "")
         return ir.passes.PassResult(model, modified=True)
+
+    def _greedy_paths(self, model: ir.Model, spec, layers: list[MlpLayer],
+                      samples: dict[str, np.ndarray]) -> list[GreedyPath]:
+        """Each MLP's :class:`GreedyPath` from its dense inputs on the first calibration tokens (dense model)."""
+        residuals = [residual_after(layer.down) for layer in layers]
+        if any(r is None for r in residuals):
+            raise ir.passes.PreconditionError(
+                "sparsify-activations allocation=greedy compares layers by the residual stream each MLP's output is "
+                "added to, but an MLP output here feeds no Add; use allocation=uniform")
+        x_names, r_names = [layer.x.name for layer in layers], [r.name for r in residuals]
+        sess = _session(model, [*x_names, *r_names])
+        xs: list[list[np.ndarray]] = [[] for _ in layers]
+        norms = np.zeros(len(layers))
+        seen = 0
+        for w in self.calib:
+            if seen >= _ERROR_TOKENS:
+                break
+            seen += len(w)
+            got = _run(sess, spec, w, [*x_names, *r_names])
+            for k in range(len(layers)):
+                xs[k].append(np.asarray(got[k], np.float32).reshape(-1, got[k].shape[-1]))
+                norms[k] += float(np.square(np.asarray(got[len(layers) + k], np.float64)).sum())
+        paths = []
+        for k, layer in enumerate(layers):
+            w = [np.asarray(n.inputs[1].const_value.numpy(), np.float32) for n in (layer.gate, layer.up, layer.down)]
+            tx = [float(np.quantile(samples[layer.x.name], lv)) if lv > 0 else -1.0 for lv in LEVELS]
+            th = [float(np.quantile(samples[layer.h.name], lv)) if lv > 0 else -1.0 for lv in LEVELS]
+            err = LayerError(np.concatenate(xs[k]), *w, tx, th, max(norms[k], 1e-30))
+            step = LEVELS[1]
+            paths.append(GreedyPath(err, step * (w[0].nbytes + w[1].nbytes), step * w[2].nbytes, levels=len(LEVELS)))
+        return paths
 
     def _calibrate(self, model: ir.Model, spec, sites: list[str]) -> dict[str, np.ndarray]:
         """A random sample of ``|v|`` per site over the calibration windows (dense model)."""
@@ -469,13 +627,14 @@ def _rows(node: ir.Node) -> int:
     help="contextual sparsity (TEAL): each gated MLP projection skips the weight rows whose input activation is "
     "below a per-layer threshold (dyncompile.SparseRowsMatMul, a custom ORT op compiled at first use); options "
     "sparsity=0.5 (share dropped on calibration text) or budget=P (largest sparsity within P %% held-out perplexity "
-    "increase), sites=mlp|all (all: attention's projections too, TEAL), calib_tokens=4096, heldout_tokens=4096, "
-    "window=256",
+    "increase), sites=mlp|all (all: attention's projections too, TEAL), allocation=uniform|greedy (greedy: each MLP "
+    "splits its share between its two inputs by TEAL's block-wise greedy search), calib_tokens=4096, "
+    "heldout_tokens=4096, window=256",
     before=("explicit-attention", "fuse-decoder", "pack-matmuls", "trim-logits", "matmul-to-conv", "speculative",
             "split-drafter", "eagle-drafter", "quantize-int8", "quantize-int4"),
 )
 def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, calib_tokens: int = 4096,
-                   heldout_tokens: int = 4096, window: int = 256, sites: str = "mlp"):
+                   heldout_tokens: int = 4096, window: int = 256, sites: str = "mlp", allocation: str = "uniform"):
     from dyncompile.errors import PassConfigError
 
     if not 0.0 <= sparsity < 1.0:
@@ -487,7 +646,10 @@ def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, 
                               f"(got window={window}, calib_tokens={calib_tokens}, heldout_tokens={heldout_tokens})")
     if sites not in SITES:
         raise PassConfigError(f"sparsify-activations sites must be one of {', '.join(SITES)}, got {sites!r}")
+    if allocation not in ALLOCATIONS:
+        raise PassConfigError(f"sparsify-activations allocation must be one of {', '.join(ALLOCATIONS)}, got "
+                              f"{allocation!r}")
     tok = context.require_tokenizer("sparsity calibration on standard-library text")
     calib = corpus_windows(tok, tokens=calib_tokens, window=window, part="calib")
     held = corpus_windows(tok, tokens=heldout_tokens, window=window, part="heldout")
-    return SparsifyActivationsPass(calib, held, sparsity=sparsity, budget=budget, sites=sites)
+    return SparsifyActivationsPass(calib, held, sparsity=sparsity, budget=budget, sites=sites, allocation=allocation)

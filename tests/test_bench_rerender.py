@@ -48,6 +48,7 @@ OWNERS: list[tuple[str, str]] = [
     ("early-exit-trained/bbc-news/wallclock/*.json", "dyncompile.tools.bench.classify"),
     ("contextual-sparsity/kernels.json", "dyncompile.tools.studies.sparsity_kernels"),
     ("contextual-sparsity/*-sites.json", "dyncompile.tools.studies.sparsity_sites"),
+    ("contextual-sparsity/*-allocation.json", "dyncompile.tools.studies.sparsity_allocation"),
     ("contextual-sparsity/*-quality.json", "dyncompile.tools.bench.quality"),
     ("contextual-sparsity/*-code.json", "dyncompile.tools.bench.generate"),
     ("contextual-sparsity/*-all.json", "dyncompile.tools.bench.generate"),

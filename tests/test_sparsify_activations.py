@@ -218,6 +218,63 @@ def test_budget_picks_the_largest_sparsity_within_it(kernel_lib):
     assert rec["quality"]["increase_pct"] <= 1.0
 
 
+@pytest.mark.parametrize("sparsity", [0.0, 0.4])
+def test_greedy_allocation_gives_each_mlp_its_share_split_by_its_path(kernel_lib, sparsity):
+    """allocation=greedy: each MLP skips at least its share of weight bytes, the levels follow its greedy path."""
+    from dyncompile.passes.sparsify_activations import LEVELS
+
+    original = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    rows = [(layer.gate.inputs[1].const_value.shape[0], layer.gate.inputs[1].const_value.shape[1])
+            for layer in mlp_layers(m)[0]]
+    assert SparsifyActivationsPass(_windows(4, 24, 0), _windows(3, 24, 1), sparsity=sparsity,
+                                   allocation="greedy")(m).modified
+    rec = json.loads(m.metadata_props[SPARSITY])
+    assert rec["allocation"] == "greedy" and len(rec["layers"]) == 2
+    check_model(m, full_check=True)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref, got = _outputs(original, None, ids), _outputs(m, kernel_lib, ids)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
+    for layer, (k, n) in zip(rec["layers"], rows, strict=True):
+        lx, lh = layer["gate_up"]["level"], layer["down"]["level"]
+        assert lx in LEVELS and lh in LEVELS
+        # gate and up read 2 k n weights through x, down n k through h: the MLP skips its share of the bytes
+        assert (2 * k * n * lx + n * k * lh) / (3 * k * n) >= sparsity - 1e-9
+        assert (layer["gate_up"]["threshold"] > 0) == (lx > 0) and (layer["down"]["threshold"] > 0) == (lh > 0)
+    if sparsity == 0.0:
+        assert diff < 1e-5 and rec["quality"]["increase_pct"] == 0.0
+    else:
+        assert diff > 1e-3
+        # a path steps one input at a time: it does not stop past the share by more than one step of x
+        for layer in rec["layers"]:
+            skipped = (2 * layer["gate_up"]["level"] + layer["down"]["level"]) / 3
+            assert skipped < sparsity + 2 * LEVELS[1] / 3 + 1e-9
+    assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity, allocation="greedy")(m).modified
+
+
+def test_greedy_path_steps_the_input_that_costs_least_per_byte():
+    from dyncompile.passes.sparsify_activations import GreedyPath
+
+    # x's steps cost 1 and skip 2 bytes, h's cost 3 and skip 1: x to its end first, then h
+    path = GreedyPath(lambda i, j: 1.0 * i + 3.0 * j, 2.0, 1.0, levels=3)
+    assert path.at(3.0) == (2, 0) and len(path.points) == 3  # grown on demand: no further than asked
+    assert [(i, j) for i, j, _, _ in path.full()] == [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2)]
+    assert path.at(0.0) == (0, 0) and path.at(4.5) == (2, 1) and path.at(99.0) == (2, 2)
+    # negative control: h cheap per byte goes first
+    assert [(i, j) for i, j, _, _ in GreedyPath(lambda i, j: 5.0 * i + j, 2.0, 1.0, levels=3).full()] == [
+        (0, 0), (0, 1), (0, 2), (1, 2), (2, 2)]
+
+
+def test_greedy_allocation_needs_mlp_outputs_on_a_residual_stream(kernel_lib, monkeypatch):
+    import dyncompile.passes.sparsify_activations as sa
+
+    m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu")
+    monkeypatch.setattr(sa, "residual_after", lambda down: None)
+    with pytest.raises(ir.passes.PreconditionError, match="allocation=uniform"):
+        SparsifyActivationsPass(_windows(2, 24, 0), sparsity=0.3, allocation="greedy")(m)
+    assert not uses_sparse_rows(m)  # refused before anything changed
+
+
 def test_does_not_fire_without_a_gated_mlp(kernel_lib, caplog):
     from dyncompile.passes._infra import run_pipeline
 
@@ -230,7 +287,8 @@ def test_does_not_fire_without_a_gated_mlp(kernel_lib, caplog):
 
 def test_bad_options_are_refused_before_anything_changes():
     m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu")
-    for kw in ({"sparsity": 1.0}, {"sparsity": -0.1}, {"budget": 0.0}, {"budget": 2.0}, {"sites": "attention"}):
+    for kw in ({"sparsity": 1.0}, {"sparsity": -0.1}, {"budget": 0.0}, {"budget": 2.0}, {"sites": "attention"},
+               {"allocation": "per-layer"}):
         with pytest.raises(ir.passes.PreconditionError):
             SparsifyActivationsPass(_windows(2, 8, 0), **kw)(m)
     assert not uses_sparse_rows(m)

@@ -39,7 +39,14 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.sparsify_activations import linear_sites, mlp_layers, window_nll
+from dyncompile.passes.sparsify_activations import (
+    GreedyPath,
+    LayerError,
+    linear_sites,
+    mlp_layers,
+    residual_after,
+    window_nll,
+)
 from dyncompile.tools.studies.sparsity_sites import (
     OFF,
     _feeds,
@@ -64,26 +71,9 @@ BOOTSTRAP = 2000
 
 
 def greedy_path(error, x_bytes: float, h_bytes: float, *, levels: int) -> list[tuple[int, int, float, float]]:
-    """One layer's greedy path over level indices ``(i, j)`` of ``x`` and ``h``, each in ``0 .. levels - 1``.
-
-    ``error(i, j)`` is the layer's error with ``x`` at level ``i`` and ``h`` at level ``j``; a step of ``x`` skips
-    ``x_bytes`` more (``h_bytes`` for ``h``). From (0, 0), each step takes the candidate with the least error added
-    per byte skipped (ties: ``x``). Returns ``(i, j, error, bytes skipped)`` from (0, 0) to the last levels.
-    """
-    i = j = 0
-    e = float(error(0, 0))
-    path = [(0, 0, e, 0.0)]
-    while i < levels - 1 or j < levels - 1:
-        cands = []
-        if i < levels - 1:
-            ex = float(error(i + 1, j))
-            cands.append(((ex - e) / x_bytes, 0, i + 1, j, ex))
-        if j < levels - 1:
-            eh = float(error(i, j + 1))
-            cands.append(((eh - e) / h_bytes, 1, i, j + 1, eh))
-        _, _, i, j, e = min(cands)
-        path.append((i, j, e, i * x_bytes + j * h_bytes))
-    return path
+    """One layer's whole greedy path (:class:`~dyncompile.passes.sparsify_activations.GreedyPath`):
+    ``(i, j, error, bytes skipped)`` from (0, 0) to both inputs' last level."""
+    return GreedyPath(error, x_bytes, h_bytes, levels=levels).full()
 
 
 def within_block(paths: Sequence[Sequence[tuple[int, int, float, float]]], share: float,
@@ -120,56 +110,7 @@ def across_layers(paths: Sequence[Sequence[tuple[int, int, float, float]]], targ
     return [(paths[layer][k][0], paths[layer][k][1]) for layer, k in enumerate(at)]
 
 
-# ----------------------------------------------------------------------------------------------- local error
-
-
-def _silu(g: np.ndarray) -> np.ndarray:
-    return g / (1.0 + np.exp(-g))
-
-
-class LayerError:
-    """A layer's MLP in numpy on fixed dense inputs ``x``; ``error(i, j)`` with ``x`` / ``h`` thresholded at
-    ``tx[i]`` / ``th[j]`` (a negative threshold: dense), over ``norm`` (memoised)."""
-
-    def __init__(self, x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                 tx: Sequence[float], th: Sequence[float], norm: float) -> None:
-        self.x, self.wg, self.wu, self.wd = x, w_gate, w_up, w_down
-        self.tx, self.th, self.norm = list(tx), list(th), float(norm)
-        self._h: dict[int, np.ndarray] = {}
-        self._e: dict[tuple[int, int], float] = {}
-        self.dense = self._out(self._hidden(-1), -1)
-
-    @staticmethod
-    def _cut(v: np.ndarray, t: float) -> np.ndarray:
-        return v if t < 0 else np.where(np.abs(v) <= t, np.float32(0), v)
-
-    def _hidden(self, i: int) -> np.ndarray:
-        if i not in self._h:
-            xs = self._cut(self.x, self.tx[i] if i >= 0 else -1.0)
-            if len(self._h) > 2:  # the path moves forward: keep a few
-                self._h.pop(next(iter(self._h)))
-            self._h[i] = _silu(xs @ self.wg) * (xs @ self.wu)
-        return self._h[i]
-
-    def _out(self, h: np.ndarray, j: int) -> np.ndarray:
-        return self._cut(h, self.th[j] if j >= 0 else -1.0) @ self.wd
-
-    def __call__(self, i: int, j: int) -> float:
-        if (i, j) not in self._e:
-            d = self._out(self._hidden(i), j) - self.dense
-            self._e[(i, j)] = float(np.square(d, dtype=np.float64).sum()) / self.norm
-        return self._e[(i, j)]
-
-
 # ----------------------------------------------------------------------------------------------- evaluation
-
-
-def _residual_after(down: ir.Node) -> ir.Value | None:
-    """The output of the ``Add`` that adds ``down``'s output to the residual stream, if there is one."""
-    for use in down.outputs[0].uses():
-        if use.node.op_type == "Add":
-            return use.node.outputs[0]
-    return None
 
 
 def evaluate(sess, spec, windows, names: Sequence[str], site_names: Sequence[str], thresholds: Sequence[float],
@@ -228,7 +169,7 @@ def run(model_dir: Path, *, calib_tokens: int = 4096, heldout_tokens: int = 4096
     if not layers:
         raise SystemExit(f"{model_dir}: {why}")
     sites = linear_sites(model, spec.get("vocab_size"), "mlp")  # x0, h0, x1, h1, ...
-    residuals = [_residual_after(ly.down) for ly in layers]
+    residuals = [residual_after(ly.down) for ly in layers]
     if any(r is None for r in residuals):
         raise SystemExit(f"{model_dir}: an MLP output is not added to a residual stream; the error scale is undefined")
     names = add_thresholds(model, sites)
