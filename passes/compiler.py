@@ -209,8 +209,8 @@ def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
         rec = m.metadata_props.get(SPARSITY) if m is not None and uses_sparse_rows(m) else None
         if rec:
             r = json.loads(rec)
-            plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "sites", "mode", "budget_pct", "achieved_sparsity_heldout",
-                                                  "quality") if k in r}
+            plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "sites", "allocation", "mode", "budget_pct",
+                                                  "achieved_sparsity_heldout", "quality") if k in r}
 
 
 COMPILE_OPTIONS = frozenset(

@@ -333,6 +333,7 @@ def test_plan_names_the_kernel_never_ships_it_and_greedy_speculative_stays_token
     assert all(f["role"] != "custom_ops" for f in plan["files"].values())
     assert not list(plans["sparse_pl"].rglob("*.so"))  # no native code in a plan
     assert plan["policy"]["sparsity"]["sparsity"] == 0.5 and plan["policy"]["sparsity"]["sites"] == "mlp"
+    assert plan["policy"]["sparsity"]["allocation"] == "uniform"
     _assert_speculative_identical(plans["sparse"], plans["sparse_pl"])
 
 
