@@ -11,8 +11,9 @@ OV_BIN  := $(OV_VENV)/bin
 # environment, which `dyncompile export --exporter optimum` runs as a subprocess (tests/test_optimum_exports.py).
 OPT_VENV ?= .venv-optimum
 OPT_BIN  := $(OPT_VENV)/bin
-# Tests that run again with provider="openvino" (runtime, early exit, speculative decoding, native OpenVINO, the
-# OpenVINO + NNCF encoder peers).
+# Files whose tests run again with provider="openvino" (runtime, early exit, speculative decoding, native OpenVINO,
+# the OpenVINO + NNCF encoder peers). Of them only the tests that take the `provider` fixture or carry the `openvino`
+# mark run there (tests/conftest.py deselects the rest: they would repeat the CPU suite exactly).
 OV_TESTS ?= tests/test_plan_runtime.py tests/test_insert_early_exit.py tests/test_learned_policy.py tests/test_early_exit_real.py tests/test_openvino_native.py \
 	tests/test_speculative.py tests/test_diffusion_provider.py tests/test_encoder_peers.py
 EXTRAS  ?= cpu,export,dev,sandbox,serve
@@ -20,6 +21,10 @@ EXTRAS  ?= cpu,export,dev,sandbox,serve
 # cores (the CPU suite took 26 min in one process, 18 in two, on a 2-core VM); 0 runs in one process
 PYTEST_WORKERS ?= 2
 PYTEST  := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+# The OpenVINO subset is one file's sampling tests (test_speculative.py, cheap module fixtures) more than anything:
+# one worker per file left the other idle for most of the run; worksteal splits the files' tests between the workers
+# (on the 2-core VM: 270 s with loadfile, 144 s with worksteal, both after the deselection above)
+OV_PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 .PHONY: setup setup-openvino setup-optimum test test-slow demo lint clean
@@ -54,7 +59,7 @@ setup-optimum: $(OPT_BIN)/optimum-cli
 test:
 	$(MAKE) --no-print-directory -j3 setup setup-openvino setup-optimum
 	$(BIN)/python $(PYTEST)
-	DYNCOMPILE_TEST_PROVIDER=openvino $(OV_BIN)/python $(PYTEST) $(OV_TESTS)
+	DYNCOMPILE_TEST_PROVIDER=openvino $(OV_BIN)/python $(OV_PYTEST) $(OV_TESTS)
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

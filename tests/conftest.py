@@ -104,7 +104,23 @@ def tiny_encoder_path(tmp_path_factory) -> Path:
     return p
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "openvino: needs the OpenVINO environment (runs again in CI's OpenVINO subset)")
+
+
+def _provider_run_keeps(item) -> bool:
+    """Whether a test runs again on a provider other than the CPU EP: it takes the ``provider`` fixture (directly or
+    through another fixture) or needs that provider's environment (marker ``openvino``). Any other test does the
+    same thing there as in the CPU suite, which ran it already."""
+    return "provider" in item.fixturenames or item.get_closest_marker("openvino") is not None
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("DYNCOMPILE_TEST_PROVIDER", "cpu") != "cpu":
+        dropped = [item for item in items if not _provider_run_keeps(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if _provider_run_keeps(item)]
     # Heavy real-model tests are opt-in: `pytest -m slow` (or DYNCOMPILE_SLOW=1).
     if os.environ.get("DYNCOMPILE_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
         return

@@ -88,6 +88,7 @@ def test_onnxruntime_peer_is_the_original_on_ort(minilm, minilm_fp32_plan):
     np.testing.assert_allclose(probs, minilm_fp32_plan.predict_proba(TEXTS[:1]), rtol=0, atol=1e-5)
 
 
+@pytest.mark.openvino
 def test_openvino_peer_reproduces_ort_in_f32(minilm, minilm_fp32_plan):
     pytest.importorskip("openvino", reason="OpenVINO runs in the OpenVINO environment (make test installs it)")
     from dyncompile.tools.studies.encoder_peers import openvino_runner
@@ -104,6 +105,7 @@ def test_openvino_peer_reproduces_ort_in_f32(minilm, minilm_fp32_plan):
         openvino_runner("short", minilm.onnx_path, minilm_fp32_plan, pad=16)
 
 
+@pytest.mark.openvino
 def test_nncf_int8_quantizes_and_records(minilm, minilm_fp32_plan, tmp_path):
     ov = pytest.importorskip("openvino", reason="OpenVINO runs in the OpenVINO environment (make test installs it)")
     pytest.importorskip("nncf", reason="NNCF is installed in the OpenVINO environment")

@@ -11,6 +11,7 @@ import onnx_ir as ir
 import pytest
 from helpers import ort_session
 
+pytestmark = pytest.mark.openvino
 ov = pytest.importorskip("openvino", reason="native OpenVINO runs in the OpenVINO environment (make test installs it)")
 
 

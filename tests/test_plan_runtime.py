@@ -173,6 +173,7 @@ def test_unknown_provider():
         resolve_provider("tpu", available=["CPUExecutionProvider"])
 
 
+@pytest.mark.openvino  # asserts the environment it runs in: the OpenVINO one too
 def test_two_ort_flavours_detected():
     with pytest.raises(ProviderError, match="two ONNX Runtime flavours"):
         check_ort_flavours(["onnxruntime", "onnxruntime-openvino"])
