@@ -60,6 +60,7 @@ __all__ = [
     "corpus_windows",
     "heldout_stats",
     "linear_sites",
+    "greedy_paths",
     "mlp_layers",
     "residual_after",
     "uses_sparse_rows",
@@ -293,12 +294,14 @@ def abs_samples(outputs: Iterable[Sequence[np.ndarray]], names: Sequence[str],
 
 
 def heldout_stats(runs: Iterable[tuple[Sequence[int], Sequence[np.ndarray]]], thresholds: Sequence[float],
-                  reference: Sequence[np.ndarray] | None = None, *, greedy: bool = False):
+                  reference: Sequence[np.ndarray] | None = None, *, greedy: bool = False,
+                  nll: list[tuple[float, int]] | None = None):
     """Quality over held-out windows, from each window and its run's ``[logits, *site values]``.
 
     Returns the perplexity, per site the share of ``|v| <= threshold`` entries, each window's greedy tokens (with
     ``greedy`` or ``reference``, else an empty list) and, with ``reference`` (such tokens of another model), the
-    share of positions where they agree (else None).
+    share of positions where they agree (else None). ``nll``: a list that gets each window's summed NLL and number
+    of predictions (for intervals paired by window).
     """
     tot, n = 0.0, 0
     below = np.zeros(len(thresholds))
@@ -307,6 +310,8 @@ def heldout_stats(runs: Iterable[tuple[Sequence[int], Sequence[np.ndarray]]], th
     for i, (w, outs) in enumerate(runs):
         s, k = window_nll(outs[0], w)
         tot, n = tot + s, n + k
+        if nll is not None:
+            nll.append((s, k))
         if greedy or reference is not None:
             top1.append(np.asarray(outs[0][0]).argmax(-1))
         if reference is not None:
@@ -388,6 +393,12 @@ class GreedyPath:
         self.error, self.x_bytes, self.h_bytes, self.levels = error, float(x_bytes), float(h_bytes), int(levels)
         self.points = [(0, 0, float(error(0, 0)), 0.0)]
 
+    def _grow(self, skipped: float) -> None:
+        """Step until the path skips ``skipped`` bytes or ends, then drop the error's cached activations."""
+        while self.points[-1][3] < skipped - 1e-9 and self.step():
+            pass
+        getattr(self.error, "release", lambda: None)()
+
     def step(self) -> bool:
         """Take one more step; False at the end."""
         i, j, e, _ = self.points[-1]
@@ -406,16 +417,37 @@ class GreedyPath:
 
     def full(self) -> list[tuple[int, int, float, float]]:
         """The whole path, to both inputs' last level."""
-        while self.step():
-            pass
+        self._grow(math.inf)
         return self.points
 
     def at(self, skipped: float) -> tuple[int, int]:
         """The first point of the path that skips at least ``skipped`` bytes (the last one if none does)."""
-        while self.points[-1][3] < skipped - 1e-9 and self.step():
-            pass
-        getattr(self.error, "release", lambda: None)()
+        self._grow(skipped)
         return next((p[0], p[1]) for p in self.points if p[3] >= skipped - 1e-9 or p is self.points[-1])
+
+
+def greedy_paths(layers: Sequence[MlpLayer], runs: Iterable[Sequence[np.ndarray]], samples: dict[str, np.ndarray],
+                 levels: Sequence[float]) -> list[GreedyPath]:
+    """Each MLP's :class:`GreedyPath` over ``levels`` (evenly spaced from 0), measured on the dense model.
+
+    ``runs``: per window, every layer's ``x`` then the residual stream after every layer's MLP (:func:`residual_after`),
+    dense; ``samples``: the sites' ``|v|`` samples (:func:`abs_samples`) the thresholds are quantiles of.
+    """
+    xs: list[list[np.ndarray]] = [[] for _ in layers]
+    norms = np.zeros(len(layers))
+    for got in runs:
+        for k in range(len(layers)):
+            xs[k].append(np.asarray(got[k], np.float32).reshape(-1, got[k].shape[-1]))
+            norms[k] += float(np.square(np.asarray(got[len(layers) + k], np.float64)).sum())
+    step = levels[1]
+    paths = []
+    for k, layer in enumerate(layers):
+        w = [np.asarray(n.inputs[1].const_value.numpy(), np.float32) for n in (layer.gate, layer.up, layer.down)]
+        tx = [float(np.quantile(samples[layer.x.name], lv)) if lv > 0 else -1.0 for lv in levels]
+        th = [float(np.quantile(samples[layer.h.name], lv)) if lv > 0 else -1.0 for lv in levels]
+        err = LayerError(np.concatenate(xs[k]), *w, tx, th, max(norms[k], 1e-30))
+        paths.append(GreedyPath(err, step * (w[0].nbytes + w[1].nbytes), step * w[2].nbytes, levels=len(levels)))
+    return paths
 
 
 def residual_after(down: ir.Node) -> ir.Value | None:
@@ -570,28 +602,15 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError(
                 "sparsify-activations allocation=greedy compares layers by the residual stream each MLP's output is "
                 "added to, but an MLP output here feeds no Add; use allocation=uniform")
-        x_names, r_names = [layer.x.name for layer in layers], [r.name for r in residuals]
-        sess = _session(model, [*x_names, *r_names])
-        xs: list[list[np.ndarray]] = [[] for _ in layers]
-        norms = np.zeros(len(layers))
-        seen = 0
+        outs = [*(layer.x.name for layer in layers), *(r.name for r in residuals)]
+        sess = _session(model, outs)
+        windows, seen = [], 0
         for w in self.calib:
             if seen >= _ERROR_TOKENS:
                 break
+            windows.append(w)
             seen += len(w)
-            got = _run(sess, spec, w, [*x_names, *r_names])
-            for k in range(len(layers)):
-                xs[k].append(np.asarray(got[k], np.float32).reshape(-1, got[k].shape[-1]))
-                norms[k] += float(np.square(np.asarray(got[len(layers) + k], np.float64)).sum())
-        paths = []
-        for k, layer in enumerate(layers):
-            w = [np.asarray(n.inputs[1].const_value.numpy(), np.float32) for n in (layer.gate, layer.up, layer.down)]
-            tx = [float(np.quantile(samples[layer.x.name], lv)) if lv > 0 else -1.0 for lv in LEVELS]
-            th = [float(np.quantile(samples[layer.h.name], lv)) if lv > 0 else -1.0 for lv in LEVELS]
-            err = LayerError(np.concatenate(xs[k]), *w, tx, th, max(norms[k], 1e-30))
-            step = LEVELS[1]
-            paths.append(GreedyPath(err, step * (w[0].nbytes + w[1].nbytes), step * w[2].nbytes, levels=len(LEVELS)))
-        return paths
+        return greedy_paths(layers, (_run(sess, spec, w, outs) for w in windows), samples, LEVELS)
 
     def _calibrate(self, model: ir.Model, spec, sites: list[str]) -> dict[str, np.ndarray]:
         """A random sample of ``|v|`` per site over the calibration windows (dense model)."""

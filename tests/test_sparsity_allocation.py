@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
+from dyncompile.passes.sparsify_activations import GreedyPath, LayerError, linear_sites, mlp_layers
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 from dyncompile.passes.speculative.probe import session_for
 from dyncompile.tools.studies import sparsity_allocation as A
@@ -19,22 +20,26 @@ def _model():
     return tiny_decoder(num_layers=LAYERS, hidden=64, heads=4, vocab=VOCAB, mlp="swiglu")
 
 
+def _path(error, x_bytes, h_bytes, *, levels):
+    return GreedyPath(error, x_bytes, h_bytes, levels=levels).full()
+
+
 def test_greedy_path_steps_the_input_that_costs_least_per_byte():
     # x's steps cost 1 each and skip 2 bytes, h's cost 3 and skip 1 byte: x first, all the way, then h
-    path = A.greedy_path(lambda i, j: 1.0 * i + 3.0 * j, 2.0, 1.0, levels=4)
+    path = _path(lambda i, j: 1.0 * i + 3.0 * j, 2.0, 1.0, levels=4)
     assert [(i, j) for i, j, _, _ in path] == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (3, 2), (3, 3)]
     assert [b for *_, b in path] == [0.0, 2.0, 4.0, 6.0, 7.0, 8.0, 9.0]
     # negative control: make h the cheap one per byte and the path goes the other way
-    path = A.greedy_path(lambda i, j: 5.0 * i + 1.0 * j, 2.0, 1.0, levels=3)
+    path = _path(lambda i, j: 5.0 * i + 1.0 * j, 2.0, 1.0, levels=3)
     assert [(i, j) for i, j, _, _ in path] == [(0, 0), (0, 1), (0, 2), (1, 2), (2, 2)]
     # convex costs interleave the two inputs
-    path = A.greedy_path(lambda i, j: i * i + j * j, 1.0, 1.0, levels=3)
+    path = _path(lambda i, j: i * i + j * j, 1.0, 1.0, levels=3)
     assert [(i, j) for i, j, _, _ in path] == [(0, 0), (1, 0), (1, 1), (2, 1), (2, 2)]
 
 
 def test_within_block_takes_each_layers_first_point_at_the_share():
-    paths = [A.greedy_path(lambda i, j: i + 3.0 * j, 2.0, 1.0, levels=4),
-             A.greedy_path(lambda i, j: 5.0 * i + j, 2.0, 1.0, levels=4)]
+    paths = [_path(lambda i, j: i + 3.0 * j, 2.0, 1.0, levels=4),
+             _path(lambda i, j: 5.0 * i + j, 2.0, 1.0, levels=4)]
     # each layer's MLP has 3 steps of x (2 bytes) and 3 of h (1 byte): 9 bytes; half is 4.5
     assert A.within_block(paths, 0.5, [9.0, 9.0]) == [(3, 0), (1, 3)]
     assert A.within_block(paths, 0.0, [9.0, 9.0]) == [(0, 0), (0, 0)]
@@ -42,14 +47,14 @@ def test_within_block_takes_each_layers_first_point_at_the_share():
 
 
 def test_across_layers_spends_bytes_where_error_is_cheapest():
-    cheap = A.greedy_path(lambda i, j: 0.1 * (i + j), 1.0, 1.0, levels=3)
-    dear = A.greedy_path(lambda i, j: 10.0 * (i + j), 1.0, 1.0, levels=3)
+    cheap = _path(lambda i, j: 0.1 * (i + j), 1.0, 1.0, levels=3)
+    dear = _path(lambda i, j: 10.0 * (i + j), 1.0, 1.0, levels=3)
     assert A.across_layers([cheap, dear], 3.0) == [(2, 1), (0, 0)]
     assert A.across_layers([dear, cheap], 4.0) == [(0, 0), (2, 2)]
     assert A.across_layers([dear, cheap], 6.0) == [(2, 0), (2, 2)]  # the cheap layer is spent: the dear one moves
     assert A.across_layers([cheap, dear], 100.0) == [(2, 2), (2, 2)]
     # negative control: equal layers share the bytes evenly (ties go to the lower layer first)
-    same = [A.greedy_path(lambda i, j: (i + j) ** 2, 1.0, 1.0, levels=3)] * 2
+    same = [_path(lambda i, j: (i + j) ** 2, 1.0, 1.0, levels=3)] * 2
     assert A.across_layers(same, 2.0) == [(1, 0), (1, 0)]
 
 
@@ -57,8 +62,8 @@ def test_layer_error_replays_the_graphs_mlp_with_thresholds():
     """The numpy MLP on a layer's dense input equals the graph's MLP output with the same thresholds on that layer."""
     m = _model()
     spec = decoder_spec(m, "model")
-    layers, _ = A.mlp_layers(m)
-    sites = A.linear_sites(m, spec["vocab_size"], "mlp")
+    layers, _ = mlp_layers(m)
+    sites = linear_sites(m, spec["vocab_size"], "mlp")
     w = [np.asarray(n.inputs[1].const_value.numpy(), np.float32) for n in (layers[1].gate, layers[1].up, layers[1].down)]
     names = S.add_thresholds(m, sites)
     down_out = layers[1].down.outputs[0]
@@ -69,7 +74,7 @@ def test_layer_error_replays_the_graphs_mlp_with_thresholds():
     x, y = sess.run([sites[2].value.name, down_out.name], S._feeds(spec, window, off, names))
     x = x.reshape(-1, x.shape[-1])
     tx, th = float(np.quantile(np.abs(x), 0.4)), 0.05
-    err = A.LayerError(x, *w, tx=[-1.0, tx], th=[-1.0, th], norm=1.0)
+    err = LayerError(x, *w, tx=[-1.0, tx], th=[-1.0, th], norm=1.0)
     np.testing.assert_allclose(err.dense, y.reshape(err.dense.shape), rtol=1e-4, atol=1e-5)
     assert err(0, 0) == 0.0
     ts = list(off)

@@ -513,9 +513,8 @@ class SpeculativeGenerateStep(GenerateStep):
         return out, stats
 
     def _loop(self, prompt_ids, max_new_tokens, sample, temperature, rng, ctl: DraftController,
-              stats: GenerationStats, tree_ctl: TreeController | None = None, stop_when=None,
-              drafter: Drafter | None = None) -> list[int]:
-        target, drafter = self.target, drafter or self.drafter
+              stats: GenerationStats, tree_ctl: TreeController | None, stop_when, drafter: Drafter) -> list[int]:
+        target = self.target
         eos = set(self.gen.eos_token_ids)
         max_len = self.gen.max_length
         budget = max_new_tokens if max_len is None else min(max_new_tokens, max_len - len(prompt_ids))

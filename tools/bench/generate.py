@@ -102,11 +102,10 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
             runners.append(Runner(f"speculative, stop below {b:g} (ORT)",
                                   lambda ids, n, b=b, **o: spec(ids, n, stop_below=b, tree=False, **o)))
         if (model.plan.steps[0].params.get("drafter") or {}).get("prompt_lookup"):  # a hybrid: each part alone too
-            modes = [("chain", False), ("tree, adaptive", True)] if tree or tree_sizes else [("", None)]
+            modes = [(" chain", {"tree": False}), (" tree, adaptive", {"tree": True})] if tree or tree_sizes else [("", {})]
             for part, value in (("drafter alone", False), ("prompt lookup alone", "prompt-lookup")):
-                for mode, t in modes:
-                    extra = {} if t is None else {"tree": t}
-                    runners.append(Runner(f"speculative {mode}, {part} (ORT)" if mode else f"speculative, {part} (ORT)",
+                for mode, extra in modes:
+                    runners.append(Runner(f"speculative{mode}, {part} (ORT)",
                                           lambda ids, n, v=value, e=extra, **o: spec(ids, n, hybrid=v, **e, **o)))
     if label:
         runners = [dataclasses.replace(r, name=f"{r.name}: {label}") for r in runners]

@@ -39,19 +39,13 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from dyncompile.passes.sparsify_activations import (
-    GreedyPath,
-    LayerError,
-    linear_sites,
-    mlp_layers,
-    residual_after,
-    window_nll,
-)
+from dyncompile.passes.sparsify_activations import greedy_paths, linear_sites, mlp_layers, residual_after
 from dyncompile.tools.studies.sparsity_sites import (
     OFF,
     _feeds,
     add_thresholds,
     calibrate,
+    evaluate,
     study_dir,
     study_parser,
     write_study,
@@ -68,12 +62,6 @@ BOOTSTRAP = 2000
 
 
 # ----------------------------------------------------------------------------------------------- allocation
-
-
-def greedy_path(error, x_bytes: float, h_bytes: float, *, levels: int) -> list[tuple[int, int, float, float]]:
-    """One layer's whole greedy path (:class:`~dyncompile.passes.sparsify_activations.GreedyPath`):
-    ``(i, j, error, bytes skipped)`` from (0, 0) to both inputs' last level."""
-    return GreedyPath(error, x_bytes, h_bytes, levels=levels).full()
 
 
 def within_block(paths: Sequence[Sequence[tuple[int, int, float, float]]], share: float,
@@ -113,29 +101,14 @@ def across_layers(paths: Sequence[Sequence[tuple[int, int, float, float]]], targ
 # ----------------------------------------------------------------------------------------------- evaluation
 
 
-def evaluate(sess, spec, windows, names: Sequence[str], site_names: Sequence[str], thresholds: Sequence[float],
-             reference: Sequence[np.ndarray] | None = None):
-    """Per-window summed NLL and prediction count, per site the share of ``|v| <= threshold`` entries, the greedy
+def _evaluate(sess, spec, windows, sites, names: Sequence[str], thresholds: Sequence[float],
+              reference: Sequence[np.ndarray] | None = None):
+    """Per-window summed NLL and predictions, per site the share of entries at or below its threshold, the greedy
     tokens per window and (with ``reference``) the share of positions agreeing with it."""
-    nll, n, top1 = [], [], []
-    below = np.zeros(len(site_names))
-    count = np.zeros(len(site_names))
-    same = 0
-    outs = [spec["logits"], *site_names]
-    for k, w in enumerate(windows):
-        got = sess.run(outs, _feeds(spec, w, thresholds, names))
-        s, c = window_nll(got[0], w)
-        nll.append(s)
-        n.append(c)
-        top1.append(np.asarray(got[0][0]).argmax(-1))
-        if reference is not None:
-            same += int((top1[-1] == reference[k]).sum())
-        for j, (v, t) in enumerate(zip(got[1:], thresholds, strict=True)):
-            a = np.abs(np.asarray(v, np.float32))
-            below[j] += float((a <= t).sum())
-            count[j] += a.size
-    agree = None if reference is None else same / max(sum(len(r) for r in reference), 1)
-    return np.array(nll), np.array(n), below / np.maximum(count, 1), top1, agree
+    per: list[tuple[float, int]] = []
+    _, below, top1, agree = evaluate(sess, spec, windows, sites, names, thresholds, reference, greedy=True, nll=per)
+    nll, n = (np.array(v) for v in zip(*per, strict=True))
+    return nll, n, below, top1, agree
 
 
 def paired_increase(nll: np.ndarray, dense_nll: np.ndarray, n: np.ndarray, *, seed: int = 0,
@@ -186,32 +159,19 @@ def run(model_dir: Path, *, calib_tokens: int = 4096, heldout_tokens: int = 4096
     def threshold(name: str, level: float) -> float:
         return float(np.quantile(samples[name], level)) if level > 0 else OFF
 
-    # dense inputs of every layer's MLP and the residual norms, on the first calibration windows
+    # each layer's greedy path, from the dense inputs of its MLP and the residual norms on the first calibration windows
     t1 = time.perf_counter()
     err_windows = calib[: max(1, math.ceil(error_tokens / window))]
-    xs = [[] for _ in layers]
-    norms = np.zeros(len(layers))
-    x_names = site_names[0::2]
-    for w in err_windows:
-        got = sess.run([*x_names, *(r.name for r in residuals)], _feeds(spec, w, [OFF] * len(sites), names))
-        for k in range(len(layers)):
-            xs[k].append(np.asarray(got[k], np.float32).reshape(-1, got[k].shape[-1]))
-            norms[k] += float(np.square(np.asarray(got[len(layers) + k], np.float64)).sum())
-    paths, bytes_x, bytes_h = [], [], []
-    for k, ly in enumerate(layers):
-        wg, wu, wd = (np.asarray(n.inputs[1].const_value.numpy(), np.float32) for n in (ly.gate, ly.up, ly.down))
-        bx = float(sites[2 * k].weight_bytes) * step
-        bh = float(sites[2 * k + 1].weight_bytes) * step
-        err = LayerError(np.concatenate(xs[k]), wg, wu, wd, [threshold(site_names[2 * k], lv) for lv in grid],
-                         [threshold(site_names[2 * k + 1], lv) for lv in grid], norms[k])
-        paths.append(greedy_path(err, bx, bh, levels=len(grid)))
-        bytes_x.append(bx)
-        bytes_h.append(bh)
+    outs = [*site_names[0::2], *(r.name for r in residuals)]
+    runs = (sess.run(outs, _feeds(spec, w, [OFF] * len(sites), names)) for w in err_windows)
+    paths, mlp_bytes = [], []
+    for k, path in enumerate(greedy_paths(layers, runs, samples, grid)):
+        paths.append(path.full())
+        mlp_bytes.append((path.x_bytes + path.h_bytes) / step)
         if progress:
-            at = within_block([paths[-1]], 0.30, [(bx + bh) / step])[0]
+            at = within_block([paths[-1]], 0.30, mlp_bytes[-1:])[0]
             logger.info("layer %d: path to 30 %% of its bytes ends at x %.2f / h %.2f", k, grid[at[0]], grid[at[1]])
     error_seconds = time.perf_counter() - t1
-    mlp_bytes = [(bx + bh) / step for bx, bh in zip(bytes_x, bytes_h, strict=True)]
 
     configs: list[tuple[str, float, list[tuple[int, int]]]] = []
     for s in uniform:
@@ -222,14 +182,14 @@ def run(model_dir: Path, *, calib_tokens: int = 4096, heldout_tokens: int = 4096
     for s in model_shares:
         configs.append(("across-layers", s, across_layers(paths, s * total_bytes)))
 
-    dense_nll, n, _, dense_top1, _ = evaluate(sess, spec, held, names, site_names, [OFF] * len(sites))
+    dense_nll, n, _, dense_top1, _ = _evaluate(sess, spec, held, sites, names, [OFF] * len(sites))
     dense_ppl = math.exp(dense_nll.sum() / n.sum())
     site_bytes = np.array([s.weight_bytes for s in sites], np.float64)
     rows = []
     for kind, target, alloc in configs:
         levels = [lv for pair in alloc for lv in pair]  # x0, h0, x1, h1, ...
         ts = [threshold(name, grid[lv]) for name, lv in zip(site_names, levels, strict=True)]
-        nll, _, below, _, agree = evaluate(sess, spec, held, names, site_names, ts, dense_top1)
+        nll, _, below, _, agree = _evaluate(sess, spec, held, sites, names, ts, dense_top1)
         inc, lo, hi = paired_increase(nll, dense_nll, n)
         skipped = float((below * site_bytes).sum() / total_bytes)
         row = {"allocation": kind, "target": target, "perplexity": round(math.exp(nll.sum() / n.sum()), 4),

@@ -86,12 +86,14 @@ def _feeds(spec, window, thresholds: Sequence[float], names: Sequence[str]) -> d
 
 
 def evaluate(sess, spec, windows, sites: Sequence[Site], names: Sequence[str], thresholds: Sequence[float],
-             reference: Sequence[np.ndarray] | None = None, *, greedy: bool = False):
+             reference: Sequence[np.ndarray] | None = None, *, greedy: bool = False,
+             nll: list[tuple[float, int]] | None = None):
     """Perplexity of ``windows`` with ``thresholds`` per site, per site the share of entries at or below its
-    threshold, and the per-window greedy tokens (with ``reference``, the dense model's: the share that agree too)."""
+    threshold, and the per-window greedy tokens (with ``reference``, the dense model's: the share that agree too);
+    ``nll`` gets each window's summed NLL and predictions (:func:`heldout_stats`)."""
     outs = [spec["logits"], *[s.value.name for s in sites]]
     return heldout_stats(((w, sess.run(outs, _feeds(spec, w, thresholds, names))) for w in windows), thresholds,
-                         reference, greedy=greedy)
+                         reference, greedy=greedy, nll=nll)
 
 
 def calibrate(sess, spec, windows, sites: Sequence[Site], names: Sequence[str]) -> dict[str, np.ndarray]:
