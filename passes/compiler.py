@@ -210,7 +210,8 @@ def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
         if rec:
             r = json.loads(rec)
             plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "sites", "allocation", "mode", "budget_pct",
-                                                  "achieved_sparsity_heldout", "quality") if k in r}
+                                                  "confidence", "achieved_sparsity_heldout", "quality", "check")
+                                if k in r}
 
 
 COMPILE_OPTIONS = frozenset(

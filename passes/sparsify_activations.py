@@ -11,10 +11,19 @@ Thresholds (TEAL, Liu et al. 2024): per layer and per input (``x`` shared by gat
 its rows on text like the calibration text. ``allocation=greedy`` (TEAL's block-wise greedy) instead gives each MLP
 its own pair of levels: from (0, 0), step whichever input's next level adds the least error to the MLP's output per
 weight byte skipped (errors measured in numpy on the dense inputs of the first calibration tokens), until the MLP
-skips ``sparsity`` of its weight bytes. ``budget=P`` searches the largest sparsity (0.05 grid) whose held-out
-perplexity increase stays within ``P`` percent. Calibration text: CPython standard-library ``.py`` files,
-minus the benchmarks' prompt files and held-out quality files (:data:`EXCLUDED_FILES`); the held-out perplexity
-check runs on other files of the same library, disjoint from the calibration ones.
+skips ``sparsity`` of its weight bytes. Calibration text: CPython standard-library ``.py`` files, minus the
+benchmarks' prompt files and held-out quality files (:data:`EXCLUDED_FILES`); the held-out perplexity runs on other
+files of the same library, disjoint from the calibration ones.
+
+``budget=P`` (percent held-out perplexity increase) with ``confidence=c`` (0.9): a quality promise must hold on text
+the choice never saw, so the held-out files are cut in two (:func:`split_halves`). On the *search* half the 0.05
+grid is walked upward in fixed sequence (:func:`fixed_sequence_walk`): a level is kept while the one-sided upper
+bound at ``c`` of its perplexity increase (:func:`perplexity_increase`, a Student-t bound over files, paired by
+window) is within ``P``; the first level that fails ends the walk, so with probability about ``c`` the level chosen
+raises the perplexity of text like the held-out text by at most ``P``. The *check* half, never used to choose,
+reports the increase with its interval at ``c`` and whether it is within ``P`` (``check.holds``; a warning when
+not). No level within the budget: sparsity 0.0 (only exact zeros are skipped), with a warning. Without a budget
+the quality is measured on every held-out window, with its interval.
 
 Scope: main graph of a KV-cache decoder; each ``MatMul(h, W_down)`` with ``h = Mul(SiLU(MatMul(x, W_gate)),
 MatMul(x, W_up))`` (SiLU as ``Mul(g, Sigmoid(g))``, either operand order), constant 2-D float32 weights. With
@@ -22,7 +31,8 @@ MatMul(x, W_up))`` (SiLU as ``Mul(g, Sigmoid(g))``, either operand order), const
 input and one threshold, and o), the LM head excepted; the pass still needs a gated MLP to fire.
 Invariants: graph inputs/outputs, names and every other node unchanged; the weights are the same initializers
 (the op reads them in place); with threshold 0 the outputs equal the dense graph's within float round-off.
-Records ``dyncompile.sparsity`` (op, thresholds, achieved sparsity, held-out quality, the library's sha256);
+Records ``dyncompile.sparsity`` (op, thresholds, achieved sparsity, held-out quality with its interval, the budget
+search and its check, the library's sha256);
 the compiler ships the library with the plan. Idempotent: a graph holding the op already is left alone.
 """
 
@@ -47,22 +57,29 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ALLOCATIONS",
+    "DEFAULT_CONFIDENCE",
     "EXCLUDED_FILES",
     "LEVELS",
     "SITES",
     "SPARSITY",
     "GreedyPath",
+    "Increase",
     "LayerError",
     "MlpLayer",
     "Site",
     "SparsifyActivationsPass",
     "abs_samples",
     "corpus_windows",
+    "describe_sparsity",
+    "fixed_sequence_walk",
     "heldout_stats",
     "linear_sites",
     "greedy_paths",
     "mlp_layers",
+    "perplexity_increase",
     "residual_after",
+    "split_halves",
+    "t_quantile",
     "uses_sparse_rows",
     "window_nll",
 ]
@@ -84,6 +101,7 @@ _GRID = tuple(round(0.05 * k, 2) for k in range(1, 20))  # budget search: 0.05 .
 LEVELS = (0.0, *_GRID)  # the levels a greedy allocation gives each MLP input
 _ERROR_TOKENS = 512  # calibration tokens whose MLP inputs the greedy allocation's local errors use
 _SAMPLES_PER_WINDOW = 16384
+DEFAULT_CONFIDENCE = 0.9  # ``confidence=``: of the budget search's upper bounds and of the reported intervals
 
 
 @dataclasses.dataclass
@@ -204,12 +222,13 @@ def uses_sparse_rows(model: ir.Model) -> bool:
 
 
 def corpus_windows(tokenizer_json: Path, *, tokens: int, window: int, part: str, root: Path | None = None,
-                   seed: int = 0) -> list[list[int]]:
+                   seed: int = 0, files: list[int] | None = None) -> list[list[int]]:
     """Token windows of ``window`` tokens (about ``tokens`` in all) from the stdlib's ``.py`` files.
 
     The files (sorted, minus :data:`EXCLUDED_FILES` and third-party folders) are shuffled with ``seed`` and cut in
     two: ``part="calib"`` reads the even positions, ``part="heldout"`` the odd ones, so the two never share a file.
-    Each file gives at most two windows (the set spans many modules).
+    Each file gives at most two windows (the set spans many modules), adjacent in the list. ``files``: a list
+    that gets each window's file (its index in the sorted list), for bounds and splits by file.
     """
     from tokenizers import Tokenizer
 
@@ -217,26 +236,31 @@ def corpus_windows(tokenizer_json: Path, *, tokens: int, window: int, part: str,
 
     root = Path(root or sysconfig.get_paths()["stdlib"])
     excluded = {root / f for f in EXCLUDED_FILES}
-    files = [p for p in sorted(root.rglob("*.py")) if p not in excluded
+    paths = [p for p in sorted(root.rglob("*.py")) if p not in excluded
              and not any(x in ("site-packages", "dist-packages", "test", "tests", "idlelib") for x in
                          p.relative_to(root).parts)]
-    if not files:
+    if not paths:
         raise DataError(f"no standard-library .py files under {root} for the sparsity calibration")
-    order = np.random.default_rng(seed).permutation(len(files))
+    order = np.random.default_rng(seed).permutation(len(paths))
     pick = order[0::2] if part == "calib" else order[1::2]
     tok = Tokenizer.from_file(str(tokenizer_json))
     out: list[list[int]] = []
+    src: list[int] = []
     for i in pick:
         try:
-            text = files[i].read_text(encoding="utf-8")
+            text = paths[i].read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         ids = tok.encode(text, add_special_tokens=False).ids
         for s in range(0, min(len(ids) - window + 1, 2 * window), window):
             out.append(list(ids[s : s + window]))
+            src.append(int(i))
         if len(out) * window >= tokens:
             break
-    return out[: max(1, math.ceil(tokens / window))]
+    out = out[: max(1, math.ceil(tokens / window))]
+    if files is not None:
+        files.extend(src[: len(out)])
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -324,13 +348,217 @@ def heldout_stats(runs: Iterable[tuple[Sequence[int], Sequence[np.ndarray]]], th
     return math.exp(tot / max(n, 1)), below / np.maximum(count, 1), top1, agree
 
 
-def _ppl(model: ir.Model, spec, windows, sites: Sequence[str] = (), thresholds: Sequence[float] = ()):
-    """Perplexity of ``windows`` under ``model`` and, per site, the share of ``|v| <= threshold`` entries."""
+def _heldout(model: ir.Model, spec, windows, sites: Sequence[str] = (), thresholds: Sequence[float] = ()):
+    """Each window's summed NLL and predictions under ``model`` (arrays), and each site's share of small entries.
+
+    The share: of ``|v| <= threshold`` entries, per site in ``sites`` order.
+    """
     sess = _session(model, sites)
     names = [spec["logits"], *sites]
-    ppl, below, _, _ = heldout_stats(((w, _run(sess, spec, w, names)) for w in windows), thresholds)
-    return ppl, below.tolist()
+    per: list[tuple[float, int]] = []
+    _, below, _, _ = heldout_stats(((w, _run(sess, spec, w, names)) for w in windows), thresholds, nll=per)
+    nll, n = (np.array(v, np.float64) for v in zip(*per, strict=True))
+    return nll, n, below.tolist()
 
+
+# ----------------------------------------------------------------------------------------------- quality bounds
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p``-quantile (``0.5 <= p < 1``) of Student's t with ``df >= 1`` degrees of freedom.
+
+    Bisection on the CDF ``1 - I_x(df/2, 1/2) / 2`` at ``x = df / (df + t^2)`` (regularized incomplete beta by
+    its continued fraction); numpy only, within 1e-10 of the tables.
+    """
+    if not 0.5 <= p < 1.0 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
+    if p == 0.5:
+        return 0.0
+
+    def cdf(t: float) -> float:
+        return 1.0 - 0.5 * _betainc(0.5 * df, 0.5, df / (df + t * t))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2.0 * hi
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if cdf(mid) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)`` (Lentz's continued fraction)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for aa in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+@dataclasses.dataclass(frozen=True)
+class Increase:
+    """The perplexity increase of a sparse graph over the dense one on the same held-out windows, with t-bounds.
+
+    ``pct``: ``100 (exp((sum NLL_sparse - sum NLL_dense) / tokens) - 1)`` (the perplexity ratio, minus 1);
+    ``upper``: its one-sided upper bound at ``confidence``; ``lo`` / ``hi``: the two-sided interval at
+    ``confidence``; ``units``: the independent units the bound counts (files, or windows when files are not
+    known); ``predictions``: the tokens predicted (each window's length minus one, summed). Bounds are infinite
+    with fewer than two units.
+    """
+
+    pct: float
+    upper: float
+    lo: float
+    hi: float
+    confidence: float
+    units: int
+    windows: int
+    predictions: int
+    perplexity: float
+    perplexity_dense: float
+
+    def interval(self) -> list[float] | None:
+        """``[lo, hi]`` rounded for a record, or None when it is not finite (fewer than two units)."""
+        return [round(self.lo, 3), round(self.hi, 3)] if math.isfinite(self.lo) and math.isfinite(self.hi) else None
+
+
+def perplexity_increase(nll: Sequence[float], dense_nll: Sequence[float], n: Sequence[int], confidence: float,
+                        groups: Sequence[int] | None = None) -> Increase:
+    """The perplexity increase (:class:`Increase`) from per-window summed NLLs, paired by window.
+
+    Method: a Student-t bound on the mean per-token log-ratio, paired by window. Per unit ``u`` (a window, or with
+    ``groups`` all windows of one source file summed: windows cut from the same file are not independent draws),
+    ``D_u = sum NLL_sparse - sum NLL_dense`` over its ``n_u`` tokens. The log perplexity ratio is the ratio
+    estimator ``r = sum D_u / sum n_u``; its standard error is the linearised one, ``sqrt(sum (D_u - r n_u)^2 /
+    (k (k - 1))) / mean(n_u)`` over ``k`` units (with equal-length units it is the ordinary standard error of the
+    per-unit log-ratios ``D_u / n_u``). The upper bound is ``exp(r + t_{c, k-1} se) - 1``, the interval ``exp(r +-
+    t_{(1+c)/2, k-1} se) - 1``.
+
+    Why a t-bound rather than the paired bootstrap of the ``sparsity_allocation`` study: the budget is searched on
+    half of 16 held-out windows (a few files), and a percentile bootstrap over so few units is too narrow (its
+    spread is biased low by ``(k-1)/k``, and its upper quantile never passes the worst unit's ratio), so its 90 %
+    bound covers less than 90 %. The t-bound is exact for normal per-unit log-ratios and close otherwise (each is an
+    average over hundreds of tokens), has no seed, and costs nothing beside the runs.
+    """
+    nll, dense, n = (np.asarray(v, np.float64) for v in (nll, dense_nll, n))
+    if not (len(nll) == len(dense) == len(n)) or not len(n) or np.any(n <= 0):
+        raise ValueError("perplexity_increase needs equal-length, non-empty per-window NLLs and positive counts")
+    if not 0.5 <= confidence < 1.0:
+        raise ValueError(f"confidence must be in [0.5, 1), got {confidence}")
+    if groups is not None:
+        _, unit = np.unique(np.asarray(groups), return_inverse=True)
+        d_u, n_u = np.bincount(unit, nll - dense), np.bincount(unit, n)
+    else:
+        d_u, n_u = nll - dense, n
+    k = len(n_u)
+    r = float(d_u.sum() / n_u.sum())
+    pct = 100.0 * math.expm1(r)
+    if k < 2:
+        upper, lo, hi = math.inf, -math.inf, math.inf
+    else:
+        se = math.sqrt(float(np.square(d_u - r * n_u).sum()) / (k * (k - 1))) / float(n_u.mean())
+        upper = 100.0 * math.expm1(r + t_quantile(confidence, k - 1) * se)
+        half = t_quantile(0.5 + 0.5 * confidence, k - 1) * se
+        lo, hi = 100.0 * math.expm1(r - half), 100.0 * math.expm1(r + half)
+    predictions = int(n.sum())
+    return Increase(pct, upper, lo, hi, float(confidence), k, len(n), predictions,
+                    math.exp(float(nll.sum()) / predictions), math.exp(float(dense.sum()) / predictions))
+
+
+def split_halves(groups: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The held-out windows' indices, cut into a *search* half and a *check* half by source file.
+
+    ``groups``: each window's file (:func:`corpus_windows` ``files=``; windows of one file are adjacent). The files,
+    in the order they first appear, alternate: even ranks search, odd ranks check. No file is in both halves, and
+    the cut depends on nothing but the order of the windows.
+    """
+    rank: dict[int, int] = {}
+    for g in groups:
+        rank.setdefault(g, len(rank))
+    search = [i for i, g in enumerate(groups) if rank[g] % 2 == 0]
+    check = [i for i, g in enumerate(groups) if rank[g] % 2 == 1]
+    return search, check
+
+
+def fixed_sequence_walk(levels: Sequence[float], evaluate, budget: float) -> tuple[float, list[dict]]:
+    """Walk ``levels`` upward and keep the last level whose upper bound is within ``budget`` (percent).
+
+    ``evaluate(level)`` gives the level's :class:`Increase` on the search half. Fixed-sequence testing: the
+    hypotheses ``H_s: increase(s) > budget`` are tested in a fixed order, each at level ``1 - confidence``, and the
+    walk stops at the first one not rejected (``upper > budget``); the family-wise error stays at ``1 - confidence``
+    with no multiplicity correction. A level past a failure is never tested, even if its bound would pass: bisection,
+    which skips levels and goes on after a failure, would need one. Returns the level chosen (0.0 when the first
+    fails) and one row per level tested, the failing one included.
+    """
+    chosen, rows = 0.0, []
+    for s in levels:
+        inc = evaluate(s)
+        ok = inc.upper <= budget
+        rows.append({"sparsity": s, "perplexity": round(inc.perplexity, 4), "increase_pct": round(inc.pct, 3),
+                     "upper_pct": _finite(inc.upper), "accepted": bool(ok)})
+        if not ok:
+            break
+        chosen = s
+    return chosen, rows
+
+
+def _finite(x: float, digits: int = 3) -> float | None:
+    return round(x, digits) if math.isfinite(x) else None
+
+
+def describe_sparsity(d: dict) -> str:
+    """One line for ``inspect`` from a plan's ``policy.sparsity`` (or ``drafter_sparsity``)."""
+    q = d.get("quality") or {}
+    conf = f"{100 * d['confidence']:g} %" if d.get("confidence") is not None else None
+    if d.get("mode") == "budget":
+        text = f"budget +{d.get('budget_pct')} % held-out perplexity"
+        text += f" at {conf} confidence" if conf else " (point estimate, no confidence)"
+        if d.get("sparsity") == 0.0 and conf:
+            text += f" -> sparsity 0.0: no level's upper bound at {conf} is within it; only exact zeros are skipped"
+        else:
+            text += f" -> sparsity {d.get('sparsity')}"
+        c = d.get("check")
+        if c:
+            iv = c.get("interval")
+            text += (f"; check half ({c['windows']} windows, {c['tokens']} tokens never used to choose): "
+                     f"{c['increase_pct']:+.2f} %" + (f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" if iv else "")
+                     + (" -> holds" if c.get("holds") else " -> does NOT hold"))
+        return text
+    text = f"sparsity {d.get('sparsity')} (fixed)"
+    if q:
+        iv = q.get("interval")
+        text += (f"; held-out perplexity {q['increase_pct']:+.2f} %"
+                 + (f" [{iv[0]:+.2f}, {iv[1]:+.2f}] at {conf}" if iv and conf else
+                    " (no interval: fewer than two held-out files)" if conf else "")
+                 + f" on {q.get('heldout_windows')} windows")
+    return text
 
 
 # ----------------------------------------------------------------------------------------------- allocation
@@ -463,9 +691,12 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
 
     Scope and invariants: the module docstring. ``sparsity`` in [0, 1): the share of each site's entries dropped
     on calibration text (0: threshold 0, only exact zeros dropped; the graph then equals the dense one within
-    float round-off). ``budget`` (percent, > 0): search the largest sparsity on the 0.05 grid whose held-out
-    perplexity increase is within it (``sparsity`` is then ignored). ``calib`` / ``heldout``: token windows
-    (:func:`corpus_windows`); ``heldout`` may be empty when no budget is asked (then no quality is recorded).
+    float round-off). ``budget`` (percent, > 0): the largest sparsity on the 0.05 grid whose held-out perplexity
+    increase is within it at ``confidence`` (in [0.5, 1); the module docstring: search half, fixed-sequence walk,
+    check half; ``sparsity`` is then ignored). ``calib`` / ``heldout``: token windows (:func:`corpus_windows`);
+    ``heldout`` may be empty when no budget is asked (then no quality is recorded); a budget needs held-out windows
+    from at least 4 files. ``heldout_files``: each held-out window's file (:func:`corpus_windows` ``files=``), so
+    that the halves and the bounds go by file; without it each window counts as its own file.
     ``sites``: ``"mlp"`` (the gated MLPs' three projections) or ``"all"`` (TEAL: every constant-weight projection
     but the LM head, attention's q/k/v and o included; :func:`linear_sites`), one threshold per input value.
     ``allocation``: ``"uniform"`` (every site at the ``sparsity`` quantile) or ``"greedy"`` (each gated MLP skips
@@ -474,31 +705,54 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
     """
 
     def __init__(self, calib: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]] = (), *,
-                 sparsity: float = 0.5, budget: float | None = None, sites: str = "mlp",
-                 allocation: str = "uniform") -> None:
+                 sparsity: float = 0.5, budget: float | None = None, confidence: float = DEFAULT_CONFIDENCE,
+                 sites: str = "mlp", allocation: str = "uniform", heldout_files: Sequence[int] | None = None) -> None:
         super().__init__()
         self.calib = [list(w) for w in calib]
         self.heldout = [list(w) for w in heldout]
+        self.heldout_files = None if heldout_files is None else [int(f) for f in heldout_files]
         self.sparsity = float(sparsity)
         self.budget = None if budget is None else float(budget)
+        self.confidence = float(confidence)
         self.sites = sites
         self.allocation = allocation
 
     def __repr__(self) -> str:
-        what = f"budget={self.budget}%" if self.budget is not None else f"sparsity={self.sparsity}"
+        what = (f"budget={self.budget}% at confidence {self.confidence}" if self.budget is not None
+                else f"sparsity={self.sparsity}")
         return (f"SparsifyActivationsPass({what}, sites={self.sites}, allocation={self.allocation}, "
                 f"calib={len(self.calib)} windows, heldout={len(self.heldout)})")
 
+    def _groups(self) -> list[int]:
+        """Each held-out window's file (its own index when the files are not known)."""
+        return self.heldout_files if self.heldout_files is not None else list(range(len(self.heldout)))
+
     def requires(self, model: ir.Model) -> None:
-        """Refuse a sparsity outside [0, 1), a non-positive budget, or no text, before anything changes."""
+        """Refuse bad options or too little text before anything changes.
+
+        A sparsity outside [0, 1), a non-positive budget, a confidence outside [0.5, 1), no calibration text, or a
+        budget without held-out windows from 4 files.
+        """
         if not 0.0 <= self.sparsity < 1.0:
             raise ir.passes.PreconditionError(f"sparsify-activations sparsity must be in [0, 1), got {self.sparsity}")
         if self.budget is not None and not self.budget > 0:
             raise ir.passes.PreconditionError(f"sparsify-activations budget must be > 0 (percent), got {self.budget}")
+        if not 0.5 <= self.confidence < 1.0:
+            raise ir.passes.PreconditionError(f"sparsify-activations confidence must be in [0.5, 1), got "
+                                              f"{self.confidence}")
         if not self.calib or any(len(w) < 2 for w in self.calib):
             raise ir.passes.PreconditionError("sparsify-activations needs calibration windows of >= 2 tokens")
-        if self.budget is not None and not self.heldout:
-            raise ir.passes.PreconditionError("sparsify-activations budget= needs held-out windows")
+        if self.heldout_files is not None and len(self.heldout_files) != len(self.heldout):
+            raise ir.passes.PreconditionError(f"sparsify-activations got {len(self.heldout_files)} held-out files for "
+                                              f"{len(self.heldout)} held-out windows")
+        if self.budget is not None:
+            search, check = split_halves(self._groups())
+            units = [len({self._groups()[i] for i in half}) for half in (search, check)]
+            if min(units) < 2:
+                raise ir.passes.PreconditionError(
+                    "sparsify-activations budget= needs held-out windows from at least 4 files (2 to search the "
+                    f"level on, 2 to check it on), got {len(self.heldout)} windows from {sum(units)}; raise "
+                    "heldout_tokens")
         if self.sites not in SITES:
             raise ir.passes.PreconditionError(f"sparsify-activations sites must be one of {SITES}, got {self.sites!r}")
         if self.allocation not in ALLOCATIONS:
@@ -522,7 +776,8 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
         names = [site.value.name for site in sites]
         samples = self._calibrate(model, spec, names)
         paths = self._greedy_paths(model, spec, layers, samples) if self.allocation == "greedy" else None
-        dense_ppl = _ppl(model, spec, self.heldout)[0] if self.heldout else None
+        groups = self._groups()
+        dense_nll = _heldout(model, spec, self.heldout)[0] if self.heldout else None
         nodes = self._rewrite(model, sites)
         levels: dict[str, float] = {}
 
@@ -538,41 +793,75 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
                     node.attributes["threshold"] = ir.AttrFloat32("threshold", t)
             return ts
 
-        searched = []
+        def increase(part: list[int], nll: np.ndarray, n: np.ndarray) -> Increase:
+            return perplexity_increase(nll, dense_nll[part], n, self.confidence, [groups[i] for i in part])
+
+        budget_rec: dict = {}
+        quality_part = list(range(len(self.heldout)))
         if self.budget is not None:
-            lo, hi, best = 0, len(_GRID) - 1, 0.0
-            while lo <= hi:  # perplexity grows with sparsity: bisect the grid
-                mid = (lo + hi) // 2
-                s = _GRID[mid]
+            search, check = split_halves(groups)
+            search_windows = [self.heldout[i] for i in search]
+
+            def evaluate(s: float) -> Increase:
                 apply(s)
-                p = _ppl(model, spec, self.heldout)[0]
-                inc = 100.0 * (p / dense_ppl - 1.0)
-                searched.append({"sparsity": s, "perplexity": round(p, 4), "increase_pct": round(inc, 3)})
-                logger.info("sparsify-activations: sparsity %.2f -> held-out perplexity %.3f (+%.2f %%)", s, p, inc)
-                if inc <= self.budget:
-                    best, lo = s, mid + 1
-                else:
-                    hi = mid - 1
-            sparsity = best
+                inc = increase(search, *_heldout(model, spec, search_windows)[:2])
+                logger.info("sparsify-activations: sparsity %.2f -> search-half perplexity %.3f (%+.2f %%, upper bound "
+                            "%+.2f %% at %g %%)", s, inc.perplexity, inc.pct, inc.upper, 100 * self.confidence)
+                return inc
+
+            sparsity, searched = fixed_sequence_walk(_GRID, evaluate, self.budget)
+            none_within = not searched[0]["accepted"]
+            if none_within:
+                logger.warning(
+                    "sparsify-activations: no sparsity level's upper bound at %g %% is within budget %g %% (the "
+                    "smallest, %.2f, is bounded at %+.2f %% on %d search windows); the graph skips only exact zeros "
+                    "(sparsity 0.0). A larger budget, more held-out text (heldout_tokens) or a lower confidence "
+                    "would let a level pass", 100 * self.confidence, self.budget, _GRID[0],
+                    searched[0]["upper_pct"] if searched[0]["upper_pct"] is not None else math.inf, len(search))
+            budget_rec = {"budget_pct": self.budget,
+                          "bound": "one-sided Student t over held-out "
+                                   f"{'files' if self.heldout_files is not None else 'windows'} of the per-token NLL "
+                                   "log-ratio, paired by window",
+                          "search": {"windows": len(search), "tokens": sum(len(self.heldout[i]) for i in search),
+                                     "files": len({groups[i] for i in search})},
+                          "searched": searched, "none_within_budget": none_within}
+            quality_part = check
         else:
             sparsity = self.sparsity
         ts = apply(sparsity)
         by_kind = {kind: [j for j, site in enumerate(sites) if site.kind == kind] for kind in ("gate_up", "down",
                                                                                                   "attention")}
-        quality, achieved = None, None
+        quality, achieved, inc = None, None, None
         if self.heldout:
-            p, below = _ppl(model, spec, self.heldout, names, ts)
-            quality = {"heldout_windows": len(self.heldout), "heldout_tokens": sum(len(w) for w in self.heldout),
-                       "perplexity_dense": round(dense_ppl, 4), "perplexity": round(p, 4),
-                       "increase_pct": round(100.0 * (p / dense_ppl - 1.0), 3)}
+            nll, n, below = _heldout(model, spec, [self.heldout[i] for i in quality_part], names, ts)
+            inc = increase(quality_part, nll, n)
+            tokens = sum(len(self.heldout[i]) for i in quality_part)
+            quality = {"part": "check" if self.budget is not None else "all",
+                       "heldout_windows": inc.windows, "heldout_tokens": tokens,
+                       "perplexity_dense": round(inc.perplexity_dense, 4), "perplexity": round(inc.perplexity, 4),
+                       "increase_pct": round(inc.pct, 3), "interval": inc.interval()}
             achieved = {kind: round(float(np.mean([b for b, site in zip(below, sites, strict=True)
                                                      if site.kind == kind])), 4)
                         for kind in ("gate_up", "down", "attention") if any(site.kind == kind for site in sites)}
+            if self.budget is not None:
+                holds = inc.pct <= self.budget
+                budget_rec["check"] = {"windows": inc.windows, "tokens": tokens,
+                                       "files": len({groups[i] for i in quality_part}),
+                                       "increase_pct": round(inc.pct, 3), "interval": inc.interval(),
+                                       "holds": bool(holds)}
+                if not holds:
+                    logger.warning(
+                        "sparsify-activations: the budget did not hold on the check half: sparsity %.2f, chosen on "
+                        "the search half within %g %% at %g %% confidence, raises the perplexity of %d held-out windows "
+                        "it never saw by %+.2f %% [%+.2f, %+.2f]; the promise failed on unseen text (a lower budget or "
+                        "more held-out text buys margin)", sparsity, self.budget, 100 * self.confidence, inc.windows,
+                        inc.pct, inc.lo, inc.hi)
         record = {
             "op": f"{kernels.DOMAIN}.{kernels.OP_TYPE}",
             "sparsity": sparsity,
             "mode": "budget" if self.budget is not None else "sparsity",
-            **({"budget_pct": self.budget, "searched": searched} if self.budget is not None else {}),
+            **({"confidence": self.confidence} if self.heldout else {}),
+            **budget_rec,
             "sites": self.sites,
             "allocation": self.allocation,
             "layers": [{"layer": i, "gate_up": {"threshold": ts[g], "rows": _rows(nodes[g][0]), "level": levels[names[g]]},
@@ -591,7 +880,8 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
         logger.info("sparsify-activations: %d MLPs%s, sparsity %.2f (%s)%s", len(layers),
                     f" and {len(by_kind['attention'])} attention inputs" if by_kind["attention"] else "", sparsity,
                     self.allocation,
-                    f", held-out perplexity +{quality['increase_pct']:.2f} %" if quality else "")
+                    f", {'check-half' if self.budget is not None else 'held-out'} perplexity "
+                    f"{inc.pct:+.2f} % [{inc.lo:+.2f}, {inc.hi:+.2f}] at {100 * self.confidence:g} %" if inc else "")
         return ir.passes.PassResult(model, modified=True)
 
     def _greedy_paths(self, model: ir.Model, spec, layers: list[MlpLayer],
@@ -645,21 +935,27 @@ def _rows(node: ir.Node) -> int:
     "sparsify-activations",
     help="contextual sparsity (TEAL): each gated MLP projection skips the weight rows whose input activation is "
     "below a per-layer threshold (dyncompile.SparseRowsMatMul, a custom ORT op compiled at first use); options "
-    "sparsity=0.5 (share dropped on calibration text) or budget=P (largest sparsity within P %% held-out perplexity "
-    "increase), sites=mlp|all (all: attention's projections too, TEAL), allocation=uniform|greedy (greedy: each MLP "
-    "splits its share between its two inputs by TEAL's block-wise greedy search), calib_tokens=4096, "
-    "heldout_tokens=4096, window=256",
+    "sparsity=0.5 (share dropped on calibration text) or budget=P (largest sparsity whose held-out perplexity "
+    "increase is within P %% at the confidence: the 0.05 grid walked upward on half the held-out files, a level kept "
+    "while its one-sided t upper bound is within P, the first failure ends the walk; the other half, never used to "
+    "choose, reports the increase with its interval and whether the budget held there), confidence=0.9 (of the "
+    "bound and the intervals, in [0.5, 1)), sites=mlp|all (all: attention's projections too, TEAL), "
+    "allocation=uniform|greedy (greedy: each MLP splits its share between its two inputs by TEAL's block-wise greedy "
+    "search), calib_tokens=4096, heldout_tokens=4096, window=256",
     before=("explicit-attention", "fuse-decoder", "pack-matmuls", "trim-logits", "matmul-to-conv", "speculative",
             "split-drafter", "eagle-drafter", "quantize-int8", "quantize-int4"),
 )
-def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, calib_tokens: int = 4096,
-                   heldout_tokens: int = 4096, window: int = 256, sites: str = "mlp", allocation: str = "uniform"):
+def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, confidence: float = DEFAULT_CONFIDENCE,
+                   calib_tokens: int = 4096, heldout_tokens: int = 4096, window: int = 256, sites: str = "mlp",
+                   allocation: str = "uniform"):
     from dyncompile.errors import PassConfigError
 
     if not 0.0 <= sparsity < 1.0:
         raise PassConfigError(f"sparsify-activations sparsity must be in [0, 1), got {sparsity}")
     if budget is not None and not budget > 0:
         raise PassConfigError(f"sparsify-activations budget must be > 0 (percent perplexity increase), got {budget}")
+    if not 0.5 <= confidence < 1.0:
+        raise PassConfigError(f"sparsify-activations confidence must be in [0.5, 1) (e.g. 0.9), got {confidence}")
     if window < 8 or calib_tokens < window or heldout_tokens < window:
         raise PassConfigError(f"sparsify-activations needs window >= 8 and calib_tokens, heldout_tokens >= window "
                               f"(got window={window}, calib_tokens={calib_tokens}, heldout_tokens={heldout_tokens})")
@@ -670,5 +966,7 @@ def _make_sparsify(context, sparsity: float = 0.5, budget: float | None = None, 
                               f"{allocation!r}")
     tok = context.require_tokenizer("sparsity calibration on standard-library text")
     calib = corpus_windows(tok, tokens=calib_tokens, window=window, part="calib")
-    held = corpus_windows(tok, tokens=heldout_tokens, window=window, part="heldout")
-    return SparsifyActivationsPass(calib, held, sparsity=sparsity, budget=budget, sites=sites, allocation=allocation)
+    files: list[int] = []
+    held = corpus_windows(tok, tokens=heldout_tokens, window=window, part="heldout", files=files)
+    return SparsifyActivationsPass(calib, held, sparsity=sparsity, budget=budget, confidence=confidence, sites=sites,
+                                   allocation=allocation, heldout_files=files)

@@ -26,6 +26,9 @@ __all__ = [
     "GenerateParams",
     "GenerationConfig",
     "KVEntry",
+    "SparsityCheck",
+    "SparsityPolicy",
+    "SparsityQuality",
     "SpeculativeParams",
     "SpeculativePolicy",
     "TreePolicy",
@@ -347,11 +350,89 @@ class CustomOpsPolicy:
     source_sha256: str
 
 
+def _check_interval(iv: list[float] | None, where: str) -> None:
+    if iv is not None and (len(iv) != 2 or iv[0] > iv[1]):
+        raise PlanError(f"{where}.interval must be [lo, hi] with lo <= hi, got {iv}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityQuality:
+    """``policy.sparsity.quality``: held-out perplexity of the sparse model against the dense one.
+
+    ``part``: ``all`` (every held-out window: a fixed ``sparsity``) or ``check`` (the check half of a budget search,
+    never used to choose the level). ``interval``: the two-sided interval of ``increase_pct`` at the policy's
+    ``confidence`` (null with fewer than two files; absent in plans compiled before intervals were recorded).
+    """
+
+    heldout_windows: int = _field(lo=0)
+    heldout_tokens: int = _field(lo=0)
+    perplexity_dense: float = _field(lo=0.0)
+    perplexity: float = _field(lo=0.0)
+    increase_pct: float = _field()
+    interval: list[float] | None = None
+    part: Literal["all", "check"] = "all"
+
+    def _check(self, where: str) -> None:
+        _check_interval(self.interval, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityCheck:
+    """``policy.sparsity.check``: a budget's check on the held-out half the search never saw.
+
+    ``increase_pct`` with its two-sided ``interval`` at the policy's ``confidence``; ``holds``: the increase is
+    within the budget there.
+    """
+
+    windows: int = _field(lo=1)
+    tokens: int = _field(lo=1)
+    increase_pct: float = _field()
+    interval: list[float] | None
+    holds: bool
+    files: int | None = _field(None, lo=1)
+
+    def _check(self, where: str) -> None:
+        _check_interval(self.interval, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityPolicy:
+    """``policy.sparsity`` / ``policy.drafter_sparsity``: what ``sparsify-activations`` chose and measured.
+
+    For a sparse target (``sparsity``) or a sparse model drafter (``drafter_sparsity``); informational (the
+    thresholds are in the graph).
+    ``mode``: ``sparsity`` (a fixed share) or ``budget`` (the largest share within ``budget_pct`` percent held-out
+    perplexity increase at ``confidence``, checked on held-out text the search never saw: ``check``).
+    """
+
+    op: str
+    sparsity: float = _field(lo=0.0, hi=1.0)
+    sites: Literal["mlp", "all"] = "mlp"
+    allocation: Literal["uniform", "greedy"] = "uniform"
+    mode: Literal["sparsity", "budget"] = "sparsity"
+    budget_pct: float | None = _field(None, lo=0.0)
+    confidence: float | None = _field(None, lo=0.5, hi=1.0)
+    achieved_sparsity_heldout: dict[str, float] | None = _field(None, lo=0.0, hi=1.0)
+    quality: SparsityQuality | None = None
+    check: SparsityCheck | None = None
+
+    def _check(self, where: str) -> None:
+        if self.sparsity >= 1.0:
+            raise PlanError(f"{where}.sparsity must be < 1, got {self.sparsity}")
+        if self.confidence is not None and self.confidence >= 1.0:
+            raise PlanError(f"{where}.confidence must be < 1, got {self.confidence}")
+        if self.mode == "budget" and (self.budget_pct is None or self.budget_pct <= 0):
+            raise PlanError(f"{where}: mode 'budget' needs a positive budget_pct, got {self.budget_pct}")
+        if self.check is not None and self.mode != "budget":
+            raise PlanError(f"{where}.check is the check of a budget search, but mode is {self.mode!r}")
+
+
 STEPS: dict[str, Any] = {
     "generate": _generate_from_json(GenerateParams),
     "speculative_generate": _generate_from_json(SpeculativeParams),
 }
 """This module's step kinds -> ``build(params_json, where)`` (merged into :data:`dyncompile.plan.STEP_SCHEMAS`)."""
 
-POLICIES: dict[str, type] = {"speculative": SpeculativePolicy, "custom_ops": CustomOpsPolicy}
+POLICIES: dict[str, type] = {"speculative": SpeculativePolicy, "custom_ops": CustomOpsPolicy,
+                             "sparsity": SparsityPolicy, "drafter_sparsity": SparsityPolicy}
 """This module's policy names -> schema (merged into :data:`dyncompile.plan.POLICY_SCHEMAS`)."""

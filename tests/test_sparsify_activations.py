@@ -170,9 +170,14 @@ def test_pass_structure_outputs_and_record(kernel_lib, sparsity):
     diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
     rec = json.loads(m.metadata_props[SPARSITY])
     ts = [layer[s]["threshold"] for layer in rec["layers"] for s in ("gate_up", "down")]
+    # without a budget: quality on every held-out window, with its interval at the default confidence
+    assert rec["mode"] == "sparsity" and rec["confidence"] == 0.9 and "check" not in rec
+    q = rec["quality"]
+    assert q["part"] == "all" and q["heldout_windows"] == 3 and q["heldout_tokens"] == 72
+    assert q["interval"][0] <= q["increase_pct"] <= q["interval"][1]
     if sparsity == 0.0:
         assert diff < 1e-5 and ts == [0.0] * 4
-        assert rec["quality"]["increase_pct"] == 0.0
+        assert rec["quality"]["increase_pct"] == 0.0 and q["interval"] == [0.0, 0.0]
     else:
         assert diff > 1e-3 and all(t > 0 for t in ts)
         # the thresholds are the calibration quantiles: about half of each site's entries are dropped on other text
@@ -208,14 +213,191 @@ def test_sites_all_also_thresholds_attention_projections_but_not_the_lm_head(ker
     assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity, sites="all")(m).modified
 
 
-def test_budget_picks_the_largest_sparsity_within_it(kernel_lib):
+# ----------------------------------------------------------------------------------------------- budget
+
+
+def test_t_quantile_matches_the_tables():
+    from dyncompile.passes.sparsify_activations import t_quantile
+
+    # Student t tables (one-sided p, df): 0.90/3, 0.95/7, 0.975/10, 0.90/1, 0.995/1, and the normal limit
+    for p, df, want in ((0.9, 3, 1.637744), (0.95, 7, 1.894579), (0.975, 10, 2.228139), (0.9, 1, 3.077684),
+                        (0.995, 1, 63.656741), (0.9, 10**7, 1.281552)):
+        assert abs(t_quantile(p, df) - want) < 5e-6, (p, df)
+    assert t_quantile(0.5, 4) == 0.0
+    with pytest.raises(ValueError):
+        t_quantile(0.4, 3)
+
+
+def test_the_bound_has_its_known_answer():
+    """Four windows of 100 predictions whose sparse NLL exceeds the dense one by 1, 2, 3 and 4 nats."""
+    from dyncompile.passes.sparsify_activations import perplexity_increase
+
+    dense = [100.0, 120.0, 90.0, 110.0]
+    sparse = [d + k for d, k in zip(dense, (1.0, 2.0, 3.0, 4.0), strict=True)]
+    inc = perplexity_increase(sparse, dense, [100] * 4, 0.9)
+    # per-window log-ratios 0.01..0.04: mean 0.025, standard error sd / 2 = 0.0129099 / 2; t(0.90, 3), t(0.95, 3)
+    se = float(np.std([0.01, 0.02, 0.03, 0.04], ddof=1)) / 2
+    assert inc.units == 4 and inc.windows == 4 and inc.predictions == 400
+    assert inc.pct == pytest.approx(100 * np.expm1(0.025), rel=1e-12)
+    assert inc.upper == pytest.approx(100 * np.expm1(0.025 + 1.6377443537 * se), rel=1e-8)
+    assert inc.lo == pytest.approx(100 * np.expm1(0.025 - 2.3533634348 * se), rel=1e-8)
+    assert inc.hi == pytest.approx(100 * np.expm1(0.025 + 2.3533634348 * se), rel=1e-8)
+    assert inc.perplexity_dense == pytest.approx(np.exp(420 / 400)) and inc.interval() == [
+        round(inc.lo, 3), round(inc.hi, 3)]
+    # windows of one file count as one unit: the bound is the one of the files' sums
+    by_file = perplexity_increase(sparse, dense, [100] * 4, 0.9, groups=[7, 7, 3, 3])
+    sums = perplexity_increase([sparse[0] + sparse[1], sparse[2] + sparse[3]], [220.0, 200.0], [200, 200], 0.9)
+    assert by_file.units == 2 and (by_file.pct, by_file.upper, by_file.lo, by_file.hi) == (
+        sums.pct, sums.upper, sums.lo, sums.hi)
+    assert by_file.upper > inc.upper  # fewer units, wider bound
+    # a higher confidence bounds higher; one unit bounds nothing
+    assert perplexity_increase(sparse, dense, [100] * 4, 0.99).upper > inc.upper
+    one = perplexity_increase(sparse[:1], dense[:1], [100], 0.9)
+    assert one.upper == np.inf and one.interval() is None
+
+
+def _inc(pct_per_window, confidence=0.9):
+    """An Increase from per-window increases (percent of the dense NLL) of four 100-token windows."""
+    from dyncompile.passes.sparsify_activations import perplexity_increase
+
+    d = np.log1p(np.asarray(pct_per_window) / 100.0) * 100.0  # nats over 100 predictions a window
+    return perplexity_increase(200.0 + d, [200.0] * len(d), [100] * len(d), confidence)
+
+
+def test_a_level_within_budget_on_its_point_estimate_but_not_on_its_bound_is_refused():
+    from dyncompile.passes.sparsify_activations import fixed_sequence_walk
+
+    tight, noisy = _inc([0.2, 0.3, 0.2, 0.3]), _inc([-2.0, 3.0, -1.5, 2.6])
+    assert noisy.pct < 1.0 < noisy.upper  # within a 1 % budget on its face, not at 90 %
+    chosen, rows = fixed_sequence_walk([0.05, 0.10], {0.05: tight, 0.10: noisy}.__getitem__, 1.0)
+    assert chosen == 0.05 and [r["accepted"] for r in rows] == [True, False]
+    assert rows[1]["increase_pct"] <= 1.0 < rows[1]["upper_pct"]
+    # positive control: the same point estimate with little spread passes
+    calm = _inc([0.5, 0.6, 0.5, 0.6])
+    assert abs(calm.pct - noisy.pct) < 0.3 and fixed_sequence_walk([0.05, 0.10], {0.05: tight, 0.10: calm}.__getitem__,
+                                                                    1.0)[0] == 0.10
+
+
+def test_the_fixed_sequence_walk_stops_at_the_first_failure():
+    from dyncompile.passes.sparsify_activations import fixed_sequence_walk
+
+    ok, bad = _inc([0.2, 0.3, 0.2, 0.3]), _inc([3.0, 3.5, 3.0, 3.5])
+    plan = {0.05: ok, 0.10: ok, 0.15: bad, 0.20: ok, 0.25: ok}  # 0.20 and 0.25 would pass if tested
+    asked = []
+
+    def evaluate(s):
+        asked.append(s)
+        return plan[s]
+
+    chosen, rows = fixed_sequence_walk(list(plan), evaluate, 1.0)
+    assert asked == [0.05, 0.10, 0.15] and chosen == 0.10
+    assert [r["sparsity"] for r in rows] == asked and rows[-1]["upper_pct"] > 1.0 and not rows[-1]["accepted"]
+    # every level passing walks the whole grid; the first failing chooses nothing
+    chosen, all_ok = fixed_sequence_walk([0.05, 0.10], lambda s: ok, 1.0)
+    assert chosen == 0.10 and all_ok == rows[:2]
+    chosen, rows = fixed_sequence_walk([0.05, 0.10], lambda s: bad, 1.0)
+    assert chosen == 0.0 and len(rows) == 1
+
+
+def test_the_halves_split_by_file_deterministically():
+    from dyncompile.passes.sparsify_activations import split_halves
+
+    files = [5, 5, 9, 9, 2, 7, 7, 4]  # files in order of appearance: 5, 9, 2, 7, 4
+    search, check = split_halves(files)
+    assert search == [0, 1, 4, 7] and check == [2, 3, 5, 6]
+    assert not {files[i] for i in search} & {files[i] for i in check}
+    assert split_halves(files) == (search, check) and split_halves(list(range(5))) == ([0, 2, 4], [1, 3])
+
+
+def _heldout_spy(monkeypatch):
+    """Record the windows each held-out run reads, and whether the graph was sparse then."""
+    import dyncompile.passes.sparsify_activations as sa
+
+    calls = []
+    real = sa._heldout
+
+    def spy(model, spec, windows, *a, **k):
+        sparse = any(n.domain == "dyncompile" and n.attributes["threshold"].value > 0 for n in model.graph)
+        calls.append(([tuple(w) for w in windows], sparse))
+        return real(model, spec, windows, *a, **k)
+
+    monkeypatch.setattr(sa, "_heldout", spy)
+    return calls
+
+
+def test_budget_searches_on_one_half_and_checks_on_the_other(kernel_lib, monkeypatch):
+    calls = _heldout_spy(monkeypatch)
     m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
-    SparsifyActivationsPass(_windows(4, 24, 0), _windows(3, 24, 1), budget=1.0)(m)
+    held = _windows(8, 24, 1)
+    files = [0, 0, 1, 2, 2, 3, 4, 5]  # search: files 0, 2, 4 (windows 0, 1, 3, 4, 6); check: 1, 3, 5 (2, 5, 7)
+    assert SparsifyActivationsPass(_windows(4, 24, 0), held, budget=1.0, heldout_files=files)(m).modified
     rec = json.loads(m.metadata_props[SPARSITY])
-    ok = [s["sparsity"] for s in rec["searched"] if s["increase_pct"] <= 1.0]
-    bad = [s["sparsity"] for s in rec["searched"] if s["increase_pct"] > 1.0]
-    assert rec["sparsity"] == max(ok, default=0.0) and all(b > rec["sparsity"] for b in bad)
-    assert rec["quality"]["increase_pct"] <= 1.0
+    search_w = {tuple(held[i]) for i in (0, 1, 3, 4, 6)}
+    check_w = {tuple(held[i]) for i in (2, 5, 7)}
+    assert set(calls[0][0]) == search_w | check_w and not calls[0][1]  # the dense run reads all
+    walk, last = calls[1:-1], calls[-1]
+    assert len(walk) == len(rec["searched"]) >= 2 and all(set(w) == search_w for w, _ in walk)
+    assert set(last[0]) == check_w  # the check reads only windows the search never did
+    # the walk: levels in grid order, every one accepted but the last, whose bound is over the budget
+    searched = rec["searched"]
+    assert [s["sparsity"] for s in searched] == [round(0.05 * k, 2) for k in range(1, len(searched) + 1)]
+    assert all(s["accepted"] and s["upper_pct"] <= 1.0 for s in searched[:-1])
+    assert not searched[-1]["accepted"] and searched[-1]["upper_pct"] > 1.0
+    assert all(s["upper_pct"] >= s["increase_pct"] for s in searched)
+    assert rec["sparsity"] == searched[-2]["sparsity"] and not rec["none_within_budget"]
+    assert rec["mode"] == "budget" and rec["budget_pct"] == 1.0 and rec["confidence"] == 0.9
+    assert rec["search"] == {"windows": 5, "tokens": 120, "files": 3} and "files" in rec["bound"]
+    c, q = rec["check"], rec["quality"]
+    assert set(c) == {"windows", "tokens", "files", "increase_pct", "interval", "holds"}
+    assert (c["windows"], c["tokens"], c["files"]) == (3, 72, 3)
+    assert c["holds"] == (c["increase_pct"] <= 1.0) and c["interval"][0] <= c["increase_pct"] <= c["interval"][1]
+    # the quality reported is the check half's
+    assert q["part"] == "check" and q["heldout_windows"] == 3 and q["increase_pct"] == c["increase_pct"]
+    assert q["interval"] == c["interval"]
+    assert not SparsifyActivationsPass(_windows(4, 24, 0), held, budget=1.0, heldout_files=files)(m).modified
+
+
+def test_no_level_within_budget_keeps_exact_zeros_and_says_why(kernel_lib, caplog):
+    m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    with caplog.at_level(logging.WARNING, logger="dyncompile.passes.sparsify_activations"):
+        SparsifyActivationsPass(_windows(4, 24, 0), _windows(6, 24, 1), budget=1e-6)(m)
+    rec = json.loads(m.metadata_props[SPARSITY])
+    assert rec["sparsity"] == 0.0 and rec["none_within_budget"] and len(rec["searched"]) == 1
+    assert rec["searched"][0]["upper_pct"] > 1e-6 and not rec["searched"][0]["accepted"]
+    assert all(layer[s]["threshold"] == 0.0 for layer in rec["layers"] for s in ("gate_up", "down"))
+    assert "no sparsity level's upper bound at 90 % is within budget 1e-06 %" in caplog.text
+    assert "skips only exact zeros" in caplog.text
+    assert rec["check"]["increase_pct"] == 0.0 and rec["check"]["holds"]
+
+
+def test_a_budget_that_fails_on_the_check_half_is_kept_with_a_warning(kernel_lib, caplog, monkeypatch):
+    """Force the walk to choose 0.9 (as a lucky search half might): the check half, never searched, says so."""
+    import dyncompile.passes.sparsify_activations as sa
+
+    monkeypatch.setattr(sa, "fixed_sequence_walk", lambda levels, evaluate, budget: (
+        0.9, [{"sparsity": 0.9, "perplexity": 1.0, "increase_pct": 0.0, "upper_pct": 0.0, "accepted": True}]))
+    m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    with caplog.at_level(logging.WARNING, logger="dyncompile.passes.sparsify_activations"):
+        assert SparsifyActivationsPass(_windows(4, 24, 0), _windows(6, 24, 1), budget=0.5)(m).modified
+    rec = json.loads(m.metadata_props[SPARSITY])
+    assert rec["sparsity"] == 0.9 and rec["check"]["increase_pct"] > 0.5 and not rec["check"]["holds"]
+    assert "the budget did not hold on the check half" in caplog.text and "unseen text" in caplog.text
+
+
+def test_confidence_is_validated_by_the_pass_and_the_factory():
+    from dyncompile.errors import PassConfigError
+    from dyncompile.passes.sparsify_activations import _make_sparsify
+
+    m = tiny_decoder(num_layers=1, hidden=64, vocab=VOCAB, mlp="swiglu")
+    for c in (0.4, 1.0, 1.5):
+        with pytest.raises(ir.passes.PreconditionError, match="confidence must be in"):
+            SparsifyActivationsPass(_windows(2, 8, 0), _windows(6, 8, 1), budget=1.0, confidence=c)(m)
+        with pytest.raises(PassConfigError, match="confidence must be in"):
+            _make_sparsify(None, budget=1.0, confidence=c)
+    # a budget needs two files to search on and two to check on
+    with pytest.raises(ir.passes.PreconditionError, match="at least 4 files"):
+        SparsifyActivationsPass(_windows(2, 8, 0), _windows(6, 8, 1), budget=1.0, heldout_files=[0, 0, 1, 1, 2, 2])(m)
+    assert not uses_sparse_rows(m)
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.4])
@@ -323,7 +505,88 @@ def plans(module_tmp, kernel_lib):
                              opt_level=0).plan_dir,
         "all_pl": compile_model(target, opts.replace("}", ",sites=all}") + ",speculative{measure=false}",
                                 root / "all_pl", drafter="prompt-lookup", progress=False, opt_level=0).plan_dir,
+        "budget": compile_model(target, "sparsify-activations{budget=3,confidence=0.8,calib_tokens=64,"
+                                "heldout_tokens=256,window=32}", root / "budget", progress=False,
+                                opt_level=0).plan_dir,
     }
+
+
+def test_a_budget_plan_carries_the_confidence_and_the_check(plans):
+    from dyncompile.tools.inspect_report import inspect_path
+
+    pol = json.loads((plans["budget"] / "plan.json").read_text())["policy"]["sparsity"]
+    rec = json.loads(ir.load(plans["budget"] / "model.onnx").metadata_props[SPARSITY])
+    assert pol["mode"] == "budget" and pol["budget_pct"] == 3.0 and pol["confidence"] == 0.8
+    assert set(pol["check"]) == {"windows", "tokens", "files", "increase_pct", "interval", "holds"}
+    assert pol["check"] == rec["check"] and pol["quality"]["part"] == "check"
+    assert pol["check"]["files"] >= 2 and rec["search"]["files"] >= 2 and "files" in rec["bound"]
+    # the corpus windows came with their files: 8 windows of 32 tokens, at most two a file, halves by file (the
+    # test's word tokenizer reads standard-library text as unknown words, so the statistics here are degenerate:
+    # the bounds and halves are tested on varied windows above; this is the compiler's and inspect's plumbing)
+    assert rec["search"]["windows"] + pol["check"]["windows"] == 8
+    assert "searched" not in pol  # the walk stays in the model's record
+    text = inspect_path(plans["budget"])
+    line = next(x for x in text.splitlines() if x.startswith("  sparsity budget:"))
+    assert "+3.0 % held-out perplexity at 80 % confidence" in line
+    assert f"check half ({pol['check']['windows']} windows" in line
+    assert ("-> holds" if pol["check"]["holds"] else "-> does NOT hold") in line
+    fixed = next(x for x in inspect_path(plans["sparse"]).splitlines() if x.startswith("  sparsity quality:"))
+    # its 2 held-out windows are one file's: no interval, and the line says so
+    assert "sparsity 0.5 (fixed); held-out perplexity" in fixed and "no interval: fewer than two held-out files" in fixed
+
+
+_CHECK = {"windows": 4, "tokens": 128, "files": 3, "increase_pct": 0.4, "interval": [-0.1, 0.9], "holds": True}
+
+
+@pytest.mark.parametrize(("what", "change", "match"), [
+    ("interval reversed", {"interval": [0.9, -0.1]}, "lo <= hi"),
+    ("interval of three", {"interval": [0.1, 0.2, 0.3]}, "lo <= hi"),
+    ("holds not a bool", {"holds": "yes"}, "holds must be true or false"),
+    ("holds missing", {"holds": None}, "missing required field 'holds'"),
+    ("unknown field", {"upper": 1.0}, "unknown field 'upper'"),
+    ("no windows", {"windows": 0}, "windows must be >= 1"),
+    ("NaN increase", {"increase_pct": float("nan")}, "finite"),
+])
+def test_the_plan_schema_refuses_a_malformed_check(plans, tmp_path, what, change, match):
+    import shutil
+
+    from dyncompile.errors import PlanError
+    from dyncompile.plan import load_plan
+
+    copy = tmp_path / "p"
+    shutil.copytree(plans["budget"], copy)
+    doc = json.loads((copy / "plan.json").read_text())
+    check = {**doc["policy"]["sparsity"]["check"], **change}
+    check = {k: v for k, v in check.items() if v is not None}
+    doc["policy"]["sparsity"]["check"] = check
+    (copy / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=match) as e:
+        load_plan(copy)
+    assert "policy.sparsity.check" in str(e.value), what
+
+
+def test_the_sparsity_policy_schema():
+    from dyncompile.errors import PlanError
+    from dyncompile.plan import POLICY_SCHEMAS, SparsityPolicy
+    from dyncompile.plan._typed import from_json
+
+    assert POLICY_SCHEMAS["sparsity"] is SparsityPolicy and POLICY_SCHEMAS["drafter_sparsity"] is SparsityPolicy
+    good = {"op": "dyncompile.SparseRowsMatMul", "sparsity": 0.25, "sites": "mlp", "allocation": "uniform",
+            "mode": "budget", "budget_pct": 2.0, "confidence": 0.9, "achieved_sparsity_heldout": {"gate_up": 0.26},
+            "quality": {"part": "check", "heldout_windows": 4, "heldout_tokens": 128, "perplexity_dense": 3.2,
+                        "perplexity": 3.21, "increase_pct": 0.4, "interval": [-0.1, 0.9]}, "check": _CHECK}
+    p = from_json(SparsityPolicy, good, "policy.sparsity")
+    assert p.check.holds and p.check.interval == [-0.1, 0.9] and p.quality.part == "check"
+    # a plan compiled before confidences and checks were recorded still loads
+    old = {k: v for k, v in good.items() if k not in ("confidence", "check")}
+    old["quality"] = {k: v for k, v in good["quality"].items() if k not in ("part", "interval")}
+    assert from_json(SparsityPolicy, old, "policy.sparsity").check is None
+    for bad, match in (({"confidence": 1.0}, "confidence must be < 1"), ({"confidence": 0.3}, "confidence must be"),
+                       ({"mode": "sparsity"}, "check is the check of a budget search"),
+                       ({"budget_pct": None}, "needs a positive budget_pct"), ({"sparsity": 1.0}, "sparsity must be < 1"),
+                       ({"sites": "heads"}, "sites must be one of")):
+        with pytest.raises(PlanError, match=match):
+            from_json(SparsityPolicy, {**good, **bad}, "policy.sparsity")
 
 
 def test_plan_names_the_kernel_never_ships_it_and_greedy_speculative_stays_token_identical(plans, kernel_lib):

@@ -37,6 +37,14 @@ def _inspect_plan(plan_dir: Path, as_json: bool) -> str:
             from dyncompile.passes.early_exit.certify import describe_certificate
 
             lines.append(f"  certificate: {describe_certificate(cert)}")
+        for key in ("sparsity", "drafter_sparsity"):
+            sp = plan.policy.get(key)
+            if isinstance(sp, dict):
+                from dyncompile.passes.sparsify_activations import describe_sparsity
+
+                what = "budget" if sp.get("mode") == "budget" else "quality"
+                lines.append(f"  {'drafter ' if key.startswith('drafter') else ''}sparsity {what}: "
+                             f"{describe_sparsity(sp)}")
         quant = plan.policy.get("quantization")
         if isinstance(quant, dict) and isinstance(quant.get("table"), list):
             lines += quantization_lines(quant, plan.policy.get("budget_split"))
