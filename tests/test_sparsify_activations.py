@@ -400,6 +400,31 @@ def test_confidence_is_validated_by_the_pass_and_the_factory():
     assert not uses_sparse_rows(m)
 
 
+def test_a_budget_reads_twice_the_held_out_text_by_default(monkeypatch):
+    """budget= bounds its choice over held-out files, half of them each way: its default held-out text is 8192 tokens
+    (about 9 files a half), a fixed sparsity's 4096; an explicit heldout_tokens wins either way."""
+    import dyncompile.passes.sparsify_activations as sa
+
+    asked = []
+
+    def fake_windows(tok, *, tokens, window, part, files=None, **kw):
+        if part == "heldout":
+            asked.append(tokens)
+        if files is not None:
+            files.extend(range(8))
+        return [[1, 2, 3]] * 8
+
+    class Ctx:
+        def require_tokenizer(self, why):
+            return "tokenizer.json"
+
+    monkeypatch.setattr(sa, "corpus_windows", fake_windows)
+    sa._make_sparsify(Ctx(), budget=2.0)
+    sa._make_sparsify(Ctx(), sparsity=0.3)
+    sa._make_sparsify(Ctx(), budget=2.0, heldout_tokens=1024)
+    assert asked == [sa.HELDOUT_TOKENS_BUDGET, sa.HELDOUT_TOKENS, 1024]
+
+
 @pytest.mark.parametrize("sparsity", [0.0, 0.4])
 def test_greedy_allocation_gives_each_mlp_its_share_split_by_its_path(kernel_lib, sparsity):
     """allocation=greedy: each MLP skips at least its share of weight bytes, the levels follow its greedy path."""
