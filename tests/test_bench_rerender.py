@@ -72,6 +72,7 @@ OWNERS: list[tuple[str, str]] = [
 
 #: JSON files that are not JSON + markdown report pairs: path -> what they are
 NOT_REPORTS = {
+    "contextual-sparsity/qwen05-budget-confidence-records.json": "the pass's own dyncompile.sparsity records (data)",
     "route-code/cost-model.json": "the cost model `studies.humaneval costmodel` measured (an input of route_code)",
     "route-code/cost-model-fp32.json": "the cost model `studies.humaneval costmodel` measured (an input of route_code)",
     "route-code/live-check.json": "route_code's live re-run of a subsample (data inside route-code.json's run)",
