@@ -21,6 +21,11 @@ EXTRAS  ?= cpu,export,dev,sandbox,serve
 # cores (the CPU suite took 26 min in one process, 18 in two, on a 2-core VM); 0 runs in one process
 PYTEST_WORKERS ?= 2
 PYTEST  := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+# With workers, torch (and numpy's BLAS) take one thread each: two workers on two cores each ran torch on two
+# threads, which then waited for each other (tests/test_eagle.py and tests/test_analysis.py side by side, as two
+# workers run them: 144 s and 94 s wall with the default threads, 105 s and 81 s with one). ONNX Runtime's pip
+# builds size their own thread pools (intra_op_num_threads), not from OMP_NUM_THREADS.
+PYTEST_ENV := $(if $(filter 0,$(PYTEST_WORKERS)),,OMP_NUM_THREADS=1)
 # The OpenVINO subset is one file's sampling tests (test_speculative.py, cheap module fixtures) more than anything:
 # one worker per file left the other idle for most of the run; worksteal splits the files' tests between the workers
 # (on the 2-core VM: 270 s with loadfile, 144 s with worksteal, both after the deselection above)
@@ -58,7 +63,7 @@ setup-optimum: $(OPT_BIN)/optimum-cli
 # the OpenVINO subset.
 test:
 	$(MAKE) --no-print-directory -j3 setup setup-openvino setup-optimum
-	$(BIN)/python $(PYTEST)
+	$(PYTEST_ENV) $(BIN)/python $(PYTEST)
 	DYNCOMPILE_TEST_PROVIDER=openvino $(OV_BIN)/python $(OV_PYTEST) $(OV_TESTS)
 
 test-slow: setup

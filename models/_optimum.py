@@ -36,17 +36,26 @@ def _checkout_python() -> Path:
     return Path(__file__).resolve().parents[1] / VENV_NAME / "bin" / "python"
 
 
+#: pythons this process has seen import the exporter: a probe starts torch and transformers there (seconds), and an
+#: environment that had the exporter keeps it; a failed probe is not remembered (the environment may be set up next)
+_PROBED: set[str] = set()
+
+
 def _has_exporter(python: str) -> bool:
     if os.path.abspath(python) == os.path.abspath(sys.executable):  # not resolve(): venv pythons are symlinks
         try:
             return importlib.util.find_spec("optimum.exporters.onnx") is not None
         except (ImportError, ValueError):
             return False
+    if os.path.abspath(python) in _PROBED:
+        return True
     try:
         r = subprocess.run([python, "-c", "import optimum.exporters.onnx"], capture_output=True, timeout=300,
                            check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
+    if r.returncode == 0:
+        _PROBED.add(os.path.abspath(python))
     return r.returncode == 0
 
 

@@ -1,7 +1,9 @@
 """Writes tiny random-init Hugging Face folders (model + tokenizer) of six families; run by
 tests/test_optimum_exports.py with the Optimum environment's python (its transformers 4.x), so the folders are
 what that transformers writes. Also writes ``reference.json``: greedy token ids from transformers' ``generate``
-for decoders. Usage: python _optimum_tiny_models.py FAMILY OUT_DIR PROMPT
+for decoders. Usage: python _optimum_tiny_models.py OUT_ROOT PROMPT FAMILY [FAMILY ...] writes ``OUT_ROOT/FAMILY/hf``
+and ``OUT_ROOT/FAMILY/hf.reference.json`` for each family, in one process (one torch + transformers import for the
+whole matrix instead of one per family).
 """
 
 from __future__ import annotations
@@ -92,4 +94,6 @@ def main(family: str, out: Path, prompt: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+    root, text = Path(sys.argv[1]), sys.argv[2]
+    for fam in sys.argv[3:]:
+        main(fam, root / fam / "hf", text)

@@ -102,6 +102,16 @@ def _tree_plan(smollm2, head: Path, module_tmp, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
+def hf_target(smollm2):
+    """The frozen float32 PyTorch SmolLM2, as train_drafter loads it: read once for the module's PyTorch references
+    and the continued training runs (all of them only read it; the heads train on copies of its last layer)."""
+    pytest.importorskip("torch")
+    from dyncompile.tools.train_drafter import load_target
+
+    return load_target(smollm2.onnx_path.parent)
+
+
+@pytest.fixture(scope="module")
 def tiny_head(smollm2, module_tmp):
     """A head trained on CPU for a few steps (token identity does not depend on its quality)."""
     return _train_tiny_head(smollm2, module_tmp, "eagle_head", steps=3)
@@ -160,12 +170,10 @@ def test_eagle_greedy_token_identical(eagle_plan):
                 assert st.drafted > 0, what
 
 
-def test_drafter_graph_matches_the_torch_head(smollm2, tiny_head, exposed):
+def test_drafter_graph_matches_the_torch_head(smollm2, tiny_head, exposed, hf_target):
     """The ONNX drafter computes what the trained PyTorch head computes (one call, true features)."""
     torch = pytest.importorskip("torch")
     import copy
-
-    from transformers import AutoModelForCausalLM
 
     arrays, info, _ = load_head(tiny_head)
     drafter = build_eagle_drafter(ir.load(str(smollm2.onnx_path)), arrays, info)
@@ -178,7 +186,7 @@ def test_drafter_graph_matches_the_torch_head(smollm2, tiny_head, exposed):
     feeds = _feeds(ds, ids[:, 1:])
     feeds["eagle_features"] = f[:, :-1]
     logits, hid = ds.run(["logits", "eagle_hidden"], feeds)
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2.onnx_path.parent / "hf"), dtype=torch.float32).eval()
+    hf = hf_target
     layer = copy.deepcopy(hf.model.layers[-1])
     layer.load_state_dict({k[6:]: torch.as_tensor(v) for k, v in arrays.items() if k.startswith("layer.")})
     with torch.no_grad():
@@ -408,14 +416,12 @@ def fused_plan(smollm2, fused_head, module_tmp):
     return _tree_plan(smollm2, fused_head, module_tmp, "eagle3_plan")
 
 
-def _torch_head(smollm2, arrays):
+def _torch_head(hf, arrays):
     """The trained head as PyTorch modules (fc, fuse, the target's last layer with the head's weights) + the HF target."""
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2.onnx_path.parent / "hf"), dtype=torch.float32).eval()
     layer = copy.deepcopy(hf.model.layers[-1])
     layer.load_state_dict({k[6:]: torch.as_tensor(v) for k, v in arrays.items() if k.startswith("layer.")})
     h = arrays["fc.weight"].shape[0]
@@ -476,7 +482,7 @@ def test_fused_head_record(fused_head, smollm2):
     assert info["curve"][-1]["tokens"] == info["training"]["tokens_seen"] == 4 * 2 * 48
 
 
-def test_fused_features_golden_in_ort(smollm2, fused_head, module_tmp):
+def test_fused_features_golden_in_ort(smollm2, fused_head, module_tmp, hf_target):
     torch = pytest.importorskip("torch")
     arrays, info, _ = load_head(fused_head)
     m = ir.load(str(smollm2.onnx_path))
@@ -495,7 +501,7 @@ def test_fused_features_golden_in_ort(smollm2, fused_head, module_tmp):
     b = new.run([*names, "features"], _feeds(new, ids))
     for x, y in zip(a, b[:-1]):
         np.testing.assert_array_equal(y, x)  # the original outputs are the same values
-    hf, head = _torch_head(smollm2, arrays)
+    hf, head = _torch_head(hf_target, arrays)
     with torch.no_grad():
         hs = hf(input_ids=torch.as_tensor(ids), output_hidden_states=True).hidden_states
         ref = head["fuse"](torch.cat([hs[k] for k in info["feature_layers"]], -1))[0].numpy()
@@ -504,7 +510,7 @@ def test_fused_features_golden_in_ort(smollm2, fused_head, module_tmp):
         ExposeFeaturesPass(taps=[2, 15, 30], fuse=arrays["fuse.weight"])(ir.load(str(smollm2.onnx_path)))
 
 
-def test_fused_rollout_is_what_the_drafter_computes_at_run_time(smollm2, fused_head, fused_plan):
+def test_fused_rollout_is_what_the_drafter_computes_at_run_time(smollm2, fused_head, fused_plan, hf_target):
     """The trainer's unrolled steps (training-time test) equal the ONNX drafter drafting a chain on the plan's
     fused features: a catch-up call on true features, then each draft step fed the previous prediction."""
     torch = pytest.importorskip("torch")
@@ -521,7 +527,7 @@ def test_fused_rollout_is_what_the_drafter_computes_at_run_time(smollm2, fused_h
     tgt.reset()
     tgt.forward(ids)
     F = tgt.last_outputs["features"]
-    hf, head = _torch_head(smollm2, arrays)
+    hf, head = _torch_head(hf_target, arrays)
     x = torch.as_tensor(np.asarray(ids, np.int64))[None]
     with torch.no_grad():
         hs = hf(input_ids=x, output_hidden_states=True).hidden_states
@@ -560,12 +566,17 @@ def test_eagle3_greedy_token_identical(fused_plan):
     assert rec["feature_layers"] == [2, 15, 27]
 
 
-def test_training_continues_from_a_saved_head(smollm2, fused_head, tmp_path, caplog):
+def test_training_continues_from_a_saved_head(smollm2, fused_head, tmp_path, caplog, monkeypatch, hf_target):
     """A continuation with another --seed keeps the head's held-out windows (same fingerprint, no warning); one on
     fewer corpus tokens draws other windows, and says so (warning + ``held_out_changed`` in the record)."""
     pytest.importorskip("torch")
     from dyncompile.errors import DataError
+    from dyncompile.tools import train_drafter as td
     from dyncompile.tools.train_drafter import train_drafter
+
+    # every run below continues on this SmolLM2 on the CPU: the module's one load of it (load_target's own model;
+    # the fixtures' runs load it themselves) instead of reading the checkpoint again per run
+    monkeypatch.setattr(td, "load_target", lambda target, device="cpu": hf_target)
 
     before = json.loads((fused_head / "eagle_head.json").read_text())
     with caplog.at_level("WARNING", logger="dyncompile.tools.train_drafter"):

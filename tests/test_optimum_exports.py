@@ -51,16 +51,25 @@ def _cli(*argv):
     return rc, o.getvalue(), e.getvalue()
 
 
-@pytest.fixture(scope="module", params=CLASSIFIERS + DECODERS)
-def exported(request, module_tmp):
-    """A tiny HF folder written by the Optimum environment's transformers and its Optimum export."""
+@pytest.fixture(scope="module")
+def written(module_tmp) -> Path:
+    """The six tiny HF folders (``ROOT/FAMILY/hf``), written by the Optimum environment's transformers in one
+    subprocess (the same folders one subprocess per family wrote; one torch + transformers start-up instead of six)."""
     assert PY is not None, "CI is set but no Optimum environment was found: run make setup-optimum"
-    family, root = request.param, module_tmp(f"optimum-{request.param}")
-    hf, out = root / "hf", root / "onnx"
+    root = module_tmp("optimum")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([PY, str(SCRIPT), family, str(hf), PROMPT], capture_output=True, text=True, env=env,
-                       timeout=300, check=False)
+    r = subprocess.run([PY, str(SCRIPT), str(root), PROMPT, *CLASSIFIERS, *DECODERS], capture_output=True, text=True,
+                       env=env, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
+    return root
+
+
+@pytest.fixture(scope="module", params=CLASSIFIERS + DECODERS)
+def exported(request, written):
+    """A tiny HF folder written by the Optimum environment's transformers and its Optimum export."""
+    family = request.param
+    root = written / family
+    hf, out = root / "hf", root / "onnx"
     rc, stdout, err = _cli("export", hf, "-o", out, "--exporter", "optimum")
     assert rc == 0, err
     assert "exporter: optimum" in stdout

@@ -298,6 +298,8 @@ def train_drafter(
     if noise is None:
         noise = 0.0 if fused else 0.2
     t_start = time.perf_counter()
+    # a head of another kind is refused before the target is loaded (seconds on CPU)
+    prev = _load_init(init, fused) if init else None
     target = Path(target).expanduser()
     torch.manual_seed(seed)
     dev = torch.device(device)
@@ -310,7 +312,6 @@ def train_drafter(
     eval_w, train_w = split_windows(ids, seq_len)
     amp = dev.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else (lambda: torch.autocast("cpu", enabled=False))
-    prev = _load_init(init, fused) if init else None
     held_out = held_out_digest(eval_w)
     held_out_changed: bool | None = False
     if prev is not None:
