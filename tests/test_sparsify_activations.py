@@ -58,9 +58,12 @@ def _op_model(w: np.ndarray, threshold: float, *, op: str = "SparseRowsMatMul") 
 # ----------------------------------------------------------------------------------------------- kernel
 
 
-def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_call_size(kernel_lib):
+@pytest.mark.parametrize("k, n", [(96, 200), (33, 4200)])
+def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_call_size(kernel_lib, k, n):
+    """n = 200: a one-row call splits K between the threads; n = 4200 (16.8 KB rows): it cuts the columns in chunks,
+    as several rows always do. Either way each element is the same two half sums (odd k: unequal halves), and n is
+    not a multiple of the chunk width, so the column tail is exercised."""
     rng = np.random.default_rng(0)
-    k, n = 96, 200  # n not a multiple of the chunk width: the column tail is exercised
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((1, 40, k)).astype(np.float32)
     t = float(np.quantile(np.abs(x), 0.6))
@@ -367,7 +370,9 @@ def test_no_level_within_budget_keeps_exact_zeros_and_says_why(kernel_lib, caplo
     assert all(layer[s]["threshold"] == 0.0 for layer in rec["layers"] for s in ("gate_up", "down"))
     assert "no sparsity level's upper bound at 90 % is within budget 1e-06 %" in caplog.text
     assert "skips only exact zeros" in caplog.text
-    assert rec["check"]["increase_pct"] == 0.0 and rec["check"]["holds"]
+    # sparsity 0: the check half sees float round-off only (its increase rounds to 0.000 %; whether that round-off
+    # is above or below a 1e-6 % budget, i.e. `holds`, depends on the kernel's summation order and is not asserted)
+    assert rec["check"]["increase_pct"] == 0.0
 
 
 def test_a_budget_that_fails_on_the_check_half_is_kept_with_a_warning(kernel_lib, caplog, monkeypatch):
