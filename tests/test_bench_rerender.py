@@ -47,6 +47,7 @@ OWNERS: list[tuple[str, str]] = [
     ("early-exit-trained/alpha0.5/*-trained-*.json", "dyncompile.tools.bench.classify"),
     ("early-exit-trained/bbc-news/wallclock/*.json", "dyncompile.tools.bench.classify"),
     ("contextual-sparsity/kernels.json", "dyncompile.tools.studies.sparsity_kernels"),
+    ("contextual-sparsity/kernels-sparse-rows*.json", "dyncompile.tools.studies.sparse_rows_kernel"),
     ("contextual-sparsity/*-sites.json", "dyncompile.tools.studies.sparsity_sites"),
     ("contextual-sparsity/*-allocation.json", "dyncompile.tools.studies.sparsity_allocation"),
     ("contextual-sparsity/*-quality.json", "dyncompile.tools.bench.quality"),
