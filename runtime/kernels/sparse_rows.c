@@ -71,6 +71,11 @@ static void sr_axpy4(float *restrict y, const float *a, const float *restrict w0
     y[j] = SR_FMA(a3, w3[j], SR_FMA(a2, w2[j], SR_FMA(a1, w1[j], SR_FMA(a0, w0[j], y[j]))));
 }
 
+/* y += the second half's sums: the one addition that joins the two halves, the same for every path. */
+static void sr_add(float *restrict y, const float *restrict tmp, int64_t len) {
+  for (int64_t j = 0; j < len; ++j) y[j] += tmp[j];
+}
+
 /* The first row of the second half: K is cut in two fixed halves, whatever M or the thread count. */
 static int64_t sr_half(int64_t k) { return (k + 1) / 2; }
 
@@ -121,7 +126,7 @@ static void sr_chunk(void *data, size_t idx) {
   if (c1 > s->n) c1 = s->n;
   if (c0 >= c1) return;
   int64_t len = c1 - c0;
-  int64_t kb = SR_BLOCK_BYTES / (int64_t)(len * sizeof(float));
+  int64_t kb = s->m > 1 ? SR_BLOCK_BYTES / (int64_t)(len * sizeof(float)) : s->k; /* one row: nothing to reuse */
   if (kb < 8) kb = 8;
   if (kb > s->k) kb = s->k;
   int64_t *act = s->act + idx * s->k;
@@ -129,11 +134,7 @@ static void sr_chunk(void *data, size_t idx) {
   int64_t h = sr_half(s->k);
   sr_accumulate(s, c0, len, 0, h, s->y + c0, s->n, act, av, kb);
   sr_accumulate(s, c0, len, h, s->k, s->tmp + c0, s->n, act, av, kb);
-  for (int64_t r = 0; r < s->m; ++r) {
-    float *yr = s->y + r * s->n + c0;
-    const float *tr = s->tmp + r * s->n + c0;
-    for (int64_t j = 0; j < len; ++j) yr[j] += tr[j];
-  }
+  for (int64_t r = 0; r < s->m; ++r) sr_add(s->y + r * s->n + c0, s->tmp + r * s->n + c0, len);
 }
 
 static OrtStatus *sr_error(const char *msg) { return g_ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
@@ -190,10 +191,7 @@ static OrtStatus *sr_compute(void *op_kernel, OrtKernelContext *ctx) {
   SrWork work = {(const float *)xp, (const float *)wp, (float *)yp, tmp, act, av, m, wd[0], wd[1], kern->threshold};
   if (m == 1 && wd[1] * (int64_t)sizeof(float) < SR_CHUNKS * SR_SHORT_RUN_BYTES) {
     st = g_ort->KernelContext_ParallelFor(ctx, sr_half_task, 2, 0, &work);
-    if (st == NULL) {
-      float *y = (float *)yp;
-      for (int64_t j = 0; j < wd[1]; ++j) y[j] += tmp[j];
-    }
+    if (st == NULL) sr_add((float *)yp, tmp, wd[1]);
   } else {
     st = g_ort->KernelContext_ParallelFor(ctx, sr_chunk, SR_CHUNKS, 0, &work);
   }
