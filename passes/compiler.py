@@ -197,6 +197,7 @@ def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
     import dyncompile.runtime.kernels as kernels
     from dyncompile.passes._graph import custom_ops_of
     from dyncompile.passes.sparsify_activations import SPARSITY, uses_sparse_rows
+    from dyncompile.plan.decode import SparsityPolicy  # the fields the plan's schema takes from the record
 
     drafter = model.meta.get(_keys.DRAFTER_MODEL)
     graphs = {"sparsity": model, "drafter_sparsity": drafter if isinstance(drafter, ir.Model) else None}
@@ -209,9 +210,7 @@ def _record_custom_ops(model: ir.Model, plan: Plan) -> None:
         rec = m.metadata_props.get(SPARSITY) if m is not None and uses_sparse_rows(m) else None
         if rec:
             r = json.loads(rec)
-            plan.policy[key] = {k: r[k] for k in ("op", "sparsity", "sites", "allocation", "mode", "budget_pct",
-                                                  "confidence", "achieved_sparsity_heldout", "quality", "check")
-                                if k in r}
+            plan.policy[key] = {f.name: r[f.name] for f in dataclasses.fields(SparsityPolicy) if f.name in r}
 
 
 COMPILE_OPTIONS = frozenset(

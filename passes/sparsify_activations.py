@@ -514,21 +514,18 @@ def fixed_sequence_walk(levels: Sequence[float], evaluate, budget: float) -> tup
 
     ``evaluate(level)`` gives the level's :class:`Increase` on the search half. Fixed-sequence testing: the
     hypotheses ``H_s: increase(s) > budget`` are tested in a fixed order, each at level ``1 - confidence``, and the
-    walk stops at the first one not rejected (``upper > budget``); the family-wise error stays at ``1 - confidence``
+    walk stops at the first one not rejected (``upper > budget``; the project's one walk,
+    :func:`dyncompile.passes.early_exit.certify.fixed_sequence`); the family-wise error stays at ``1 - confidence``
     with no multiplicity correction. A level past a failure is never tested, even if its bound would pass: bisection,
     which skips levels and goes on after a failure, would need one. Returns the level chosen (0.0 when the first
     fails) and one row per level tested, the failing one included.
     """
-    chosen, rows = 0.0, []
-    for s in levels:
-        inc = evaluate(s)
-        ok = inc.upper <= budget
-        rows.append({"sparsity": s, "perplexity": round(inc.perplexity, 4), "increase_pct": round(inc.pct, 3),
-                     "upper_pct": _finite(inc.upper), "accepted": bool(ok)})
-        if not ok:
-            break
-        chosen = s
-    return chosen, rows
+    from dyncompile.passes.early_exit.certify import fixed_sequence
+
+    last, incs = fixed_sequence(levels, evaluate, lambda inc: inc.upper <= budget)
+    rows = [{"sparsity": s, "perplexity": round(inc.perplexity, 4), "increase_pct": round(inc.pct, 3),
+             "upper_pct": _finite(inc.upper), "accepted": j <= last} for j, (s, inc) in enumerate(zip(levels, incs))]
+    return (levels[last] if last >= 0 else 0.0), rows
 
 
 def _finite(x: float, digits: int = 3) -> float | None:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,7 @@ __all__ = [
     "exit_losses",
     "fit_exit_policy",
     "fit_logistic",
+    "fixed_sequence",
     "fixed_sequence_test",
     "hoeffding_ucb",
     "parse_confidence",
@@ -226,14 +227,28 @@ def fixed_sequence_test(
     if method not in UCB_METHODS:
         raise CalibrationError(f"unknown bound {method!r}; use one of {', '.join(UCB_METHODS)}")
     ucb = UCB_METHODS[method]
-    chosen, bounds = -1, []
-    for j in range(len(losses)):
-        u = ucb(losses[j], delta, lo, hi)
-        bounds.append(u)
-        if u > budget:
+    return fixed_sequence(range(len(losses)), lambda j: ucb(losses[j], delta, lo, hi), lambda u: u <= budget)
+
+
+def fixed_sequence(candidates: Iterable[Any], evaluate: Callable[[Any], Any],
+                   rejects: Callable[[Any], bool]) -> tuple[int, list[Any]]:
+    """Fixed-sequence testing: evaluate ``candidates`` in their order until the first whose result is not rejected.
+
+    ``evaluate(candidate)`` gives the result (e.g. an upper bound); ``rejects(result)``: the candidate's null
+    hypothesis ("it breaks the budget") is rejected at the level each test is run at. The walk stops at the first
+    candidate not rejected, so the family-wise error stays at that level with no multiplicity correction; a
+    candidate past it is never evaluated. Returns ``(index of the last rejected candidate or -1, the results
+    computed — the failing one included)``. Also the sparsity budget's walk
+    (:func:`dyncompile.passes.sparsify_activations.fixed_sequence_walk`).
+    """
+    chosen, results = -1, []
+    for j, c in enumerate(candidates):
+        r = evaluate(c)
+        results.append(r)
+        if not rejects(r):
             break
         chosen = j
-    return chosen, bounds
+    return chosen, results
 
 
 # --------------------------------------------------------------------------------------------------
