@@ -170,9 +170,9 @@ class RuntimeContext:
     def _new_session(self, file_key: str, providers=None, batched: bool = False):
         """An ORT session made from the bytes of ``file_key`` that were hashed, never from a path.
 
-        :func:`~dyncompile.plan.model_bytes.read_model` reads the ONNX file and its external data once and checks
-        their sha256; ORT gets the model bytes and the external data from memory (it copies what it needs while
-        the session is made; the bytes are dropped then).
+        :func:`~dyncompile.plan.model_bytes.read_model` reads the ONNX file, maps its external data and checks
+        their sha256; ORT gets the model bytes and the mapped external data (it copies what it needs while the
+        session is made; the maps are closed then, after a check that no mapped file was written meanwhile).
         """
         mb = read_model(self.plan, file_key, check_hashes=self.plan.hashes_checked)
         so = self.session_options(batched)
@@ -180,8 +180,13 @@ class RuntimeContext:
             names = list(mb.external)
             bufs = [mb.external[n] for n in names]
             so.add_external_initializers_from_files_in_memory(names, bufs, [len(b) for b in bufs])
-        s = self.ort.InferenceSession(mb.model, so, providers=providers or self.providers,
-                                      disabled_optimizers=self.disabled_optimizers or None)
+        try:
+            s = self.ort.InferenceSession(mb.model, so, providers=providers or self.providers,
+                                          disabled_optimizers=self.disabled_optimizers or None)
+            mb.check_unchanged()  # ORT copied the weights out of the mapped files: were they the hashed bytes?
+        finally:
+            del so
+            mb.release()
         if getattr(s, "_model_bytes", None) is not None:
             # ORT's Python wrapper keeps the model bytes for the session's life, only to re-create the session when
             # its own EP fallback kicks in; dyncompile picks fallbacks itself (--fallback), so let them go (a model

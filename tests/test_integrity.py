@@ -143,6 +143,73 @@ def test_external_data_swapped_after_load_is_never_run(base_plan, tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def _write_in_place_during_session(plan_dir, monkeypatch, *, pause=0.0):
+    """Make ORT's session constructor first overwrite 4 KB of the plan's external data in place (same inode, same
+    size): what a writer racing the load between the hash and ORT's copy would do."""
+    import time
+
+    import onnxruntime as ort
+
+    real = ort.InferenceSession
+
+    def racing(model, *a, **k):
+        time.sleep(pause)
+        with open(plan_dir / "model.onnx.data", "r+b") as f:
+            f.seek(100)
+            f.write(np.random.default_rng(0).standard_normal(1000).astype(np.float32).tobytes())
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(ort, "InferenceSession", racing)
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["same-clock-tick", "later-tick"])
+def test_external_data_written_while_the_session_is_made_is_never_run(base_plan, tmp_path, monkeypatch, pause):
+    """External data is mapped and ORT copies out of the map after the hash: an in-place write in between is caught
+    once the session exists (times and a second hash), never answered from. ``same-clock-tick``: the write may
+    share the file system's clock tick with the first look, so only the second hash can see it."""
+    plan_dir = _to_external(_fresh(base_plan, tmp_path))
+    plan = load_plan(plan_dir)
+    _write_in_place_during_session(plan_dir, monkeypatch, pause=pause)
+    with pytest.raises(PlanError, match=r"model\.onnx\.data.*written while ONNX Runtime read it"):
+        CompiledModel(plan, RuntimeContext(plan)).predict_proba(TEXTS)
+
+
+def test_the_write_race_reaches_ort_without_the_check(base_plan, tmp_path, monkeypatch):
+    """Negative control for the test above: with the check off, the racing write is what ORT copied (another
+    answer), so the check is what keeps it out."""
+    from dyncompile.plan.model_bytes import ModelBytes
+
+    plan_dir = _to_external(_fresh(base_plan, tmp_path))
+    want = _answer(plan_dir)
+    plan = load_plan(plan_dir)
+    _write_in_place_during_session(plan_dir, monkeypatch)
+    monkeypatch.setattr(ModelBytes, "check_unchanged", lambda self: None)
+    assert not np.array_equal(CompiledModel(plan, RuntimeContext(plan)).predict_proba(TEXTS), want)
+
+
+def test_external_data_maps_are_closed_once_the_session_exists(base_plan, tmp_path, monkeypatch):
+    """ORT gets the external data as a read-only map of the hashed file (page cache, not a second copy in the
+    process) and keeps its own copy: the maps are closed after the session is made, and it still answers."""
+    import mmap
+
+    import dyncompile.runtime.executor as executor
+
+    plan_dir = _to_external(_fresh(base_plan, tmp_path))
+    want = _answer(base_plan)
+    seen = []
+    real = executor.read_model
+
+    def spy(*a, **k):
+        mb = real(*a, **k)
+        seen.append(mb)
+        return mb
+
+    monkeypatch.setattr(executor, "read_model", spy)
+    np.testing.assert_allclose(_answer(plan_dir), want, rtol=0, atol=1e-6)
+    maps = [b for mb in seen for b in mb.external.values()]
+    assert maps and all(isinstance(b, mmap.mmap) and b.closed for b in maps)
+
+
 def test_external_data_plan_runs_from_any_working_directory(base_plan, tmp_path, monkeypatch):
     plan_dir = _to_external(_fresh(base_plan, tmp_path))
     want = _answer(base_plan)
