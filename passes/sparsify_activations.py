@@ -31,6 +31,9 @@ MatMul(x, W_up))`` (SiLU as ``Mul(g, Sigmoid(g))``, either operand order), const
 input and one threshold, and o), the LM head excepted; the pass still needs a gated MLP to fire.
 Invariants: graph inputs/outputs, names and every other node unchanged; the weights are the same initializers
 (the op reads them in place); with threshold 0 the outputs equal the dense graph's within float round-off.
+Calls of more than :data:`DENSE_ROWS` rows (a long prompt's prefill) run ONNX Runtime's MatMul on the thresholded
+input (the op's ``dense_rows``): the same product up to round-off, at GEMM speed; calls of up to that many rows, every
+verification call included, keep the kernel's rows, bit-identical whatever the call size.
 Records ``dyncompile.sparsity`` (op, thresholds, achieved sparsity, held-out quality with its interval, the budget
 search and its check, the library's sha256);
 the compiler ships the library with the plan. Idempotent: a graph holding the op already is left alone.
@@ -52,12 +55,14 @@ import onnx_ir as ir
 from dyncompile.passes import _keys
 from dyncompile.passes._graph import replace_node_output
 from dyncompile.passes._infra import not_fired, register_pass
+from dyncompile.plan.decode import MAX_DRAFT_NODES
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ALLOCATIONS",
     "DEFAULT_CONFIDENCE",
+    "DENSE_ROWS",
     "EXCLUDED_FILES",
     "LEVELS",
     "SITES",
@@ -101,6 +106,10 @@ _GRID = tuple(round(0.05 * k, 2) for k in range(1, 20))  # budget search: 0.05 .
 LEVELS = (0.0, *_GRID)  # the levels a greedy allocation gives each MLP input
 _ERROR_TOKENS = 512  # calibration tokens whose MLP inputs the greedy allocation's local errors use
 _SAMPLES_PER_WINDOW = 16384
+#: calls of more rows than this (a long prompt's prefill) run ORT's MatMul on the thresholded input instead of the
+#: row-skipping kernel: more than any verification call (a round verifies at most MAX_DRAFT_NODES drafts + the root),
+#: so speculative decoding keeps the kernel's bit-identical rows
+DENSE_ROWS = MAX_DRAFT_NODES + 1
 HELDOUT_TOKENS = 4096  # held-out text for the quality figure of a fixed sparsity
 HELDOUT_TOKENS_BUDGET = 8192  # and for budget=: about 9 files a half at window 256, where 4096 tokens gave 4-5
 DEFAULT_CONFIDENCE = 0.9  # ``confidence=``: of the budget search's upper bounds and of the reported intervals
@@ -917,7 +926,7 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
         for site in sites:
             per_site = []
             for mm in site.consumers:
-                node = ir.node(OP_TYPE, list(mm.inputs), {"threshold": 0.0}, domain=DOMAIN,
+                node = ir.node(OP_TYPE, list(mm.inputs), {"threshold": 0.0, "dense_rows": DENSE_ROWS}, domain=DOMAIN,
                                name=f"{mm.name or mm.outputs[0].name}/sparse_rows")
                 g.insert_before(mm, node)
                 replace_node_output(g, mm, mm.outputs[0], node.outputs[0])

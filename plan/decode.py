@@ -16,6 +16,7 @@ from dyncompile.plan._typed import _field, from_json
 
 __all__ = [
     "MAX_DIM",
+    "MAX_DRAFT_NODES",
     "MAX_POSITIONS",
     "POLICIES",
     "CustomOpsPolicy",
@@ -222,6 +223,11 @@ class DrafterParams:
                 raise PlanError(f"{where}.share_kv must list one target kv index per drafter kv entry")
 
 
+#: the most drafted tokens one round verifies (a tree's nodes, a chain's length): a verification call has at most
+#: MAX_DRAFT_NODES + 1 rows (the root); sparsify-activations keeps calls of up to that many rows bit-identical
+MAX_DRAFT_NODES = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class TreePolicy:
     """Draft trees of a ``speculative_generate`` step: several candidates verified in one target call.
@@ -231,8 +237,8 @@ class TreePolicy:
     ``adaptive``: size the tree from the measured verification cost curve and what branches bought.
     """
 
-    max_nodes: int = _field(16, lo=1, hi=256)
-    max_depth: int = _field(8, lo=1, hi=256)
+    max_nodes: int = _field(16, lo=1, hi=MAX_DRAFT_NODES)
+    max_depth: int = _field(8, lo=1, hi=MAX_DRAFT_NODES)
     branching: int = _field(3, lo=1, hi=64)
     adaptive: bool = True
 
@@ -246,9 +252,9 @@ class DraftPolicy:
     with ``assistant_confidence_threshold``.
     """
 
-    initial: int = _field(4, lo=0, hi=256)
-    min: int = _field(1, lo=0, hi=256)
-    max: int = _field(8, lo=0, hi=256)
+    initial: int = _field(4, lo=0, hi=MAX_DRAFT_NODES)
+    min: int = _field(1, lo=0, hi=MAX_DRAFT_NODES)
+    max: int = _field(8, lo=0, hi=MAX_DRAFT_NODES)
     adaptive: bool = True
     alpha0: float = _field(0.6, lo=0.0, hi=1.0)
     verify_slope: float = _field(0.1, lo=0.0, hi=1e6)

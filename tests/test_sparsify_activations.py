@@ -22,6 +22,7 @@ from dyncompile.passes.sparsify_activations import (
 )
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
 from dyncompile.passes.speculative.probe import prefill_feeds
+from dyncompile.plan.decode import MAX_DRAFT_NODES
 from dyncompile.runtime import kernels
 
 VOCAB = 32
@@ -40,7 +41,7 @@ def _session(model: ir.Model | bytes, kernel_lib=None, *, threads: int = 2):
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
-def _op_model(w: np.ndarray, threshold: float, *, op: str = "SparseRowsMatMul") -> bytes:
+def _op_model(w: np.ndarray, threshold: float, *, op: str = "SparseRowsMatMul", dense_rows: int | None = None) -> bytes:
     """One node ``y = op(x, W)`` with ``x`` ``[1, s, K]`` and the constant ``W``."""
     k, n = w.shape
     x = ir.val("x", ir.DataType.FLOAT, ir.Shape([1, "s", k]))
@@ -48,7 +49,8 @@ def _op_model(w: np.ndarray, threshold: float, *, op: str = "SparseRowsMatMul") 
     if op == "MatMul":
         node = ir.node("MatMul", [x, wv])
     else:
-        node = ir.node(op, [x, wv], {"threshold": float(threshold)}, domain="dyncompile")
+        attrs = {"threshold": float(threshold), **({} if dense_rows is None else {"dense_rows": int(dense_rows)})}
+        node = ir.node(op, [x, wv], attrs, domain="dyncompile")
     y = node.outputs[0]
     y.name, y.dtype, y.shape = "y", ir.DataType.FLOAT, ir.Shape([1, "s", n])
     g = ir.Graph([x], [y], nodes=[node], initializers=[wv], opset_imports={"": 17, "dyncompile": 1})
@@ -77,6 +79,37 @@ def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_ca
     assert np.array_equal(one, y)
     # and the thread count does not change a bit either (columns are cut in fixed chunks)
     assert np.array_equal(_session(_op_model(w, t), kernel_lib, threads=1).run(None, {"x": x})[0], y)
+
+
+def test_calls_of_more_than_dense_rows_rows_run_ort_matmul_on_the_thresholded_input(kernel_lib):
+    """A call of more rows than ``dense_rows`` (a prompt's prefill) is ORT's MatMul of X with the entries at or below
+    the threshold zeroed: the sparse path's product up to round-off. Calls of up to ``dense_rows`` rows keep the
+    sparse path's bits (verification). Which path ran is seen through a non-finite weight row whose activations are
+    all below the threshold: the sparse path never reads it, the MatMul multiplies it by zero (NaN)."""
+    rng = np.random.default_rng(2)
+    k, n, rows = 64, 48, 8
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((1, 12, k)).astype(np.float32)
+    t = float(np.quantile(np.abs(x), 0.5))
+    x[..., 5] = t / 2  # always below: row 5 of W is never needed
+    ref = np.where(np.abs(x) > t, x, 0).astype(np.float64) @ w.astype(np.float64)
+    sparse = _session(_op_model(w, t), kernel_lib)
+    split = _session(_op_model(w, t, dense_rows=rows), kernel_lib)
+    y_sparse, y_split = sparse.run(None, {"x": x})[0], split.run(None, {"x": x})[0]
+    assert np.abs(y_split - ref).max() < 1e-4 and np.abs(y_sparse - ref).max() < 1e-4
+    # up to dense_rows rows: the sparse path's very bits
+    assert np.array_equal(split.run(None, {"x": x[:, :rows]})[0], y_sparse[:, :rows])
+    w_inf = w.copy()
+    w_inf[5] = np.inf
+    nan_rows = [np.isnan(_session(_op_model(w_inf, t, dense_rows=rows), kernel_lib).run(None, {"x": x[:, :m]})[0]).any()
+                for m in (1, rows, rows + 1, 12)]
+    assert nan_rows == [False, False, True, True]
+    assert not np.isnan(_session(_op_model(w_inf, t), kernel_lib).run(None, {"x": x})[0]).any()  # 0: never
+
+
+def test_a_negative_dense_rows_is_refused(kernel_lib):
+    with pytest.raises(Exception, match="dense_rows must be >= 0"):
+        _session(_op_model(np.ones((4, 4), np.float32), 0.0, dense_rows=-1), kernel_lib)
 
 
 def test_threshold_zero_equals_the_dense_matmul(kernel_lib):
@@ -187,6 +220,16 @@ def test_pass_structure_outputs_and_record(kernel_lib, sparsity):
         assert 0.35 < rec["achieved_sparsity_heldout"]["gate_up"] < 0.65
         assert 0.35 < rec["achieved_sparsity_heldout"]["down"] < 0.65
     assert rec["library"]["sha256"] == kernel_lib[1] and rec["op"] == "dyncompile.SparseRowsMatMul"
+    # every verification call (at most MAX_DRAFT_NODES drafts + the root) stays on the kernel's bit-identical rows;
+    # a longer prompt's prefill runs ORT's MatMul on the thresholded input: the same outputs up to round-off
+    assert all(n.attributes["dense_rows"].as_int() >= MAX_DRAFT_NODES + 1 for n in ops)
+    long_ids = (ids * 40)[: MAX_DRAFT_NODES + 40]
+    sparse_only = ir.from_proto(ir.to_proto(m))
+    for n in sparse_only.graph:
+        if n.domain == "dyncompile":
+            n.attributes.pop("dense_rows")
+    fast, slow = _outputs(m, kernel_lib, long_ids), _outputs(sparse_only, kernel_lib, long_ids)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(fast, slow, strict=True)) < 1e-4
     # a second run finds the op there already
     assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity)(m).modified
 

@@ -60,7 +60,7 @@ from dyncompile.passes.speculative.probe import (
     weight_reads,
 )
 from dyncompile.passes.speculative.split_drafter import frequent_subset, tokenized_calibration, trim_lm_head
-from dyncompile.plan.decode import lookahead_tree_nodes
+from dyncompile.plan.decode import MAX_DRAFT_NODES, lookahead_tree_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def lookahead_tree(window: int, ngram: int, guesses: int, hybrid: bool, max_ngra
     A hybrid (prompt lookup too) gets as many nodes again for the context's matches.
     """
     nodes = lookahead_tree_nodes(window, ngram, guesses)
-    return {"max_nodes": min(256, 2 * nodes if hybrid else nodes), "max_depth": window + ngram - 2,
+    return {"max_nodes": min(MAX_DRAFT_NODES, 2 * nodes if hybrid else nodes), "max_depth": window + ngram - 2,
             "branching": max(3, guesses + 1), "adaptive": False}
 
 
@@ -244,8 +244,8 @@ class SpeculativePass(ir.passes.InPlacePass):
         if tree is not None:
             t = {"max_nodes": 16, "max_depth": self.draft["max"], "branching": 3, "adaptive": True, **tree}
             for k in ("max_nodes", "max_depth", "branching"):
-                if not 1 <= int(t[k]) <= 256:
-                    raise DrafterError(f"tree {k} must be in 1..256, got {t[k]}")
+                if not 1 <= int(t[k]) <= MAX_DRAFT_NODES:
+                    raise DrafterError(f"tree {k} must be in 1..{MAX_DRAFT_NODES}, got {t[k]}")
             self.tree = {k: (bool(t[k]) if k == "adaptive" else int(t[k])) for k in
                          ("max_nodes", "max_depth", "branching", "adaptive")}
             self.draft["max"] = max(self.draft["max"], self.tree["max_depth"])

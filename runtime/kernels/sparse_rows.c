@@ -18,6 +18,13 @@
  * thread reads whole weight rows, one contiguous run per active row (on a 2-core AMD EPYC VM that made the 8960 x
  * 1536 projection about 1.2x faster at 25-40 % sparsity; the 1536 x 8960 one, 17.5 KB a chunk, did not gain).
  *
+ * Many rows (a prompt's prefill): a call of more than `dense_rows` rows (attribute; 0 = never) runs ONNX Runtime's
+ * own MatMul (OrtApi::InvokeOp, MLAS's blocked GEMM) on a copy of X with the entries at or below the threshold set
+ * to zero: the same product up to float round-off, since the union of many rows' active sets is nearly all of K and
+ * a GEMM reuses each weight row across rows far better than the per-row axpy above. Those rows are not
+ * bit-identical to one-row calls; the pass sets dense_rows above the largest verification call a drafter makes (a
+ * tree's nodes + the root), so verification stays on the bit-identical path.
+ *
  * Built into dyncompile's kernel library by dyncompile.runtime.kernels (with int8_epilogues.c and register.c) at
  * first use, with the system C compiler against onnxruntime_c_api.h.
  */
@@ -39,6 +46,9 @@ static const OrtApi *g_ort = NULL;
 
 typedef struct {
   float threshold;
+  int64_t dense_rows; /* more rows than this: ORT's MatMul on the thresholded X (0: never) */
+  OrtOp *matmul;
+  OrtMemoryInfo *cpu;
 } SrKernel;
 
 typedef struct {
@@ -140,6 +150,27 @@ static void sr_chunk(void *data, size_t idx) {
 static OrtStatus *sr_error(const char *msg) { return g_ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
 
 
+/* Many rows: Y = MatMul(X with |x| <= threshold set to 0, W), run by ONNX Runtime's own MatMul kernel. */
+static OrtStatus *sr_dense(const SrKernel *kern, OrtKernelContext *ctx, const float *x, const OrtValue *wv,
+                           OrtValue *yv, const int64_t *xd, size_t xr, int64_t m, int64_t k) {
+  size_t count = (size_t)(m * k);
+  float *xm = (float *)malloc(count * sizeof(float));
+  if (xm == NULL) return g_ort->CreateStatus(ORT_FAIL, "SparseRowsMatMul: out of memory");
+  const float t = kern->threshold;
+  for (size_t i = 0; i < count; ++i) xm[i] = fabsf(x[i]) > t ? x[i] : 0.0f;
+  OrtValue *xmv = NULL;
+  OrtStatus *st = g_ort->CreateTensorWithDataAsOrtValue(kern->cpu, xm, count * sizeof(float), xd, xr,
+                                                        ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &xmv);
+  if (st == NULL) {
+    const OrtValue *in[2] = {xmv, wv};
+    OrtValue *out[1] = {yv};
+    st = g_ort->InvokeOp(ctx, kern->matmul, in, 2, out, 1);
+    g_ort->ReleaseValue(xmv);
+  }
+  free(xm);
+  return st;
+}
+
 static OrtStatus *sr_compute(void *op_kernel, OrtKernelContext *ctx) {
   const SrKernel *kern = (const SrKernel *)op_kernel;
   const OrtValue *xv = NULL, *wv = NULL;
@@ -179,6 +210,8 @@ static OrtStatus *sr_compute(void *op_kernel, OrtKernelContext *ctx) {
   if ((st = g_ort->GetTensorData(wv, &wp)) != NULL) return st;
   if ((st = g_ort->GetTensorMutableData(yv, &yp)) != NULL) return st;
   if (m == 0 || wd[1] == 0) return NULL;
+  if (kern->matmul != NULL && m > kern->dense_rows)
+    return sr_dense(kern, ctx, (const float *)xp, wv, yv, xd, xr, m, wd[0]);
   float *tmp = (float *)malloc((size_t)(m * wd[1]) * sizeof(float));
   int64_t *act = (int64_t *)malloc((size_t)(SR_CHUNKS * wd[0]) * sizeof(int64_t));
   float *av = (float *)malloc((size_t)(SR_CHUNKS * wd[0]) * sizeof(float));
@@ -215,11 +248,37 @@ static OrtStatus *sr_create(const OrtCustomOp *op, const OrtApi *api, const OrtK
     free(k);
     return sr_error("SparseRowsMatMul: attribute threshold must be >= 0");
   }
+  st = g_ort->KernelInfoGetAttribute_int64(info, "dense_rows", &k->dense_rows);
+  if (st != NULL) {
+    g_ort->ReleaseStatus(st);
+    k->dense_rows = 0;
+  }
+  if (k->dense_rows < 0) {
+    free(k);
+    return sr_error("SparseRowsMatMul: attribute dense_rows must be >= 0");
+  }
+  if (k->dense_rows > 0) {
+    const char *names[1] = {"T"};
+    ONNXTensorElementDataType types[1] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+    st = g_ort->CreateCpuMemoryInfo(OrtDeviceAllocator, OrtMemTypeDefault, &k->cpu);
+    if (st == NULL) st = g_ort->CreateOp(info, "MatMul", "", 13, names, types, 1, NULL, 0, 2, 1, &k->matmul);
+    if (st != NULL) {
+      if (k->cpu != NULL) g_ort->ReleaseMemoryInfo(k->cpu);
+      free(k);
+      return st;
+    }
+  }
   *kernel = k;
   return NULL;
 }
 
-static void sr_destroy(void *k) { free(k); }
+static void sr_destroy(void *p) {
+  SrKernel *k = (SrKernel *)p;
+  if (k == NULL) return;
+  if (k->matmul != NULL) g_ort->ReleaseOp(k->matmul);
+  if (k->cpu != NULL) g_ort->ReleaseMemoryInfo(k->cpu);
+  free(k);
+}
 static const char *sr_name(const OrtCustomOp *op) { (void)op; return "SparseRowsMatMul"; }
 static const char *sr_ep(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static ONNXTensorElementDataType sr_type(const OrtCustomOp *op, size_t i) {
