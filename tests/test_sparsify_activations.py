@@ -77,6 +77,9 @@ def test_kernel_is_the_masked_product_and_rows_are_bit_identical_whatever_the_ca
     # a k-row call (speculative verification, prefill) gives the very bits of k one-row calls (decode)
     one = np.concatenate([sess.run(None, {"x": x[:, i : i + 1]})[0] for i in range(40)], axis=1)
     assert np.array_equal(one, y)
+    # calls of a few rows (verification sizes) too
+    for rows in (2, 3, 7, 9):
+        assert np.array_equal(sess.run(None, {"x": x[:, 5 : 5 + rows]})[0], one[:, 5 : 5 + rows])
     # and the thread count does not change a bit either (columns are cut in fixed chunks)
     assert np.array_equal(_session(_op_model(w, t), kernel_lib, threads=1).run(None, {"x": x})[0], y)
 
