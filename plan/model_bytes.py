@@ -33,7 +33,7 @@ import hashlib
 import mmap
 import os
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -77,9 +77,7 @@ class ModelBytes:
 
     def release(self) -> None:
         """Close the maps (ONNX Runtime keeps its own copy once the session exists)."""
-        for buf in self.external.values():
-            if isinstance(buf, mmap.mmap):
-                buf.close()
+        _close_maps(self.external.values())
 
 
 def may_have_external_data(data: bytes) -> bool:
@@ -243,6 +241,12 @@ def _map(path: Path, what: str) -> tuple[Any, tuple[int, ...]]:
                         "files") from None
 
 
+def _close_maps(buffers: Iterable[Any]) -> None:
+    for buf in buffers:
+        if isinstance(buf, mmap.mmap):  # an empty file is b"", never mapped
+            buf.close()
+
+
 def _check_hash(data: bytes, want: str, path: Path, what: str) -> None:
     actual = hashlib.sha256(data).hexdigest()
     if actual != want:
@@ -320,7 +324,5 @@ def read_model(plan: Any, key: str, *, check_hashes: bool = True) -> ModelBytes:
         except ValueError as e:  # protobuf's 2 GB limit
             raise PlanError(f"{where}: the model with its subgraph weights inlined is too large ({e}); keep "
                             "subgraph weights under 2 GB") from None
-    for loc in set(buffers) - served:  # only inlined from: ORT never reads these maps
-        if isinstance(buffers[loc], mmap.mmap):
-            buffers[loc].close()
+    _close_maps(buffers[loc] for loc in set(buffers) - served)  # only inlined from: ORT never reads these maps
     return ModelBytes(data, {loc: buffers[loc] for loc in served}, {loc: stats[loc] for loc in served})

@@ -185,7 +185,6 @@ class RuntimeContext:
                                           disabled_optimizers=self.disabled_optimizers or None)
             mb.check_unchanged()  # ORT copied the weights out of the mapped files: were they the hashed bytes?
         finally:
-            del so
             mb.release()
         if getattr(s, "_model_bytes", None) is not None:
             # ORT's Python wrapper keeps the model bytes for the session's life, only to re-create the session when
