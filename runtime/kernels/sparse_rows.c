@@ -86,6 +86,10 @@ static void sr_add(float *restrict y, const float *restrict tmp, int64_t len) {
   for (int64_t j = 0; j < len; ++j) y[j] += tmp[j];
 }
 
+/* Whether entry a of X is kept (its weight row read): the one test both paths use, so the MatMul path's zeros are
+ * exactly the rows the row path skips. */
+static inline int sr_kept(float a, float t) { return fabsf(a) > t; }
+
 /* The first row of the second half: K is cut in two fixed halves, whatever M or the thread count. */
 static int64_t sr_half(int64_t k) { return (k + 1) / 2; }
 
@@ -103,7 +107,7 @@ static void sr_accumulate(const SrWork *s, int64_t c0, int64_t len, int64_t i0, 
       int64_t cnt = 0;
       for (int64_t i = b0; i < b1; ++i) {
         float a = xr[i];
-        if (fabsf(a) > s->t) {
+        if (sr_kept(a, s->t)) {
           act[cnt] = i;
           av[cnt++] = a;
         }
@@ -157,7 +161,7 @@ static OrtStatus *sr_dense(const SrKernel *kern, OrtKernelContext *ctx, const fl
   float *xm = (float *)malloc(count * sizeof(float));
   if (xm == NULL) return g_ort->CreateStatus(ORT_FAIL, "SparseRowsMatMul: out of memory");
   const float t = kern->threshold;
-  for (size_t i = 0; i < count; ++i) xm[i] = fabsf(x[i]) > t ? x[i] : 0.0f;
+  for (size_t i = 0; i < count; ++i) xm[i] = sr_kept(x[i], t) ? x[i] : 0.0f;
   OrtValue *xmv = NULL;
   OrtStatus *st = g_ort->CreateTensorWithDataAsOrtValue(kern->cpu, xm, count * sizeof(float), xd, xr,
                                                         ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &xmv);
