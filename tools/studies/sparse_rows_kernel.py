@@ -14,7 +14,6 @@ repetition; the ratios are paired per repetition (geometric mean, 95 % bootstrap
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -26,7 +25,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from dyncompile.tools.bench.common import paired_ratio
+from dyncompile.tools.bench.common import paired_ratio, write_report
 
 SHAPES = {"down_proj (8960 -> 1536)": (8960, 1536), "up/gate_proj (1536 -> 8960)": (1536, 8960)}
 KINDS = ("matmul", "conv", "sparse")
@@ -128,11 +127,9 @@ def main(argv: list[str] | None = None) -> None:
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
               "load_before_after": [round(load[0], 2), round(os.getloadavg()[0], 2)], "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = render_markdown(report)
-    (args.out / f"{args.name}.md").write_text(md)
-    print(md)
+    report["markdown"] = render_markdown(report)
+    write_report(report, args.out, args.name)  # the JSON atomically, the markdown beside it
+    print(report["markdown"])
 
 
 def render_markdown(report: dict) -> str:
