@@ -31,25 +31,28 @@ PYTEST_ENV := $(if $(filter 0,$(PYTEST_WORKERS)),,OMP_NUM_THREADS=1)
 # (on the 2-core VM: 270 s with loadfile, 144 s with worksteal, both after the deselection above)
 OV_PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# No bytecode at install time: pip would compile every .py of the three environments (~570 MB, torch's most of it);
+# Python compiles only the modules a process imports, once, into __pycache__
+PIP_FLAGS ?= --no-compile
 
 .PHONY: setup setup-openvino setup-optimum test test-slow demo lint clean
 
 $(BIN)/dyncompile: pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first: 2.13.0 is a local CPU build on these machines (a bare `torch` pulls GBs of CUDA)
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q $(PIP_FLAGS) torch==2.13.0
+	$(BIN)/pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]"
 	touch $@
 
 $(OV_BIN)/dyncompile: pyproject.toml
 	$(PY) -m venv $(OV_VENV)
-	$(OV_BIN)/pip install -q -e ".[openvino,openvino-native,peers,dev]"
+	$(OV_BIN)/pip install -q $(PIP_FLAGS) -e ".[openvino,openvino-native,peers,dev]"
 	touch $@
 
 $(OPT_BIN)/optimum-cli: pyproject.toml
 	$(PY) -m venv $(OPT_VENV)
-	$(OPT_BIN)/pip install -q torch==2.13.0
-	$(OPT_BIN)/pip install -q -e ".[optimum]"
+	$(OPT_BIN)/pip install -q $(PIP_FLAGS) torch==2.13.0
+	$(OPT_BIN)/pip install -q $(PIP_FLAGS) -e ".[optimum]"
 	touch $@
 
 setup: $(BIN)/dyncompile

@@ -31,9 +31,11 @@ MatMul(x, W_up))`` (SiLU as ``Mul(g, Sigmoid(g))``, either operand order), const
 input and one threshold, and o), the LM head excepted; the pass still needs a gated MLP to fire.
 Invariants: graph inputs/outputs, names and every other node unchanged; the weights are the same initializers
 (the op reads them in place); with threshold 0 the outputs equal the dense graph's within float round-off.
-Calls of more than :data:`DENSE_ROWS` rows (a long prompt's prefill) run ONNX Runtime's MatMul on the thresholded
-input (the op's ``dense_rows``): the same product up to round-off, at GEMM speed; calls of up to that many rows, every
-verification call included, keep the kernel's rows, bit-identical whatever the call size.
+Calls of more than one row (a prompt's prefill) run ONNX Runtime's MatMul on the thresholded input (the op's
+``dense_rows``, :data:`PREFILL_ROWS`): the same product up to round-off, at GEMM speed. A speculative plan's target
+verifies several rows per call and needs them bit-identical to one-row calls: the speculative pass raises
+``dense_rows`` to :data:`DENSE_ROWS` (:func:`keep_verification_rows`; this pass sets it so itself on a graph the
+speculative pass has already seen), so only prefills longer than any verification call run the MatMul there.
 Records ``dyncompile.sparsity`` (op, thresholds, achieved sparsity, held-out quality with its interval, the budget
 search and its check, the library's sha256);
 the compiler ships the library with the plan. Idempotent: a graph holding the op already is left alone.
@@ -63,6 +65,7 @@ __all__ = [
     "ALLOCATIONS",
     "DEFAULT_CONFIDENCE",
     "DENSE_ROWS",
+    "PREFILL_ROWS",
     "EXCLUDED_FILES",
     "LEVELS",
     "SITES",
@@ -80,6 +83,8 @@ __all__ = [
     "heldout_stats",
     "linear_sites",
     "greedy_paths",
+    "keep_verification_rows",
+    "prefill_only_rows",
     "mlp_layers",
     "perplexity_increase",
     "residual_after",
@@ -106,9 +111,11 @@ _GRID = tuple(round(0.05 * k, 2) for k in range(1, 20))  # budget search: 0.05 .
 LEVELS = (0.0, *_GRID)  # the levels a greedy allocation gives each MLP input
 _ERROR_TOKENS = 512  # calibration tokens whose MLP inputs the greedy allocation's local errors use
 _SAMPLES_PER_WINDOW = 16384
-#: calls of more rows than this (a long prompt's prefill) run ORT's MatMul on the thresholded input instead of the
-#: row-skipping kernel: more than any verification call (a round verifies at most MAX_DRAFT_NODES drafts + the root),
-#: so speculative decoding keeps the kernel's bit-identical rows
+#: a plan that decodes one token per call: every call of more rows (a prompt's prefill) runs ORT's MatMul on the
+#: thresholded input instead of the row-skipping kernel (the op's ``dense_rows``)
+PREFILL_ROWS = 1
+#: a speculative plan's target: calls of up to this many rows keep the kernel's rows, bit-identical to one-row calls,
+#: since a round verifies at most MAX_DRAFT_NODES drafts + the root; only a longer prompt's prefill runs ORT's MatMul
 DENSE_ROWS = MAX_DRAFT_NODES + 1
 HELDOUT_TOKENS = 4096  # held-out text for the quality figure of a fixed sparsity
 HELDOUT_TOKENS_BUDGET = 8192  # and for budget=: about 9 files a half at window 256, where 4096 tokens gave 4-5
@@ -224,9 +231,33 @@ def linear_sites(model: ir.Model, vocab_size: int | None, which: str = "all") ->
 
 def uses_sparse_rows(model: ir.Model) -> bool:
     """Whether ``model``'s main graph holds ``dyncompile.SparseRowsMatMul`` (not merely another op of the library)."""
+    return bool(_sparse_rows_nodes(model))
+
+
+def _sparse_rows_nodes(model: ir.Model) -> list[ir.Node]:
     from dyncompile.runtime.kernels import DOMAIN, OP_TYPE
 
-    return any(n.domain == DOMAIN and n.op_type == OP_TYPE for n in model.graph)
+    return [n for n in model.graph if n.domain == DOMAIN and n.op_type == OP_TYPE]
+
+
+def keep_verification_rows(model: ir.Model) -> bool:
+    """Raise every ``SparseRowsMatMul``'s ``dense_rows`` to :data:`DENSE_ROWS`; whether a node changed.
+
+    The speculative pass calls this on its target: every verification call then runs the kernel's rows,
+    bit-identical to one-row calls, so speculative decoding stays token-identical to the sparse target alone.
+    """
+    short = prefill_only_rows(model)
+    for n in short:
+        n.attributes["dense_rows"] = ir.AttrInt64("dense_rows", DENSE_ROWS)
+    return bool(short)
+
+
+def prefill_only_rows(model: ir.Model) -> list[ir.Node]:
+    """The ``SparseRowsMatMul`` nodes that would run some verification call through ORT's MatMul.
+
+    That is, ``dense_rows`` in ``1 ..`` :data:`DENSE_ROWS` ``- 1`` (0, the op's default, never runs it).
+    """
+    return [n for n in _sparse_rows_nodes(model) if 0 < n.attributes.get_int("dense_rows", 0) < DENSE_ROWS]
 
 
 # ----------------------------------------------------------------------------------------------- text
@@ -922,11 +953,13 @@ class SparsifyActivationsPass(ir.passes.InPlacePass):
 
         g = model.graph
         model.graph.opset_imports.setdefault(DOMAIN, 1)
+        # a target the speculative pass has already seen verifies several rows per call: those keep the kernel's rows
+        dense_rows = DENSE_ROWS if _keys.SPECULATIVE in model.metadata_props else PREFILL_ROWS
         new_nodes = []
         for site in sites:
             per_site = []
             for mm in site.consumers:
-                node = ir.node(OP_TYPE, list(mm.inputs), {"threshold": 0.0, "dense_rows": DENSE_ROWS}, domain=DOMAIN,
+                node = ir.node(OP_TYPE, list(mm.inputs), {"threshold": 0.0, "dense_rows": dense_rows}, domain=DOMAIN,
                                name=f"{mm.name or mm.outputs[0].name}/sparse_rows")
                 g.insert_before(mm, node)
                 replace_node_output(g, mm, mm.outputs[0], node.outputs[0])

@@ -53,6 +53,7 @@ OWNERS: list[tuple[str, str]] = [
     ("contextual-sparsity/*-quality.json", "dyncompile.tools.bench.quality"),
     ("contextual-sparsity/*-code.json", "dyncompile.tools.bench.generate"),
     ("contextual-sparsity/*-all.json", "dyncompile.tools.bench.generate"),
+    ("contextual-sparsity/*-grounded.json", "dyncompile.tools.bench.generate"),
     ("screen-lm-head/*-screen-target.json", "dyncompile.tools.studies.decoder_graphs"),
     ("screen-lm-head/qwen15-d05-*.json", "dyncompile.tools.bench.peers"),
     ("screen-lm-head/*.json", "dyncompile.tools.bench.generate"),

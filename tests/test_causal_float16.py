@@ -132,11 +132,13 @@ def test_a_causal_graph_cannot_express_a_hole_in_the_cache(plans):
     assert np.abs(causal.forward(nxt) - bias.forward(nxt)).max() > 1.0
 
 
-def test_trees_are_refused_on_a_causal_graph(smollm2, tmp_path):
+def test_trees_are_refused_on_a_causal_graph(plans, tmp_path):
+    # the causal plan's own graph (FUSED + causal-attention, as compiled above) given to a tree compile
     with pytest.raises(DyncompileError) as e:
-        compile_model(smollm2.onnx_path, f"{FUSED},causal-attention,speculative{{tree=true,measure=false}}",
+        compile_model(plans["causal"] / "model.onnx", "speculative{tree=true,measure=false}",
                       tmp_path / "p", drafter="prompt-lookup", progress=False, opt_level=0)
-    assert "causal-attention" in str(e.value)
+    assert "causal-attention replaced it by a causal mask" in str(e.value)
+    assert not (tmp_path / "p").exists()
 
 
 def test_float16_structure_checker_and_second_run(plans):

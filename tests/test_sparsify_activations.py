@@ -12,12 +12,17 @@ import pytest
 import dyncompile
 from dyncompile.errors import DyncompileError
 from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir, write_word_tokenizer
+from dyncompile.passes import _keys
 from dyncompile.passes._infra import check_model
 from dyncompile.passes.sparsify_activations import (
+    DENSE_ROWS,
     EXCLUDED_FILES,
+    PREFILL_ROWS,
     SPARSITY,
     SparsifyActivationsPass,
+    keep_verification_rows,
     mlp_layers,
+    prefill_only_rows,
     uses_sparse_rows,
 )
 from dyncompile.passes.speculative.decoder_spec import decoder_spec
@@ -223,18 +228,26 @@ def test_pass_structure_outputs_and_record(kernel_lib, sparsity):
         assert 0.35 < rec["achieved_sparsity_heldout"]["gate_up"] < 0.65
         assert 0.35 < rec["achieved_sparsity_heldout"]["down"] < 0.65
     assert rec["library"]["sha256"] == kernel_lib[1] and rec["op"] == "dyncompile.SparseRowsMatMul"
-    # every verification call (at most MAX_DRAFT_NODES drafts + the root) stays on the kernel's bit-identical rows;
-    # a longer prompt's prefill runs ORT's MatMul on the thresholded input: the same outputs up to round-off
-    assert all(n.attributes["dense_rows"].as_int() >= MAX_DRAFT_NODES + 1 for n in ops)
-    long_ids = (ids * 40)[: MAX_DRAFT_NODES + 40]
+    # a plan that decodes one row per call runs every longer call (the prompt's prefill) through ORT's MatMul on the
+    # thresholded input: the same outputs as the kernel's rows up to round-off
+    assert all(n.attributes["dense_rows"].as_int() == PREFILL_ROWS == 1 for n in ops)
     sparse_only = ir.from_proto(ir.to_proto(m))
     for n in sparse_only.graph:
         if n.domain == "dyncompile":
-            n.attributes.pop("dense_rows")
-    fast, slow = _outputs(m, kernel_lib, long_ids), _outputs(sparse_only, kernel_lib, long_ids)
+            n.attributes.pop("dense_rows")  # 0: every call on the kernel's rows
+    fast, slow = _outputs(m, kernel_lib, ids), _outputs(sparse_only, kernel_lib, ids)
     assert max(float(np.abs(a - b).max()) for a, b in zip(fast, slow, strict=True)) < 1e-4
     # a second run finds the op there already
     assert not SparsifyActivationsPass(_windows(4, 24, 0), sparsity=sparsity)(m).modified
+    # a speculative target verifies up to MAX_DRAFT_NODES drafts + the root per call: the speculative pass keeps those
+    # calls on the kernel's rows, bit-identical to one-row calls; only a longer prompt's prefill runs the MatMul
+    assert prefill_only_rows(m) == ops
+    assert keep_verification_rows(m) and not keep_verification_rows(m) and not prefill_only_rows(m)
+    assert all(n.attributes["dense_rows"].as_int() == DENSE_ROWS == MAX_DRAFT_NODES + 1 for n in ops)
+    assert _outputs(m, kernel_lib, ids)[0].tobytes() == _outputs(sparse_only, kernel_lib, ids)[0].tobytes()
+    long_ids = (ids * 40)[: MAX_DRAFT_NODES + 40]
+    fast, slow = _outputs(m, kernel_lib, long_ids), _outputs(sparse_only, kernel_lib, long_ids)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(fast, slow, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.4])
@@ -715,15 +728,32 @@ def test_a_sparse_drafter_for_the_dense_target_registers_the_kernel_and_stays_to
 
 
 def _assert_speculative_identical(alone_dir, spec_dir):
+    """Greedy speculative decoding of a sparse target is token-identical to that target alone: the plan's own target
+    decoding one token per call. (The plan compiled without ``speculative`` prefills through ORT's MatMul, the
+    speculative plan's target through the kernel's rows: the same up to round-off, the same tokens here.)"""
     alone = dyncompile.load(alone_dir)
     spec = dyncompile.load(spec_dir)
+    for d in (alone_dir, spec_dir):
+        rows = {n.attributes["dense_rows"].as_int() for n in ir.load(d / "model.onnx").graph if n.domain == "dyncompile"}
+        assert rows == ({DENSE_ROWS} if d == spec_dir else {PREFILL_ROWS})
     for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 9, 10, 11, 7, 7, 8]):
-        ref_ids = alone.generate(prompt, max_new_tokens=30).token_ids
+        ref_ids = spec.generate(prompt, max_new_tokens=30, speculative=False).token_ids
         for opts in ({}, {"draft_length": 6, "adaptive": False}):
             res = spec.generate(prompt, max_new_tokens=30, **opts)
             assert res.token_ids == ref_ids, opts
-        assert spec.generate(prompt, max_new_tokens=30, speculative=False).token_ids == ref_ids
+        assert alone.generate(prompt, max_new_tokens=30).token_ids == ref_ids
     assert res.stats.drafted > 0  # the drafts were verified in multi-row calls
+
+
+def test_a_target_the_speculative_pass_has_seen_keeps_verification_on_the_kernel_rows():
+    """Pass order does not matter: sparsifying a graph that already carries the speculative record gives its new
+    nodes the verification bound at once (and the speculative pass has nothing left to raise)."""
+    m = tiny_decoder(num_layers=2, hidden=64, vocab=VOCAB, mlp="swiglu")
+    m.metadata_props[_keys.SPECULATIVE] = "{}"
+    assert SparsifyActivationsPass(_windows(4, 24, 0), sparsity=0.5)(m).modified
+    ops = [n for n in m.graph if n.domain == "dyncompile"]
+    assert ops and {n.attributes["dense_rows"].as_int() for n in ops} == {DENSE_ROWS}
+    assert not prefill_only_rows(m) and not keep_verification_rows(m)
 
 
 def test_a_plan_compiled_against_another_kernel_source_is_refused(plans, tmp_path):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -20,7 +21,8 @@ from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir,
 from dyncompile.passes.compiler import compile_model
 from dyncompile.passes.speculative import DrafterError, SpeculativePass
 from dyncompile.passes.speculative.probe import weight_reads
-from dyncompile.plan import GenerationConfig
+from dyncompile.plan import GenerationConfig, TreePolicy, from_json
+from dyncompile.plan.decode import MAX_DRAFT_NODES
 from dyncompile.runtime.decode.generate import PromptError
 from dyncompile.runtime.decode.speculative import DraftController
 from dyncompile.runtime.rules.chi2 import chi2_sf
@@ -505,6 +507,21 @@ def test_speculative_pass_is_idempotent_and_leaves_the_graph(tiny, monkeypatch):
     # the same target loaded again has no timings in memory: timed afresh
     fresh = ir.load(str(tiny["target"]))
     assert p(fresh).modified and len(timed) == 2
+
+
+def test_tree_options_are_checked_by_the_plan_schema():
+    """The pass checks its tree through ``TreePolicy`` itself: what it accepts, a plan loads (a branching the
+    pass once let through up to MAX_DRAFT_NODES compiled, then was refused when the plan loaded)."""
+    hi = next(f.metadata["hi"] for f in dataclasses.fields(TreePolicy) if f.name == "branching")
+    assert hi < MAX_DRAFT_NODES  # the case the schema check exists for
+    ok = SpeculativePass("prompt-lookup", tree={"branching": hi})
+    assert ok.tree["branching"] == hi and from_json(TreePolicy, ok.tree, "tree").branching == hi
+    with pytest.raises(DrafterError, match=rf"tree\.branching .*{hi}.*tree_nodes, tree_depth, branching"):
+        SpeculativePass("prompt-lookup", tree={"branching": hi + 1})
+    with pytest.raises(DrafterError, match=r"tree\.max_nodes"):
+        SpeculativePass("prompt-lookup", tree={"max_nodes": 0})
+    with pytest.raises(DrafterError, match=r"unknown field 'width'"):
+        SpeculativePass("prompt-lookup", tree={"width": 2})
 
 
 def test_int4_drafter_from_an_external_data_model_is_costed_in_bytes(tmp_path, monkeypatch):

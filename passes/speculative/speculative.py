@@ -31,6 +31,7 @@ drafter's step cost) are timed on this machine (:mod:`.probe`) unless ``measure=
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,10 +43,11 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from dyncompile.errors import DyncompileError, PassConfigError
+from dyncompile.errors import DyncompileError, PassConfigError, PlanError
 from dyncompile.io import load_input_model
 from dyncompile.passes import _keys
 from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes.sparsify_activations import keep_verification_rows, prefill_only_rows
 from dyncompile.passes.speculative.decoder_spec import (
     DrafterError,
     check_same_tokenizer,
@@ -60,7 +62,8 @@ from dyncompile.passes.speculative.probe import (
     weight_reads,
 )
 from dyncompile.passes.speculative.split_drafter import frequent_subset, tokenized_calibration, trim_lm_head
-from dyncompile.plan.decode import MAX_DRAFT_NODES, lookahead_tree_nodes
+from dyncompile.plan import from_json
+from dyncompile.plan.decode import MAX_DRAFT_NODES, TreePolicy, lookahead_tree_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -243,11 +246,12 @@ class SpeculativePass(ir.passes.InPlacePass):
         self.tree = None
         if tree is not None:
             t = {"max_nodes": 16, "max_depth": self.draft["max"], "branching": 3, "adaptive": True, **tree}
-            for k in ("max_nodes", "max_depth", "branching"):
-                if not 1 <= int(t[k]) <= MAX_DRAFT_NODES:
-                    raise DrafterError(f"tree {k} must be in 1..{MAX_DRAFT_NODES}, got {t[k]}")
-            self.tree = {k: (bool(t[k]) if k == "adaptive" else int(t[k])) for k in
-                         ("max_nodes", "max_depth", "branching", "adaptive")}
+            # the plan schema's own check, so a tree this pass accepts is one the runtime loads
+            try:
+                policy = from_json(TreePolicy, t, "tree")
+            except PlanError as e:
+                raise DrafterError(f"{e} (the options tree_nodes, tree_depth, branching)") from None
+            self.tree = dataclasses.asdict(policy)
             self.draft["max"] = max(self.draft["max"], self.tree["max_depth"])
 
     def __repr__(self) -> str:
@@ -484,10 +488,13 @@ class SpeculativePass(ir.passes.InPlacePass):
             # so does an EAGLE drafter (EAGLE-2 dynamic trees, runtime/decode/eagle.py); its chain steps then get a causal
             # bias from the runtime instead of the in-graph mask (same numbers)
             ExposeAttentionMaskPass()(model.meta[_keys.EAGLE_MODEL][0])
+        # a sparse target's verification calls keep the kernel's rows (bit-identical to its one-row calls), before
+        # the probes time them
+        rows_changed = keep_verification_rows(model)
         record = self._record(model)
         text = json.dumps(record, sort_keys=True)
         props = model.metadata_props
-        modified = props.get(_keys.SPECULATIVE) != text or props.get(_keys.EMITTER) != "speculative"
+        modified = rows_changed or props.get(_keys.SPECULATIVE) != text or props.get(_keys.EMITTER) != "speculative"
         props[_keys.SPECULATIVE] = text
         props[_keys.EMITTER] = "speculative"
         props[_keys.TASK] = "text-generation"
@@ -513,6 +520,8 @@ class SpeculativePass(ir.passes.InPlacePass):
         rec = json.loads(model.metadata_props[_keys.SPECULATIVE])
         if rec["drafter"]["kind"] in ("model", "eagle", "medusa") and _keys.DRAFTER_MODEL not in model.meta:
             raise ir.passes.PostconditionError("the drafter graph did not reach model.meta")
+        if prefill_only_rows(model):
+            raise ir.passes.PostconditionError("a SparseRowsMatMul would run a verification call through ORT's MatMul")
 
 
 def call_shape_dependent_ops(model: ir.Model) -> str | None:
