@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "DRAFTER_MODEL",
+    "DRAFTER_ROWS_MODEL",
     "EAGLE",
     "EAGLE_FEATURES",
     "EAGLE_MODEL",
@@ -71,6 +72,7 @@ MEDUSA_MODEL = "dyncompile.medusa.model"  # ir.Model heads graph built by Medusa
 EAGLE_MODEL = "dyncompile.eagle.model"  # (ir.Model drafter, vocab ids) built by EagleDrafterPass
 SPECULATIVE_MEASURED = "dyncompile.speculative.measured"  # SpeculativePass timings + graph fingerprint (reused on a re-run)
 SPECULATIVE_ROWS = "dyncompile.speculative.rows"  # SpeculativePass row-invariance probe + graph fingerprint (reused)
+DRAFTER_ROWS_MODEL = "dyncompile.drafter_rows"  # (drafter fingerprint, int8 twin or None, record) (SpeculativePass)
 
 METADATA_KEYS = frozenset(
     {TASK, EMITTER, EARLY_EXIT, EARLY_EXIT_LOWERING, EARLY_EXIT_LOWERING_CHOICE, QUANTIZED, SPECULATIVE, SPLIT_DRAFTER,
@@ -79,4 +81,4 @@ METADATA_KEYS = frozenset(
 )
 META_KEYS = frozenset({EAGLE_MODEL, MEDUSA_MODEL, DRAFTER_MODEL, DRAFTER_VOCAB, SPLIT_DRAFTER_MODEL, SPLIT_DRAFTER_VOCAB,
                        SPECULATIVE_MEASURED,
-                       SPECULATIVE_ROWS})
+                       SPECULATIVE_ROWS, DRAFTER_ROWS_MODEL})

@@ -176,6 +176,14 @@ def _save_without_value_info(model: ir.Model, path: Path) -> None:
     """
     import onnx
 
+    if any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()):
+        # the weights stay in the input's data file: write them beside ``path`` (a reference to the input's
+        # file would not resolve from the temporary folder), then drop the shapes from the graph alone
+        ir.save(model, path, external_data=path.name + ".data")
+        proto = onnx.load(path, load_external_data=False)
+        del proto.graph.value_info[:]
+        onnx.save_model(proto, path)
+        return
     proto = ir.to_proto(model)
     del proto.graph.value_info[:]
     onnx.save_model(proto, path, save_as_external_data=proto.ByteSize() > 1_800_000_000)

@@ -185,6 +185,10 @@ class DrafterParams:
     heads_model: str | None = None
     heads: int = _field(3, lo=1, hi=16)
     topk: int = _field(4, lo=1, hi=64)
+    #: model: a twin of the drafter's graph (plan file key; same inputs, outputs and cache, other weight kernels) that
+    #: runs the drafter's calls of ``rows_from`` new tokens or more (the prompt; :mod:`~dyncompile.passes.speculative.drafter_rows`)
+    rows_model: str | None = None
+    rows_from: int = _field(0, lo=0, hi=1_000_000)
 
     def _check(self, where: str) -> None:  # noqa: C901 - one rule per drafter kind
         if self.prompt_lookup and self.kind == "prompt-lookup":
@@ -195,6 +199,11 @@ class DrafterParams:
         if self.decoder is not None and self.decoder.min_rows != 1:
             raise PlanError(f"{where}.decoder.min_rows: {self.decoder.min_rows}, but padding calls to a minimum of rows is "
                             "for the target only (a drafter's calls need not match the target's kernels); give 1")
+        if (self.rows_model is None) != (self.rows_from == 0) or self.rows_from == 1:
+            raise PlanError(f"{where}: rows_model and rows_from go together (a twin for calls of rows_from >= 2 rows; "
+                            f"none: null and 0), got {self.rows_model!r} and {self.rows_from}")
+        if self.rows_model is not None and self.kind != "model":
+            raise PlanError(f"{where}.rows_model: only a model drafter has a twin for its calls of many rows")
         if self.kind == "lookahead":
             if self.decoder is not None:
                 raise PlanError(f"{where}.decoder: a lookahead drafter has no model (it reads the target's logits)")
@@ -304,6 +313,8 @@ class SpeculativeParams(GenerateParams):
             keys.append(("drafter.vocab", self.drafter.vocab))
         if self.drafter.heads_model is not None:
             keys.append(("drafter.heads_model", self.drafter.heads_model))
+        if self.drafter.rows_model is not None:
+            keys.append(("drafter.rows_model", self.drafter.rows_model))
         return keys
 
 

@@ -357,3 +357,22 @@ def test_weight_quantization_for_the_cuda_ep_says_it_was_measured_slower(name, c
             (p,) = build_passes(name, CompileContext(options={"provider": provider}))
         assert p is not None
         assert (f"{name} with --provider cuda" in caplog.text) is warned, provider
+
+
+def test_int8_reads_a_model_whose_weights_are_external_data(tmp_path, monkeypatch):
+    """quantize-int8 on a model loaded with its weights in a data file (a real decoder's layout): ORT's quantizer works
+    on a temporary copy, which must carry the weights (a reference to the input's data file does not resolve from
+    there); the input's files stay as they were."""
+    from dyncompile.models.synthetic_decoder import tiny_decoder
+    from dyncompile.passes.compiler import compile_model
+
+    src = tmp_path / "src"
+    src.mkdir()
+    ir.save(tiny_decoder(num_layers=1, vocab=8, hidden=64, seed=2), src / "model.onnx", external_data="model.onnx.data",
+            size_threshold_bytes=1024)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    plan = compile_model(src / "model.onnx", "quantize-int8", tmp_path / "q8", verify=True).plan_dir
+    q = ir.load(plan / "model.onnx")
+    assert "MatMulInteger" in _ops(q) or "DynamicQuantizeMatMul" in _ops(q)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before

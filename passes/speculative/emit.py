@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from dyncompile.passes import _keys
 from dyncompile.passes.emit import (
+    EXTERNAL_DATA_THRESHOLD,
     EmitRequest,
     add_model_files,
     add_tokenizer,
@@ -97,6 +98,37 @@ def _share_weights(drafter: ir.Model, target: ir.Model, saved_target_path: Path)
     return shared
 
 
+def _save_rows_twin(model: ir.Model, d: dict[str, Any], out: Path, files: dict[str, FileRef]) -> dict[str, Any]:
+    """Save an external drafter's int8 twin (``drafter_rows.onnx``); its step entries, or none.
+
+    The tensors the twin has unchanged from the drafter (the embedding table, the norms) point into the saved
+    drafter's data file instead of a second copy.
+    """
+    kept = model.meta.get(_keys.DRAFTER_ROWS_MODEL)
+    if not d.get("rows_from") or kept is None or kept[1] is None:
+        return {}
+    twin: ir.Model = kept[1]
+    saved = ir.load(str(out / "drafter.onnx")).graph.initializers
+    own = model.meta[_keys.DRAFTER_MODEL].graph.initializers
+    shared = 0
+    for name, v in twin.graph.initializers.items():
+        ext = saved[name].const_value if name in saved else None
+        if isinstance(ext, ir.ExternalTensor) and own.get(name) is not None and own[name].const_value is v.const_value:
+            v.const_value = ext
+            shared += int(ext.nbytes)
+    own_bytes = sum(int(v.const_value.nbytes) for v in twin.graph.initializers.values()
+                    if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
+    if own_bytes > EXTERNAL_DATA_THRESHOLD:  # too large for one protobuf beside the shared references: a whole copy
+        shared = 0
+        add_model_files(files, "drafter_rows", save_model(twin, out, "drafter_rows.onnx", "drafter"))
+    else:
+        ir.save(twin, out / "drafter_rows.onnx")
+        files["drafter_rows"] = file_ref(out, "drafter_rows.onnx", "drafter", ["drafter.onnx.data"] if shared else None)
+    logger.info("drafter's int8 twin for calls of >= %d rows: %.1f MB of weights shared with the drafter, %.1f MB of "
+                "its own", d["rows_from"], shared / 2**20, (out / "drafter_rows.onnx").stat().st_size / 2**20)
+    return {"rows_model": "drafter_rows", "rows_from": int(d["rows_from"])}
+
+
 def _hybrid(d: dict[str, Any]) -> dict[str, Any]:
     """A hybrid drafter's step entries (prompt lookup beside the recorded drafter), or none."""
     if not d.get("prompt_lookup"):
@@ -159,6 +191,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
                         shared / 2**20, (out / "drafter.onnx").stat().st_size / 2**20)
         else:
             add_model_files(files, "drafter", save_model(drafter, out, "drafter.onnx", "drafter"))
+        rows = _save_rows_twin(model, d, out, files)
         vocab_key = None
         subset = model.meta.get(_keys.SPLIT_DRAFTER_VOCAB if split else _keys.DRAFTER_VOCAB)
         if subset is not None:
@@ -166,7 +199,7 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
             files["drafter_vocab"] = file_ref(out, "drafter_vocab.npy", "vocab_map")
             vocab_key = "drafter_vocab"
         step_drafter = {"kind": "model", "name": d.get("name", "external"), "decoder": spec,
-                        "share_kv": d.get("share_kv"), "vocab": vocab_key}
+                        "share_kv": d.get("share_kv"), "vocab": vocab_key, **rows}
     elif d["kind"] == "lookahead":
         step_drafter = {"kind": "lookahead", "window": d["window"], "ngram": d["ngram"], "guesses": d["guesses"]}
     else:
@@ -176,6 +209,8 @@ def emit_speculative(model: ir.Model, req: EmitRequest) -> Plan:
                                               "draft": rec.get("draft", {})}}
     if d.get("source"):
         policy["speculative"]["drafter_source"] = d["source"]
+    if d.get("rows_twin") and step_drafter.get("rows_model"):
+        policy["speculative"]["drafter_rows"] = d["rows_twin"]
     if d.get("tokenizer_check"):
         policy["speculative"]["tokenizer_check"] = d["tokenizer_check"]
     if split:

@@ -37,6 +37,7 @@ __all__ = [
     "measure_step_times",
     "measure_verify_costs",
     "prefill_feeds",
+    "probe_chunk",
     "relative_verify_costs",
     "row_invariance",
     "session_for",
@@ -181,7 +182,8 @@ def measure_verify_costs(sess, spec, chunk: Sequence[int], max_draft: int = 8, r
     return relative_verify_costs(measure_step_rounds(sess, spec, chunk, sorted({1, 2, 4, max_draft + 1}), repeats))
 
 
-def _probe_chunk(spec: dict[str, Any]) -> list[int]:
+def probe_chunk(spec: dict[str, Any]) -> list[int]:
+    """The 128 token ids every cost probe runs as its cache (any ids below the vocabulary size)."""
     return [int(i) % max(2, spec.get("vocab_size") or 2) for i in range(1, 129)]
 
 
@@ -192,7 +194,7 @@ def target_verify_costs(model: ir.Model, spec: dict[str, Any], sizes: Sequence[i
     The costs are the runtime's draft-length model, keyed by ``str(s)`` as the plan stores them. Draft trees measure the
     curve further (``sizes`` up to the largest tree).
     """
-    rounds = measure_step_rounds(session_for(model), spec, _probe_chunk(spec), sorted({1, *sizes}))
+    rounds = measure_step_rounds(session_for(model), spec, probe_chunk(spec), sorted({1, *sizes}))
     times, costs = fastest_times(rounds), relative_verify_costs(rounds)
     logger.info("speculative: target step %.1f ms; verification cost by tokens %s", times[1] * 1e3, costs)
     return {str(k): v for k, v in costs.items()}, times[1]
@@ -201,7 +203,7 @@ def target_verify_costs(model: ir.Model, spec: dict[str, Any], sizes: Sequence[i
 def drafter_step_seconds(drafter: ir.Model, target_spec: dict[str, Any]) -> float:
     """Seconds of one drafter decode step on the same probe as the target's."""
     dspec = decoder_spec(drafter, "drafter", what="drafter")
-    t = measure_step_times(session_for(drafter), dspec, _probe_chunk(target_spec), [1])[1]
+    t = measure_step_times(session_for(drafter), dspec, probe_chunk(target_spec), [1])[1]
     logger.info("speculative: drafter step %.1f ms", t * 1e3)
     return t
 

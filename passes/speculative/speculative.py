@@ -57,6 +57,10 @@ from dyncompile.passes.speculative.decoder_spec import (
 from dyncompile.passes.speculative.explicit_attention import ExposeAttentionMaskPass
 from dyncompile.passes.speculative.probe import (
     drafter_step_seconds,
+    fastest_times,
+    measure_step_rounds,
+    probe_chunk,
+    session_for,
     target_min_rows,
     target_verify_costs,
     weight_reads,
@@ -200,8 +204,10 @@ class SpeculativePass(ir.passes.InPlacePass):
         hybrid: bool = False,
         stop_below: float = 0.0,
         drafter_vocab: Sequence[int] | None = None,
+        drafter_rows: bool = True,
     ) -> None:
         super().__init__()
+        self.drafter_rows = bool(drafter_rows)
         self.measure = bool(measure)
         self.allow_inexact_target = bool(allow_inexact_target)
         if isinstance(drafter, str) and drafter not in MODEL_FREE:
@@ -388,6 +394,10 @@ class SpeculativePass(ir.passes.InPlacePass):
             }
             if self.drafter_vocab is not None:
                 drafter["draft_vocab"] = int(len(self.drafter_vocab))
+            twin = self._rows_twin(model, target)
+            if twin is not None:
+                drafter["rows_from"] = twin["rows_from"]
+                drafter["rows_twin"] = twin
         elif _keys.MEDUSA in model.metadata_props:
             rec = json.loads(model.metadata_props[_keys.MEDUSA])
             drafter = {"kind": "medusa", "name": "medusa", "features": rec["features"], "heads": rec["heads"],
@@ -457,6 +467,50 @@ class SpeculativePass(ir.passes.InPlacePass):
             "generation": self.generation,
         }
 
+    def _rows_twin(self, model: ir.Model, target: dict[str, Any]) -> dict[str, Any] | None:
+        """An int8 twin of an int4 external drafter for its calls of many rows, if it is faster here (else ``None``).
+
+        :mod:`.drafter_rows`: built from the drafter, timed against it at :data:`~.drafter_rows.ROW_SIZES` on this
+        machine; kept (in ``model.meta``, with the drafter's fingerprint, so a second run neither rebuilds nor
+        re-times it) from the fewest rows at which it is faster at every larger size timed. Says why at INFO
+        when there is none.
+        """
+        from dyncompile.passes.speculative import drafter_rows as dr
+
+        if not self.drafter_rows or not isinstance(self.drafter, ir.Model):
+            return None
+        key = _fingerprint(self.drafter)
+        last = model.meta.get(_keys.DRAFTER_ROWS_MODEL)
+        if last is not None and last[0] == key:
+            return last[2]
+        record = twin = None
+        if not self.measure:
+            logger.info("speculative: no int8 twin for the drafter's calls of many rows: measure=false times nothing, "
+                        "and the twin is kept only where it is faster on this machine")
+        else:
+            twin = dr.int8_rows_twin(self.drafter)
+            if twin is None:
+                logger.info("speculative: no int8 twin for the drafter's calls of many rows: it has no int4 "
+                            "MatMulNBits weights (an int8 or float drafter already runs them with its own kernels)")
+        if twin is not None:
+            chunk, sizes = probe_chunk(target), dr.measured()
+            dspec = decoder_spec(self.drafter, "drafter", what="drafter")
+            d_times = fastest_times(measure_step_rounds(session_for(self.drafter), dspec, chunk, sizes, repeats=3))
+            t_times = fastest_times(measure_step_rounds(session_for(twin), dspec, chunk, sizes, repeats=3))
+            start = dr.rows_from(d_times, t_times)
+            said = dr.describe(d_times, t_times)
+            if start is None:
+                logger.info("speculative: the drafter's int8 twin is not faster for calls of many rows on this machine "
+                            "(rows: int4 / int8 twin %s); the drafter runs every call", said)
+                twin = None
+            else:
+                logger.info("speculative: the drafter's calls of >= %d rows (its prompt) run on an int8 twin, faster on "
+                            "this machine (rows: int4 / int8 twin %s)", start, said)
+                record = {"rows_from": start, **dr.twin_summary(twin),
+                          "ms_by_rows": {str(s): [round(d_times[s] * 1e3, 2), round(t_times[s] * 1e3, 2)] for s in sizes}}
+        model.meta[_keys.DRAFTER_ROWS_MODEL] = (key, twin, record)
+        return record
+
     def _measured_costs(self, model: ir.Model, target: dict[str, Any]) -> dict[str, Any]:
         """The draft policy's timed entries.
 
@@ -499,6 +553,8 @@ class SpeculativePass(ir.passes.InPlacePass):
         props[_keys.EMITTER] = "speculative"
         props[_keys.TASK] = "text-generation"
         model.meta.pop(_keys.DRAFTER_VOCAB, None)
+        if not (isinstance(self.drafter, ir.Model) and self.drafter_rows and self.measure):
+            model.meta.pop(_keys.DRAFTER_ROWS_MODEL, None)  # (kept otherwise, with or without a twin: the timing's memo)
         if isinstance(self.drafter, ir.Model):
             model.meta[_keys.DRAFTER_MODEL] = self.drafter
             if self.drafter_vocab is not None:
@@ -612,7 +668,8 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
     "(a fixed tree, after explicit-attention); hybrid=true: prompt lookup's matches in the same tree as the drafter's; "
     "stop_below=P: a model, EAGLE or Medusa drafter ends a chain after a token it gives probability < P (0: off); "
     "draft_vocab=N (with --drafter DRAFT.onnx and --calib TEXT): the drafter's LM head keeps the N most frequent "
-    "tokens of the calibration text (a cheaper draft step; decoding stays exact)",
+    "tokens of the calibration text (a cheaper draft step; decoding stays exact); drafter_rows=true: an int4 "
+    "drafter's calls of many rows (its prompt) run on an int8 twin where that is faster on the compiling machine",
     after=("split-drafter", "eagle-drafter", "medusa-heads"),
 )
 def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft: int = 0, max_draft: int | None = None,
@@ -620,7 +677,7 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
                       allow_inexact_target: bool = False, tree: bool = False, tree_nodes: int = 16,
                       tree_depth: int | None = None, branching: int = 3, tree_adaptive: bool = True, window: int = 5,
                       ngram: int = 4, guesses: int = 5, hybrid: bool = False, stop_below: float = 0.0,
-                      draft_vocab: int = 0):
+                      draft_vocab: int = 0, drafter_rows: bool = True):
     opt = context.options.get("drafter")
     target_dir = context.model_path.parent if context.model_path else None
     gen = generation_config(context.model_config, target_dir)
@@ -685,4 +742,5 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         hybrid=hybrid,
         stop_below=stop_below,
         drafter_vocab=subset,
+        drafter_rows=drafter_rows,
     )

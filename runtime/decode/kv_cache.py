@@ -108,8 +108,13 @@ class KVDecoder:
 
     def __init__(self, session, spec: DecoderSpec, *, role: str = "target", timer: SessionTimer | None = None,
                  io_binding: bool = False, rollback: str = "mask", kv_buffer: str | None = None,
-                 cuda_graph: bool = False) -> None:
-        """Drive ``session`` as described by ``spec`` (``role`` names it in the timer)."""
+                 cuda_graph: bool = False, rows_session=None, rows_from: int = 0) -> None:
+        """Drive ``session`` as described by ``spec`` (``role`` names it in the timer).
+
+        ``rows_session`` (with ``rows_from`` >= 2): a session on a twin graph with the same inputs, outputs and
+        cache layout that runs the calls of ``rows_from`` new tokens or more (a drafter's int8 twin,
+        :mod:`dyncompile.passes.speculative.drafter_rows`); :attr:`use_rows` turns it off and on.
+        """
         self.session = session
         self.spec = spec
         self.role = role
@@ -182,6 +187,23 @@ class KVDecoder:
         self.set_kv_buffer(kv_buffer)
         if cuda_graph:
             self.set_cuda_graph(True)
+        self.rows_session, self.rows_from = None, 0
+        if rows_session is not None:
+            self._check_twin(rows_session, rows_from)
+        #: whether calls of ``rows_from`` rows or more go to the twin session (when there is one)
+        self.use_rows = self.rows_session is not None
+
+    def _check_twin(self, rows_session, rows_from: int) -> None:
+        """Keep ``rows_session`` as the twin if its graph has this one's inputs and outputs (else a PlanError)."""
+        if rows_from < 2:
+            raise PlanError(f"the {self.role} model's twin is for calls of >= 2 rows, not {rows_from}")
+        mine = ({i.name for i in self.session.get_inputs()}, {o.name for o in self.session.get_outputs()})
+        twin = ({i.name for i in rows_session.get_inputs()}, {o.name for o in rows_session.get_outputs()})
+        if mine != twin:
+            diff = sorted((mine[0] ^ twin[0]) | (mine[1] ^ twin[1]))
+            raise PlanError(f"the {self.role} model's twin for calls of many rows differs from it in inputs or outputs "
+                            f"({diff[:4]}); the plan and its ONNX files disagree — recompile")
+        self.rows_session, self.rows_from = rows_session, int(rows_from)
 
     def set_rollback(self, rollback: str) -> None:
         """Roll back by ``"mask"`` or ``"copy"`` (see the class docstring).
@@ -646,10 +668,12 @@ class KVDecoder:
         if self.keep_name and self.keep_name not in feeds:
             feeds[self.keep_name] = np.zeros(1, np.int64)  # every row
         nk = len(self.spec.kv)
+        session = self.rows_session if self.use_rows and self.rows_session is not None and n >= self.rows_from \
+            else self.session
         if self.shared or self.io_binding:
             if self.shared:
                 self._reserve(self.slots + n)
-            io = self.session.io_binding()
+            io = session.io_binding()
             for k, v in feeds.items():
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
             for e, v in zip(self.spec.kv, self.past):
@@ -664,7 +688,7 @@ class KVDecoder:
                 io.bind_output(name, "cpu")
             t0 = time.perf_counter()
             try:
-                self.session.run_with_iobinding(io, self._run_options if self.cuda_graph else None)
+                session.run_with_iobinding(io, self._run_options if self.cuda_graph else None)
             except Exception as e:  # noqa: BLE001 - ORT raises its own types; only a shared buffer is explained here
                 if not self.shared:
                     raise
@@ -682,7 +706,7 @@ class KVDecoder:
             for e, a in zip(self.spec.kv, self.past):
                 feeds[e.past] = a
             t0 = time.perf_counter()
-            outs = self.session.run(self.output_names, feeds)
+            outs = session.run(self.output_names, feeds)
             self.timer.add(self.role, time.perf_counter() - t0)
             self.past = outs[1 : 1 + nk]
             arrays = [outs[0], *outs[1 + nk :]]

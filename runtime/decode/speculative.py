@@ -363,7 +363,8 @@ class SpeculativeGenerateStep(GenerateStep):
             if d.vocab:  # the bytes load_plan read and hash-checked
                 vocab = read_drafter_vocab(ctx.plan.content_of(d.vocab), d.vocab, target_vocab=self._target_vocab())
             dec = KVDecoder(ctx.session(d.decoder.model), d.decoder, role="drafter", timer=self.timer,
-                            io_binding=self.params.io_binding, rollback=self.params.rollback)
+                            io_binding=self.params.io_binding, rollback=self.params.rollback,
+                            rows_session=ctx.session(d.rows_model) if d.rows_model else None, rows_from=d.rows_from)
             self.drafter = ModelDrafter(dec, name=d.name, share_kv=d.share_kv, vocab=vocab)
         if d.prompt_lookup:  # hybrid: the context's n-gram matches share each round's tree
             self.drafter = HybridDrafter(PromptLookupDrafter(d.max_ngram, d.min_ngram), self.drafter)
@@ -469,15 +470,21 @@ class SpeculativeGenerateStep(GenerateStep):
         if rollback not in ("mask", "copy"):
             raise PromptError(f"rollback must be 'mask' or 'copy', not {rollback!r}")
         kv_buffer = options.pop("kv_buffer", None)
+        drafter_rows = options.pop("drafter_rows", True)
+        if not isinstance(drafter_rows, bool):
+            raise PromptError(f"drafter_rows must be True (the plan's int8 twin runs the drafter's calls of many rows, "
+                              f"when it has one) or False (the drafter alone), got {drafter_rows!r}")
         for d in decoders:
             d.io_binding = io_binding
+            d.use_rows = drafter_rows and d.rows_session is not None
             d.set_rollback(rollback)
             d.set_kv_buffer(kv_buffer)
         if not speculative:
             if options:
                 options = {k: v for k, v in options.items() if k not in ("draft_length", "max_draft", "min_draft",
                                                                           "adaptive", "adapt_to_timing", "rollback",
-                                                                          "tree", "stop_below", "hybrid")}
+                                                                          "tree", "stop_below", "hybrid",
+                                                                          "drafter_rows")}
             return super().generate_ids(prompt_ids, max_new_tokens, sample=sample, temperature=temperature, rng=rng,
                                         kv_buffer=kv_buffer, **options)
         if self.target.cuda_graph and not self._said_graph:
@@ -497,7 +504,7 @@ class SpeculativeGenerateStep(GenerateStep):
         if options:
             raise PromptError(
                 f"unknown generation options {sorted(options)}; known: draft_length, min_draft, max_draft, adaptive, "
-                "adapt_to_timing, io_binding, kv_buffer, rollback, tree, stop_below, hybrid"
+                "adapt_to_timing, io_binding, kv_buffer, rollback, tree, stop_below, hybrid, drafter_rows"
             )
         stats = GenerationStats(prompt_tokens=len(prompt_ids), mode="sample" if sample else "greedy",
                                 drafter=drafter.name)

@@ -72,7 +72,8 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
     each of these drafter-confidence stops (the ``stop_below`` generation option; tune ``speculative{stop_below=…}``
     the same way). Both are chain options, so these runners draft chains also on a plan whose default is a tree.
     A hybrid plan (``speculative{hybrid=true}``) also gets its two parts alone (the ``hybrid`` generation option),
-    in the same modes as its own speculative runners.
+    in the same modes as its own speculative runners; a plan whose drafter has an int8 twin for its calls of many rows
+    also runs without it (``drafter_rows=False``).
     """
     def target(ids, n, **opts):
         r = model.generate(ids, max_new_tokens=n, speculative=False, **opts)
@@ -101,6 +102,9 @@ def plan_runners(model, *, io_binding: bool = False, copy_rollback: bool = False
         for b in stop_below:
             runners.append(Runner(f"speculative, stop below {b:g} (ORT)",
                                   lambda ids, n, b=b, **o: spec(ids, n, stop_below=b, tree=False, **o)))
+        if (model.plan.steps[0].params.get("drafter") or {}).get("rows_model"):  # the drafter's int8 twin off too
+            runners.append(Runner("speculative, no int8 twin for the drafter's prompt (ORT)",
+                                  lambda ids, n, **o: spec(ids, n, drafter_rows=False, **o)))
         if (model.plan.steps[0].params.get("drafter") or {}).get("prompt_lookup"):  # a hybrid: each part alone too
             modes = [(" chain", {"tree": False}), (" tree, adaptive", {"tree": True})] if tree or tree_sizes else [("", {})]
             for part, value in (("drafter alone", False), ("prompt lookup alone", "prompt-lookup")):
