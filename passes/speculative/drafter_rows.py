@@ -91,25 +91,26 @@ def int8_rows_twin(drafter: ir.Model, *, reduce_range: bool | None = None) -> ir
         from dyncompile.runtime.providers import int8_pairs_saturate
 
         reduce_range = int8_pairs_saturate()
-    weights = {}
+    weights = []
     for node in nbits:
         w = dequantize_matmulnbits(node)
         if w is None:
             logger.info("speculative: no int8 twin for the drafter: %s is not a constant 4/8-bit MatMulNBits without "
                         "act-order", node.name)
             return None
-        weights[node.name] = w
-    twin = drafter.clone()  # new graph, nodes and values; the tensors are the drafter's own objects
+        weights.append(w)
+    twin = drafter.clone()  # new graph, nodes and values (in the same order); the tensors are the drafter's own
     targets = []
-    for node in [n for n in twin.graph.all_nodes() if n.op_type == "MatMulNBits"]:
-        w = ir.Value(name=f"{node.name}.weight", const_value=ir.tensor(weights.pop(node.name), name=f"{node.name}.weight"))
+    for i, node in enumerate([n for n in twin.graph.all_nodes() if n.op_type == "MatMulNBits"]):
+        name = f"dyncompile_twin_{i}.weight"
+        w = ir.Value(name=name, const_value=ir.tensor(weights[i], name=name))
         w.shape, w.type = w.const_value.shape, ir.TensorType(ir.DataType.FLOAT)
         twin.graph.register_initializer(w)
         ins = list(node.inputs) + [None] * (6 - len(node.inputs))
-        mm = ir.node("MatMul", [ins[0], w], name=f"{node.name}.int8")
+        mm = ir.node("MatMul", [ins[0], w], name=f"dyncompile_twin_{i}")
         new = [mm]
         if ins[5] is not None:  # bias
-            new.append(ir.node("Add", [mm.outputs[0], ins[5]], name=f"{node.name}.bias"))
+            new.append(ir.node("Add", [mm.outputs[0], ins[5]], name=f"dyncompile_twin_{i}.bias"))
         twin.graph.insert_before(node, new)
         old, out = node.outputs[0], new[-1].outputs[0]
         out.shape, out.type = old.shape, old.type
