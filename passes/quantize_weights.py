@@ -176,7 +176,7 @@ def _save_without_value_info(model: ir.Model, path: Path) -> None:
     """
     import onnx
 
-    if any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()):
+    if any(isinstance(v.const_value, ir.ExternalTensor) for g in model.graphs() for v in g.initializers.values()):
         # the weights stay in the input's data file: write them beside ``path`` (a reference to the input's
         # file would not resolve from the temporary folder), then drop the shapes from the graph alone
         ir.save(model, path, external_data=path.name + ".data")

@@ -127,7 +127,13 @@ def test_int4_drafter_with_its_int8_twin_stays_token_identical(smollm2, module_t
     monkeypatch.setattr(dr, "rows_from", lambda d, t: 16)
     plan = compile_model(smollm2.onnx_path, "speculative", root / "spec", drafter=str(q4 / "model.onnx"),
                          progress=False, opt_level=0).plan_dir
-    assert json.loads((plan / "plan.json").read_text())["steps"][0]["drafter"]["rows_from"] == 16
+    rec = json.loads((plan / "plan.json").read_text())
+    assert rec["steps"][0]["drafter"]["rows_from"] == 16
+    # the twin's unchanged tensors (the embedding table) are the drafter's bytes on disk, not a second copy
+    assert rec["files"]["drafter_rows"]["external_data"] == ["drafter.onnx.data"]
+    ext = [v.const_value for v in ir.load(plan / "drafter_rows.onnx").graph.initializers.values()
+           if isinstance(v.const_value, ir.ExternalTensor)]
+    assert {t.location for t in ext} == {"drafter.onnx.data"} and max(t.nbytes for t in ext) > 2**20
     m = dyncompile.load(plan, session_config={"session.intra_op.allow_spinning": "0"})
     (step,) = [h for h in m.handlers if isinstance(h, SpeculativeGenerateStep)]
     dec = step.drafter.decoder

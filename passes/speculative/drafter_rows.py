@@ -19,7 +19,6 @@ rounding: drafts may differ, never the output (every draft is verified by the ta
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ logger = logging.getLogger("dyncompile.passes.speculative")
 
 __all__ = ["ROW_SIZES", "dequantize_matmulnbits", "int8_rows_twin", "rows_from"]
 
-#: the call sizes (new rows on a 128-token cache) at which drafter and twin are timed
+#: the call sizes (new rows on a 128-token cache) at which drafter and twin are timed (one row included)
 ROW_SIZES = (1, 4, 16, 64)
 
 
@@ -153,8 +152,3 @@ def twin_summary(twin: ir.Model) -> dict[str, Any]:
         if n.op_type in ("MatMulIntegerToFloat", "MatMulInteger", "MatMulNBits", "MatMul"):
             ops[n.op_type] = ops.get(n.op_type, 0) + 1
     return {"format": "int8 weights per output column, activations per row", "ops": ops}
-
-
-def measured(sizes: Sequence[int] = ROW_SIZES) -> tuple[int, ...]:
-    """The sizes to time (always including one row)."""
-    return tuple(sorted({1, *sizes}))

@@ -108,14 +108,7 @@ def _save_rows_twin(model: ir.Model, d: dict[str, Any], out: Path, files: dict[s
     if not d.get("rows_from") or kept is None or kept[1] is None:
         return {}
     twin: ir.Model = kept[1]
-    saved = ir.load(str(out / "drafter.onnx")).graph.initializers
-    own = model.meta[_keys.DRAFTER_MODEL].graph.initializers
-    shared = 0
-    for name, v in twin.graph.initializers.items():
-        ext = saved[name].const_value if name in saved else None
-        if isinstance(ext, ir.ExternalTensor) and own.get(name) is not None and own[name].const_value is v.const_value:
-            v.const_value = ext
-            shared += int(ext.nbytes)
+    shared = _share_weights(twin, model.meta[_keys.DRAFTER_MODEL], out / "drafter.onnx")
     own_bytes = sum(int(v.const_value.nbytes) for v in twin.graph.initializers.values()
                     if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
     if own_bytes > EXTERNAL_DATA_THRESHOLD:  # too large for one protobuf beside the shared references: a whole copy

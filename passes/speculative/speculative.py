@@ -394,7 +394,7 @@ class SpeculativePass(ir.passes.InPlacePass):
             }
             if self.drafter_vocab is not None:
                 drafter["draft_vocab"] = int(len(self.drafter_vocab))
-            twin = self._rows_twin(model, target)
+            twin = self._rows_twin(model, target, drafter["decoder"])
             if twin is not None:
                 drafter["rows_from"] = twin["rows_from"]
                 drafter["rows_twin"] = twin
@@ -467,36 +467,35 @@ class SpeculativePass(ir.passes.InPlacePass):
             "generation": self.generation,
         }
 
-    def _rows_twin(self, model: ir.Model, target: dict[str, Any]) -> dict[str, Any] | None:
+    def _rows_twin(self, model: ir.Model, target: dict[str, Any], dspec: dict[str, Any]) -> dict[str, Any] | None:
         """An int8 twin of an int4 external drafter for its calls of many rows, if it is faster here (else ``None``).
 
         :mod:`.drafter_rows`: built from the drafter, timed against it at :data:`~.drafter_rows.ROW_SIZES` on this
-        machine; kept (in ``model.meta``, with the drafter's fingerprint, so a second run neither rebuilds nor
-        re-times it) from the fewest rows at which it is faster at every larger size timed. Says why at INFO
-        when there is none.
+        machine (``dspec``: the drafter's decoder spec); kept (in ``model.meta``, with the drafter's fingerprint, so a
+        second run neither rebuilds nor re-times it) from the fewest rows at which it is faster at every larger size
+        timed. Says why at INFO when there is none.
         """
         from dyncompile.passes.speculative import drafter_rows as dr
 
         if not self.drafter_rows or not isinstance(self.drafter, ir.Model):
             return None
+        if not self.measure:
+            logger.info("speculative: no int8 twin for the drafter's calls of many rows: measure=false times nothing, "
+                        "and the twin is kept only where it is faster on this machine")
+            return None
         key = _fingerprint(self.drafter)
         last = model.meta.get(_keys.DRAFTER_ROWS_MODEL)
         if last is not None and last[0] == key:
             return last[2]
-        record = twin = None
-        if not self.measure:
-            logger.info("speculative: no int8 twin for the drafter's calls of many rows: measure=false times nothing, "
-                        "and the twin is kept only where it is faster on this machine")
+        record = None
+        twin = dr.int8_rows_twin(self.drafter)
+        if twin is None:
+            logger.info("speculative: no int8 twin for the drafter's calls of many rows: it has no int4 "
+                        "MatMulNBits weights (an int8 or float drafter already runs them with its own kernels)")
         else:
-            twin = dr.int8_rows_twin(self.drafter)
-            if twin is None:
-                logger.info("speculative: no int8 twin for the drafter's calls of many rows: it has no int4 "
-                            "MatMulNBits weights (an int8 or float drafter already runs them with its own kernels)")
-        if twin is not None:
-            chunk, sizes = probe_chunk(target), dr.measured()
-            dspec = decoder_spec(self.drafter, "drafter", what="drafter")
-            d_times = fastest_times(measure_step_rounds(session_for(self.drafter), dspec, chunk, sizes, repeats=3))
-            t_times = fastest_times(measure_step_rounds(session_for(twin), dspec, chunk, sizes, repeats=3))
+            sizes = dr.ROW_SIZES
+            d_times, t_times = (fastest_times(measure_step_rounds(session_for(m), dspec, probe_chunk(target), sizes,
+                                                                  repeats=3)) for m in (self.drafter, twin))
             start = dr.rows_from(d_times, t_times)
             said = dr.describe(d_times, t_times)
             if start is None:
