@@ -416,19 +416,38 @@ def fused_plan(smollm2, fused_head, module_tmp):
     return _tree_plan(smollm2, fused_head, module_tmp, "eagle3_plan")
 
 
+@pytest.fixture(scope="module")
+def reference_head(smollm2, module_tmp):
+    """An EAGLE-3 head in the reference layout (2H-wide attention over [norm(embedding), norm(feature)])."""
+    return _train_tiny_head(smollm2, module_tmp, "eagle3_ref_head", steps=4, features="fused", layout="reference",
+                            ttt_steps=2)
+
+
+@pytest.fixture(scope="module")
+def reference_plan(smollm2, reference_head, module_tmp):
+    return _tree_plan(smollm2, reference_head, module_tmp, "eagle3_ref_plan")
+
+
 def _torch_head(hf, arrays):
-    """The trained head as PyTorch modules (fc, fuse, the target's last layer with the head's weights) + the HF target."""
+    """The trained head as PyTorch modules (fuse, and fc + the target's last layer with the head's weights, or the
+    reference layer) + the HF target."""
     import copy
 
     import torch
 
+    fuse = torch.nn.Linear(arrays["fuse.weight"].shape[1], arrays["fuse.weight"].shape[0], bias=False)
+    fuse.load_state_dict({"weight": torch.as_tensor(arrays["fuse.weight"])})
+    if "mid.self_attn.q_proj.weight" in arrays:
+        from dyncompile.tools.train_drafter import reference_mid_layer
+
+        mid = reference_mid_layer(hf.model.layers[-1], arrays["fuse.weight"].shape[0])
+        mid.load_state_dict({k[4:]: torch.as_tensor(v) for k, v in arrays.items() if k.startswith("mid.")})
+        return hf, torch.nn.ModuleDict({"mid": mid, "fuse": fuse}).eval()
     layer = copy.deepcopy(hf.model.layers[-1])
     layer.load_state_dict({k[6:]: torch.as_tensor(v) for k, v in arrays.items() if k.startswith("layer.")})
     h = arrays["fc.weight"].shape[0]
     fc = torch.nn.Linear(2 * h, h)
     fc.load_state_dict({"weight": torch.as_tensor(arrays["fc.weight"]), "bias": torch.as_tensor(arrays["fc.bias"])})
-    fuse = torch.nn.Linear(arrays["fuse.weight"].shape[1], h, bias=False)
-    fuse.load_state_dict({"weight": torch.as_tensor(arrays["fuse.weight"])})
     return hf, torch.nn.ModuleDict({"fc": fc, "layer": layer, "fuse": fuse}).eval()
 
 
@@ -510,10 +529,14 @@ def test_fused_features_golden_in_ort(smollm2, fused_head, module_tmp, hf_target
         ExposeFeaturesPass(taps=[2, 15, 30], fuse=arrays["fuse.weight"])(ir.load(str(smollm2.onnx_path)))
 
 
-def test_fused_rollout_is_what_the_drafter_computes_at_run_time(smollm2, fused_head, fused_plan, hf_target):
+@pytest.mark.parametrize("layout", ["fc", "reference"])
+def test_fused_rollout_is_what_the_drafter_computes_at_run_time(layout, request, hf_target):
     """The trainer's unrolled steps (training-time test) equal the ONNX drafter drafting a chain on the plan's
-    fused features: a catch-up call on true features, then each draft step fed the previous prediction."""
+    fused features: a catch-up call on true features, then each draft step fed the previous prediction; for both
+    layouts of the draft layer (``fc`` + the target's layer, and EAGLE-3's reference layer)."""
     torch = pytest.importorskip("torch")
+    prefix = "reference" if layout == "reference" else "fused"
+    fused_head, fused_plan = request.getfixturevalue(f"{prefix}_head"), request.getfixturevalue(f"{prefix}_plan")
     from dyncompile.plan import DecoderSpec
     from dyncompile.runtime.decode.eagle import EagleDecoder
     from dyncompile.tools.train_drafter import rollout
@@ -546,6 +569,84 @@ def test_fused_rollout_is_what_the_drafter_computes_at_run_time(smollm2, fused_h
         assert np.abs(g - ref).max() <= 2e-3 * np.abs(ref).max(), (j, np.abs(g - ref).max())
     # negative control: step 1's row P - 1 is not step 0's row P (a different feature went in)
     assert np.abs(preds[1][P - 1] - preds[0][P]).max() > 1e-2 * np.abs(preds[0][P]).max()
+
+
+def test_reference_layout_head_record_and_drafter_graph(reference_head, reference_plan, smollm2):
+    """The reference layout's record (q/k/v found by the target tensors they widen, the norm that hidden_norm stands
+    in for) and its drafter: q/k/v 2H wide over one Concat of two norm chains, no fc, checker-valid."""
+    arrays, info, _ = load_head(reference_head)
+    assert info["format"] == "dyncompile.eagle_head/v3" and info["training"]["layout"] == "reference"
+    assert not {"fc.weight", "fc.bias"} & set(arrays) and arrays["mid.self_attn.q_proj.weight"].shape == (576, 1152)
+    lp = info["layer_params"]
+    assert {k for k, p in lp.items() if "widens" in p} == {f"self_attn.{x}_proj.weight" for x in "qkv"}
+    from dyncompile.tools.train_drafter import fingerprint
+
+    norm = ir.load(str(smollm2.onnx_path)).graph.initializers["model.layers.29.input_layernorm.weight"]
+    assert lp["hidden_norm.weight"]["replaces"] == fingerprint(norm.const_value.numpy())  # the feature's norm
+    assert "input_layernorm.weight" not in lp  # the embedding's norm replaces nothing: it is a clone's weight
+    onnx.checker.check_model(str(reference_plan / "drafter.onnx"), full_check=True)
+    d = onnx.load(str(reference_plan / "drafter.onnx"), load_external_data=False)
+    inits = {i.name: tuple(i.dims) for i in d.graph.initializer}
+    assert {inits[f"eagle.self_attn.{x}_proj.weight"] for x in "qkv"} == {(1152, 576), (1152, 192)}
+    assert "eagle.fc.weight" not in inits and "eagle.input_layernorm.weight" in inits
+    concat = [n for n in d.graph.node if n.name == "eagle.concat"]
+    assert len(concat) == 1 and concat[0].input[0].startswith("eagle.emb_norm_")
+    readers = [n for n in d.graph.node if "eagle.concat_out" in n.input]
+    assert sorted(n.op_type for n in readers) == ["MatMul"] * 3
+
+
+def test_reference_head_for_another_model_is_refused(reference_head, smollm2):
+    arrays, info, _ = load_head(reference_head)
+    bad = json.loads(json.dumps(info))
+    bad["layer_params"]["self_attn.k_proj.weight"]["widens"] = [1.0, 2.0, 3.0]
+    with pytest.raises(DrafterError, match="q/k/v projections match no MatMuls"):
+        build_eagle_drafter(ir.load(str(smollm2.onnx_path)), arrays, bad)
+
+
+def test_reference_layout_greedy_token_identical(reference_plan):
+    m = dyncompile.load(reference_plan, session_config={"session.intra_op.allow_spinning": "0"})
+    code = (STDLIB / "heapq.py").read_text()
+    prompt = code[: code.index("def heappushpop")] + "def heappushpop(heap, item):\n"
+    ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, speculative=False)
+    for opts in (dict(tree=False, draft_length=4, adaptive=False), dict(tree=True)):
+        res = m.generate(prompt, max_new_tokens=NEW_TOKENS, **opts)
+        assert res.token_ids == ref.token_ids, (opts, res.text, ref.text)
+        assert res.stats.drafter == "eagle" and res.stats.drafted > 0
+
+
+def test_export_eagle3_writes_the_reference_checkpoint(reference_head, fused_head, smollm2, tmp_path, capsys):
+    """``export-eagle3``: the reference checkpoint's tensors are the head's and the target's (norm, draft-vocabulary
+    rows of the tied LM head), d2t/t2d say the same vocabulary, the config names the layer and the taps in both
+    counts; a head in the fc layout and an existing folder are refused with one line each."""
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import load_file
+
+    from tests.helpers import run_cli
+
+    arrays, info, _ = load_head(reference_head)
+    rc, out, _ = run_cli(capsys, "export-eagle3", reference_head, "--target", smollm2.onnx_path.parent, "-o",
+                         tmp_path / "e3")
+    assert rc == 0 and "reference checkpoint written" in out
+    t = load_file(str(tmp_path / "e3" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    vocab = arrays["vocab"]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == len(vocab) == 1024
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert cfg["dyncompile"]["openvino_layers"] == [1, 14, 26]
+    np.testing.assert_array_equal(t["d2t"] + np.arange(len(vocab)), vocab)
+    assert t["t2d"].dtype == np.bool_ and t["t2d"].sum() == len(vocab) and t["t2d"][vocab].all()
+    np.testing.assert_array_equal(t["fc.weight"], arrays["fuse.weight"])
+    for k in ("self_attn.q_proj.weight", "hidden_norm.weight", "mlp.down_proj.weight"):
+        np.testing.assert_array_equal(t[f"midlayer.{k}"], arrays[f"mid.{k}"])
+    tgt = ir.load(str(smollm2.onnx_path)).graph.initializers
+    np.testing.assert_array_equal(t["norm.weight"], tgt["model.norm.weight"].const_value.numpy())
+    np.testing.assert_array_equal(t["lm_head.weight"], tgt["lm_head.weight"].const_value.numpy()[vocab])  # (tied)
+    assert "embed_tokens.weight" not in t  # shared with the target at run time, as in the published heads
+    rc, _, err = run_cli(capsys, "export-eagle3", fused_head, "--target", smollm2.onnx_path.parent, "-o", tmp_path / "f")
+    assert rc == 2 and "fc layout" in err and "--layout reference" in err and not (tmp_path / "f").exists()
+    rc, _, err = run_cli(capsys, "export-eagle3", reference_head, "--target", smollm2.onnx_path.parent, "-o",
+                         tmp_path / "e3")
+    assert rc == 2 and "exists" in err and err.count("\n") == 1
 
 
 def test_eagle3_greedy_token_identical(fused_plan):

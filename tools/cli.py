@@ -9,6 +9,7 @@ Forms::
     dyncompile bench PLAN_DIR [ARGS]                           the harness of the plan's kind (from plan.json)
     dyncompile export HF_DIR -o FOLDER                         a Hugging Face folder -> Optimum-style ONNX folder
     dyncompile export-genai PLAN_DIR -o FOLDER                 a generation plan as an onnxruntime-genai folder
+    dyncompile export-eagle3 HEAD --target M -o FOLDER         an EAGLE-3 head as the reference checkpoint
     dyncompile route --candidates A/ B/ --calib F -o R/        a cascade / router over plans
     dyncompile serve PLAN_DIR...                               serve plans over HTTP (Ray Serve, OpenAI-compatible)
     dyncompile models list | build NAME                        real models -> ONNX (offline)
@@ -45,8 +46,8 @@ examples:
 
   dyncompile route --candidates minilm/ mpnet/ --calib movie-calib.jsonl --budget 1.0 -o routed/
 
-other commands (each has --help): inspect, run, serve, bench, route, export, export-genai, models, passes,
-  train-drafter
+other commands (each has --help): inspect, run, serve, bench, route, export, export-genai, export-eagle3, models,
+  passes, train-drafter
 Python API: dyncompile.compile(model, passes, output_dir), dyncompile.load(plan_dir, provider="cpu")
 """
 
@@ -359,6 +360,12 @@ def _export_genai(argv: list[str]) -> int:
     return export_main(argv)
 
 
+def _export_eagle3(argv: list[str]) -> int:
+    from dyncompile.tools.export_eagle3 import main as export_main
+
+    return export_main(argv)
+
+
 #: subcommand -> a function of its arguments (the compile form is the default, without a subcommand)
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "inspect": _parsed(_inspect_parser, _inspect),
@@ -367,6 +374,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "route": _parsed(_route_parser, _route),
     "export": _parsed(_export_parser, _export),
     "export-genai": _export_genai,
+    "export-eagle3": _export_eagle3,
     "serve": _serve,
     "models": _parsed(_models_parser, _models),
     "passes": _parsed(_passes_parser, _passes),

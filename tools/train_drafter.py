@@ -42,7 +42,11 @@ from typing import Any
 import numpy as np
 
 from dyncompile.errors import DataError
-from dyncompile.passes.speculative.eagle_drafter import HEAD_FORMAT, HEAD_FORMAT_FUSED  # what the pass reads
+from dyncompile.passes.speculative.eagle_drafter import (  # what the pass reads
+    HEAD_FORMAT,
+    HEAD_FORMAT_FUSED,
+    HEAD_FORMAT_REFERENCE,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +196,8 @@ def rollout(head: Any, base: Any, x: Any, feat: Any, steps: int) -> list[Any]:
     features. Step ``j >= 1`` reads ``(x[t+1+j], step j-1's output at t)`` at position ``t + j`` and attends as
     :func:`_ttt_mask` says: the ``j``-th drafted token after position ``t`` at run time. Returns one ``[B, T-1, H]``
     tensor per step (rows ``t >= T-1-j`` of step ``j`` run past the text and are padding). ``head``: ``fc`` and
-    ``layer``; ``base``: the target's inner model (embeddings and rotary tables)."""
+    ``layer``, or ``mid`` (:class:`ReferenceMidLayer`); ``base``: the target's inner model (embeddings and rotary
+    tables)."""
     import torch
 
     b, t = x.shape
@@ -203,15 +208,66 @@ def rollout(head: Any, base: Any, x: Any, feat: Any, steps: int) -> list[Any]:
         tok = emb[:, 1 + j :]
         if j:
             tok = torch.cat([tok, tok.new_zeros(b, j, tok.shape[-1])], dim=1)
-        blocks.append(head["fc"](torch.cat([tok, feat], dim=-1)))
-        h = torch.cat(blocks, dim=1)
         pos = torch.cat([torch.arange(n, device=x.device) + i for i in range(j + 1)])[None].expand(b, -1)
         mask = None if j == 0 else _ttt_mask(n, j + 1, x.device)[None, None]
-        out = head["layer"](h, attention_mask=mask, position_ids=pos, position_embeddings=base.rotary_emb(h, pos),
-                            use_cache=False)
+        if "mid" in head:  # the reference layout: the token and the feature enter the layer side by side
+            blocks.append((tok, feat))
+            e, h = (torch.cat([blk[i] for blk in blocks], dim=1) for i in (0, 1))
+            out = head["mid"](e, h, attention_mask=mask, position_embeddings=base.rotary_emb(h, pos))
+        else:
+            blocks.append(head["fc"](torch.cat([tok, feat], dim=-1)))
+            h = torch.cat(blocks, dim=1)
+            out = head["layer"](h, attention_mask=mask, position_ids=pos, position_embeddings=base.rotary_emb(h, pos),
+                                use_cache=False)
         feat = (out[0] if isinstance(out, tuple) else out)[:, j * n :]
         preds.append(feat)
     return preds
+
+
+#: the reference layer's tensors that stand in for a tensor of the same name in the target's last layer (the
+#: ``eagle-drafter`` pass finds those by fingerprint); ``hidden_norm`` stands in for the target's ``input_layernorm``
+_REF_SAME = ("self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "post_attention_layernorm.weight")
+_REF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+def reference_mid_layer(layer: Any, hidden: int) -> Any:
+    """EAGLE-3's reference draft layer (``midlayer`` of the EAGLE-3 / AngelSlim / SpecForge checkpoints that vLLM,
+    SGLang and OpenVINO GenAI run), initialised from the target's last decoder layer ``layer``::
+
+        x = [input_layernorm(embedding), hidden_norm(h)]        # 2H wide
+        h = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
+        h = h + mlp(post_attention_layernorm(h))
+
+    ``q/k/v_proj`` read 2H and carry no bias (also for targets whose attention has one, as in the reference); the
+    embedding half starts at zero, the feature half as the target's projection, the rest as the target's layer."""
+    import copy
+
+    import torch
+
+    class ReferenceMidLayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = copy.deepcopy(layer.self_attn).float()
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(self.self_attn, name)
+                new = torch.nn.Linear(2 * hidden, old.out_features, bias=False)
+                with torch.no_grad():
+                    new.weight.zero_()
+                    new.weight[:, hidden:] = old.weight.float()
+                setattr(self.self_attn, name, new)
+            self.mlp = copy.deepcopy(layer.mlp).float()
+            self.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm).float()
+            self.input_layernorm = copy.deepcopy(layer.input_layernorm).float()
+            self.hidden_norm = copy.deepcopy(layer.input_layernorm).float()
+
+        def forward(self, emb, h, *, attention_mask, position_embeddings):
+            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+            h = h + self.self_attn(hidden_states=x, position_embeddings=position_embeddings,
+                                   attention_mask=attention_mask)[0]
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+    return ReferenceMidLayer()
 
 
 def feature_layers_for(num_layers: int) -> list[int]:
@@ -267,6 +323,7 @@ def train_drafter(
     p_weight: float = 0.1,
     noise: float | None = None,
     features: str = "top",
+    layout: str = "fc",
     ttt_steps: int = 1,
     ttt_decay: float = 0.8,
     init: str | Path | None = None,
@@ -283,7 +340,9 @@ def train_drafter(
     projection of three of the target's layers (:func:`feature_layers_for`); the loss is the distribution loss
     alone, over ``ttt_steps`` draft steps unrolled on the head's own predicted features (training-time test: step
     ``j`` feeds step ``j-1``'s output as the feature, attends as a drafted token does at run time (:func:`_ttt_mask`),
-    and is weighted ``ttt_decay ** j``). ``init=HEAD_DIR`` continues from a saved head (same kind, same target):
+    and is weighted ``ttt_decay ** j``). ``layout="reference"`` (EAGLE-3 only) trains EAGLE-3's reference draft
+    layer (:func:`reference_mid_layer`) instead of ``fc`` + a copy of the target's layer: the layout other runtimes
+    load (``dyncompile export-eagle3`` writes it as their checkpoint). ``init=HEAD_DIR`` continues from a saved head (same kind, same target):
     training across several runs, the vocabulary and history carried over. ``eval_every=N`` measures held-out
     agreement per draft step every ``N`` steps (the curve in ``eagle_head.json``) and saves the head then too, so a
     run stopped from outside keeps its last checkpoint."""
@@ -294,12 +353,16 @@ def train_drafter(
         raise DataError(f"features must be 'top' or 'fused', not {features!r}")
     if ttt_steps < 1 or (features == "top" and ttt_steps != 1):
         raise DataError(f"ttt_steps must be >= 1 (and 1 for features='top'), got {ttt_steps}")
+    if layout not in ("fc", "reference") or (layout == "reference" and features != "fused"):
+        raise DataError(f"layout must be 'fc' or 'reference' (the latter with features='fused', EAGLE-3), got "
+                        f"layout={layout!r} with features={features!r}")
     fused = features == "fused"
+    reference = layout == "reference"
     if noise is None:
         noise = 0.0 if fused else 0.2
     t_start = time.perf_counter()
     # a head of another kind is refused before the target is loaded (seconds on CPU)
-    prev = _load_init(init, fused) if init else None
+    prev = _load_init(init, fused, reference) if init else None
     target = Path(target).expanduser()
     torch.manual_seed(seed)
     dev = torch.device(device)
@@ -355,12 +418,15 @@ def train_drafter(
     layer_orig = {k: v.detach().cpu().numpy().copy() for k, v in layer.state_dict().items()}
     for p in layer.parameters():
         p.requires_grad_(True)
-    fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
-    modules = {"fc": fc, "layer": layer}
-    with torch.no_grad():  # start as "take the feature" (identity on the feature half)
-        fc.weight.zero_()
-        fc.weight[:, hidden:] = torch.eye(hidden)
-        fc.bias.zero_()
+    if reference:
+        modules = {"mid": reference_mid_layer(base.layers[last_idx], hidden)}
+    else:
+        fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+        modules = {"fc": fc, "layer": layer}
+        with torch.no_grad():  # start as "take the feature" (identity on the feature half)
+            fc.weight.zero_()
+            fc.weight[:, hidden:] = torch.eye(hidden)
+            fc.bias.zero_()
     if fused:  # fuse: [h_low, h_mid, h_high] -> H, starting as "take the high tap"
         fuse = torch.nn.Linear(len(taps) * hidden, hidden, bias=False)
         with torch.no_grad():
@@ -439,12 +505,12 @@ def train_drafter(
             "coverage": coverage, "ids": ids, "corpus": corpus, "train_w": train_w, "eval_w": eval_w,
             "held_out": held_out,
             "seq_len": seq_len, "distilled": distilled, "distill_prompt": distill_prompt, "distill_new": distill_new,
-            "taps": taps, "layer_orig": layer_orig, "target": target}
+            "taps": taps, "layer_orig": layer_orig, "target": target, "reference": reference}
 
     def save(done, ev_arr):
         info = _write_head(out, head, meta, {
             "steps": done, "planned_steps": steps, "batch": batch, "lr": lr, "p_weight": p_weight, "noise": noise,
-            "seed": seed, "features": features, "ttt_steps": ttt_steps, "ttt_decay": ttt_decay,
+            "seed": seed, "features": features, "layout": layout, "ttt_steps": ttt_steps, "ttt_decay": ttt_decay,
             "tokens_seen": tokens_seen, "continued_from": prev["info"]["training"] if prev else None,
             "held_out_changed": held_out_changed,
             "device": str(dev), "torch": torch.__version__, "seconds": round(time.perf_counter() - t_start, 1)},
@@ -493,7 +559,7 @@ def train_drafter(
     return info
 
 
-def _load_init(init: str | Path, fused: bool) -> dict[str, Any]:
+def _load_init(init: str | Path, fused: bool, reference: bool = False) -> dict[str, Any]:
     d = Path(init).expanduser()
     try:
         info = json.loads((d / "eagle_head.json").read_text(encoding="utf-8"))
@@ -504,6 +570,9 @@ def _load_init(init: str | Path, fused: bool) -> dict[str, Any]:
     if ("fuse.weight" in arrays) != fused:
         raise DataError(f"--init {d} is a {'fused' if 'fuse.weight' in arrays else 'top'}-feature head; "
                         "continue it with the same --features")
+    if any(k.startswith("mid.") for k in arrays) != reference:
+        raise DataError(f"--init {d} has the {'fc' if reference else 'reference'} layout; continue it with the same "
+                        "--layout")
     return {"arrays": arrays, "info": info}
 
 
@@ -527,21 +596,29 @@ def _write_head(out: Path, head: Any, meta: dict[str, Any], training: dict[str, 
     out.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, np.ndarray] = {"vocab": meta["vocab"].astype(np.int64)}
     params = {}
+    orig = meta["layer_orig"]
     for name, mod in head.items():
         for k, v in mod.state_dict().items():
             arrays[f"{name}.{k}"] = v.detach().cpu().float().numpy()
-            if name == "layer":
-                params[k] = {"shape": list(v.shape), "replaces": fingerprint(meta["layer_orig"][k])}
+            if name == "layer" or (name == "mid" and k in _REF_SAME):
+                params[k] = {"shape": list(v.shape), "replaces": fingerprint(orig[k])}
+            elif name == "mid" and k == "hidden_norm.weight":
+                params[k] = {"shape": list(v.shape), "replaces": fingerprint(orig["input_layernorm.weight"])}
+            elif name == "mid" and k in _REF_QKV:  # 2H wide: found by the target tensor it widens (and its bias)
+                bias = orig.get(k.removesuffix("weight") + "bias")
+                params[k] = {"shape": list(v.shape), "widens": fingerprint(orig[k]),
+                             "drops_bias": None if bias is None else fingerprint(bias)}
     tmp = out / ".eagle_head.npz.tmp"
     with open(tmp, "wb") as fh:
         np.savez(fh, **arrays)
     os.replace(tmp, out / "eagle_head.npz")
     cfg, corpus = meta["cfg"], meta["corpus"]
     info = {
-        "format": HEAD_FORMAT_FUSED if meta["taps"] else HEAD_FORMAT,
+        "format": HEAD_FORMAT_REFERENCE if meta["reference"] else HEAD_FORMAT_FUSED if meta["taps"] else HEAD_FORMAT,
         "target": meta["target"].name,
         "target_config": {"hidden_size": meta["hidden"], "num_layers": meta["last_idx"] + 1,
-                          "vocab_size": meta["vocab_size"], "model_type": cfg.model_type},
+                          "vocab_size": meta["vocab_size"], "model_type": cfg.model_type,
+                          "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6))},
         "feature_layers": meta["taps"],
         "layer_params": params,
         "draft_vocab": int(len(meta["vocab"])),
@@ -605,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--features", choices=("top", "fused"), default="top",
                    help="eagle: top = the top layer's feature (EAGLE-1/2, default); fused = EAGLE-3: a trained "
                    "projection of a low, a middle and a high layer's features, distribution loss only")
+    p.add_argument("--layout", choices=("fc", "reference"), default="fc",
+                   help="eagle, fused: fc = fc([embedding, feature]) + a copy of the target's last layer (default); "
+                   "reference = EAGLE-3's reference draft layer (embedding and feature side by side into a 2H-wide "
+                   "attention), the checkpoint layout vLLM, SGLang and OpenVINO GenAI load (`dyncompile export-eagle3`)")
     p.add_argument("--ttt-steps", type=int, default=1, metavar="K",
                    help="eagle, fused: training-time test, K draft steps unrolled on the head's own predictions "
                    "(EAGLE-3 uses several; default %(default)s)")
@@ -647,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
                          batch=args.batch, seq_len=args.seq_len, lr=args.lr, draft_vocab=args.draft_vocab,
                          max_tokens=args.max_tokens, distill_sequences=args.distill, seed=args.seed,
                          max_seconds=args.max_seconds, progress=not args.quiet, features=args.features,
-                         ttt_steps=args.ttt_steps, init=args.init, eval_every=args.eval_every)
+                         layout=args.layout, ttt_steps=args.ttt_steps, init=args.init, eval_every=args.eval_every)
     print(f"head written to {args.out}: draft agreement per step {info['eval']['ttt_agreement']} on held-out "
           f"windows, draft vocabulary {info['draft_vocab']} ({info['draft_vocab_coverage']:.1%} of corpus tokens), "
           f"{info['training']['seconds']} s")

@@ -23,6 +23,13 @@ call (:class:`ExposeFeaturesPass` with ``taps``/``fuse``), so the drafter graph,
 the runtime are the same for both kinds: while drafting, the head's own output feeds the next step, as it was
 trained to (training-time test).
 
+EAGLE-3 heads in the reference layout (``dyncompile.eagle_head/v3``, ``train-drafter --layout reference``; the
+checkpoints vLLM, SGLang and OpenVINO GenAI run) have no ``fc``: the feature ``f`` is the layer's residual stream
+and the attention reads ``[input_layernorm(embedding), hidden_norm(f)]``, 2H wide. The graph is the same cut of
+the target's last layer, with the feature in place of the layer input, the norm chain in front of the attention
+cloned for the embedding, and ``q/k/v`` widened to 2H (a bias the target's projection has is zeroed: the
+reference layout has none).
+
 The pass also exposes the target's features (:class:`ExposeFeaturesPass`), and records the head's
 provenance in ``metadata_props["dyncompile.eagle"]``; the drafter graph and its vocabulary go to
 ``model.meta["dyncompile.eagle.model"]`` for the ``speculative`` pass and the emitter.
@@ -55,6 +62,12 @@ __all__ = ["EAGLE_FORMAT", "FEATURE_INPUT", "HIDDEN_OUTPUT", "EagleDrafterPass",
 EAGLE_FORMAT = "dyncompile.eagle/v1"
 HEAD_FORMAT = "dyncompile.eagle_head/v1"
 HEAD_FORMAT_FUSED = "dyncompile.eagle_head/v2"  # EAGLE-3: fused low/middle/high features (``fuse.weight``)
+HEAD_FORMAT_REFERENCE = "dyncompile.eagle_head/v3"  # EAGLE-3 in the reference layout (``mid.*``: a 2H-wide attention)
+_FORMATS = (HEAD_FORMAT, HEAD_FORMAT_FUSED, HEAD_FORMAT_REFERENCE)
+_REF_KEYS = tuple(f"mid.{k}" for k in (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+    "hidden_norm.weight", "post_attention_layernorm.weight"))
 FEATURE_INPUT = "eagle_features"
 HIDDEN_OUTPUT = "eagle_hidden"
 
@@ -72,17 +85,17 @@ def load_head(head_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, An
         info = json.loads(meta.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DrafterError(f"{meta} is not valid JSON ({e}); retrain the head") from None
-    if info.get("format") not in (HEAD_FORMAT, HEAD_FORMAT_FUSED):
-        raise DrafterError(f"{meta}: format {info.get('format')!r}, expected {HEAD_FORMAT!r} or {HEAD_FORMAT_FUSED!r}; "
-                           "retrain the head")
+    if info.get("format") not in _FORMATS:
+        raise DrafterError(f"{meta}: format {info.get('format')!r}, expected one of {list(_FORMATS)}; retrain the head")
     sha = hashlib.sha256(npz.read_bytes()).hexdigest()
     try:
         with np.load(npz, allow_pickle=False) as z:
             arrays = {k: np.asarray(z[k]) for k in z.files}
     except (ValueError, OSError) as e:
         raise DrafterError(f"{npz} cannot be read as an npz of arrays ({e}); retrain the head") from None
-    fused = info["format"] == HEAD_FORMAT_FUSED
-    for k in ("fc.weight", "fc.bias", "vocab", *(("fuse.weight",) if fused else ())):
+    fused = info["format"] != HEAD_FORMAT
+    keys = _REF_KEYS if info["format"] == HEAD_FORMAT_REFERENCE else ("fc.weight", "fc.bias")
+    for k in ("vocab", *keys, *(("fuse.weight",) if fused else ())):
         if k not in arrays:
             raise DrafterError(f"{npz} lacks {k!r}; retrain the head")
     taps = info.get("feature_layers")
@@ -93,7 +106,7 @@ def load_head(head_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, An
 
 def expose_features_for(arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ExposeFeaturesPass:
     """The target-side pass a head needs: the top-layer feature (EAGLE-1/2) or the fused taps (EAGLE-3)."""
-    if info.get("format") == HEAD_FORMAT_FUSED:
+    if info.get("format") in (HEAD_FORMAT_FUSED, HEAD_FORMAT_REFERENCE):
         return ExposeFeaturesPass(taps=info["feature_layers"], fuse=arrays["fuse.weight"])
     return ExposeFeaturesPass()
 
@@ -105,8 +118,11 @@ def _match(fp: list[float], arr: np.ndarray, rtol: float = 1e-4) -> bool:
 
 
 def _swap_layer_weights(g: ir.Graph, layer_nodes: set[str], params: dict[str, Any],
-                        arrays: Mapping[str, np.ndarray]) -> None:
-    """Give the last layer's nodes the head's weights, each matched by the fingerprint of the tensor it replaces."""
+                        arrays: Mapping[str, np.ndarray], prefix: str = "layer.") -> None:
+    """Give the last layer's nodes the head's weights (``arrays[prefix + name]``), each by the tensor it replaces.
+
+    Each replaced tensor is found by the fingerprint the trainer recorded of it.
+    """
     todo = dict(params)
     for node in [n for n in g if n.name in layer_nodes]:
         for v in node.inputs:
@@ -117,7 +133,7 @@ def _swap_layer_weights(g: ir.Graph, layer_nodes: set[str], params: dict[str, An
                         and _match(p["replaces"], arr)), None)
             if hit is None:
                 continue
-            new = np.asarray(arrays[f"layer.{hit}"], np.float32)  # Hugging Face layout: Linear weights [out, in]
+            new = np.asarray(arrays[f"{prefix}{hit}"], np.float32)  # Hugging Face layout: Linear weights [out, in]
             if new.ndim == 2 and not (node.op_type == "Gemm" and node.attributes.get_int("transB", 0)):
                 new = new.T  # MatMul(x, W) reads [in, out] (also when square: the shape cannot tell)
             if new.shape != arr.shape:
@@ -135,33 +151,10 @@ def _swap_layer_weights(g: ir.Graph, layer_nodes: set[str], params: dict[str, An
         )
 
 
-def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ir.Model:
-    """The drafter graph (see the module docstring); ``target`` is not modified."""
-    spec = decoder_spec(target, "model", what="target model")
-    d = target.clone()
-    g = d.graph
-    for k in [k for k in d.metadata_props if k.startswith("dyncompile.")]:
-        del d.metadata_props[k]
-    s = layer_structure(d, "eagle-drafter")
-    num = s.num_layers
-    cfg = info.get("target_config") or {}
-    if cfg.get("num_layers") not in (None, num):
-        raise DrafterError(f"the EAGLE head was trained for a {cfg['num_layers']}-layer target; this one has {num} layers")
-    values = ir.convenience.create_value_mapping(g)
-    emb, h_in, h_out = (values[s.cut_for_layer(k).name] for k in (0, num - 1, num))
-    hidden = int(h_out.shape[-1]) if h_out.shape is not None and isinstance(h_out.shape[-1], int) else None
-    w_fc = np.asarray(arrays["fc.weight"], np.float32)
-    if hidden is None or w_fc.shape != (hidden, 2 * hidden):
-        raise DrafterError(f"the EAGLE head's fc is {list(w_fc.shape)}, the target's hidden size is {hidden}; "
-                           "this head was trained for another model")
-
-    # swap the last layer's weights for the head's (matched by the fingerprint of the tensor each replaces)
-    layer_nodes = set(s.layers[-1].node_names)
-    _swap_layer_weights(g, layer_nodes, dict(info.get("layer_params") or {}), arrays)
-
-    # x = [embedding(ids), features] @ fc.W^T + fc.b replaces the last layer's input
-    f_in = ir.Value(name=FEATURE_INPUT, shape=ir.Shape(["batch", "seq", hidden]), type=ir.TensorType(ir.DataType.FLOAT))
-    g.inputs.append(f_in)
+def _fc_layer(g: ir.Graph, layer_nodes: set[str], params: dict[str, Any], arrays: Mapping[str, np.ndarray],
+              emb: ir.Value, h_in: ir.Value, f_in: ir.Value, hidden: int, w_fc: np.ndarray) -> None:
+    """The ``fc`` layout: the head's weights in the last layer, ``x = [embedding(ids), f] @ fc.W^T + fc.b`` as its input."""
+    _swap_layer_weights(g, layer_nodes, params, arrays)
     wv = ir.val("eagle.fc.weight", const_value=ir.tensor(np.ascontiguousarray(w_fc.T), name="eagle.fc.weight"))
     bv = ir.val("eagle.fc.bias", const_value=ir.tensor(np.asarray(arrays["fc.bias"], np.float32), name="eagle.fc.bias"))
     g.register_initializer(wv)
@@ -178,6 +171,114 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
     for u in list(h_in.uses()):
         if u.node.name in layer_nodes:
             u.node.replace_input_with(u.idx, add.outputs[0])
+
+
+def _initializer_matching(node: ir.Node, fp: list[float]) -> tuple[int, ir.Value] | None:
+    """(input index, value) of the initializer input of ``node`` whose fingerprint is ``fp``."""
+    for i, v in enumerate(node.inputs):
+        if v is not None and v.const_value is not None and v.is_initializer() and _match(fp, v.const_value.numpy()):
+            return i, v
+    return None
+
+
+def _reference_layer(g: ir.Graph, layer_nodes: set[str], params: dict[str, Any], arrays: Mapping[str, np.ndarray],
+                     emb: ir.Value, h_in: ir.Value, f_in: ir.Value, hidden: int) -> None:
+    """The reference layout in the cut last layer (see the module docstring).
+
+    ``f`` is the layer's input and residual, the norm chain in front of q/k/v is cloned for the embedding, and
+    q/k/v read ``[norm_e(emb), norm_h(f)]``.
+    """
+    qkv = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+    found: dict[str, tuple[ir.Node, int]] = {}
+    for node in [n for n in g if n.name in layer_nodes and n.op_type == "MatMul"]:
+        for k in qkv:
+            hit = _initializer_matching(node, params[k]["widens"])
+            if hit is not None and k not in found:
+                found[k] = (node, hit[0])
+    if len(found) != 3 or len({n.inputs[1 - i] for n, i in found.values()}) != 1:
+        raise DrafterError("the EAGLE head's q/k/v projections match no MatMuls of the target's last layer reading one "
+                           "normalised input: the head was trained for another model; retrain with `dyncompile "
+                           "train-drafter --layout reference`")
+    first, wi0 = found[qkv[0]]
+    normed = first.inputs[1 - wi0]
+    # the norm chain: the layer's nodes between its input and the normalised value q/k/v read
+    chain = [n for n in g if n.name in layer_nodes and n in backward_slice([normed])]
+    if not chain or not any(v is h_in for n in chain for v in n.inputs):
+        raise DrafterError("cannot find the norm in front of the last layer's attention (an unknown layer shape)")
+    # 1. the feature is the layer's input and residual; the existing chain becomes hidden_norm(f)
+    for u in list(h_in.uses()):
+        if u.node.name in layer_nodes:
+            u.node.replace_input_with(u.idx, f_in)
+    _swap_layer_weights(g, layer_nodes, {k: p for k, p in params.items() if "replaces" in p}, arrays, prefix="mid.")
+    # 2. the same chain on the embedding, with input_layernorm's weight
+    w_e = ir.val("eagle.input_layernorm.weight", const_value=ir.tensor(
+        np.asarray(arrays["mid.input_layernorm.weight"], np.float32), name="eagle.input_layernorm.weight"))
+    g.register_initializer(w_e)
+    mapping: dict[ir.Value, ir.Value] = {f_in: emb}
+    clones = []
+    for n in chain:
+        ins = [mapping.get(v, v) for v in n.inputs]
+        ins = [w_e if v is not None and v.name == "eagle.hidden_norm.weight" else v for v in ins]
+        c = ir.Node(n.domain, n.op_type, ins, attributes=list(n.attributes.values()), num_outputs=len(n.outputs),
+                    name=f"eagle.emb_norm.{len(clones)}")
+        for o, co in zip(n.outputs, c.outputs):
+            co.name, co.dtype, co.shape = f"eagle.emb_norm_{len(clones)}_{o.name}", o.dtype, o.shape
+            mapping[o] = co
+        clones.append(c)
+    if not any(v is w_e for c in clones for v in c.inputs):
+        raise DrafterError("the norm in front of the last layer's attention has no weight the head could replace")
+    cat = ir.node("Concat", [mapping[normed], normed], attributes={"axis": -1}, name="eagle.concat")
+    cat.outputs[0].name, cat.outputs[0].dtype = "eagle.concat_out", ir.DataType.FLOAT
+    cat.outputs[0].shape = ir.Shape(["batch", "seq", 2 * hidden])
+    g.insert_after(normed.producer(), [*clones, cat])
+    # 3. q/k/v read the 2H input; a bias the target's projection adds is zeroed (the reference layout has none)
+    for k, (node, wi) in found.items():
+        w = np.asarray(arrays[f"mid.{k}"], np.float32)  # [out, 2H]
+        old = node.inputs[wi].const_value.numpy()
+        if w.shape[1] != 2 * hidden or w.shape[0] not in old.shape:
+            raise DrafterError(f"the EAGLE head's {k} is {list(w.shape)}; expected [{max(old.shape)}, {2 * hidden}]")
+        nv = ir.val(f"eagle.{k}", const_value=ir.tensor(np.ascontiguousarray(w.T), name=f"eagle.{k}"))
+        g.register_initializer(nv)
+        node.replace_input_with(wi, nv)
+        node.replace_input_with(1 - wi, cat.outputs[0])
+        bias_fp = params[k].get("drops_bias")
+        for u in list(node.outputs[0].uses()) if bias_fp else []:
+            hit = _initializer_matching(u.node, bias_fp) if u.node.op_type == "Add" else None
+            if hit is not None:
+                zv = ir.val(f"eagle.{k}.zero_bias", const_value=ir.tensor(np.zeros_like(hit[1].const_value.numpy()),
+                                                                         name=f"eagle.{k}.zero_bias"))
+                g.register_initializer(zv)
+                u.node.replace_input_with(hit[0], zv)
+
+
+def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> ir.Model:
+    """The drafter graph (see the module docstring); ``target`` is not modified."""
+    spec = decoder_spec(target, "model", what="target model")
+    d = target.clone()
+    g = d.graph
+    for k in [k for k in d.metadata_props if k.startswith("dyncompile.")]:
+        del d.metadata_props[k]
+    s = layer_structure(d, "eagle-drafter")
+    num = s.num_layers
+    cfg = info.get("target_config") or {}
+    if cfg.get("num_layers") not in (None, num):
+        raise DrafterError(f"the EAGLE head was trained for a {cfg['num_layers']}-layer target; this one has {num} layers")
+    values = ir.convenience.create_value_mapping(g)
+    emb, h_in, h_out = (values[s.cut_for_layer(k).name] for k in (0, num - 1, num))
+    hidden = int(h_out.shape[-1]) if h_out.shape is not None and isinstance(h_out.shape[-1], int) else None
+    reference = info.get("format") == HEAD_FORMAT_REFERENCE
+    w_fc = np.asarray(arrays["mid.self_attn.o_proj.weight" if reference else "fc.weight"], np.float32)
+    if hidden is None or w_fc.shape[0] != hidden or (not reference and w_fc.shape != (hidden, 2 * hidden)):
+        raise DrafterError(f"the EAGLE head is for hidden size {w_fc.shape[0]}, the target's is {hidden}; "
+                           "this head was trained for another model")
+    f_in = ir.Value(name=FEATURE_INPUT, shape=ir.Shape(["batch", "seq", hidden]), type=ir.TensorType(ir.DataType.FLOAT))
+    g.inputs.append(f_in)
+    layer_nodes = set(s.layers[-1].node_names)
+    params = dict(info.get("layer_params") or {})
+    if reference:
+        _reference_layer(g, layer_nodes, params, arrays, emb, h_in, f_in, hidden)
+    else:
+        _fc_layer(g, layer_nodes, params, arrays, emb, h_in, f_in, hidden, w_fc)
 
     # outputs: logits, the predicted feature, the last layer's present pair
     logits_v = next(v for v in g.outputs if v.name == spec["logits"])
