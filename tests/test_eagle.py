@@ -571,10 +571,16 @@ def test_fused_rollout_is_what_the_drafter_computes_at_run_time(layout, request,
     assert np.abs(preds[1][P - 1] - preds[0][P]).max() > 1e-2 * np.abs(preds[0][P]).max()
 
 
-def test_reference_layout_head_record_and_drafter_graph(reference_head, reference_plan, smollm2):
+def test_reference_layout_head_record_and_drafter_graph(reference_head, reference_plan, smollm2, hf_target):
     """The reference layout's record (q/k/v found by the target tensors they widen, the norm that hidden_norm stands
-    in for) and its drafter: q/k/v 2H wide over one Concat of two norm chains, no fc, checker-valid."""
+    in for) and its drafter: q/k/v 2H wide over one Concat of two norm chains, no fc, checker-valid. Every tensor of
+    the layer trained, also those copied from the frozen target (o_proj, the MLP, the norms)."""
     arrays, info, _ = load_head(reference_head)
+    last = hf_target.model.layers[-1]
+    for k, t in (("self_attn.o_proj.weight", last.self_attn.o_proj.weight), ("mlp.down_proj.weight", last.mlp.down_proj.weight),
+                 ("post_attention_layernorm.weight", last.post_attention_layernorm.weight),
+                 ("hidden_norm.weight", last.input_layernorm.weight)):
+        assert np.abs(arrays[f"mid.{k}"] - t.detach().float().numpy()).max() > 1e-6, k  # moved off the target's
     assert info["format"] == "dyncompile.eagle_head/v3" and info["training"]["layout"] == "reference"
     assert not {"fc.weight", "fc.bias"} & set(arrays) and arrays["mid.self_attn.q_proj.weight"].shape == (576, 1152)
     lp = info["layer_params"]

@@ -25,7 +25,9 @@ predicted features with the attention pattern of drafted tokens at run time (:fu
 Writes ``HEAD_DIR/eagle_head.npz`` (fc, the layer's trained tensors by Hugging Face name, each with the
 fingerprint of the target tensor it replaces, the draft vocabulary) and ``eagle_head.json`` (provenance,
 corpus, held-out files, losses, draft accuracy on a held-out slice). The ``eagle-drafter`` pass builds the
-ONNX drafter from them. PyTorch + transformers are needed (the ``export`` extra); torch is imported here only.
+ONNX drafter from them. ``--layout reference`` trains EAGLE-3's reference draft layer instead (``mid.*``:
+:func:`reference_mid_layer`), the layout ``dyncompile export-eagle3`` writes for other runtimes. PyTorch +
+transformers are needed (the ``export`` extra); torch is imported here only.
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ def rollout(head: Any, base: Any, x: Any, feat: Any, steps: int) -> list[Any]:
     features. Step ``j >= 1`` reads ``(x[t+1+j], step j-1's output at t)`` at position ``t + j`` and attends as
     :func:`_ttt_mask` says: the ``j``-th drafted token after position ``t`` at run time. Returns one ``[B, T-1, H]``
     tensor per step (rows ``t >= T-1-j`` of step ``j`` run past the text and are padding). ``head``: ``fc`` and
-    ``layer``, or ``mid`` (:class:`ReferenceMidLayer`); ``base``: the target's inner model (embeddings and rotary
+    ``layer``, or ``mid`` (:func:`reference_mid_layer`); ``base``: the target's inner model (embeddings and rotary
     tables)."""
     import torch
 
@@ -260,6 +262,8 @@ def reference_mid_layer(layer: Any, hidden: int) -> Any:
             self.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm).float()
             self.input_layernorm = copy.deepcopy(layer.input_layernorm).float()
             self.hidden_norm = copy.deepcopy(layer.input_layernorm).float()
+            for p in self.parameters():  # the copies come from the frozen target: every tensor of the layer trains
+                p.requires_grad_(True)
 
         def forward(self, emb, h, *, attention_mask, position_embeddings):
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
@@ -342,8 +346,8 @@ def train_drafter(
     ``j`` feeds step ``j-1``'s output as the feature, attends as a drafted token does at run time (:func:`_ttt_mask`),
     and is weighted ``ttt_decay ** j``). ``layout="reference"`` (EAGLE-3 only) trains EAGLE-3's reference draft
     layer (:func:`reference_mid_layer`) instead of ``fc`` + a copy of the target's layer: the layout other runtimes
-    load (``dyncompile export-eagle3`` writes it as their checkpoint). ``init=HEAD_DIR`` continues from a saved head (same kind, same target):
-    training across several runs, the vocabulary and history carried over. ``eval_every=N`` measures held-out
+    load (``dyncompile export-eagle3`` writes it as their checkpoint). ``init=HEAD_DIR`` continues from a saved
+    head (same kind, same target): training across several runs, the vocabulary and history carried over. ``eval_every=N`` measures held-out
     agreement per draft step every ``N`` steps (the curve in ``eagle_head.json``) and saves the head then too, so a
     run stopped from outside keeps its last checkpoint."""
     import torch
