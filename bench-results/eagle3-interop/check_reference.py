@@ -63,7 +63,7 @@ else:
     model = LlamaEagle3ForCausalLM.from_pretrained(a, config=AutoConfig.from_pretrained(a)).eval()
     with safe_open(str(model_dir / "hf" / "model.safetensors"), framework="pt") as f:
         model.model.embed_tokens.weight.data[:] = f.get_tensor("model.embed_tokens.weight")
-    z = np.load(out)
+    z = np.load(out, allow_pickle=False)
     with torch.no_grad():
         ref = model(input_ids=torch.as_tensor(z["ids"])[None], hidden_states=torch.as_tensor(z["raw"])[None],
                     use_cache=False).logits[0].numpy()
