@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dyncompile.errors import DataError
+from dyncompile.io import atomic_output_dir
 from dyncompile.passes.speculative.eagle_drafter import HEAD_FORMAT_REFERENCE, load_head
 
 logger = logging.getLogger(__name__)
@@ -54,12 +54,12 @@ def _target_tensors(hf: Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     else:
         where = {n: "model.safetensors" for n in names}
     out: dict[str, np.ndarray] = {}
-    for n in names:
-        if n not in where:
-            continue
-        with safe_open(str(hf / where[n]), framework="numpy") as f:
-            if n in f.keys():  # noqa: SIM118 - safe_open has keys(), not __contains__
-                out[n] = np.asarray(f.get_tensor(n), np.float32)
+    for file in sorted({where[n] for n in names if n in where}):  # each file opened once
+        with safe_open(str(hf / file), framework="numpy") as f:
+            present = set(f.keys())
+            for n in names:
+                if where.get(n) == file and n in present:
+                    out[n] = np.asarray(f.get_tensor(n), np.float32)
     return out
 
 
@@ -117,17 +117,9 @@ def export_eagle3(head_dir: str | Path, target_dir: str | Path, out: str | Path)
                        "openvino_layers": [t - 1 for t in taps], "eval": info.get("eval")},
     })
     cfg.setdefault("head_dim", int(tcfg["hidden_size"]) // int(tcfg["num_attention_heads"]))
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_output_dir(out, protect=(Path(head_dir).expanduser(), hf)) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, out)
-    except BaseException:
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
-        raise
     return out
 
 

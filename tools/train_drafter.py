@@ -411,20 +411,21 @@ def train_drafter(
     coverage = float(counts[vocab].sum() / max(1, counts.sum()))
     vocab_t = torch.as_tensor(vocab, device=dev)
 
-    # --- the head: [fuse +] fc + a copy of the target's last decoder layer ----------------------------
+    # --- the head: [fuse +] fc + a copy of the target's last decoder layer, or the reference layer --------
     import copy
 
     base = model.model
     hidden = int(cfg.hidden_size)
     last_idx = len(base.layers) - 1
     taps = feature_layers_for(last_idx + 1) if fused else []
-    layer = copy.deepcopy(base.layers[last_idx]).float()
-    layer_orig = {k: v.detach().cpu().numpy().copy() for k, v in layer.state_dict().items()}
-    for p in layer.parameters():
-        p.requires_grad_(True)
+    target_layer = base.layers[last_idx]
+    layer_orig = {k: v.detach().float().cpu().numpy().copy() for k, v in target_layer.state_dict().items()}
     if reference:
-        modules = {"mid": reference_mid_layer(base.layers[last_idx], hidden)}
+        modules = {"mid": reference_mid_layer(target_layer, hidden)}
     else:
+        layer = copy.deepcopy(target_layer).float()
+        for p in layer.parameters():
+            p.requires_grad_(True)
         fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
         modules = {"fc": fc, "layer": layer}
         with torch.no_grad():  # start as "take the feature" (identity on the feature half)

@@ -11,8 +11,8 @@
 # The corpus is that machine's CPython standard library minus HELD_OUT (train_drafter's default).
 set -euo pipefail
 REPO=$PWD
-W=${WORK:-/tmp/e3w}
-O=${OUT:-/tmp/out}
+W=${WORK:-${TMPDIR:-/tmp}/e3w}
+O=${OUT:-${TMPDIR:-/tmp}/out}
 mkdir -p "$W" "$O"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 case "${1:-}" in

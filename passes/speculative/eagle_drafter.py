@@ -151,10 +151,18 @@ def _swap_layer_weights(g: ir.Graph, layer_nodes: set[str], params: dict[str, An
         )
 
 
+def _feed_layer(h_in: ir.Value, layer_nodes: set[str], x: ir.Value) -> None:
+    """The last layer reads ``x`` wherever it read its input ``h_in`` (the layers before keep ``h_in``)."""
+    for u in list(h_in.uses()):
+        if u.node.name in layer_nodes:
+            u.node.replace_input_with(u.idx, x)
+
+
 def _fc_layer(g: ir.Graph, layer_nodes: set[str], params: dict[str, Any], arrays: Mapping[str, np.ndarray],
-              emb: ir.Value, h_in: ir.Value, f_in: ir.Value, hidden: int, w_fc: np.ndarray) -> None:
+              emb: ir.Value, h_in: ir.Value, f_in: ir.Value, hidden: int) -> None:
     """The ``fc`` layout: the head's weights in the last layer, ``x = [embedding(ids), f] @ fc.W^T + fc.b`` as its input."""
     _swap_layer_weights(g, layer_nodes, params, arrays)
+    w_fc = np.asarray(arrays["fc.weight"], np.float32)
     wv = ir.val("eagle.fc.weight", const_value=ir.tensor(np.ascontiguousarray(w_fc.T), name="eagle.fc.weight"))
     bv = ir.val("eagle.fc.bias", const_value=ir.tensor(np.asarray(arrays["fc.bias"], np.float32), name="eagle.fc.bias"))
     g.register_initializer(wv)
@@ -168,9 +176,7 @@ def _fc_layer(g: ir.Graph, layer_nodes: set[str], params: dict[str, Any], arrays
     cat.outputs[0].shape = ir.Shape(["batch", "seq", 2 * hidden])
     mm.outputs[0].shape = add.outputs[0].shape = ir.Shape(["batch", "seq", hidden])
     g.insert_after(emb.producer(), [cat, mm, add])
-    for u in list(h_in.uses()):
-        if u.node.name in layer_nodes:
-            u.node.replace_input_with(u.idx, add.outputs[0])
+    _feed_layer(h_in, layer_nodes, add.outputs[0])
 
 
 def _initializer_matching(node: ir.Node, fp: list[float]) -> tuple[int, ir.Value] | None:
@@ -206,9 +212,7 @@ def _reference_layer(g: ir.Graph, layer_nodes: set[str], params: dict[str, Any],
     if not chain or not any(v is h_in for n in chain for v in n.inputs):
         raise DrafterError("cannot find the norm in front of the last layer's attention (an unknown layer shape)")
     # 1. the feature is the layer's input and residual; the existing chain becomes hidden_norm(f)
-    for u in list(h_in.uses()):
-        if u.node.name in layer_nodes:
-            u.node.replace_input_with(u.idx, f_in)
+    _feed_layer(h_in, layer_nodes, f_in)
     _swap_layer_weights(g, layer_nodes, {k: p for k, p in params.items() if "replaces" in p}, arrays, prefix="mid.")
     # 2. the same chain on the embedding, with input_layernorm's weight
     w_e = ir.val("eagle.input_layernorm.weight", const_value=ir.tensor(
@@ -267,9 +271,9 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
     emb, h_in, h_out = (values[s.cut_for_layer(k).name] for k in (0, num - 1, num))
     hidden = int(h_out.shape[-1]) if h_out.shape is not None and isinstance(h_out.shape[-1], int) else None
     reference = info.get("format") == HEAD_FORMAT_REFERENCE
-    w_fc = np.asarray(arrays["mid.self_attn.o_proj.weight" if reference else "fc.weight"], np.float32)
-    if hidden is None or w_fc.shape[0] != hidden or (not reference and w_fc.shape != (hidden, 2 * hidden)):
-        raise DrafterError(f"the EAGLE head is for hidden size {w_fc.shape[0]}, the target's is {hidden}; "
+    w_in = np.shape(arrays["mid.self_attn.o_proj.weight" if reference else "fc.weight"])  # [H, ...] / [H, 2H]
+    if hidden is None or w_in[0] != hidden or (not reference and w_in != (hidden, 2 * hidden)):
+        raise DrafterError(f"the EAGLE head is for hidden size {w_in[0]}, the target's is {hidden}; "
                            "this head was trained for another model")
     f_in = ir.Value(name=FEATURE_INPUT, shape=ir.Shape(["batch", "seq", hidden]), type=ir.TensorType(ir.DataType.FLOAT))
     g.inputs.append(f_in)
@@ -278,7 +282,7 @@ def build_eagle_drafter(target: ir.Model, arrays: Mapping[str, np.ndarray], info
     if reference:
         _reference_layer(g, layer_nodes, params, arrays, emb, h_in, f_in, hidden)
     else:
-        _fc_layer(g, layer_nodes, params, arrays, emb, h_in, f_in, hidden, w_fc)
+        _fc_layer(g, layer_nodes, params, arrays, emb, h_in, f_in, hidden)
 
     # outputs: logits, the predicted feature, the last layer's present pair
     logits_v = next(v for v in g.outputs if v.name == spec["logits"])
