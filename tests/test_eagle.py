@@ -407,8 +407,8 @@ def test_speculative_tree_pass_gives_the_eagle_drafter_the_bias_once(smollm2, ti
 @pytest.fixture(scope="module")
 def fused_head(smollm2, module_tmp):
     """An EAGLE-3 head (fused low/middle/high features, 2 unrolled draft steps) trained on CPU for a few steps."""
-    return _train_tiny_head(smollm2, module_tmp, "eagle3_head", steps=4, features="fused", ttt_steps=2, eval_every=2,
-                            eval_windows=2)
+    return _train_tiny_head(smollm2, module_tmp, "eagle3_head", steps=4, features="fused", layout="fc", ttt_steps=2,
+                            eval_every=2, eval_windows=2)
 
 
 @pytest.fixture(scope="module")
@@ -418,9 +418,9 @@ def fused_plan(smollm2, fused_head, module_tmp):
 
 @pytest.fixture(scope="module")
 def reference_head(smollm2, module_tmp):
-    """An EAGLE-3 head in the reference layout (2H-wide attention over [norm(embedding), norm(feature)])."""
-    return _train_tiny_head(smollm2, module_tmp, "eagle3_ref_head", steps=4, features="fused", layout="reference",
-                            ttt_steps=2)
+    """An EAGLE-3 head in the reference layout (2H-wide attention over [norm(embedding), norm(feature)]): the default
+    layout of ``features="fused"``."""
+    return _train_tiny_head(smollm2, module_tmp, "eagle3_ref_head", steps=4, features="fused", ttt_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -609,8 +609,9 @@ def test_reference_head_for_another_model_is_refused(reference_head, smollm2):
         build_eagle_drafter(ir.load(str(smollm2.onnx_path)), arrays, bad)
 
 
-def test_reference_layout_greedy_token_identical(reference_plan):
-    m = dyncompile.load(reference_plan, session_config={"session.intra_op.allow_spinning": "0"})
+def _assert_greedy_token_identical(plan: Path) -> None:
+    """The plan's EAGLE chains (fixed length 4) and trees give the target alone's greedy tokens, with drafts."""
+    m = dyncompile.load(plan, session_config={"session.intra_op.allow_spinning": "0"})
     code = (STDLIB / "heapq.py").read_text()
     prompt = code[: code.index("def heappushpop")] + "def heappushpop(heap, item):\n"
     ref = m.generate(prompt, max_new_tokens=NEW_TOKENS, speculative=False)
@@ -618,6 +619,10 @@ def test_reference_layout_greedy_token_identical(reference_plan):
         res = m.generate(prompt, max_new_tokens=NEW_TOKENS, **opts)
         assert res.token_ids == ref.token_ids, (opts, res.text, ref.text)
         assert res.stats.drafter == "eagle" and res.stats.drafted > 0
+
+
+def test_reference_layout_greedy_token_identical(reference_plan):
+    _assert_greedy_token_identical(reference_plan)
 
 
 def test_export_eagle3_writes_the_reference_checkpoint(reference_head, fused_head, smollm2, tmp_path, capsys):
@@ -690,6 +695,7 @@ def test_training_continues_from_a_saved_head(smollm2, fused_head, tmp_path, cap
         info = train_drafter(smollm2.onnx_path.parent, tmp_path / "more", steps=1, batch=2, seq_len=48,
                              max_tokens=6000, features="fused", ttt_steps=2, init=fused_head, seed=1, progress=False)
     assert info["training"]["tokens_seen"] == before["training"]["tokens_seen"] + 2 * 48
+    assert info["training"]["layout"] == "fc"  # no --layout: the continued head keeps its own, not the default
     assert info["curve"] == before["curve"] and info["training"]["continued_from"]["steps"] == 4
     digest = before["corpus"]["held_out_windows_sha256"]
     assert len(digest) == 16 and info["corpus"]["held_out_windows_sha256"] == digest
@@ -714,3 +720,76 @@ def test_training_continues_from_a_saved_head(smollm2, fused_head, tmp_path, cap
     with pytest.raises(DataError, match="same --features"):
         train_drafter(smollm2.onnx_path.parent, tmp_path / "other", steps=1, batch=2, seq_len=48, max_tokens=6000,
                       init=fused_head, progress=False)
+    with pytest.raises(DataError, match="has the fc layout; continue it with the same --layout"):
+        train_drafter(smollm2.onnx_path.parent, tmp_path / "other", steps=1, batch=2, seq_len=48, max_tokens=6000,
+                      features="fused", layout="reference", init=fused_head, progress=False)
+
+
+@pytest.fixture(scope="module")
+def int8_drafter_plan(smollm2, reference_head, module_tmp):
+    """The reference head's plan with quantize-drafter named (as -O2 inserts it on the CPU EP)."""
+    res = compile_model(smollm2.onnx_path, f"eagle-drafter{{head={reference_head}}},quantize-drafter,explicit-attention,"
+                        "speculative{tree=true,measure=false}", module_tmp("eagle3_int8_plan") / "plan", progress=False,
+                        opt_level=0)
+    return res.plan_dir
+
+
+def test_quantize_drafter_golden(int8_drafter_plan, reference_plan, smollm2, reference_head):
+    """quantize-drafter: every weight MatMul of the drafter becomes an 8-bit MatMulNBits (checker-valid), the
+    embedding stays shared with the target's data file, the target is untouched (same outputs as the float plan's),
+    the drafter still drafts what the float one drafts (argmax) without being the same numbers, and greedy decoding
+    stays token-identical to the target alone, chains and trees."""
+    from onnx import checker
+
+    d = int8_drafter_plan / "drafter.onnx"
+    checker.check_model(str(d), full_check=True)
+    g = onnx.load(str(d), load_external_data=False).graph
+    weights = {i.name for i in g.initializer}
+    ops = [n.op_type for n in g.node]
+    float_ref = onnx.load(str(reference_plan / "drafter.onnx"), load_external_data=False).graph
+    const_matmuls = [n for n in float_ref.node if n.op_type == "MatMul" and n.input[1] in
+                     {i.name for i in float_ref.initializer}]
+    assert ops.count("MatMulNBits") == len(const_matmuls) >= 7  # q/k/v, o, MLP x3, the draft-vocabulary head
+    assert not [n for n in g.node if n.op_type == "MatMul" and n.input[1] in weights]
+    assert {a.name: a.i for a in next(n for n in g.node if n.op_type == "MatMulNBits").attribute}["bits"] == 8
+    plan = json.loads((int8_drafter_plan / "plan.json").read_text())
+    assert plan["files"]["drafter"]["external_data"] == ["model.onnx.data"]  # the embedding: the target's bytes
+    props = {p.key: p.value for p in onnx.load(str(int8_drafter_plan / "model.onnx"), load_external_data=False)
+             .metadata_props}
+    assert json.loads(props["dyncompile.eagle"])["drafter_weights"] == "int8"
+    # the drafter's logits against the float drafter's, on the same true features
+    from dyncompile.plan import DecoderSpec
+    from dyncompile.runtime.decode.eagle import EagleDecoder
+
+    outs, targets = [], []
+    for p in (reference_plan, int8_drafter_plan):
+        m, tgt, _ = _eagle_parts(p)
+        ids = _prompt_ids(m)[:30]
+        tgt.reset()
+        targets.append(np.array(tgt.forward(ids)))
+        F = tgt.last_outputs["features"]
+        spec = json.loads((p / "plan.json").read_text())["steps"][0]["drafter"]
+        dec = EagleDecoder(_session(p / "drafter.onnx"), DecoderSpec.from_params(spec["decoder"]),
+                           feature_input=spec["feature_input"], hidden_output=spec["hidden_output"])
+        dec.reset()
+        outs.append(np.array(dec.step(ids[1:21], F[:20])[0]))
+    np.testing.assert_array_equal(targets[0], targets[1])  # the target graph is the float plan's
+    assert np.abs(outs[0] - outs[1]).max() > 1e-4  # quantized: not the float drafter's numbers
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).mean() >= 0.9, (outs[0].argmax(-1), outs[1].argmax(-1))
+    _assert_greedy_token_identical(int8_drafter_plan)
+
+
+def test_quantize_drafter_runs_once_and_needs_a_drafter(smollm2, reference_head):
+    """A second run reports modified=False; a model without an EAGLE drafter is refused with what to put first;
+    -O2 inserts the pass for CPU decoders only."""
+    from dyncompile.passes.presets import PRESETS
+    from dyncompile.passes.speculative.eagle_drafter import QuantizeDrafterPass
+
+    model = ir.load(str(smollm2.onnx_path))
+    with pytest.raises(DrafterError, match="put eagle-drafter"):
+        QuantizeDrafterPass().requires(model)
+    EagleDrafterPass(reference_head)(model)
+    assert QuantizeDrafterPass()(model).modified
+    assert not QuantizeDrafterPass()(model).modified
+    assert ("quantize-drafter", 2) in PRESETS["cpu"]["text-generation"]
+    assert "quantize-drafter" not in dict(PRESETS["cuda"]["text-generation"])

@@ -17,11 +17,11 @@ from dyncompile.models.synthetic_decoder import tiny_decoder, write_decoder_dir,
 from dyncompile.passes import CompileContext
 from dyncompile.passes._infra import build_pipeline
 from dyncompile.passes.compiler import compile_model
-from dyncompile.passes.presets import PRESETS, place, resolve
+from dyncompile.passes.presets import PRESET_NEEDS, PRESETS, place, resolve
 
 VOCAB = 16
 PROMPTS = ["w1 w2 w3 w1 w2", "w5 w9 w5 w9 w5 w9", "w3"]
-CPU_DECODER = [p for p, _ in PRESETS["cpu"]["text-generation"]]
+CPU_DECODER = [p for p, _ in PRESETS["cpu"]["text-generation"] if p not in PRESET_NEEDS]  # what every decoder gets
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,15 @@ def test_a_preset_that_cannot_apply_is_skipped_with_a_message(tmp_path, caplog):
     assert len(skipped) == len(CPU_DECODER)
     assert all("not a KV-cache decoder" in m for m in skipped)
     assert [r.modified for r in res.pipeline.records] == [False] * (len(CPU_DECODER) + 1)
+
+
+def test_the_drafter_preset_comes_only_with_its_drafter():
+    """quantize-drafter lowers the EAGLE drafter: -O2 inserts it after eagle-drafter, and not for other drafters."""
+    context = CompileContext(options={"provider": "cpu"}, model_config={"task": "text-generation"})
+    with_eagle = resolve("eagle-drafter{head=h},speculative", context).names()
+    assert with_eagle.index("eagle-drafter") < with_eagle.index("quantize-drafter") < with_eagle.index("speculative")
+    assert "quantize-drafter" not in resolve("speculative", context).names()
+    assert "quantize-drafter" not in resolve("eagle-drafter{head=h},speculative", context, opt_level=1).names()
 
 
 def test_classifier_compiles_get_no_preset(tiny_encoder_path, tmp_path):

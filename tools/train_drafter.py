@@ -25,8 +25,9 @@ predicted features with the attention pattern of drafted tokens at run time (:fu
 Writes ``HEAD_DIR/eagle_head.npz`` (fc, the layer's trained tensors by Hugging Face name, each with the
 fingerprint of the target tensor it replaces, the draft vocabulary) and ``eagle_head.json`` (provenance,
 corpus, held-out files, losses, draft accuracy on a held-out slice). The ``eagle-drafter`` pass builds the
-ONNX drafter from them. ``--layout reference`` trains EAGLE-3's reference draft layer instead (``mid.*``:
-:func:`reference_mid_layer`), the layout ``dyncompile export-eagle3`` writes for other runtimes. PyTorch +
+ONNX drafter from them. EAGLE-3 heads train EAGLE-3's reference draft layer by default (``--layout reference``,
+``mid.*``: :func:`reference_mid_layer`), the layout ``dyncompile export-eagle3`` writes for other runtimes;
+``--layout fc`` trains ``fc`` + the target's layer, as EAGLE-1/2 heads do. PyTorch +
 transformers are needed (the ``export`` extra); torch is imported here only.
 """
 
@@ -327,7 +328,7 @@ def train_drafter(
     p_weight: float = 0.1,
     noise: float | None = None,
     features: str = "top",
-    layout: str = "fc",
+    layout: str | None = None,
     ttt_steps: int = 1,
     ttt_decay: float = 0.8,
     init: str | Path | None = None,
@@ -344,9 +345,10 @@ def train_drafter(
     projection of three of the target's layers (:func:`feature_layers_for`); the loss is the distribution loss
     alone, over ``ttt_steps`` draft steps unrolled on the head's own predicted features (training-time test: step
     ``j`` feeds step ``j-1``'s output as the feature, attends as a drafted token does at run time (:func:`_ttt_mask`),
-    and is weighted ``ttt_decay ** j``). ``layout="reference"`` (EAGLE-3 only) trains EAGLE-3's reference draft
-    layer (:func:`reference_mid_layer`) instead of ``fc`` + a copy of the target's layer: the layout other runtimes
-    load (``dyncompile export-eagle3`` writes it as their checkpoint). ``init=HEAD_DIR`` continues from a saved
+    and is weighted ``ttt_decay ** j``). ``layout="reference"`` (EAGLE-3 only; its default) trains EAGLE-3's reference
+    draft layer (:func:`reference_mid_layer`), the layout other runtimes load (``dyncompile export-eagle3`` writes it
+    as their checkpoint); ``layout="fc"`` trains ``fc`` + a copy of the target's layer instead (EAGLE-1/2's only
+    layout). Without ``layout``, a continued head (``init``) keeps its own. ``init=HEAD_DIR`` continues from a saved
     head (same kind, same target): training across several runs, the vocabulary and history carried over. ``eval_every=N`` measures held-out
     agreement per draft step every ``N`` steps (the curve in ``eagle_head.json``) and saves the head then too, so a
     run stopped from outside keeps its last checkpoint."""
@@ -357,16 +359,19 @@ def train_drafter(
         raise DataError(f"features must be 'top' or 'fused', not {features!r}")
     if ttt_steps < 1 or (features == "top" and ttt_steps != 1):
         raise DataError(f"ttt_steps must be >= 1 (and 1 for features='top'), got {ttt_steps}")
-    if layout not in ("fc", "reference") or (layout == "reference" and features != "fused"):
+    if layout is not None and (layout not in ("fc", "reference") or (layout == "reference" and features != "fused")):
         raise DataError(f"layout must be 'fc' or 'reference' (the latter with features='fused', EAGLE-3), got "
                         f"layout={layout!r} with features={features!r}")
     fused = features == "fused"
-    reference = layout == "reference"
     if noise is None:
         noise = 0.0 if fused else 0.2
     t_start = time.perf_counter()
     # a head of another kind is refused before the target is loaded (seconds on CPU)
-    prev = _load_init(init, fused, reference) if init else None
+    prev = _load_init(init, fused, None if layout is None else layout == "reference") if init else None
+    if layout is None:  # EAGLE-3's reference layer agrees more and drafts faster (eagle3-interop study)
+        layout = ("reference" if any(k.startswith("mid.") for k in prev["arrays"]) else "fc") if prev else \
+            ("reference" if fused else "fc")
+    reference = layout == "reference"
     target = Path(target).expanduser()
     torch.manual_seed(seed)
     dev = torch.device(device)
@@ -564,7 +569,8 @@ def train_drafter(
     return info
 
 
-def _load_init(init: str | Path, fused: bool, reference: bool = False) -> dict[str, Any]:
+def _load_init(init: str | Path, fused: bool, reference: bool | None = False) -> dict[str, Any]:
+    """The head ``--init`` names, refused when its kind differs (``reference=None``: either layout)."""
     d = Path(init).expanduser()
     try:
         info = json.loads((d / "eagle_head.json").read_text(encoding="utf-8"))
@@ -575,7 +581,7 @@ def _load_init(init: str | Path, fused: bool, reference: bool = False) -> dict[s
     if ("fuse.weight" in arrays) != fused:
         raise DataError(f"--init {d} is a {'fused' if 'fuse.weight' in arrays else 'top'}-feature head; "
                         "continue it with the same --features")
-    if any(k.startswith("mid.") for k in arrays) != reference:
+    if reference is not None and any(k.startswith("mid.") for k in arrays) != reference:
         raise DataError(f"--init {d} has the {'fc' if reference else 'reference'} layout; continue it with the same "
                         "--layout")
     return {"arrays": arrays, "info": info}
@@ -687,10 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--features", choices=("top", "fused"), default="top",
                    help="eagle: top = the top layer's feature (EAGLE-1/2, default); fused = EAGLE-3: a trained "
                    "projection of a low, a middle and a high layer's features, distribution loss only")
-    p.add_argument("--layout", choices=("fc", "reference"), default="fc",
-                   help="eagle, fused: fc = fc([embedding, feature]) + a copy of the target's last layer (default); "
-                   "reference = EAGLE-3's reference draft layer (embedding and feature side by side into a 2H-wide "
-                   "attention), the checkpoint layout vLLM, SGLang and OpenVINO GenAI load (`dyncompile export-eagle3`)")
+    p.add_argument("--layout", choices=("fc", "reference"),
+                   help="eagle: reference = EAGLE-3's reference draft layer (embedding and feature side by side into "
+                   "a 2H-wide attention; the default with --features fused: it agrees more and drafts faster), the "
+                   "checkpoint layout vLLM, SGLang and OpenVINO GenAI load (`dyncompile export-eagle3`); fc = "
+                   "fc([embedding, feature]) + a copy of the target's last layer (EAGLE-1/2's, the default with "
+                   "--features top); with --init, the head's own")
     p.add_argument("--ttt-steps", type=int, default=1, metavar="K",
                    help="eagle, fused: training-time test, K draft steps unrolled on the head's own predictions "
                    "(EAGLE-3 uses several; default %(default)s)")
