@@ -369,8 +369,7 @@ def train_drafter(
     # a head of another kind is refused before the target is loaded (seconds on CPU)
     prev = _load_init(init, fused, None if layout is None else layout == "reference") if init else None
     if layout is None:  # EAGLE-3's reference layer agrees more and drafts faster (eagle3-interop study)
-        layout = ("reference" if any(k.startswith("mid.") for k in prev["arrays"]) else "fc") if prev else \
-            ("reference" if fused else "fc")
+        layout = _layout_of(prev["arrays"]) if prev else ("reference" if fused else "fc")
     reference = layout == "reference"
     target = Path(target).expanduser()
     torch.manual_seed(seed)
@@ -569,6 +568,11 @@ def train_drafter(
     return info
 
 
+def _layout_of(arrays: dict[str, Any]) -> str:
+    """The draft layer's layout of a saved head: ``reference`` (EAGLE-3's ``mid.*`` layer) or ``fc``."""
+    return "reference" if any(k.startswith("mid.") for k in arrays) else "fc"
+
+
 def _load_init(init: str | Path, fused: bool, reference: bool | None = False) -> dict[str, Any]:
     """The head ``--init`` names, refused when its kind differs (``reference=None``: either layout)."""
     d = Path(init).expanduser()
@@ -581,7 +585,7 @@ def _load_init(init: str | Path, fused: bool, reference: bool | None = False) ->
     if ("fuse.weight" in arrays) != fused:
         raise DataError(f"--init {d} is a {'fused' if 'fuse.weight' in arrays else 'top'}-feature head; "
                         "continue it with the same --features")
-    if reference is not None and any(k.startswith("mid.") for k in arrays) != reference:
+    if reference is not None and (_layout_of(arrays) == "reference") != reference:
         raise DataError(f"--init {d} has the {'fc' if reference else 'reference'} layout; continue it with the same "
                         "--layout")
     return {"arrays": arrays, "info": info}

@@ -25,15 +25,16 @@ LAYOUT=${LAYOUT:-reference}
 NAME=${NAME:-$LAYOUT}  # another name for a continued run (INIT=path of the head it continues)
 mkdir -p "$W" "$O"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
+gather() { for f in .gpu/p*; do [ -e "$f" ] || continue; [ -e "$W/$(basename "$f")" ] || cp "$f" "$W/"; done; }
 case "${1:-}" in
 store)
-    for f in .gpu/p*; do [ -e "$f" ] || continue; [ -e "$W/$(basename "$f")" ] || cp "$f" "$W/"; done
+    gather
     ls -la "$W"
     ;;
 train)
     mkdir -p "$W/model"
     if [ ! -e "$W/model/$GGUF" ]; then
-        for f in .gpu/p*; do [ -e "$f" ] || continue; [ -e "$W/$(basename "$f")" ] || cp "$f" "$W/"; done
+        gather
         cat "$W"/p* > "$W/model/$GGUF"
         echo "$(cat .gpu/sha)  $W/model/$GGUF" | sha256sum -c -
         rm -f "$W"/p*

@@ -50,7 +50,7 @@ import onnx_ir.passes.common as common_passes
 
 from dyncompile.passes import _keys
 from dyncompile.passes._graph import backward_slice
-from dyncompile.passes._infra import CompileContext, register_pass
+from dyncompile.passes._infra import CompileContext, not_fired, register_pass
 from dyncompile.passes.speculative.decoder_spec import DrafterError, decoder_spec
 from dyncompile.passes.speculative.expose_features import FEATURES_OUTPUT, ExposeFeaturesPass, layer_structure
 from dyncompile.passes.speculative.split_drafter import drop_unused_pasts, trim_lm_head
@@ -444,9 +444,8 @@ class QuantizeDrafterPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         count, before = drafter_weights_to_int8(drafter)
         if not count:
-            logger.warning("quantize-drafter: the EAGLE drafter has no float32 MatMul weight whose rows are a "
-                           "multiple of 16; it stays in float")
-            return ir.passes.PassResult(model, modified=False)
+            return not_fired(model, "quantize-drafter", "the EAGLE drafter has no float32 MatMul weight whose rows "
+                             "are a multiple of 16; it stays in float")
         rec = json.loads(model.metadata_props[_keys.EAGLE])
         rec["drafter_weights"] = "int8"
         model.metadata_props[_keys.EAGLE] = json.dumps(rec, sort_keys=True)
