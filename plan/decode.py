@@ -179,8 +179,10 @@ class DrafterParams:
     window: int = _field(5, lo=1, hi=64)
     ngram: int = _field(4, lo=2, hi=16)
     guesses: int = _field(5, lo=0, hi=64)
-    #: hybrid: prompt-lookup candidates where the context has n-gram matches, this drafter's elsewhere
+    #: hybrid: prompt-lookup candidates where the context has n-gram matches of ``lookup_min_match`` tokens or more,
+    #: this drafter's elsewhere
     prompt_lookup: bool = False
+    lookup_min_match: int = _field(1, lo=1, hi=64)
     #: medusa: the heads graph (plan file key), its number of heads and the candidates per head in its output
     heads_model: str | None = None
     heads: int = _field(3, lo=1, hi=16)
@@ -196,6 +198,9 @@ class DrafterParams:
                             "not prompt-lookup itself")
         if self.min_ngram > self.max_ngram:
             raise PlanError(f"{where}: min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
+        if self.lookup_min_match > self.max_ngram:
+            raise PlanError(f"{where}.lookup_min_match: {self.lookup_min_match}, but prompt lookup matches at most "
+                            f"max_ngram = {self.max_ngram} tokens; give at most that")
         if self.decoder is not None and self.decoder.min_rows != 1:
             raise PlanError(f"{where}.decoder.min_rows: {self.decoder.min_rows}, but padding calls to a minimum of rows is "
                             "for the target only (a drafter's calls need not match the target's kernels); give 1")

@@ -757,6 +757,7 @@ def test_quantize_drafter_golden(int8_drafter_plan, reference_plan, smollm2, ref
     props = {p.key: p.value for p in onnx.load(str(int8_drafter_plan / "model.onnx"), load_external_data=False)
              .metadata_props}
     assert json.loads(props["dyncompile.eagle"])["drafter_weights"] == "int8"
+    assert "QuantizeDrafterPass()" in plan["provenance"]["passes"]  # the plan records the pass by name, not an address
     # the drafter's logits against the float drafter's, on the same true features
     from dyncompile.plan import DecoderSpec
     from dyncompile.runtime.decode.eagle import EagleDecoder

@@ -23,6 +23,7 @@ from dyncompile.plan import DrafterParams
 from dyncompile.plan._typed import from_json
 from dyncompile.runtime.decode.draft_tree import DraftTree
 from dyncompile.runtime.decode.drafters import (
+    Drafter,
     HybridDrafter,
     PromptLookupDrafter,
     TreeBudget,
@@ -108,6 +109,60 @@ def test_hybrid_tree_holds_the_context_matches_and_the_other_drafters_candidates
     assert chain.is_chain and chain.tokens[1:3] == [4, 1]  # a chain budget: prompt lookup's match alone
 
 
+class _FixedChain(Drafter):
+    """A stand-in for a model drafter: always the same chain."""
+
+    name = "fixed"
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        return self.chain[:n], None
+
+
+def test_hybrid_takes_prompt_lookup_only_on_matches_of_min_match_tokens():
+    """A match shorter than ``min_match`` leaves the round to the other drafter; a long enough one to prompt lookup."""
+    kw = dict(sample=False, temperature=1.0, rng=None, vocab_size=16)
+    seq = [1, 2, 3, 1, 2, 4, 1, 2]  # suffix (1, 2) seen before (followed by 4), (4, 1, 2) never
+    for min_match, part, chain in ((1, "lookup", [4, 1, 2]), (2, "lookup", [4, 1, 2]), (3, "other", [9, 9, 9])):
+        h = HybridDrafter(PromptLookupDrafter(3, 1), _FixedChain([9, 9, 9]), min_match=min_match)
+        h.reset(seq[:-1])
+        assert h.part(seq) is getattr(h, part), min_match
+        assert h.propose(seq, 3, **kw)[0] == chain, min_match
+        tree = h.propose_tree(seq, TreeBudget(3, 3, 1), **kw)  # a chain budget: the same choice
+        assert tree.is_chain and tree.tokens[1:] == chain, min_match
+    h = HybridDrafter(PromptLookupDrafter(3, 1), _FixedChain([9, 9, 9]), min_match=3)
+    longer = [*seq, 4, 1, 2]  # now (4, 1, 2) has occurred before: a three-token match
+    h.reset(longer[:-1])
+    assert h.part(longer) is h.lookup and h.lookup.match_size(longer) == 3
+    assert h.propose(longer, 3, **kw)[0] == [4, 1, 2]
+    # prompt lookup alone keeps its own min_ngram: a one-token match still drafts
+    assert PromptLookupDrafter(3, 1).propose([5, 7, 5], 2, **kw)[0] == [7, 5]
+
+
+def test_hybrid_chain_keeps_one_draft_length_controller_per_part(la_tiny, monkeypatch):
+    """Rounds prompt lookup drafts and rounds the model drafts adapt their lengths apart (two controllers), and the
+    output stays the target's."""
+    seen = []
+    real = runtime_speculative.DraftController.next_length
+
+    def spy(self, limit):
+        seen.append(id(self))
+        return real(self, limit)
+
+    monkeypatch.setattr(runtime_speculative.DraftController, "next_length", spy)
+    m = dyncompile.load(la_tiny["plans"]["hybrid-model"])
+    prompt = [*PROMPTS[0], *PROMPTS[0]]  # a repeat: prompt lookup has three-token matches
+    ref = m.generate(prompt, max_new_tokens=30, speculative=False)
+    res = m.generate(prompt, max_new_tokens=30, tree=False)
+    assert res.token_ids == ref.token_ids
+    assert len(set(seen)) == 2  # both parts drafted, each through its own controller
+    seen.clear()
+    m.generate(prompt, max_new_tokens=30, tree=False, hybrid=False)  # a single drafter: one controller
+    assert len(set(seen)) == 1
+
+
 # ------------------------------------------------------------------------------------------- pass and schema
 
 
@@ -118,6 +173,9 @@ def test_plan_schema_checks_lookahead_and_hybrid_fields():
         from_json(DrafterParams, {"kind": "prompt-lookup", "prompt_lookup": True}, "d")
     with pytest.raises(PlanError, match="ngram"):
         from_json(DrafterParams, {"kind": "lookahead", "ngram": 1}, "d")
+    with pytest.raises(PlanError, match="lookup_min_match"):
+        from_json(DrafterParams, {"kind": "lookahead", "prompt_lookup": True, "lookup_min_match": 4}, "d")
+    assert from_json(DrafterParams, {"kind": "lookahead", "prompt_lookup": True}, "d").lookup_min_match == 1
     with pytest.raises(PlanError, match="no model"):
         from_json(DrafterParams, {"kind": "lookahead", "decoder": {"model": "m", "kv": [{"past": "a", "present": "b"}]}},
                   "d")
@@ -147,8 +205,12 @@ def test_lookahead_plan_records_the_window_and_a_fixed_tree(la_tiny):
     hy = json.loads((la_tiny["plans"]["hybrid-lookahead"] / "plan.json").read_text())
     assert hy["steps"][0]["drafter"]["prompt_lookup"] is True and hy["steps"][0]["draft"]["tree"]["max_nodes"] == 60
     assert hy["policy"]["speculative"]["drafter"] == "prompt-lookup+lookahead"
-    hm = json.loads((la_tiny["plans"]["hybrid-model"] / "plan.json").read_text())["steps"][0]["drafter"]
+    hm_step = json.loads((la_tiny["plans"]["hybrid-model"] / "plan.json").read_text())["steps"][0]
+    hm = hm_step["drafter"]
     assert hm["kind"] == "model" and hm["prompt_lookup"] is True
+    assert hm["lookup_min_match"] == hm["max_ngram"] == 3  # the hybrid's default: full n-gram matches only
+    assert hm_step["draft"]["max"] == 16  # prompt lookup's longest chain (a model drafter alone: 8)
+    assert hy["steps"][0]["drafter"]["lookup_min_match"] == 1  # beside lookahead every match counts
 
 
 def test_lookahead_needs_explicit_attention_and_hybrid_needs_another_drafter(la_tiny, tmp_path):
@@ -157,6 +219,9 @@ def test_lookahead_needs_explicit_attention_and_hybrid_needs_another_drafter(la_
     with pytest.raises(DrafterError, match="hybrid=true"):
         compile_model(la_tiny["target"], "speculative{measure=false,hybrid=true}", tmp_path / "y",
                       drafter="prompt-lookup")
+    with pytest.raises(DrafterError, match="lookup_min_match"):
+        compile_model(la_tiny["target"], "explicit-attention,speculative{measure=false,hybrid=true,lookup_min_match=4}",
+                      tmp_path / "z", drafter="lookahead")
 
 
 def test_lookahead_pass_second_run_reports_unmodified(la_tiny):

@@ -432,6 +432,9 @@ class QuantizeDrafterPass(ir.passes.InPlacePass):
     Sketch: ``MatMul(x, W) -> MatMulNBits(x, q8(W), scales)`` for each constant ``W`` of the drafter.
     """
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def requires(self, model: ir.Model) -> None:
         """Refuse a model without an EAGLE drafter in memory, saying what to run first."""
         if _keys.EAGLE_MODEL not in model.meta:

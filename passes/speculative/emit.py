@@ -126,7 +126,8 @@ def _hybrid(d: dict[str, Any]) -> dict[str, Any]:
     """A hybrid drafter's step entries (prompt lookup beside the recorded drafter), or none."""
     if not d.get("prompt_lookup"):
         return {}
-    return {"prompt_lookup": True, "max_ngram": d.get("max_ngram", 3), "min_ngram": d.get("min_ngram", 1)}
+    return {"prompt_lookup": True, "max_ngram": d.get("max_ngram", 3), "min_ngram": d.get("min_ngram", 1),
+            "lookup_min_match": d.get("lookup_min_match", 1)}
 
 
 def _save_target_external(model: ir.Model, out: Path, files: dict[str, FileRef]) -> None:

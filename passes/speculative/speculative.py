@@ -115,8 +115,13 @@ def calibration_vocab(context: CompileContext, n: int, vocab_size: int) -> np.nd
     return frequent_subset(score, n, special)
 
 
-def default_max_draft(drafter) -> int:
-    return DEFAULT_MAX_DRAFT[PROMPT_LOOKUP if drafter == PROMPT_LOOKUP else "model"]
+def default_max_draft(drafter, hybrid: bool = False) -> int:
+    """The longest chain a plan drafts unless ``max_draft`` is given.
+
+    Prompt lookup's for prompt lookup and for a hybrid (its prompt-lookup rounds copy long matches; the other
+    part's controller picks its own, shorter lengths); a model drafter's otherwise.
+    """
+    return DEFAULT_MAX_DRAFT[PROMPT_LOOKUP if drafter == PROMPT_LOOKUP or hybrid else "model"]
 
 
 def lookahead_tree(window: int, ngram: int, guesses: int, hybrid: bool, max_ngram: int) -> dict[str, Any]:
@@ -202,6 +207,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         ngram: int = 4,
         guesses: int = 5,
         hybrid: bool = False,
+        lookup_min_match: int | None = None,
         stop_below: float = 0.0,
         drafter_vocab: Sequence[int] | None = None,
         drafter_rows: bool = True,
@@ -222,7 +228,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         if drafter == LOOKAHEAD and tree is None:  # the Jacobi window is a tree: always verified as one
             tree = lookahead_tree(self.window, self.ngram, self.guesses, self.hybrid, int(max_ngram))
         if max_draft is None:
-            max_draft = default_max_draft(drafter)
+            max_draft = default_max_draft(drafter, self.hybrid)
         if not 0 <= int(min_draft) <= int(max_draft) or int(draft_length) < 1:
             raise DrafterError(
                 f"draft lengths need 1 <= draft_length and 0 <= min_draft <= max_draft, got draft_length={draft_length}, "
@@ -248,6 +254,15 @@ class SpeculativePass(ir.passes.InPlacePass):
         if float(stop_below) > 0.0:  # a model, EAGLE or Medusa drafter's chains end at its first unsure token
             self.draft["stop_below"] = float(stop_below)
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+        # beside a model, EAGLE or Medusa drafter a hybrid takes prompt lookup's candidates on full max_ngram matches
+        # only (shorter ones lose to the drafter's: the runtime's HybridDrafter); lookahead's pool is no better
+        # than a short match, so there every match counts
+        if lookup_min_match is None:
+            lookup_min_match = 1 if drafter == LOOKAHEAD else self.max_ngram
+        self.lookup_min_match = int(lookup_min_match)
+        if not 1 <= self.lookup_min_match <= self.max_ngram:
+            raise DrafterError(f"lookup_min_match must be between 1 and max_ngram ({self.max_ngram}), got "
+                               f"{lookup_min_match}")
         self.tokenizer_check = tokenizer_check
         self.tree = None
         if tree is not None:
@@ -425,7 +440,8 @@ class SpeculativePass(ir.passes.InPlacePass):
                 "vocab_size": split.get("vocab_size"),
             }
         if self.hybrid:
-            drafter.update({"prompt_lookup": True, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram})
+            drafter.update({"prompt_lookup": True, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram,
+                            "lookup_min_match": self.lookup_min_match})
         draft = dict(self.draft)
         if self.tree:
             draft["tree"] = dict(self.tree)
@@ -662,9 +678,11 @@ def _load_drafter(path_text: str, target_path: Path | None) -> ir.Model:
 @register_pass(
     "speculative",
     help="speculative decoding plan: --drafter DRAFT.onnx | prompt-lookup (or after split-drafter); greedy output "
-    "token-identical to the target, sampling exact; options draft_length=4, max_draft (16 for prompt-lookup, 8 for "
-    "model drafters), adaptive=true, tree=false, tree_nodes=16; --drafter lookahead: window=5, ngram=4, guesses=5 "
-    "(a fixed tree, after explicit-attention); hybrid=true: prompt lookup's matches in the same tree as the drafter's; "
+    "token-identical to the target, sampling exact; options draft_length=4, max_draft (16 for prompt-lookup and "
+    "hybrids, 8 for model drafters), adaptive=true, tree=false, tree_nodes=16; --drafter lookahead: window=5, ngram=4, guesses=5 "
+    "(a fixed tree, after explicit-attention); hybrid=true: prompt lookup's matches in the same tree as the drafter's "
+    "(lookup_min_match=max_ngram, 1 with lookahead: only matches of that many tokens; the drafter's candidates "
+    "elsewhere); "
     "stop_below=P: a model, EAGLE or Medusa drafter ends a chain after a token it gives probability < P (0: off); "
     "draft_vocab=N (with --drafter DRAFT.onnx and --calib TEXT): the drafter's LM head keeps the N most frequent "
     "tokens of the calibration text (a cheaper draft step; decoding stays exact); drafter_rows=true: an int4 "
@@ -675,8 +693,8 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
                       adaptive: bool = True, max_ngram: int = 3, min_ngram: int = 1, measure: bool = True,
                       allow_inexact_target: bool = False, tree: bool = False, tree_nodes: int = 16,
                       tree_depth: int | None = None, branching: int = 3, tree_adaptive: bool = True, window: int = 5,
-                      ngram: int = 4, guesses: int = 5, hybrid: bool = False, stop_below: float = 0.0,
-                      draft_vocab: int = 0, drafter_rows: bool = True):
+                      ngram: int = 4, guesses: int = 5, hybrid: bool = False, lookup_min_match: int | None = None,
+                      stop_below: float = 0.0, draft_vocab: int = 0, drafter_rows: bool = True):
     opt = context.options.get("drafter")
     target_dir = context.model_path.parent if context.model_path else None
     gen = generation_config(context.model_config, target_dir)
@@ -739,6 +757,7 @@ def _make_speculative(context: CompileContext, draft_length: int = 4, min_draft:
         ngram=ngram,
         guesses=guesses,
         hybrid=hybrid,
+        lookup_min_match=lookup_min_match,
         stop_below=stop_below,
         drafter_vocab=subset,
         drafter_rows=drafter_rows,

@@ -36,7 +36,9 @@ Plan step params: ``target`` (decoder spec, see :mod:`dyncompile.runtime.decode.
 (``{"kind": "model", "name": "external"|"split", "decoder": spec, "share_kv": [i...]|null,
 "vocab": file key|null}``, ``{"kind": "prompt-lookup", "max_ngram": 3, "min_ngram": 1}``, ``{"kind": "eagle", ...}`` or
 ``{"kind": "lookahead", "window": 5, "ngram": 4, "guesses": 5}`` or ``{"kind": "medusa", "heads_model": file key, ...}``; ``"prompt_lookup": true`` on a model, eagle,
-lookahead or medusa drafter makes it a hybrid with prompt lookup: :class:`~dyncompile.runtime.decode.drafters.HybridDrafter`;
+lookahead or medusa drafter makes it a hybrid with prompt lookup: :class:`~dyncompile.runtime.decode.drafters.HybridDrafter`,
+prompt lookup's candidates only on matches of ``lookup_min_match`` tokens, and in chain rounds one draft-length
+controller per part (prompt lookup's drafts cost nothing and run long; the other's are priced by ``draft_cost``);
 the ``hybrid`` generation option runs one of its parts alone, ``False`` the other drafter, ``"prompt-lookup"`` prompt
 lookup), ``draft``
 (``initial``, ``min``, ``max``, ``adaptive``, ``alpha0``, ``verify_slope``, ``draft_cost``, ``stop_below``),
@@ -45,6 +47,7 @@ lookup), ``draft``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import logging
@@ -367,7 +370,8 @@ class SpeculativeGenerateStep(GenerateStep):
                             rows_session=ctx.session(d.rows_model) if d.rows_model else None, rows_from=d.rows_from)
             self.drafter = ModelDrafter(dec, name=d.name, share_kv=d.share_kv, vocab=vocab)
         if d.prompt_lookup:  # hybrid: the context's n-gram matches share each round's tree
-            self.drafter = HybridDrafter(PromptLookupDrafter(d.max_ngram, d.min_ngram), self.drafter)
+            self.drafter = HybridDrafter(PromptLookupDrafter(d.max_ngram, d.min_ngram), self.drafter,
+                                         min_match=d.lookup_min_match)
 
     def _target_vocab(self) -> int | None:
         """The static width of the target's logits output, or None when the graph leaves it symbolic."""
@@ -501,6 +505,10 @@ class SpeculativeGenerateStep(GenerateStep):
         inner.stop_below = float(stop_below)
         ctl = self._controller(options)
         tree_ctl = self._tree_controller(ctl, options)
+        lookup_ctl = None
+        if tree_ctl is None and isinstance(drafter, HybridDrafter):  # a hybrid's chains: one controller per part
+            lookup_ctl = copy.deepcopy(ctl)
+            lookup_ctl.draft_cost = 0.0  # prompt lookup drafts for free
         if options:
             raise PromptError(
                 f"unknown generation options {sorted(options)}; known: draft_length, min_draft, max_draft, adaptive, "
@@ -511,7 +519,7 @@ class SpeculativeGenerateStep(GenerateStep):
         self.timer.reset()
         t_start = time.perf_counter()
         out = self._loop(prompt_ids, max_new_tokens, sample, temperature, rng, ctl, stats, tree_ctl, stop_when,
-                         drafter)
+                         drafter, lookup_ctl)
         stats.seconds = time.perf_counter() - t_start
         stats.new_tokens = len(out)
         stats.target_seconds = self.timer.seconds.get("target", 0.0)
@@ -520,7 +528,8 @@ class SpeculativeGenerateStep(GenerateStep):
         return out, stats
 
     def _loop(self, prompt_ids, max_new_tokens, sample, temperature, rng, ctl: DraftController,
-              stats: GenerationStats, tree_ctl: TreeController | None, stop_when, drafter: Drafter) -> list[int]:
+              stats: GenerationStats, tree_ctl: TreeController | None, stop_when, drafter: Drafter,
+              lookup_ctl: DraftController | None = None) -> list[int]:
         target = self.target
         eos = set(self.gen.eos_token_ids)
         max_len = self.gen.max_length
@@ -551,7 +560,8 @@ class SpeculativeGenerateStep(GenerateStep):
             remaining = budget - len(out)
             t_d = time.perf_counter()
             if tree_ctl is None:  # one chain per round
-                gamma = ctl.next_length(remaining - 1)
+                part_ctl = ctl if lookup_ctl is None or drafter.part(seq) is not drafter.lookup else lookup_ctl
+                gamma = part_ctl.next_length(remaining - 1)
                 drafts, qs = drafter.propose(seq, gamma, sample=sample, temperature=temperature, rng=rng,
                                              vocab_size=vocab_size)
                 tree = DraftTree.chain(seq[-1], drafts, qs if sample else None)
@@ -576,7 +586,7 @@ class SpeculativeGenerateStep(GenerateStep):
             stats.draft_lengths[tree.drafted] = stats.draft_lengths.get(tree.drafted, 0) + 1
             self.last_rounds.append((tree.drafted, n))
             if tree_ctl is None:
-                ctl.update(tree.drafted, n, len(tree), t_v, t_d)
+                part_ctl.update(tree.drafted, n, len(tree), t_v, t_d)
             else:
                 tree_ctl.update(tree, path, t_v, t_d)
             new, stop = _clip([*(tree.tokens[i] for i in path[1:]), nxt], len(out), eos, budget, max_new_tokens)
