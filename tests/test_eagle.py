@@ -780,6 +780,23 @@ def test_quantize_drafter_golden(int8_drafter_plan, reference_plan, smollm2, ref
     _assert_greedy_token_identical(int8_drafter_plan)
 
 
+def test_eagle_plans_time_verification_up_to_their_longest_draft(smollm2, reference_head, monkeypatch):
+    """An EAGLE plan times the target's verification calls up to its longest chain + 1 (a hybrid drafts up to 16),
+    like prompt lookup's plans, instead of stopping at 9 rows and extrapolating."""
+    import dyncompile.passes.speculative.speculative as spec_pass
+
+    asked = []
+    monkeypatch.setattr(spec_pass, "target_verify_costs",
+                        lambda m, t, sizes=(1, 2, 4, 9): asked.append(list(sizes)) or ({s: float(s) for s in sizes}, 0.01))
+    for hybrid, top in ((False, 9), (True, 17)):
+        model = ir.load(str(smollm2.onnx_path))
+        EagleDrafterPass(reference_head)(model)
+        spec_pass.SpeculativePass(None, hybrid=hybrid, generation={"eos_token_ids": [0]})(model)
+        assert asked[-1][-1] == top and asked[-1][0] == 1, (hybrid, asked)
+        record = json.loads(model.metadata_props["dyncompile.speculative"])
+        assert max(map(int, record["draft"]["verify_cost"])) == top
+
+
 def test_quantize_drafter_runs_once_and_needs_a_drafter(smollm2, reference_head):
     """A second run reports modified=False; a model without an EAGLE drafter is refused with what to put first;
     -O2 inserts the pass for CPU decoders only."""

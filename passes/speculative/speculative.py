@@ -456,9 +456,8 @@ class SpeculativePass(ir.passes.InPlacePass):
             agree = (drafter["head"].get("eval") or {}).get("head_top1_agreement")
             if agree:
                 draft["alpha0"] = float(agree[0])
-            if self.measure:  # the verification cost curve up to the largest tree (root included)
-                sizes = _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
-                draft["verify_cost"] = target_verify_costs(model, target, sizes)[0]
+            if self.measure:
+                draft["verify_cost"] = target_verify_costs(model, target, self._cost_sizes())[0]
         elif drafter["kind"] == "eagle":  # one layer + fc + the draft-vocabulary head, in weight bytes
             dmodel = model.meta[_keys.EAGLE_MODEL][0]
             draft["draft_cost"] = round(weight_reads(dmodel) / max(1, weight_reads(model)), 4)
@@ -467,7 +466,7 @@ class SpeculativePass(ir.passes.InPlacePass):
             if agree is not None:
                 draft["alpha0"] = float(agree)
             if self.measure:
-                draft["verify_cost"] = target_verify_costs(model, target)[0]
+                draft["verify_cost"] = target_verify_costs(model, target, self._cost_sizes())[0]
         elif self.measure:
             draft.update(self._measured_costs(model, target))
         else:
@@ -526,6 +525,14 @@ class SpeculativePass(ir.passes.InPlacePass):
         model.meta[_keys.DRAFTER_ROWS_MODEL] = (key, twin, record)
         return record
 
+    def _cost_sizes(self) -> list[int]:
+        """Call sizes of the verification cost curve.
+
+        Up to the largest tree (root included) or the longest chain (+ its bonus token), so the draft policy never
+        extrapolates past what it can draft.
+        """
+        return _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
+
     def _measured_costs(self, model: ir.Model, target: dict[str, Any]) -> dict[str, Any]:
         """The draft policy's timed entries.
 
@@ -533,8 +540,7 @@ class SpeculativePass(ir.passes.InPlacePass):
         last run while the graphs are the ones timed then.
         """
         external = isinstance(self.drafter, ir.Model)
-        # the verification cost curve up to the largest tree (root included) or the longest chain (+ its bonus token)
-        sizes = _verify_sizes(self.tree["max_nodes"] + 1 if self.tree else max(9, self.draft["max"] + 1))
+        sizes = self._cost_sizes()
         timed_on = (_fingerprint(model), _fingerprint(self.drafter) if external else str(self.drafter), tuple(sizes))
         last = model.meta.get(_keys.SPECULATIVE_MEASURED)
         if last is not None and last[0] == timed_on:
