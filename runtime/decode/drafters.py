@@ -427,47 +427,47 @@ class PromptLookupDrafter(Drafter):
                 self._index.setdefault(tuple(seq[e - n + 1 : e + 1]), []).append(e)
         self._indexed = max(self._indexed, last + 1)
 
+    def _matches(self, seq, min_size: int = 1):
+        """``(size, ends)`` of each suffix n-gram of ``seq`` seen earlier, longest first.
+
+        Sizes run from ``max_ngram`` down to ``min_ngram`` (or to ``min_size`` when that is larger); ``ends`` are the
+        earlier occurrences' last positions.
+        """
+        self._update(seq)
+        for size in range(min(self.max_ngram, len(seq) - 1), max(self.min_ngram, min_size) - 1, -1):
+            ends = self._index.get(tuple(seq[-size:]))
+            if ends:
+                yield size, ends
+
     def match_size(self, seq) -> int:
         """Tokens in the longest suffix n-gram of ``seq`` (``min_ngram`` to ``max_ngram``) seen earlier; 0: none."""
         if len(seq) < 2:
             return 0
-        self._update(seq)
-        for size in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            if self._index.get(tuple(seq[-size:])):
-                return size
-        return 0
+        return next((size for size, _ in self._matches(seq)), 0)
 
-    def propose(self, seq, n, *, sample, temperature, rng, vocab_size, min_size: int | None = None):
-        """Draft the tokens that followed the longest earlier match of the sequence's last n-gram.
-
-        ``min_size`` raises ``min_ngram`` for this call (a hybrid takes only matches of that many tokens).
-        """
+    def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
+        """Draft the tokens that followed the longest earlier match of the sequence's last n-gram."""
         del temperature, rng, vocab_size
         if n <= 0 or len(seq) < 2:
             return [], ([] if sample else None)
-        self._update(seq)
-        for size in range(min(self.max_ngram, len(seq) - 1), max(self.min_ngram, min_size or 1) - 1, -1):
-            ends = self._index.get(tuple(seq[-size:]))
-            if ends:
-                e = ends[-1]
-                tokens = [int(t) for t in seq[e + 1 : e + 1 + n]]
-                return tokens, None
+        for _, ends in self._matches(seq):
+            e = ends[-1]
+            return [int(t) for t in seq[e + 1 : e + 1 + n]], None
         return [], None
 
-    def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size, min_size: int | None = None):
+    def propose_tree(self, seq, budget, *, sample, temperature, rng, vocab_size, min_size: int = 1):
         """Draft a tree whose branches are the continuations of several earlier matches.
 
-        ``min_size``: as :meth:`propose`.
+        ``min_size`` raises ``min_ngram`` for this call (a hybrid takes only matches of that many tokens).
         """
         del sample, temperature, rng, vocab_size
         tree = DraftTree.chain(seq[-1], [])
         if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(seq) < 2:
             return tree
-        self._update(seq)
         room = budget.max_nodes
         seen: set[int] = set()
-        for size in range(min(self.max_ngram, len(seq) - 1), max(self.min_ngram, min_size or 1) - 1, -1):
-            for e in reversed(self._index.get(tuple(seq[-size:]), ())):
+        for _, ends in self._matches(seq, min_size):
+            for e in reversed(ends):
                 if e in seen:
                     continue
                 seen.add(e)
@@ -552,11 +552,7 @@ class HybridDrafter(Drafter):
 
     def propose(self, seq, n, *, sample, temperature, rng, vocab_size):
         """Prompt lookup's chain when the context has a match of ``min_match`` tokens, else the other drafter's."""
-        kw = dict(sample=sample, temperature=temperature, rng=rng, vocab_size=vocab_size)
-        tokens, _ = self.lookup.propose(seq, n, min_size=self.min_match, **kw)
-        if tokens:
-            return tokens, None
-        return self.other.propose(seq, n, **kw)
+        return self.part(seq).propose(seq, n, sample=sample, temperature=temperature, rng=rng, vocab_size=vocab_size)
 
     def propose_tree(self, seq, budget: TreeBudget, *, sample, temperature, rng, vocab_size) -> DraftTree:
         """One tree: prompt lookup's matches (at most half the nodes) merged into the other drafter's tree."""
